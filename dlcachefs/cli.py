@@ -1,0 +1,321 @@
+"""Command line: ``dlcachefs mount|umount|stats|verify`` and the ``mount.dlcachefs`` helper.
+
+Only the ``mount`` command imports the FUSE layer (lazily), so ``stats``/``verify`` work
+where pyfuse3 is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from .config import Config, default_cache_dir
+from .units import format_size, parse_size
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dlcachefs", description=(
+        "A read-only FUSE mirror of a slow dataset directory, cached on local disk."))
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    m = sub.add_parser("mount", help="mount SOURCE at MOUNTPOINT")
+    m.add_argument("source")
+    m.add_argument("mountpoint")
+    m.add_argument("--cache-dir", help="cache directory (default: ~/.cache/dlcachefs/<source>-<hash>)")
+    m.add_argument("--cache-size", type=_size, default="200G", help="cache size limit (default 200G)")
+    m.add_argument("--chunk-size", type=_size, default="16M", help="chunk size (default 16M)")
+    m.add_argument("--memory", type=_size, default="1G",
+                   help="in-memory chunk tier size (default 1G)")
+    m.add_argument("--min-free", type=_size, default="1G",
+                   help="free space to leave on the cache disk (default 1G)")
+    m.add_argument("--revalidate", type=float, default=3600.0, metavar="SECONDS",
+                   help="how old source metadata may be before an open checks it again; "
+                        "0 = check at every open (default 3600)")
+    m.add_argument("--rescan", action="store_true", help="re-list the whole source at mount")
+    m.add_argument("--ignore-source-inode", action="store_true",
+                   help="identify source versions by size and mtime only (for sources whose "
+                        "inode numbers change, e.g. sshfs without -o use_ino)")
+    m.add_argument("--source-threads", type=int, default=16, help="parallel source reads (16)")
+    m.add_argument("--source-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="give up on a source read after this long: ETIMEDOUT (default 60)")
+    m.add_argument("--policy", default="lru", help="eviction policy (default lru)")
+    m.add_argument("--foreground", "-f", action="store_true", help="do not daemonize")
+    m.add_argument("--allow-other", action="store_true",
+                   help="let other users use the mount (with default_permissions)")
+    m.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    m.add_argument("--debug-invariants", action="store_true", help=argparse.SUPPRESS)
+
+    u = sub.add_parser("umount", help="unmount (lazily if files are open) and wait for the commit")
+    u.add_argument("mountpoint")
+    u.add_argument("--timeout", type=float, default=120.0)
+
+    s = sub.add_parser("stats", help="show a mount's statistics")
+    s.add_argument("mountpoint")
+    s.add_argument("--json", action="store_true", help="print the raw JSON")
+
+    v = sub.add_parser("verify", help="check every cached record against its checksum (fsck)")
+    v.add_argument("--cache-dir", required=True)
+    v.add_argument("--repair", action="store_true", help="drop damaged records and chunks")
+    v.add_argument("--json", action="store_true")
+    return p
+
+
+def config_from_args(a: argparse.Namespace) -> Config:
+    source = os.path.abspath(a.source)
+    return Config(
+        source=source, mountpoint=os.path.abspath(a.mountpoint),
+        cache_dir=os.path.abspath(a.cache_dir) if a.cache_dir else default_cache_dir(source),
+        cache_size=a.cache_size, chunk_size=a.chunk_size, memory=a.memory, min_free=a.min_free,
+        revalidate=a.revalidate, rescan=a.rescan, use_source_inode=not a.ignore_source_inode,
+        source_threads=a.source_threads, source_timeout=a.source_timeout, policy=a.policy,
+        allow_other=a.allow_other, foreground=a.foreground, log_level=a.log_level,
+        debug_invariants=a.debug_invariants)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        if a.cmd == "mount":
+            return cmd_mount(config_from_args(a))
+        if a.cmd == "umount":
+            return cmd_umount(a.mountpoint, a.timeout)
+        if a.cmd == "stats":
+            return cmd_stats(a.mountpoint, a.json)
+        if a.cmd == "verify":
+            from .verify import cmd_verify  # noqa: PLC0415
+
+            return cmd_verify(a.cache_dir, a.repair, a.json)
+    except ValueError as e:
+        print(f"dlcachefs: {e}", file=sys.stderr)
+        return 2
+    return 2
+
+
+# ----- mount --------------------------------------------------------------------------
+
+def _progress_printer():
+    tty = sys.stderr.isatty()
+    shown = False
+
+    def show(line: str) -> None:
+        nonlocal shown
+        _, entries, dirs, elapsed = line.split()
+        if tty:
+            sys.stderr.write(f"\rscanning source: {int(entries):,} entries in "
+                             f"{int(dirs):,} directories ({float(elapsed):.0f} s)")
+            sys.stderr.flush()
+            shown = True
+
+    def done() -> None:
+        if shown:
+            sys.stderr.write("\n")
+
+    return show, done
+
+
+def cmd_mount(cfg: Config) -> int:
+    if not os.path.isdir(cfg.source):
+        print(f"dlcachefs: source is not a directory: {cfg.source}", file=sys.stderr)
+        return 1
+    if cfg.foreground:
+        from dlcachefs.mount import daemon  # noqa: PLC0415
+
+        show, done = _progress_printer()
+
+        def report(line: str) -> None:
+            if line.startswith("progress"):
+                show(line)
+            elif line.startswith("error"):
+                done()
+                print(f"dlcachefs: {line[6:]}", file=sys.stderr)
+            elif line == "ready":
+                done()
+                print(f"dlcachefs: mounted {cfg.source} at {cfg.mountpoint}", file=sys.stderr)
+
+        daemon.setup_logging(cfg)
+        return daemon.run(cfg, report)
+    return _daemonize(cfg)
+
+
+def _daemonize(cfg: Config) -> int:
+    """Fork a daemon and wait until it reports that the mount is ready (or failed)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: new session, fork again so the daemon is not a session leader
+        os.close(r)
+        os.setsid()
+        if os.fork() != 0:
+            os._exit(0)
+        os.chdir("/")
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        wf = os.fdopen(w, "w", buffering=1)
+
+        def report(line: str) -> None:
+            try:
+                wf.write(line + "\n")
+                if line == "ready" or line.startswith("error"):
+                    wf.close()
+            except (OSError, ValueError):
+                pass  # the parent is gone; keep serving
+
+        code = 1
+        try:
+            from dlcachefs.mount import daemon  # noqa: PLC0415
+
+            daemon.setup_logging(cfg)
+            code = daemon.run(cfg, report)
+        except BaseException as e:  # noqa: BLE001 - last resort: say why before dying
+            report(f"error {type(e).__name__}: {e}")
+        finally:
+            os._exit(code)
+    os.close(w)
+    os.waitpid(pid, 0)
+    show, done = _progress_printer()
+    with os.fdopen(r) as rf:
+        for line in rf:
+            line = line.rstrip("\n")
+            if line.startswith("progress"):
+                show(line)
+            elif line == "ready":
+                done()
+                print(f"dlcachefs: mounted {cfg.source} at {cfg.mountpoint} "
+                      f"(cache {cfg.cache_dir})", file=sys.stderr)
+                return 0
+            elif line.startswith("error"):
+                done()
+                print(f"dlcachefs: cannot mount: {line[6:]}", file=sys.stderr)
+                return 1
+    done()
+    print("dlcachefs: the daemon exited before the mount was ready; see "
+          f"{os.path.join(cfg.cache_dir, 'dlcachefs.log')}", file=sys.stderr)
+    return 1
+
+
+# ----- umount -------------------------------------------------------------------------
+
+def _read_stats(mountpoint: str) -> dict | None:
+    try:
+        with open(os.path.join(mountpoint, ".dlcache", "stats"), "rb") as f:
+            return json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def cmd_umount(mountpoint: str, timeout: float) -> int:
+    mountpoint = os.path.abspath(mountpoint)
+    st = _read_stats(mountpoint)
+    pid = st.get("pid") if st else None
+    r = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True)
+    lazy = False
+    if r.returncode != 0:
+        if "busy" in r.stderr.lower():
+            r = subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True,
+                               text=True)
+            lazy = r.returncode == 0
+        if r.returncode != 0:
+            print(f"dlcachefs: cannot unmount {mountpoint}: {r.stderr.strip()}", file=sys.stderr)
+            return 1
+    if lazy:
+        print(f"dlcachefs: {mountpoint} detached lazily: files are still open; the daemon "
+              "commits and exits when the last one is closed", file=sys.stderr)
+        return 0
+    if pid:
+        deadline = time.monotonic() + timeout
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _alive(pid):
+            print(f"dlcachefs: unmounted, but daemon {pid} is still committing", file=sys.stderr)
+            return 1
+    print(f"dlcachefs: unmounted {mountpoint}", file=sys.stderr)
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+# ----- stats --------------------------------------------------------------------------
+
+def cmd_stats(mountpoint: str, as_json: bool) -> int:
+    st = _read_stats(mountpoint)
+    if st is None:
+        print(f"dlcachefs: {mountpoint} is not a dlcachefs mount (no .dlcache/stats)",
+              file=sys.stderr)
+        return 1
+    if as_json:
+        print(json.dumps(st, indent=2))
+        return 0
+    sizes = {k for k in st if k.endswith("bytes") or k.startswith("bytes_")}
+    width = max(len(k) for k in st)
+    for k, v in st.items():
+        shown = f"{format_size(v)} ({v:,})" if k in sizes and isinstance(v, int) else v
+        print(f"{k:<{width}}  {shown}")
+    return 0
+
+
+# ----- mount.dlcachefs (for /etc/fstab) ------------------------------------------------
+
+_IGNORED = {"rw", "ro", "defaults", "auto", "noauto", "user", "nouser", "users", "nofail",
+            "_netdev", "exec", "noexec", "suid", "nosuid", "dev", "nodev", "async", "sync"}
+_FLAGS = {"rescan", "allow_other", "ignore_source_inode", "foreground"}
+
+
+def mount_helper_argv(argv: list[str]) -> list[str]:
+    """Translate ``mount.dlcachefs SOURCE DIR [-o a=b,c] [-sfnv]`` into ``dlcachefs mount`` args."""
+    pos: list[str] = []
+    opts: list[str] = []
+    it = iter(argv)
+    for a in it:
+        if a == "-o":
+            opts.extend(x for x in next(it, "").split(",") if x)
+        elif a.startswith("-o") and len(a) > 2:
+            opts.extend(x for x in a[2:].split(",") if x)
+        elif a.startswith("-") and len(a) > 1:
+            continue  # -s, -f (fake), -n (no mtab), -v: nothing to do for us
+        else:
+            pos.append(a)
+    if len(pos) != 2:
+        raise ValueError("usage: mount.dlcachefs SOURCE MOUNTPOINT [-o cache_dir=DIR,...]")
+    out = ["mount", *pos]
+    for o in opts:
+        key, eq, val = o.partition("=")
+        if key in _IGNORED or key.startswith("x-"):
+            continue
+        flag = "--" + key.replace("_", "-")
+        if key in _FLAGS and not eq:
+            out.append(flag)
+        elif eq:
+            out += [flag, val]
+        else:
+            raise ValueError(f"unknown mount option {o!r}")
+    return out
+
+
+def mount_helper_main(argv: list[str] | None = None) -> int:
+    try:
+        args = mount_helper_argv(sys.argv[1:] if argv is None else argv)
+    except ValueError as e:
+        print(f"mount.dlcachefs: {e}", file=sys.stderr)
+        return 1
+    return main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,409 @@
+"""The cache engine: what an open and a read of a mirrored file do. No FUSE in here.
+
+Read path of one file (``open`` does the work, ``read`` only slices):
+
+1. the namespace entry, revalidated against the source when the rule says so;
+2. the index record, if its source identity equals the entry's: the bytes come from the
+   memory tier, or from the log (one read of the whole chunk, payload checksum verified,
+   kept in the memory tier; or, when whole chunks are not being reused, one read of the
+   record alone, checked against its own checksum);
+3. a record that is stale or fails its checksum is dropped and counted, never served;
+4. otherwise the file is fetched whole from the source in a worker thread (bounded by the
+   source limiter, with a timeout and retries of transient errors), served, and handed to
+   the chunk writer.
+
+Concurrency rules: all engine state lives on the trio loop and is touched only there.
+Source reads, log reads and checksums of whole chunks run in worker threads
+(``trio.to_thread.run_sync``): source calls under ``source_limiter``
+(``--source-threads``), log reads under ``disk_limiter``. The chunk writer's commits run
+in its own thread of one (see :mod:`dlcachefs.writer`). LMDB read transactions run on
+the loop (microseconds); LMDB write transactions only in threads.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+
+from . import __version__
+from . import schema as S
+from .chunkfmt import checksum, verify_chunk
+from .config import Config
+from .errors import (
+    FormatError,
+    InvalidArgument,
+    NotFound,
+    SourceChanged,
+    SourceError,
+    SourceTimeout,
+)
+from .index import Index
+from .logstore import LogStore
+from .memtier import ChunkBuf, MemoryTier
+from .namespace import Namespace, identity, is_file
+from .schema import Chunk, Entry, Record
+from .source import Identity, LocalSource, Source, open_for_range_reads, pread_checked
+from .stats import Counters
+from .writer import ChunkWriter
+
+log = logging.getLogger(__name__)
+
+#: errno values of the source worth another try
+TRANSIENT = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ECONNRESET,
+                       errno.ENOTCONN, errno.EHOSTUNREACH, errno.ENETUNREACH})
+
+
+@dataclass(slots=True)
+class Handle:
+    """An open file. ``data`` is one consistent version of the whole file, or None for a
+    read-through handle (files larger than ``max_cached_file``), which keeps ``fd``."""
+
+    ino: int
+    data: memoryview | None
+    cached: bool
+    fd: int = -1
+    ident: Identity | None = None
+
+
+@dataclass(slots=True)
+class OpenResult:
+    fh: int
+    keep_cache: bool
+    direct_io: bool
+
+
+class _Inflight:
+    """One fetch in progress; later opens of the same file wait for it."""
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.result: tuple[bytes, Entry] | None = None
+        self.error: BaseException | None = None
+
+
+class Engine:
+    """Owns the index, the logs, the namespace, the memory tier and the chunk writer."""
+
+    def __init__(self, cfg: Config, source: Source | None = None,
+                 policy_factory: Callable[[str], object] | None = None) -> None:
+        from dlcachefs.policies import make_policy  # noqa: PLC0415  (layer import, not at top)
+
+        self.cfg = cfg
+        self.source = source if source is not None else LocalSource(cfg.source)
+        os.makedirs(cfg.cache_dir, exist_ok=True)
+        self.index = Index(cfg.index_dir)
+        self.logs = LogStore(cfg.logs_dir, cfg.log_size)
+        self.counters = Counters()
+        self.source_limiter = trio.CapacityLimiter(cfg.source_threads)
+        self.disk_limiter = trio.CapacityLimiter(4)
+        self.ns = Namespace(self.index, self.source, revalidate=cfg.revalidate,
+                            use_src_ino=cfg.use_source_inode, source_limiter=self.source_limiter)
+        self.policy = (policy_factory or make_policy)(cfg.policy)
+        self.memtier = MemoryTier(cfg.memory)
+        self.writer = ChunkWriter(cfg, self.index, self.logs, self.policy, self.memtier,
+                                  self.counters)
+        self.handles: dict[int, Handle] = {}
+        self._next_fh = 1
+        self._inflight: dict[int, _Inflight] = {}
+        self._started = time.time()
+        # adaptive whole-chunk reads: records served per chunk loaded, as a moving average
+        self._reuse = 8.0
+        self._loads = 0
+        self._served = 0
+        self._probe = 0
+
+    # ----- life cycle ----------------------------------------------------------------
+
+    def start(self, progress: Callable[[int, int, float], None] | None = None) -> dict:
+        """Blocking start-up before the filesystem is served: crash recovery, then the
+        namespace scan when there is no snapshot yet or ``--rescan`` was given."""
+        info: dict = {}
+        chunks = sorted(self.index.iter_chunks(), key=lambda c: c.chunk_id)
+        present = set(self.logs.log_ids())
+        lost = [c for c in chunks if c.log_id not in present]
+        if lost:
+            log.warning("%d chunks point at missing log files; dropping them", len(lost))
+            with self.index.write() as w:
+                for c in lost:
+                    w.drop_chunk(c.chunk_id)
+            chunks = [c for c in chunks if c.log_id in present]
+        ends: dict[int, int] = {}
+        for c in chunks:
+            ends[c.log_id] = max(ends.get(c.log_id, 0), c.offset + c.length)
+            self.logs.live[c.log_id] = self.logs.live.get(c.log_id, 0) + c.length
+            self.policy.on_insert(c.chunk_id, c.length)
+        info.update(self.logs.recover(ends))
+        info["chunks"] = len(chunks)
+        info["lost_chunks"] = len(lost)
+        if self.cfg.rescan or not self.ns.has_snapshot():
+            entries, dirs = self.ns.scan(threads=self.cfg.source_threads, progress=progress)
+            info.update(scanned_entries=entries, scanned_dirs=dirs)
+        if self.cfg.debug_invariants:
+            problems = self.index.check_invariants()
+            if problems:
+                raise RuntimeError("index invariants violated: " + "; ".join(problems[:5]))
+        return info
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Background tasks (the chunk writer), until cancelled or :meth:`close`."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.writer.run)
+            task_status.started()
+
+    async def close(self) -> None:
+        """Seal and commit what is pending, and stop background work."""
+        await self.writer.close()
+
+    def close_files(self) -> None:
+        """Release descriptors and the index (after :meth:`close`, off the loop is fine)."""
+        for h in self.handles.values():
+            if h.fd >= 0:
+                os.close(h.fd)
+        self.handles.clear()
+        self.logs.close()
+        self.index.close()
+
+    # ----- open / read / release -----------------------------------------------------
+
+    async def open(self, ino: int) -> OpenResult:
+        e = await self.ns.fresh_file(ino)
+        if not is_file(e):
+            raise InvalidArgument("not a regular file")
+        if e.size > self.cfg.max_cached_file:
+            return await self._open_read_through(e)
+        data, cached = await self._load(e)
+        fh = self._new_fh(Handle(ino, memoryview(data), cached))
+        # keep_cache only for bytes we know are this version: the kernel then keeps its pages
+        return OpenResult(fh, keep_cache=cached, direct_io=False)
+
+    async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
+        h = self.handles.get(fh)
+        if h is None:
+            raise InvalidArgument("bad file handle")
+        if h.data is not None:
+            out = h.data[offset : offset + size]
+            if h.cached:
+                self.counters.bytes_from_cache += len(out)
+            return out
+        data = await self._source_call(pread_checked, h.fd, offset, size, h.ident,
+                                       self.cfg.use_source_inode)
+        self.counters.bytes_from_source += len(data)
+        return data
+
+    def release(self, fh: int) -> None:
+        h = self.handles.pop(fh, None)
+        if h is not None and h.fd >= 0:
+            os.close(h.fd)
+
+    def _new_fh(self, h: Handle) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        self.handles[fh] = h
+        return fh
+
+    async def _open_read_through(self, e: Entry) -> OpenResult:
+        if not isinstance(self.source, LocalSource):
+            raise InvalidArgument("file too large to cache and the source has no ranged reads")
+        rel = self.ns.path_of(e)
+        fd, ident = await self._source_call(open_for_range_reads, self.source, rel,
+                                            self.cfg.use_source_inode)
+        if ident != identity(e):
+            e = await trio.to_thread.run_sync(self.ns.update_identity, e, ident)
+            self.ns._notify("inode", e.parent, None, e.ino)
+        self.counters.misses += 1
+        return OpenResult(self._new_fh(Handle(e.ino, None, False, fd, ident)),
+                          keep_cache=False, direct_io=True)
+
+    # ----- cache lookups -------------------------------------------------------------
+
+    async def _load(self, e: Entry) -> tuple[bytes | memoryview, bool]:
+        """Bytes of the current version of ``e`` and whether they came from the cache."""
+        ident = identity(e)
+        rec = self.index.get_record(e.ino)
+        if rec is not None and e.ino not in self.writer.drops:
+            if Identity(rec.size, rec.mtime_ns, rec.src_ino) == ident:
+                data = await self._read_record(e.ino, rec)
+                if data is not None:
+                    self.counters.hits += 1
+                    return data, True
+            else:
+                self.counters.stale_refetches += 1
+                self.writer.drop(e.ino)
+        p = self.writer.pending.get(e.ino)
+        if p is not None and p.ident == ident:
+            self.counters.hits += 1
+            return p.data, True
+        data, _ = await self._fetch(e)
+        return data, False
+
+    async def _read_record(self, ino: int, rec: Record) -> memoryview | None:
+        """The record's bytes from memory or the log; None when they cannot be trusted."""
+        buf = self.memtier.get(rec.chunk_id)
+        if buf is None:
+            if not self.writer.pin(rec.chunk_id):
+                return None  # being evicted right now
+            try:
+                c = self.index.get_chunk(rec.chunk_id)
+                if c is None:
+                    return None
+                if not self._whole_chunk(c):
+                    return await self._read_single(ino, rec)
+                try:
+                    data, verified = await trio.to_thread.run_sync(
+                        self._load_chunk, c, limiter=self.disk_limiter)
+                except (FormatError, OSError) as exc:
+                    log.warning("chunk %d unreadable (%s); refetching from the source",
+                                c.chunk_id, exc)
+                    return self._bad(ino)
+                self.counters.chunk_reads += 1
+                self._loads += 1
+                buf = ChunkBuf(c.chunk_id, c.offset, data, verified)
+                self.memtier.put(buf)
+            finally:
+                self.writer.unpin(rec.chunk_id)
+        else:
+            self._served += 1
+        start = rec.offset - buf.offset
+        view = memoryview(buf.data)[start : start + rec.size]
+        if len(view) != rec.size or (not buf.verified and checksum(view) != rec.data_xxh):
+            return self._bad(ino)
+        self.policy.on_access(rec.chunk_id)
+        return view
+
+    async def _read_single(self, ino: int, rec: Record) -> memoryview | None:
+        try:
+            data = await trio.to_thread.run_sync(self.logs.read, rec.log_id, rec.offset,
+                                                 rec.size, limiter=self.disk_limiter)
+        except (FormatError, OSError):
+            return self._bad(ino)
+        self.counters.record_reads += 1
+        if checksum(data) != rec.data_xxh:
+            return self._bad(ino)
+        self.policy.on_access(rec.chunk_id)
+        return memoryview(data)
+
+    def _bad(self, ino: int) -> None:
+        self.counters.checksum_failures += 1
+        self.writer.drop(ino)
+        return None
+
+    def _whole_chunk(self, c: Chunk) -> bool:
+        """Read the whole chunk (then slice) or just the one record?
+
+        Whole chunks pay off when later records of the chunk are read while it is still
+        in memory (sequential or clairvoyant order, or a dataset that fits the memory
+        tier). When chunks loaded lately served few records each, read single records,
+        and probe with a whole chunk every 16th miss to notice when that changes.
+        """
+        if c.length > self.memtier.limit // 4:
+            return False
+        if self._loads >= 32:
+            self._reuse = 0.5 * self._reuse + 0.5 * (1 + self._served / self._loads)
+            self._loads = self._served = 0
+        if self._reuse >= 2.0:
+            return True
+        self._probe += 1
+        return self._probe % 16 == 0
+
+    def _load_chunk(self, c: Chunk) -> tuple[bytes, bool]:
+        """Thread: one read of a whole chunk; True when its payload checksum holds."""
+        data = self.logs.read(c.log_id, c.offset, c.length)
+        try:
+            _, _, bad = verify_chunk(data)
+        except FormatError:
+            return data, False
+        return data, bad == 0
+
+    # ----- source fetches ------------------------------------------------------------
+
+    async def _fetch(self, e: Entry) -> tuple[bytes, Entry]:
+        """Fetch a whole file from the source (concurrent opens of one file share it)."""
+        inf = self._inflight.get(e.ino)
+        if inf is not None:
+            await inf.done.wait()
+            if inf.error is not None:
+                raise inf.error
+            assert inf.result is not None
+            return inf.result
+        inf = self._inflight[e.ino] = _Inflight()
+        try:
+            inf.result = await self._fetch_now(e)
+            return inf.result
+        except BaseException as exc:
+            inf.error = exc
+            raise
+        finally:
+            del self._inflight[e.ino]
+            inf.done.set()
+
+    async def _fetch_now(self, e: Entry) -> tuple[bytes, Entry]:
+        rel = self.ns.path_of(e)
+        data, ident = await self._source_call(self.source.read_file, rel,
+                                              self.cfg.use_source_inode)
+        if ident != identity(e):
+            # changed since it was listed: serve the new version, and tell the kernel
+            e = await trio.to_thread.run_sync(self.ns.update_identity, e, ident)
+            self.ns._notify("inode", e.parent, None, e.ino)
+        self.counters.misses += 1
+        self.counters.bytes_from_source += len(data)
+        self.writer.submit(e.ino, rel, ident, data)
+        return data, e
+
+    async def _source_call(self, fn, *args):
+        """Run a blocking source call in a thread: timeout, retries of transient errors."""
+        delay = 0.1
+        for attempt in range(self.cfg.source_retries + 1):
+            try:
+                with trio.fail_after(self.cfg.source_timeout):
+                    return await trio.to_thread.run_sync(
+                        fn, *args, limiter=self.source_limiter, abandon_on_cancel=True)
+            except trio.TooSlowError:
+                # a hung source: do not pile up more stuck threads by retrying
+                self.counters.source_timeouts += 1
+                raise SourceTimeout(
+                    f"source did not answer within {self.cfg.source_timeout:.0f} s",
+                    errno.ETIMEDOUT) from None
+            except (NotFound, SourceChanged):
+                raise
+            except SourceError as exc:
+                self.counters.source_errors += 1
+                if exc.errno not in TRANSIENT or attempt == self.cfg.source_retries:
+                    raise
+                self.counters.source_retries += 1
+                await trio.sleep(delay)
+                delay *= 4
+        raise AssertionError("unreachable")
+
+    # ----- stats ---------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """The ``.dlcache/stats`` document (counters since mount; cache state cumulative)."""
+        ix = self.index
+        out = {
+            "version": __version__,
+            "pid": os.getpid(),
+            "source": os.fsdecode(self.source.root),
+            "mountpoint": self.cfg.mountpoint,
+            "cache_dir": self.cfg.cache_dir,
+            "uptime_s": round(time.time() - self._started, 3),
+            "files": ix.counter(S.K_FILES),
+            "bytes_total": ix.counter(S.K_BYTES_TOTAL),
+            "cached_files": ix.n_records(),
+            "cached_bytes": ix.counter(S.K_CACHED_BYTES),
+            "chunks": ix.n_chunks(),
+            "chunk_bytes": ix.counter(S.K_CHUNK_BYTES),
+            "cache_limit_bytes": self.cfg.cache_size,
+            "memory_bytes": self.memtier.bytes,
+            "memory_limit_bytes": self.memtier.limit,
+            "pending_bytes": self.writer.open_bytes + self.writer.sealing_bytes,
+            "open_files": len(self.handles),
+            "revalidate_s": self.cfg.revalidate,
+        }
+        out.update(self.counters.as_dict())
+        return out

@@ -1,0 +1,273 @@
+"""The metaindex: an LMDB environment holding the namespace snapshot and the cache index.
+
+Concurrency rule (py-lmdb's, and ours): read transactions are cheap and may be opened on
+any thread, including the trio loop (a lookup is a few microseconds on memory-mapped
+pages). A write transaction runs start to finish inside ONE call on a worker thread
+(``trio.to_thread.run_sync``), never on the trio loop, because commit fsyncs; LMDB
+serializes concurrent writers itself. Batch index updates: one write transaction per
+sealed chunk or per directory refresh, never one per read.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import lmdb
+
+from . import schema as S
+from .schema import Chunk, Entry, Record, dirent_key, ukey, unkey
+
+_Q = struct.Struct("<Q")
+_q = struct.Struct("<q")
+
+FIRST_INO = 16  # 1 is the root; 2..15 are reserved for the virtual .dlcache/ files
+
+
+class Index:
+    """Typed access to the LMDB sub-databases described in :mod:`dlcachefs.schema`."""
+
+    def __init__(self, path: str, map_size: int = 1 << 36) -> None:
+        os.makedirs(path, exist_ok=True)
+        self.path = path
+        # readahead=False: lookups are random; OS readahead only wastes page cache.
+        self.env = lmdb.open(path, map_size=map_size, max_dbs=8, subdir=True,
+                             readahead=False, metasync=True, sync=True)
+        self.meta = self.env.open_db(S.DB_META)
+        self.inode = self.env.open_db(S.DB_INODE)
+        self.dirent = self.env.open_db(S.DB_DIRENT)
+        self.record = self.env.open_db(S.DB_RECORD)
+        self.chunk = self.env.open_db(S.DB_CHUNK)
+        with self.env.begin(write=True) as txn:
+            fmt = txn.get(S.K_FORMAT, db=self.meta)
+            if fmt is None:
+                txn.put(S.K_FORMAT, _Q.pack(S.SCHEMA_VERSION), db=self.meta)
+                txn.put(S.K_NEXT_INO, _Q.pack(FIRST_INO), db=self.meta)
+            elif _Q.unpack(fmt)[0] != S.SCHEMA_VERSION:
+                raise RuntimeError(
+                    f"cache index at {path} has schema {_Q.unpack(fmt)[0]}, this build "
+                    f"needs {S.SCHEMA_VERSION}; use a new --cache-dir")
+
+    def close(self) -> None:
+        self.env.close()
+
+    # ----- reads (any thread) -------------------------------------------------------
+
+    def get_entry(self, ino: int) -> Entry | None:
+        with self.env.begin(db=self.inode, buffers=False) as txn:
+            v = txn.get(ukey(ino))
+        return Entry.unpack(ino, v) if v is not None else None
+
+    def lookup(self, parent: int, name: bytes) -> int | None:
+        with self.env.begin(db=self.dirent) as txn:
+            v = txn.get(dirent_key(parent, name))
+        return unkey(v) if v is not None else None
+
+    def list_dir(self, parent: int) -> list[tuple[bytes, int]]:
+        """(name, ino) of the children of ``parent``, sorted by name bytes."""
+        prefix = ukey(parent)
+        out: list[tuple[bytes, int]] = []
+        with self.env.begin(db=self.dirent) as txn:
+            cur = txn.cursor()
+            if cur.set_range(prefix):
+                for k, v in cur:
+                    if not k.startswith(prefix):
+                        break
+                    out.append((bytes(k[8:]), unkey(v)))
+        return out
+
+    def get_record(self, ino: int) -> Record | None:
+        with self.env.begin(db=self.record) as txn:
+            v = txn.get(ukey(ino))
+        return Record.unpack(v) if v is not None else None
+
+    def get_chunk(self, chunk_id: int) -> Chunk | None:
+        with self.env.begin(db=self.chunk) as txn:
+            v = txn.get(ukey(chunk_id))
+        return Chunk.unpack(chunk_id, v) if v is not None else None
+
+    def iter_chunks(self) -> Iterator[Chunk]:
+        with self.env.begin(db=self.chunk) as txn:
+            for k, v in txn.cursor():
+                yield Chunk.unpack(unkey(k), v)
+
+    def iter_records(self) -> Iterator[tuple[int, Record]]:
+        with self.env.begin(db=self.record) as txn:
+            for k, v in txn.cursor():
+                yield unkey(k), Record.unpack(v)
+
+    def iter_entries(self) -> Iterator[Entry]:
+        with self.env.begin(db=self.inode) as txn:
+            for k, v in txn.cursor():
+                yield Entry.unpack(unkey(k), v)
+
+    def counter(self, key: bytes) -> int:
+        with self.env.begin(db=self.meta) as txn:
+            v = txn.get(key)
+        return _q.unpack(v)[0] if v is not None else 0
+
+    def get_meta(self, key: bytes) -> bytes | None:
+        with self.env.begin(db=self.meta) as txn:
+            v = txn.get(key)
+        return bytes(v) if v is not None else None
+
+    def n_records(self) -> int:
+        with self.env.begin() as txn:
+            return txn.stat(self.record)["entries"]
+
+    def n_chunks(self) -> int:
+        with self.env.begin() as txn:
+            return txn.stat(self.chunk)["entries"]
+
+    # ----- writes (worker thread only, one call = one transaction) ------------------
+
+    @contextmanager
+    def write(self) -> Iterator[Writer]:
+        """A write transaction; commits on normal exit, aborts on exception."""
+        with self.env.begin(write=True) as txn:
+            yield Writer(self, txn)
+
+    def check_invariants(self) -> list[str]:
+        """Return a list of violated invariants (empty when the index is consistent)."""
+        problems: list[str] = []
+        chunks = {c.chunk_id: c for c in self.iter_chunks()}
+        cached_bytes = 0
+        for ino, rec in self.iter_records():
+            cached_bytes += rec.size
+            c = chunks.get(rec.chunk_id)
+            if c is None:
+                problems.append(f"record of inode {ino} names missing chunk {rec.chunk_id}")
+                continue
+            if ino not in c.members:
+                problems.append(f"chunk {rec.chunk_id} does not list inode {ino}")
+            if not (c.offset <= rec.offset and rec.offset + rec.size <= c.offset + c.length):
+                problems.append(f"record of inode {ino} lies outside chunk {rec.chunk_id}")
+            if c.log_id != rec.log_id:
+                problems.append(f"record of inode {ino} names log {rec.log_id}, chunk says {c.log_id}")
+            if self.get_entry(ino) is None:
+                problems.append(f"record of inode {ino} has no namespace entry")
+        if cached_bytes != self.counter(S.K_CACHED_BYTES):
+            problems.append(f"cached_bytes counter {self.counter(S.K_CACHED_BYTES)} != {cached_bytes}")
+        chunk_bytes = sum(c.length for c in chunks.values())
+        if chunk_bytes != self.counter(S.K_CHUNK_BYTES):
+            problems.append(f"chunk_bytes counter {self.counter(S.K_CHUNK_BYTES)} != {chunk_bytes}")
+        return problems
+
+
+class Writer:
+    """Mutations inside one write transaction. Keeps the counters in ``meta`` in step."""
+
+    def __init__(self, index: Index, txn: lmdb.Transaction) -> None:
+        self.ix = index
+        self.txn = txn
+
+    def _add(self, key: bytes, delta: int) -> None:
+        if delta:
+            v = self.txn.get(key, db=self.ix.meta)
+            cur = _q.unpack(v)[0] if v is not None else 0
+            self.txn.put(key, _q.pack(cur + delta), db=self.ix.meta)
+
+    def set_meta(self, key: bytes, value: bytes) -> None:
+        self.txn.put(key, value, db=self.ix.meta)
+
+    def alloc(self, key: bytes, start: int = 1) -> int:
+        """Next value of a persistent sequence (inode numbers, chunk ids, log ids)."""
+        v = self.txn.get(key, db=self.ix.meta)
+        n = _Q.unpack(v)[0] if v is not None else start
+        self.txn.put(key, _Q.pack(n + 1), db=self.ix.meta)
+        return n
+
+    def get_entry(self, ino: int) -> Entry | None:
+        v = self.txn.get(ukey(ino), db=self.ix.inode)
+        return Entry.unpack(ino, v) if v is not None else None
+
+    def lookup(self, parent: int, name: bytes) -> int | None:
+        v = self.txn.get(dirent_key(parent, name), db=self.ix.dirent)
+        return unkey(v) if v is not None else None
+
+    def put_entry(self, e: Entry) -> None:
+        """Insert or update an entry (and its dirent), keeping file counters right."""
+        old = self.get_entry(e.ino)
+        if old is not None and _is_file(old.mode):
+            self._add(S.K_FILES, -1)
+            self._add(S.K_BYTES_TOTAL, -old.size)
+        if _is_file(e.mode):
+            self._add(S.K_FILES, 1)
+            self._add(S.K_BYTES_TOTAL, e.size)
+        self.txn.put(ukey(e.ino), e.pack(), db=self.ix.inode)
+        if e.parent:
+            self.txn.put(dirent_key(e.parent, e.name), ukey(e.ino), db=self.ix.dirent)
+
+    def delete_tree(self, ino: int) -> list[int]:
+        """Remove an entry, its descendants and their records. Returns the removed inodes."""
+        removed: list[int] = []
+        stack = [ino]
+        while stack:
+            cur = stack.pop()
+            e = self.get_entry(cur)
+            if e is None:
+                continue
+            prefix = ukey(cur)
+            c = self.txn.cursor(db=self.ix.dirent)
+            if c.set_range(prefix):
+                for k, v in c:
+                    if not k.startswith(prefix):
+                        break
+                    stack.append(unkey(v))
+            self.drop_record(cur)
+            if _is_file(e.mode):
+                self._add(S.K_FILES, -1)
+                self._add(S.K_BYTES_TOTAL, -e.size)
+            self.txn.delete(ukey(cur), db=self.ix.inode)
+            if e.parent:
+                self.txn.delete(dirent_key(e.parent, e.name), db=self.ix.dirent)
+            removed.append(cur)
+        # children dirents of removed directories
+        for cur in removed:
+            prefix = ukey(cur)
+            c = self.txn.cursor(db=self.ix.dirent)
+            while c.set_range(prefix) and c.key().startswith(prefix):
+                c.delete()
+        return removed
+
+    def get_record(self, ino: int) -> Record | None:
+        v = self.txn.get(ukey(ino), db=self.ix.record)
+        return Record.unpack(v) if v is not None else None
+
+    def put_record(self, ino: int, rec: Record) -> None:
+        old = self.get_record(ino)
+        if old is not None:
+            self._add(S.K_CACHED_BYTES, -old.size)
+        self.txn.put(ukey(ino), rec.pack(), db=self.ix.record)
+        self._add(S.K_CACHED_BYTES, rec.size)
+
+    def drop_record(self, ino: int, only_chunk: int | None = None) -> Record | None:
+        """Delete the record of ``ino`` (only if it lives in ``only_chunk``, when given)."""
+        old = self.get_record(ino)
+        if old is None or (only_chunk is not None and old.chunk_id != only_chunk):
+            return None
+        self.txn.delete(ukey(ino), db=self.ix.record)
+        self._add(S.K_CACHED_BYTES, -old.size)
+        return old
+
+    def put_chunk(self, c: Chunk) -> None:
+        self.txn.put(ukey(c.chunk_id), c.pack(), db=self.ix.chunk)
+        self._add(S.K_CHUNK_BYTES, c.length)
+
+    def drop_chunk(self, chunk_id: int) -> Chunk | None:
+        """Delete a chunk and every record that still points into it."""
+        v = self.txn.get(ukey(chunk_id), db=self.ix.chunk)
+        if v is None:
+            return None
+        c = Chunk.unpack(chunk_id, v)
+        for ino in c.members:
+            self.drop_record(ino, only_chunk=chunk_id)
+        self.txn.delete(ukey(chunk_id), db=self.ix.chunk)
+        self._add(S.K_CHUNK_BYTES, -c.length)
+        return c
+
+
+def _is_file(mode: int) -> bool:
+    return (mode & 0o170000) == 0o100000

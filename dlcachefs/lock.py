@@ -1,0 +1,43 @@
+"""One daemon per cache directory: an exclusive ``flock`` on ``<cache-dir>/lock``.
+
+The kernel releases the lock when the holder dies (even by ``kill -9``), so a crashed
+daemon never blocks the next mount. The file says who holds it, for the error message.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+
+from .errors import CacheLocked
+
+
+class CacheLock:
+    def __init__(self, cache_dir: str) -> None:
+        self.path = os.path.join(cache_dir, "lock")
+        self.fd: int | None = None
+
+    def acquire(self, mountpoint: str) -> None:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+            except ValueError:
+                holder = {}
+            os.close(fd)
+            raise CacheLocked(
+                f"cache directory {os.path.dirname(self.path)} is in use by another dlcachefs "
+                f"daemon (pid {holder.get('pid', '?')}, mounted at {holder.get('mountpoint', '?')}); "
+                "unmount it first or choose another --cache-dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "mountpoint": mountpoint}).encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

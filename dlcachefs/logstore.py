@@ -1,0 +1,191 @@
+"""Append-only log files holding sealed chunks (``<cache-dir>/logs/NNNNNNNN.log``).
+
+Every method here blocks on the local disk; the core calls them from worker threads.
+Appends come from a single thread at a time (the chunk writer holds a limiter of one);
+reads use ``os.pread`` on shared descriptors and may come from any thread.
+
+Space is reclaimed per chunk by punching a hole (``fallocate(PUNCH_HOLE)``) where the
+filesystem supports it, and per log by deleting a log once none of its chunks is live.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+import re
+import threading
+import time
+
+from .chunkfmt import LOG_HEADER_SIZE, decode_log_header, encode_log_header
+from .errors import FormatError
+
+log = logging.getLogger(__name__)
+
+_LOG_RE = re.compile(r"^(\d{8,})\.log$")
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+
+def punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Free the blocks of a byte range; False when the filesystem cannot do it."""
+    r = _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length)
+    if r != 0:
+        e = ctypes.get_errno()
+        if e in (errno.EOPNOTSUPP, errno.ENOSYS):
+            return False
+        raise OSError(e, os.strerror(e))
+    return True
+
+
+class LogStore:
+    """The log files of one cache directory."""
+
+    def __init__(self, directory: str, log_size: int) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.dir = directory
+        self.log_size = log_size
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()  # guards _fds (reads open descriptors lazily)
+        self.active_id: int | None = None
+        self.active_end = 0
+        self.live: dict[int, int] = {}  # log id -> live chunk bytes (appender thread only)
+
+    def path(self, log_id: int) -> str:
+        return os.path.join(self.dir, f"{log_id:08d}.log")
+
+    def log_ids(self) -> list[int]:
+        out = []
+        for name in os.listdir(self.dir):
+            m = _LOG_RE.match(name)
+            if m:
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def recover(self, indexed_end: dict[int, int]) -> dict[str, int]:
+        """Make the logs agree with the index after a crash or a clean stop.
+
+        ``indexed_end`` maps each log id to the end of its last indexed chunk. A log with
+        nothing indexed is deleted; bytes past the indexed end (a torn tail, or a chunk whose
+        index commit never happened) are truncated. Returns counts for the log file.
+        """
+        stats = {"logs_deleted": 0, "tail_bytes_dropped": 0}
+        for log_id in self.log_ids():
+            p = self.path(log_id)
+            end = indexed_end.get(log_id)
+            if end is None:
+                os.unlink(p)
+                stats["logs_deleted"] += 1
+                continue
+            size = os.path.getsize(p)
+            if size > end:
+                with open(p, "r+b") as f:
+                    f.truncate(end)
+                    os.fsync(f.fileno())
+                stats["tail_bytes_dropped"] += size - end
+        self._fsync_dir()
+        return stats
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _fd(self, log_id: int) -> int:
+        with self._lock:
+            fd = self._fds.get(log_id)
+            if fd is None:
+                fd = os.open(self.path(log_id), os.O_RDWR | os.O_CLOEXEC)
+                self._fds[log_id] = fd
+            return fd
+
+    def start_log(self, log_id: int) -> None:
+        """Create a new log file and make it the one appends go to (durable on return)."""
+        p = self.path(log_id)
+        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, encode_log_header(log_id, time.time_ns()))
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(p)
+            raise
+        with self._lock:
+            self._fds[log_id] = fd
+        self._fsync_dir()
+        self.active_id = log_id
+        self.active_end = LOG_HEADER_SIZE
+        self.live.setdefault(log_id, 0)
+
+    def needs_new_log(self, length: int) -> bool:
+        return self.active_id is None or (
+            self.active_end > LOG_HEADER_SIZE and self.active_end + length > self.log_size)
+
+    def append(self, data: bytes) -> tuple[int, int]:
+        """Append one chunk to the active log and fsync. Returns (log id, offset).
+
+        On failure (ENOSPC, EIO) the log is cut back to where it was, so nothing half
+        written stays behind, and the error propagates.
+        """
+        assert self.active_id is not None, "start_log() first"
+        fd = self._fd(self.active_id)
+        off = self.active_end
+        try:
+            n = os.pwrite(fd, data, off)
+            if n != len(data):
+                raise OSError(errno.EIO, f"short write to log ({n} of {len(data)} bytes)")
+            os.fdatasync(fd)
+        except OSError:
+            try:
+                os.ftruncate(fd, off)
+            except OSError:
+                log.exception("could not cut log %d back after a failed append", self.active_id)
+            raise
+        self.active_end = off + len(data)
+        self.live[self.active_id] = self.live.get(self.active_id, 0) + len(data)
+        return self.active_id, off
+
+    def read(self, log_id: int, offset: int, length: int) -> bytes:
+        """One pread of ``length`` bytes; short reads (a truncated log) raise FormatError."""
+        try:
+            data = os.pread(self._fd(log_id), length, offset)
+        except FileNotFoundError as e:
+            raise FormatError(f"log {log_id} is missing") from e
+        if len(data) != length:
+            raise FormatError(f"log {log_id} is shorter than its index says")
+        return data
+
+    def release(self, log_id: int, offset: int, length: int) -> None:
+        """Give back the space of an evicted chunk; delete the log when nothing in it lives."""
+        self.live[log_id] = self.live.get(log_id, 0) - length
+        if self.live[log_id] <= 0 and log_id != self.active_id:
+            self.live.pop(log_id, None)
+            with self._lock:
+                fd = self._fds.pop(log_id, None)
+            if fd is not None:
+                os.close(fd)
+            try:
+                os.unlink(self.path(log_id))
+            except FileNotFoundError:
+                pass
+            return
+        try:
+            punch_hole(self._fd(log_id), offset, length)
+        except OSError:
+            log.warning("could not punch a hole in log %d", log_id, exc_info=True)
+
+    def check_header(self, log_id: int) -> None:
+        decode_log_header(self.read(log_id, 0, LOG_HEADER_SIZE))
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()

@@ -1,0 +1,379 @@
+"""The namespace: the source tree as a persistent snapshot in LMDB.
+
+The tree is listed once (threads, one ``scandir`` per directory) and kept in the index,
+so a remount of an unchanged source lists nothing, and ``ls``/``find``/``stat`` are served
+without touching the source. Inode numbers are ours, stable across remounts (a path keeps
+its inode as long as it exists on the source).
+
+Freshness rule (``--revalidate SECONDS``, documented in the README):
+
+* A directory's listing, and the attributes of its children, are as fresh as the
+  directory's ``checked_at``. When an ``opendir`` or an ``open`` of one of its files finds
+  it older than ``revalidate`` seconds, the directory is listed again (one ``scandir`` for
+  all its children: on NFS/sshfs the attributes come with the listing) and merged.
+* With ``revalidate == 0`` every ``open`` of a file ``lstat``s that file on the source,
+  and every ``opendir`` re-lists the directory.
+* ``--rescan`` re-lists the whole tree at mount time.
+
+A change found this way updates the snapshot (same inode for the same path and type),
+and the engine never serves cached bytes whose identity differs from the entry's.
+
+Concurrency: reads of the snapshot run on the trio loop (LMDB read txns); listings and
+stats of the source, and every write txn, run in worker threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import stat as stat_mod
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+
+import trio
+
+from . import schema as S
+from .errors import IsADirectory, NotADirectory, NotFound
+from .index import Index, Writer
+from .schema import Entry
+from .source import Identity, Listing, Source, identity_of
+
+log = logging.getLogger(__name__)
+
+ROOT_INO = 1
+#: names at the root that the mount reserves for itself and hides from the mirror
+RESERVED_ROOT_NAMES = frozenset({b".dlcache"})
+
+#: a change notification for the kernel: (kind, parent ino, name or None, ino or None)
+Invalidate = Callable[[str, int, bytes | None, int | None], None]
+
+#: entries per write transaction during a full scan
+SCAN_BATCH = 20_000
+
+
+def entry_from_stat(ino: int, parent: int, name: bytes, st: os.stat_result, now: float,
+                    target: bytes = b"", use_src_ino: bool = True) -> Entry:
+    return Entry(
+        ino=ino, parent=parent, name=name, mode=st.st_mode, nlink=st.st_nlink,
+        uid=st.st_uid, gid=st.st_gid, size=st.st_size, blocks=st.st_blocks, rdev=st.st_rdev,
+        atime_ns=st.st_atime_ns, mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns,
+        src_ino=st.st_ino if use_src_ino else 0, checked_at=now, target=target,
+    )
+
+
+def _same_attrs(a: Entry, b: Entry) -> bool:
+    """True when b shows nothing new compared with a (checked_at aside)."""
+    return (a.mode, a.nlink, a.uid, a.gid, a.size, a.blocks, a.rdev, a.mtime_ns, a.ctime_ns,
+            a.src_ino, a.target) == (b.mode, b.nlink, b.uid, b.gid, b.size, b.blocks, b.rdev,
+                                     b.mtime_ns, b.ctime_ns, b.src_ino, b.target)
+
+
+def _type(mode: int) -> int:
+    return stat_mod.S_IFMT(mode)
+
+
+def is_dir(e: Entry) -> bool:
+    return stat_mod.S_ISDIR(e.mode)
+
+
+def is_file(e: Entry) -> bool:
+    return stat_mod.S_ISREG(e.mode)
+
+
+def identity(e: Entry) -> Identity:
+    return Identity(e.size, e.mtime_ns, e.src_ino)
+
+
+class MergeResult:
+    """What a directory merge changed, for kernel invalidation and record cleanup."""
+
+    def __init__(self) -> None:
+        self.added: list[tuple[bytes, int]] = []
+        self.changed: list[int] = []
+        self.removed: list[tuple[bytes, int]] = []
+        self.subdirs: list[tuple[int, bytes]] = []  # (ino, rel path) of child directories
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.changed or self.removed)
+
+
+def merge_listing(w: Writer, dir_e: Entry, dir_rel: bytes, listing: list[Listing], now: float,
+                  use_src_ino: bool) -> MergeResult:
+    """Make the snapshot of one directory equal to a fresh listing (inside a write txn)."""
+    res = MergeResult()
+    prefix = S.ukey(dir_e.ino)
+    old: dict[bytes, int] = {}
+    cur = w.txn.cursor(db=w.ix.dirent)
+    if cur.set_range(prefix):
+        for k, v in cur:
+            if not k.startswith(prefix):
+                break
+            old[bytes(k[8:])] = S.unkey(v)
+    for item in listing:
+        if dir_e.ino == ROOT_INO and item.name in RESERVED_ROOT_NAMES:
+            log.warning("source has %r at its root; it is hidden behind the mount's own",
+                        item.name)
+            continue
+        ino = old.pop(item.name, None)
+        prev = w.get_entry(ino) if ino is not None else None
+        if prev is not None and _type(prev.mode) != _type(item.st.st_mode):
+            for r in w.delete_tree(prev.ino):
+                res.removed.append((b"", r))
+            res.removed.append((item.name, prev.ino))
+            ino, prev = None, None
+        if ino is None:
+            ino = w.alloc(S.K_NEXT_INO)
+        # a directory's checked_at is its own listing's time: keep it until it is listed
+        chk = prev.checked_at if (prev is not None and stat_mod.S_ISDIR(item.st.st_mode)) else (
+            0.0 if stat_mod.S_ISDIR(item.st.st_mode) else now)
+        e = entry_from_stat(ino, dir_e.ino, item.name, item.st, chk, item.target, use_src_ino)
+        if prev is None:
+            w.put_entry(e)
+            res.added.append((item.name, ino))
+        elif not _same_attrs(prev, e):
+            w.put_entry(e)
+            res.changed.append(ino)
+        if stat_mod.S_ISDIR(item.st.st_mode):
+            res.subdirs.append((ino, dir_rel + b"/" + item.name if dir_rel else item.name))
+    for name, ino in old.items():
+        w.delete_tree(ino)
+        res.removed.append((name, ino))
+    dir_e.checked_at = now
+    w.put_entry(dir_e)
+    return res
+
+
+class Namespace:
+    """Lookups and listings from the snapshot; refreshes from the source under the rule above."""
+
+    def __init__(self, index: Index, source: Source, *, revalidate: float = 3600.0,
+                 use_src_ino: bool = True, source_limiter: trio.CapacityLimiter | None = None
+                 ) -> None:
+        self.index = index
+        self.source = source
+        self.revalidate = revalidate
+        self.use_src_ino = use_src_ino
+        self.limiter = source_limiter
+        self.on_invalidate: Invalidate | None = None
+        self._dir_paths: OrderedDict[int, bytes] = OrderedDict()
+        self._refreshing: dict[int, trio.Event] = {}
+
+    # ----- snapshot reads (trio loop) -----------------------------------------------
+
+    def get(self, ino: int) -> Entry:
+        e = self.index.get_entry(ino)
+        if e is None:
+            raise NotFound(f"no inode {ino}")
+        return e
+
+    def lookup(self, parent: int, name: bytes) -> Entry:
+        ino = self.index.lookup(parent, name)
+        if ino is None:
+            raise NotFound(os.fsdecode(name))
+        return self.get(ino)
+
+    def resolve(self, rel: bytes) -> Entry:
+        """Entry for a relative path such as b"train/cls" (no '..', no symlinks followed)."""
+        e = self.get(ROOT_INO)
+        for part in (p for p in rel.split(b"/") if p and p != b"."):
+            if not is_dir(e):
+                raise NotADirectory(os.fsdecode(rel))
+            e = self.lookup(e.ino, part)
+        return e
+
+    def children(self, ino: int) -> list[tuple[bytes, int]]:
+        e = self.get(ino)
+        if not is_dir(e):
+            raise NotADirectory(os.fsdecode(e.name))
+        return self.index.list_dir(ino)
+
+    def path_of(self, e: Entry) -> bytes:
+        """Relative source path of an entry (directory paths are cached, bounded)."""
+        if e.ino == ROOT_INO:
+            return b""
+        parent = self._dir_path(e.parent)
+        return parent + b"/" + e.name if parent else e.name
+
+    def _dir_path(self, ino: int) -> bytes:
+        if ino == ROOT_INO:
+            return b""
+        p = self._dir_paths.get(ino)
+        if p is not None:
+            self._dir_paths.move_to_end(ino)
+            return p
+        e = self.get(ino)
+        p = self.path_of(e)
+        self._dir_paths[ino] = p
+        if len(self._dir_paths) > 100_000:
+            self._dir_paths.popitem(last=False)
+        return p
+
+    # ----- freshness (trio loop, work in threads) -----------------------------------
+
+    def _stale(self, e: Entry) -> bool:
+        return self.revalidate == 0 or time.time() - e.checked_at > self.revalidate
+
+    async def fresh_dir(self, ino: int) -> Entry:
+        """The directory entry, re-listed from the source first if it is stale."""
+        e = self.get(ino)
+        if not is_dir(e):
+            raise NotADirectory(os.fsdecode(e.name))
+        if self._stale(e):
+            await self.refresh_dir(ino)
+            e = self.get(ino)
+        return e
+
+    async def fresh_file(self, ino: int) -> Entry:
+        """The file entry, checked against the source first if the rule says so."""
+        e = self.get(ino)
+        if is_dir(e):
+            raise IsADirectory(os.fsdecode(e.name))
+        if self.revalidate == 0:
+            return await self._restat(e)
+        parent = self.get(e.parent)
+        if self._stale(parent):
+            await self.refresh_dir(parent.ino)
+            e = self.get(ino)  # NotFound if it vanished
+        return e
+
+    async def _restat(self, e: Entry) -> Entry:
+        rel = self.path_of(e)
+        try:
+            st = await trio.to_thread.run_sync(self.source.lstat, rel, limiter=self.limiter)
+        except NotFound:
+            await self.refresh_dir(e.parent)
+            raise
+        new = entry_from_stat(e.ino, e.parent, e.name, st, time.time(), e.target,
+                              self.use_src_ino)
+        if _type(new.mode) != _type(e.mode):
+            await self.refresh_dir(e.parent)
+            return self.get(e.ino)
+        if not _same_attrs(e, new):
+            if stat_mod.S_ISLNK(new.mode):
+                new.target = await trio.to_thread.run_sync(os.readlink, self.source_path(rel))
+            await trio.to_thread.run_sync(self._put, new)
+            self._notify("inode", e.parent, None, e.ino)
+        return new
+
+    def source_path(self, rel: bytes) -> bytes:
+        root = self.source.root
+        return root + b"/" + rel if rel else root
+
+    def _put(self, e: Entry) -> None:
+        with self.index.write() as w:
+            w.put_entry(e)
+
+    def update_identity(self, e: Entry, ident: Identity) -> Entry:
+        """Blocking (thread): record an identity seen while fetching; returns the new entry."""
+        new = dataclasses.replace(e, size=ident.size, mtime_ns=ident.mtime_ns,
+                                  src_ino=ident.src_ino, checked_at=time.time())
+        self._put(new)
+        return new
+
+    async def refresh_dir(self, ino: int) -> None:
+        """Re-list one directory from the source and merge it (concurrent calls coalesce)."""
+        ev = self._refreshing.get(ino)
+        if ev is not None:
+            await ev.wait()
+            return
+        ev = self._refreshing[ino] = trio.Event()
+        try:
+            e = self.get(ino)
+            rel = self.path_of(e)
+            try:
+                listing = await trio.to_thread.run_sync(self.source.list_dir, rel,
+                                                        limiter=self.limiter)
+            except NotFound:
+                if ino != ROOT_INO:
+                    await trio.to_thread.run_sync(self._delete, e)
+                    self._notify("entry", e.parent, e.name, e.ino)
+                raise
+            res = await trio.to_thread.run_sync(self._merge, e, rel, listing)
+            for name, child in res.added + res.removed:
+                if name:
+                    self._notify("entry", ino, name, child)
+            for child in res.changed:
+                self._notify("inode", ino, None, child)
+            for _name, child in res.removed:
+                self._dir_paths.pop(child, None)
+        finally:
+            del self._refreshing[ino]
+            ev.set()
+
+    def _merge(self, e: Entry, rel: bytes, listing: list[Listing]) -> MergeResult:
+        with self.index.write() as w:
+            cur = w.get_entry(e.ino) or e
+            return merge_listing(w, cur, rel, listing, time.time(), self.use_src_ino)
+
+    def _delete(self, e: Entry) -> None:
+        with self.index.write() as w:
+            w.delete_tree(e.ino)
+
+    def _notify(self, kind: str, parent: int, name: bytes | None, ino: int | None) -> None:
+        if self.on_invalidate is not None:
+            self.on_invalidate(kind, parent, name, ino)
+
+    # ----- full scan (blocking; at mount time, before the filesystem is served) ------
+
+    def has_snapshot(self) -> bool:
+        return self.index.get_meta(S.K_SCAN_DONE) is not None
+
+    def scan(self, threads: int = 16, progress: Callable[[int, int, float], None] | None = None
+             ) -> tuple[int, int]:
+        """List the whole source tree into the snapshot (merging into an existing one).
+
+        Directories are listed by ``threads`` workers in parallel; merges happen on the
+        calling thread in write transactions of up to ``SCAN_BATCH`` entries. Returns
+        (entries, directories) seen. ``progress(entries, dirs, elapsed)`` is called about
+        twice a second.
+        """
+        t0 = time.monotonic()
+        now = time.time()
+        root_st = self.source.lstat(b"")
+        with self.index.write() as w:
+            root = w.get_entry(ROOT_INO)
+            new_root = entry_from_stat(ROOT_INO, 0, b"", root_st, root.checked_at if root else 0.0,
+                                       use_src_ino=self.use_src_ino)
+            w.put_entry(new_root)
+            w.set_meta(S.K_SOURCE, self.source.root)
+        n_entries, n_dirs = 0, 0
+        last_report = 0.0
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="scan") as pool:
+            pending: dict[Future, tuple[int, bytes]] = {
+                pool.submit(self.source.list_dir, b""): (ROOT_INO, b"")}
+            batch: list[tuple[int, bytes, list[Listing]]] = []
+            batch_size = 0
+            while pending:
+                done, _ = wait(list(pending), timeout=0.5, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    ino, rel = pending.pop(fut)
+                    try:
+                        listing = fut.result()
+                    except NotFound:
+                        continue  # vanished during the scan; its parent's next listing drops it
+                    batch.append((ino, rel, listing))
+                    batch_size += len(listing) + 1
+                if batch and (batch_size >= SCAN_BATCH or not pending or not done):
+                    with self.index.write() as w:
+                        for ino, rel, listing in batch:
+                            d = w.get_entry(ino)
+                            if d is None:
+                                continue
+                            res = merge_listing(w, d, rel, listing, now, self.use_src_ino)
+                            n_entries += len(listing)
+                            n_dirs += 1
+                            for sub_ino, sub_rel in res.subdirs:
+                                pending[pool.submit(self.source.list_dir, sub_rel)] = (
+                                    sub_ino, sub_rel)
+                    batch, batch_size = [], 0
+                if progress is not None and time.monotonic() - last_report > 0.5:
+                    last_report = time.monotonic()
+                    progress(n_entries, n_dirs, last_report - t0)
+        with self.index.write() as w:
+            w.set_meta(S.K_SCAN_DONE, str(time.time_ns()).encode())
+        if progress is not None:
+            progress(n_entries, n_dirs, time.monotonic() - t0)
+        return n_entries, n_dirs

@@ -1,0 +1,156 @@
+"""The LMDB schema of the metaindex: sub-databases, keys and value encodings (version 1).
+
+All keys that are numbers are 8-byte big-endian so that LMDB's byte order is numeric order.
+
+=========  ===========================  ==================================================
+database   key                          value
+=========  ===========================  ==================================================
+meta       ascii name                   format version, source root, counters (u64/bytes)
+inode      ino                          :class:`Entry` (attributes mirrored from the source)
+dirent     parent ino + name bytes      child ino  (a prefix scan lists a directory, sorted)
+record     ino                          :class:`Record` (where the cached bytes are)
+chunk      chunk id                     :class:`Chunk` (log, offset, length, member inodes)
+=========  ===========================  ==================================================
+
+Invariants (checked by :meth:`Index.check_invariants` and by ``dlcachefs verify``):
+
+* every ``record`` names a ``chunk`` that lists the record's inode, and its inode exists;
+* every inode in a chunk's member list either has a record in that chunk or was dropped
+  since (a chunk may hold dead records; they only cost space until the chunk is evicted);
+* the bytes a chunk points at were fsync'ed before the chunk was written to the index.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+SCHEMA_VERSION = 1
+
+DB_META = b"meta"
+DB_INODE = b"inode"
+DB_DIRENT = b"dirent"
+DB_RECORD = b"record"
+DB_CHUNK = b"chunk"
+
+# meta keys
+K_FORMAT = b"format"
+K_SOURCE = b"source"
+K_SCAN_DONE = b"scan_done_ns"
+K_NEXT_INO = b"next_ino"
+K_NEXT_CHUNK = b"next_chunk"
+K_NEXT_LOG = b"next_log"
+K_FILES = b"n_files"
+K_BYTES_TOTAL = b"bytes_total"
+K_CACHED_BYTES = b"cached_bytes"
+K_CHUNK_BYTES = b"chunk_bytes"
+
+_U64 = struct.Struct(">Q")
+
+
+def ukey(n: int) -> bytes:
+    """8-byte big-endian key for an unsigned number."""
+    return _U64.pack(n)
+
+
+def unkey(b: bytes) -> int:
+    return _U64.unpack(b)[0]
+
+
+def dirent_key(parent: int, name: bytes) -> bytes:
+    return _U64.pack(parent) + name
+
+
+@dataclass(slots=True)
+class Entry:
+    """One namespace entry: a file, directory or symlink, with attributes as the source has them.
+
+    ``checked_at`` (wall-clock seconds) is when these attributes (for a directory: its
+    listing and its children's attributes) were last read from the source.
+    """
+
+    ino: int
+    parent: int
+    name: bytes
+    mode: int
+    nlink: int
+    uid: int
+    gid: int
+    size: int
+    blocks: int
+    rdev: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    src_ino: int
+    checked_at: float
+    target: bytes = b""  # symlink target, as stored on the source
+
+    _S = struct.Struct("<QIIIIQQQqqqQdII")
+
+    def pack(self) -> bytes:
+        return (
+            self._S.pack(self.parent, self.mode, self.nlink, self.uid, self.gid, self.size,
+                         self.blocks, self.rdev, self.atime_ns, self.mtime_ns, self.ctime_ns,
+                         self.src_ino, self.checked_at, len(self.name), len(self.target))
+            + self.name + self.target
+        )
+
+    @classmethod
+    def unpack(cls, ino: int, buf: bytes) -> Entry:
+        (parent, mode, nlink, uid, gid, size, blocks, rdev, at, mt, ct, sino, chk, nl, tl) = (
+            cls._S.unpack_from(buf))
+        o = cls._S.size
+        return cls(ino, parent, bytes(buf[o : o + nl]), mode, nlink, uid, gid, size, blocks,
+                   rdev, at, mt, ct, sino, chk, bytes(buf[o + nl : o + nl + tl]))
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """Where one file's cached bytes live: a record inside a chunk of a log file.
+
+    ``offset`` is the absolute offset of the data in the log; ``mtime_ns``/``src_ino``/
+    ``size`` are the source identity the bytes were read under.
+    """
+
+    chunk_id: int
+    log_id: int
+    offset: int
+    size: int
+    data_xxh: int
+    mtime_ns: int
+    src_ino: int
+
+    _S = struct.Struct("<QQQQQqQ")
+
+    def pack(self) -> bytes:
+        return self._S.pack(self.chunk_id, self.log_id, self.offset, self.size, self.data_xxh,
+                            self.mtime_ns, self.src_ino)
+
+    @classmethod
+    def unpack(cls, buf: bytes) -> Record:
+        return cls(*cls._S.unpack(buf))
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A sealed chunk: ``length`` bytes at ``offset`` in log ``log_id``, holding ``members``."""
+
+    chunk_id: int
+    log_id: int
+    offset: int
+    length: int
+    sealed_ns: int
+    members: tuple[int, ...]
+
+    _S = struct.Struct("<QQQQI")
+
+    def pack(self) -> bytes:
+        return self._S.pack(self.log_id, self.offset, self.length, self.sealed_ns,
+                            len(self.members)) + struct.pack(f"<{len(self.members)}Q", *self.members)
+
+    @classmethod
+    def unpack(cls, chunk_id: int, buf: bytes) -> Chunk:
+        log_id, offset, length, sealed, n = cls._S.unpack_from(buf)
+        members = struct.unpack_from(f"<{n}Q", buf, cls._S.size)
+        return cls(chunk_id, log_id, offset, length, sealed, members)

@@ -1,0 +1,189 @@
+"""The source side: the slow dataset directory the mount mirrors.
+
+Every method here blocks (a network filesystem may take milliseconds or hang), so the
+core calls them only from worker threads (``trio.to_thread.run_sync`` under the source
+``CapacityLimiter``), never on the trio loop. Paths are relative ``bytes`` so that names
+that are not valid UTF-8 round-trip unchanged.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat as stat_mod
+from dataclasses import dataclass
+from typing import Protocol
+
+from .errors import NotFound, OutsideSource, SourceChanged, SourceError
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """What identifies one version of a source file: (size, mtime_ns, inode).
+
+    ``src_ino`` is 0 when the source's inode numbers are not stable (``--ignore-source-inode``,
+    for example sshfs without ``-o use_ino``), and then only size and mtime count.
+    """
+
+    size: int
+    mtime_ns: int
+    src_ino: int
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """One child of a directory as listed on the source: its name, lstat, and link target."""
+
+    name: bytes
+    st: os.stat_result
+    target: bytes = b""
+
+
+class Source(Protocol):
+    """What the core needs from a source. All calls block; call them from threads."""
+
+    root: bytes
+
+    def lstat(self, rel: bytes) -> os.stat_result: ...
+
+    def list_dir(self, rel: bytes) -> list[Listing]: ...
+
+    def read_file(self, rel: bytes, use_src_ino: bool) -> tuple[bytes, Identity]: ...
+
+    def statvfs(self) -> os.statvfs_result: ...
+
+
+def identity_of(st: os.stat_result, use_src_ino: bool) -> Identity:
+    return Identity(st.st_size, st.st_mtime_ns, st.st_ino if use_src_ino else 0)
+
+
+class LocalSource:
+    """A source that is a directory of the local VFS: a local disk, NFS, Lustre, sshfs...
+
+    Reads never follow a symlink out of the root: the final component is opened with
+    O_NOFOLLOW, and the opened descriptor's real path (from /proc/self/fd, no round trip
+    to the source) must lie under the root's real path.
+    """
+
+    #: how often a file that changes while it is read is re-read before giving up
+    CHANGE_RETRIES = 3
+
+    def __init__(self, root: str | bytes) -> None:
+        root_b = os.fsencode(root)
+        self.root = os.path.realpath(root_b).rstrip(b"/") or b"/"
+        if not os.path.isdir(self.root):
+            raise NotFound(f"source is not a directory: {os.fsdecode(root_b)}")
+        self._prefix = self.root if self.root.endswith(b"/") else self.root + b"/"
+
+    def full(self, rel: bytes) -> bytes:
+        return self._prefix + rel if rel else self.root
+
+    def lstat(self, rel: bytes) -> os.stat_result:
+        try:
+            return os.lstat(self.full(rel))
+        except FileNotFoundError as e:
+            raise NotFound(f"vanished from the source: {os.fsdecode(rel)}") from e
+        except OSError as e:
+            raise SourceError(f"lstat {os.fsdecode(rel)}: {e.strerror}", e.errno) from e
+
+    def list_dir(self, rel: bytes) -> list[Listing]:
+        out: list[Listing] = []
+        try:
+            with os.scandir(self.full(rel)) as it:
+                for de in it:
+                    try:
+                        st = de.stat(follow_symlinks=False)
+                        target = os.readlink(de.path) if stat_mod.S_ISLNK(st.st_mode) else b""
+                    except FileNotFoundError:
+                        continue  # vanished between readdir and stat
+                    out.append(Listing(de.name, st, target))
+        except FileNotFoundError as e:
+            raise NotFound(f"directory vanished from the source: {os.fsdecode(rel)}") from e
+        except NotADirectoryError as e:
+            raise NotFound(f"no longer a directory on the source: {os.fsdecode(rel)}") from e
+        except OSError as e:
+            raise SourceError(f"list {os.fsdecode(rel)}: {e.strerror}", e.errno) from e
+        return out
+
+    def read_file(self, rel: bytes, use_src_ino: bool) -> tuple[bytes, Identity]:
+        """Read a whole regular file as one consistent version.
+
+        The identity is taken with fstat before and after the read; if it moved, or the
+        byte count disagrees with the size, the read is repeated, and after
+        ``CHANGE_RETRIES`` attempts :class:`SourceChanged` is raised: bytes of two versions
+        are never returned.
+        """
+        path = self.full(rel)
+        for _ in range(self.CHANGE_RETRIES):
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError as e:
+                raise NotFound(f"vanished from the source: {os.fsdecode(rel)}") from e
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise SourceChanged(f"became a symlink on the source: {os.fsdecode(rel)}") from e
+                raise SourceError(f"open {os.fsdecode(rel)}: {e.strerror}", e.errno) from e
+            try:
+                real = os.readlink(b"/proc/self/fd/%d" % fd)
+                if not real.startswith(self._prefix):
+                    raise OutsideSource(f"resolves outside the source root: {os.fsdecode(rel)}")
+                st1 = os.fstat(fd)
+                if not stat_mod.S_ISREG(st1.st_mode):
+                    raise SourceChanged(f"no longer a regular file: {os.fsdecode(rel)}")
+                data = _read_all(fd, st1.st_size)
+                st2 = os.fstat(fd)
+            except OSError as e:
+                raise SourceError(f"read {os.fsdecode(rel)}: {e.strerror}", e.errno) from e
+            finally:
+                os.close(fd)
+            id1, id2 = identity_of(st1, use_src_ino), identity_of(st2, use_src_ino)
+            if id1 == id2 and len(data) == id1.size:
+                return data, id1
+        raise SourceChanged(f"kept changing while read: {os.fsdecode(rel)}")
+
+    def statvfs(self) -> os.statvfs_result:
+        return os.statvfs(self.root)
+
+
+def _read_all(fd: int, size: int) -> bytes:
+    """Read to EOF, expecting ``size`` bytes; one extra byte detects a file that grew."""
+    buf = bytearray(size + 1)
+    mv = memoryview(buf)
+    pos = 0
+    while pos < len(buf):
+        n = os.readv(fd, [mv[pos:]])
+        if n == 0:
+            break
+        pos += n
+    del mv
+    del buf[pos:]
+    return bytes(buf)
+
+
+def open_for_range_reads(src: LocalSource, rel: bytes, use_src_ino: bool) -> tuple[int, Identity]:
+    """Open a (large, uncached) file for ranged reads; same symlink rule as read_file."""
+    try:
+        fd = os.open(src.full(rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError as e:
+        raise NotFound(f"vanished from the source: {os.fsdecode(rel)}") from e
+    except OSError as e:
+        raise SourceError(f"open {os.fsdecode(rel)}: {e.strerror}", e.errno) from e
+    try:
+        if not os.readlink(b"/proc/self/fd/%d" % fd).startswith(src._prefix):
+            raise OutsideSource(f"resolves outside the source root: {os.fsdecode(rel)}")
+        return fd, identity_of(os.fstat(fd), use_src_ino)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def pread_checked(fd: int, offset: int, size: int, expect: Identity, use_src_ino: bool) -> bytes:
+    """A ranged read that refuses to return bytes of another version than ``expect``."""
+    try:
+        data = os.pread(fd, size, offset)
+        now = identity_of(os.fstat(fd), use_src_ino)
+    except OSError as e:
+        raise SourceError(f"read: {e.strerror}", e.errno) from e
+    if now != expect:
+        raise SourceChanged("the file changed on the source while it was open")
+    return data

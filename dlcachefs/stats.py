@@ -1,0 +1,27 @@
+"""Counters since mount. Updated on the trio loop only; read by ``.dlcache/stats``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(slots=True)
+class Counters:
+    hits: int = 0                  # opens served from the cache (log, memory or not yet sealed)
+    misses: int = 0                # opens that fetched from the source
+    bytes_from_source: int = 0
+    bytes_from_cache: int = 0      # bytes returned to readers from cached data
+    chunk_reads: int = 0           # whole-chunk reads from the logs
+    record_reads: int = 0          # single-record reads from the logs
+    checksum_failures: int = 0     # cached records that failed their checksum (then refetched)
+    stale_refetches: int = 0       # cached records whose source changed (then refetched)
+    source_errors: int = 0
+    source_timeouts: int = 0
+    source_retries: int = 0
+    chunks_written: int = 0
+    chunks_evicted: int = 0
+    cache_skipped: int = 0         # fetched files not cached (cache full, writer behind, disk full)
+    write_errors: int = 0          # failed log appends (ENOSPC, EIO): served from the source instead
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)

@@ -1,0 +1,89 @@
+"""``dlcachefs verify``: the fsck of a cache directory.
+
+Reads every indexed chunk once, checks its header and payload checksum, checks every
+record the index points into it against the record's own checksum, and checks the index
+invariants. With ``--repair``, damaged records (and chunks whose header is unreadable)
+are dropped from the index, so that they are fetched from the source again. Needs the
+cache lock: a mounted cache is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .chunkfmt import checksum, decode_chunk_header
+from .errors import CacheLocked, FormatError
+from .index import Index
+from .lock import CacheLock
+from .logstore import LogStore
+
+
+def verify(cache_dir: str, repair: bool) -> dict:
+    import os  # noqa: PLC0415
+
+    ix = Index(os.path.join(cache_dir, "meta.lmdb"))
+    logs = LogStore(os.path.join(cache_dir, "logs"), 1 << 30)
+    report: dict = {"chunks": 0, "records": 0, "bad_chunks": [], "bad_records": [],
+                    "invariant_problems": []}
+    try:
+        by_chunk: dict[int, list] = {}
+        for ino, rec in ix.iter_records():
+            by_chunk.setdefault(rec.chunk_id, []).append((ino, rec))
+        for c in list(ix.iter_chunks()):
+            report["chunks"] += 1
+            try:
+                data = logs.read(c.log_id, c.offset, c.length)
+                decode_chunk_header(data)
+            except (FormatError, OSError) as e:
+                report["bad_chunks"].append({"chunk": c.chunk_id, "reason": str(e)})
+                continue
+            for ino, rec in by_chunk.get(c.chunk_id, []):
+                report["records"] += 1
+                start = rec.offset - c.offset
+                if checksum(memoryview(data)[start : start + rec.size]) != rec.data_xxh:
+                    e = ix.get_entry(ino)
+                    report["bad_records"].append({"inode": ino, "chunk": c.chunk_id,
+                                                  "name": e.name.decode(errors="replace") if e else "?"})
+        report["invariant_problems"] = ix.check_invariants()
+        if repair and (report["bad_chunks"] or report["bad_records"]):
+            with ix.write() as w:
+                for b in report["bad_chunks"]:
+                    w.drop_chunk(b["chunk"])
+                for b in report["bad_records"]:
+                    w.drop_record(b["inode"])
+            report["repaired"] = True
+    finally:
+        logs.close()
+        ix.close()
+    return report
+
+
+def cmd_verify(cache_dir: str, repair: bool, as_json: bool) -> int:
+    lock = CacheLock(cache_dir)
+    try:
+        lock.acquire("(dlcachefs verify)")
+    except CacheLocked as e:
+        print(f"dlcachefs verify: {e}", file=sys.stderr)
+        return 2
+    try:
+        rep = verify(cache_dir, repair)
+    finally:
+        lock.release()
+    bad = bool(rep["bad_chunks"] or rep["bad_records"] or rep["invariant_problems"])
+    if as_json:
+        print(json.dumps(rep, indent=2))
+    else:
+        print(f"checked {rep['chunks']} chunks, {rep['records']} records: "
+              f"{len(rep['bad_chunks'])} damaged chunks, {len(rep['bad_records'])} damaged "
+              f"records, {len(rep['invariant_problems'])} index problems")
+        for b in rep["bad_chunks"]:
+            print(f"  damaged chunk {b['chunk']}: {b['reason']}")
+        for b in rep["bad_records"]:
+            print(f"  damaged record: inode {b['inode']} ({b['name']}) in chunk {b['chunk']}")
+        for p in rep["invariant_problems"]:
+            print(f"  index: {p}")
+        if bad:
+            print("repaired: damaged entries dropped, they will be fetched again" if repair
+                  else "run with --repair to drop damaged entries")
+    return 1 if bad and not repair else 0

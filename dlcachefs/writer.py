@@ -1,0 +1,274 @@
+"""The chunk writer: packs fetched files into chunks, makes them durable, then indexes them.
+
+Order of one seal (the crash-consistency argument):
+
+1. choose victims on the trio loop (policy; pinned chunks excluded) and stop serving them;
+2. in ONE worker thread: append the chunk to the active log and ``fdatasync`` it; then one
+   LMDB write transaction drops the victims' and dropped records and indexes the new
+   records; commit (LMDB fsyncs); then punch the victims' holes.
+
+So the index only ever points at bytes that were already durable, and never at a punched
+range. A crash between the append and the commit leaves an unindexed tail, which
+:meth:`LogStore.recover` cuts off at the next start.
+
+Concurrency: every attribute is owned by the trio loop. The blocking commit runs in a
+thread under a limiter of one, so appends to the active log are serial. Records waiting
+to be sealed stay readable from :attr:`pending`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import trio
+
+from . import schema as S
+from .chunkfmt import CHUNK_HEADER_SIZE, RECORD_HEADER_SIZE, RecordIn, encode_chunk
+from .config import Config
+from .index import Index
+from .logstore import LogStore
+from .memtier import MemoryTier
+from .namespace import identity
+from .schema import Chunk, Record
+from .source import Identity
+from .stats import Counters
+
+log = logging.getLogger(__name__)
+
+#: after a failed append (disk full), how long to serve from the source before retrying
+WRITE_BACKOFF = 30.0
+
+
+@dataclass(slots=True)
+class Pending:
+    """A fetched file waiting to be sealed into a chunk."""
+
+    ino: int
+    key: bytes
+    ident: Identity
+    data: bytes
+
+    @property
+    def encoded_len(self) -> int:
+        return RECORD_HEADER_SIZE + len(self.key) + len(self.data)
+
+
+@dataclass(slots=True)
+class _Result:
+    written: tuple[int, int, int] | None = None  # (log id, offset, length)
+    indexed: list[int] = field(default_factory=list)
+    evicted: list[Chunk] = field(default_factory=list)
+    error: OSError | None = None
+    disk_free: int = 0
+
+
+class ChunkWriter:
+    def __init__(self, cfg: Config, index: Index, logs: LogStore, policy, memtier: MemoryTier,
+                 counters: Counters) -> None:
+        self.cfg = cfg
+        self.index = index
+        self.logs = logs
+        self.policy = policy
+        self.memtier = memtier
+        self.counters = counters
+        self.open: list[Pending] = []
+        self.open_bytes = 0
+        self.open_since = 0.0
+        self.sealing_bytes = 0
+        self.pending: dict[int, Pending] = {}  # ino -> record not yet indexed
+        self.drops: set[int] = set()
+        self.pins: Counter[int] = Counter()  # chunk id -> in-flight reads
+        self.evicting: set[int] = set()
+        self.backoff_until = 0.0
+        self.disk_free = _free_bytes(cfg.cache_dir)
+        self._limiter = trio.CapacityLimiter(1)
+        self._wake = trio.Event()
+        self._closing = False
+        self._idle = trio.Event()
+        self._next_chunk = max(1, _meta_u64(index, S.K_NEXT_CHUNK))
+        self._next_log = max(1, _meta_u64(index, S.K_NEXT_LOG), max(logs.log_ids(), default=0) + 1)
+
+    # ----- called from the read path (trio loop) -------------------------------------
+
+    def submit(self, ino: int, key: bytes, ident: Identity, data: bytes) -> bool:
+        """Queue a fetched file for caching. False when it is not cached (and why is counted)."""
+        p = self.pending.get(ino)
+        if p is not None and p.ident == ident:
+            return True
+        if self._closing or time.monotonic() < self.backoff_until:
+            self.counters.cache_skipped += 1
+            return False
+        rec = Pending(ino, key, ident, data)
+        # bounded memory: one chunk filling, one being sealed, and a little slack
+        if self.open_bytes + self.sealing_bytes + rec.encoded_len > 3 * self.cfg.chunk_size and (
+                self.open or self.sealing_bytes):
+            self.counters.cache_skipped += 1
+            return False
+        if not self.open:
+            self.open_since = time.monotonic()
+        self.open.append(rec)
+        self.open_bytes += rec.encoded_len
+        self.pending[ino] = rec
+        if self.open_bytes >= self.cfg.chunk_size:
+            self._wake.set()
+        return True
+
+    def drop(self, ino: int) -> None:
+        """Forget the cached record of ``ino`` at the next commit (stale or corrupt)."""
+        self.drops.add(ino)
+        self._wake.set()
+
+    def pin(self, chunk_id: int) -> bool:
+        """Keep a chunk from eviction while it is read. False if it is being evicted."""
+        if chunk_id in self.evicting:
+            return False
+        self.pins[chunk_id] += 1
+        return True
+
+    def unpin(self, chunk_id: int) -> None:
+        self.pins[chunk_id] -= 1
+        if self.pins[chunk_id] <= 0:
+            del self.pins[chunk_id]
+
+    # ----- the task ------------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Seal chunks as they fill or age, until :meth:`close`."""
+        task_status.started()
+        while True:
+            with trio.move_on_after(max(0.05, self.cfg.flush_interval / 4)):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            aged = self.open and time.monotonic() - self.open_since >= self.cfg.flush_interval
+            if self._closing or self.open_bytes >= self.cfg.chunk_size or aged or self.drops:
+                await self._seal()
+            if self._closing and not self.open and not self.drops:
+                self._idle.set()
+                return
+
+    async def close(self) -> None:
+        """Seal what is open and stop the task (used at unmount)."""
+        self._closing = True
+        self._wake.set()
+        await self._idle.wait()
+
+    async def flush(self) -> None:
+        """Seal and commit everything queued so far (tests and clean shutdown)."""
+        if self.open or self.drops:
+            await self._seal()
+        async with self._limiter:  # FIFO: returns once any commit in flight is done
+            pass
+
+    async def _seal(self) -> None:
+        if not self.open and not self.drops:
+            return
+        records, drops = self._take_batch()
+        new_len = CHUNK_HEADER_SIZE + sum(r.encoded_len for r in records)
+        victims: list[int] = []
+        write = bool(records)
+        if records:
+            used = self.index.counter(S.K_CHUNK_BYTES)
+            need = max(used + new_len - self.cfg.cache_size,
+                       self.cfg.min_free - (self.disk_free - new_len), 0)
+            if need > 0:
+                victims = self.policy.victims(need, exclude=set(self.pins))
+                freed = sum(c.length for c in (self.index.get_chunk(v) for v in victims) if c)
+                if freed < need:
+                    # cannot make room (everything pinned, or one chunk bigger than the cache)
+                    victims, write = [], False
+                    self.counters.cache_skipped += len(records)
+        for v in victims:
+            self.evicting.add(v)
+            self.memtier.discard(v)
+        cid = self._next_chunk
+        if write:
+            self._next_chunk += 1
+        self.sealing_bytes += new_len
+        try:
+            async with self._limiter:
+                res = await trio.to_thread.run_sync(self._commit, cid, records if write else [],
+                                                    victims, drops)
+        finally:
+            self.sealing_bytes -= new_len
+            self.evicting.difference_update(victims)
+        self.disk_free = res.disk_free
+        for c in res.evicted:
+            self.policy.on_remove(c.chunk_id)
+        self.counters.chunks_evicted += len(res.evicted)
+        if res.error is not None:
+            self.counters.write_errors += 1
+            self.counters.cache_skipped += len(records)
+            self.backoff_until = time.monotonic() + WRITE_BACKOFF
+            log.warning("cache write failed (%s); serving from the source for %.0f s",
+                        res.error, WRITE_BACKOFF)
+        elif res.written is not None:
+            self.policy.on_insert(cid, res.written[2])
+            self.counters.chunks_written += 1
+        for r in records:
+            if self.pending.get(r.ino) is r:
+                del self.pending[r.ino]
+
+    def _take_batch(self) -> tuple[list[Pending], set[int]]:
+        records, self.open, self.open_bytes = self.open, [], 0
+        drops, self.drops = self.drops, set()
+        return records, drops
+
+    # ----- worker thread -------------------------------------------------------------
+
+    def _commit(self, cid: int, records: list[Pending], victims: list[int], drops: set[int]
+                ) -> _Result:
+        res = _Result()
+        metas = []
+        if records:
+            data, metas = encode_chunk(cid, [
+                RecordIn(r.ino, r.key, r.ident.mtime_ns, r.ident.src_ino, r.data) for r in records])
+            try:
+                if self.logs.needs_new_log(len(data)):
+                    self.logs.start_log(self._next_log)
+                    self._next_log += 1
+                log_id, off = self.logs.append(data)
+                res.written = (log_id, off, len(data))
+            except OSError as e:
+                res.error = e
+        with self.index.write() as w:
+            for v in victims:
+                c = w.drop_chunk(v)
+                if c is not None:
+                    res.evicted.append(c)
+            for ino in drops:
+                w.drop_record(ino)
+            if res.written is not None:
+                log_id, off, length = res.written
+                for m, r in zip(metas, records, strict=True):
+                    e = w.get_entry(r.ino)
+                    if e is None or identity(e) != r.ident:
+                        continue  # changed or removed while it waited: never index it
+                    w.put_record(r.ino, Record(cid, log_id, off + m.data_offset, m.size,
+                                               m.data_xxh, m.mtime_ns, m.src_ino))
+                    res.indexed.append(r.ino)
+                w.put_chunk(Chunk(cid, log_id, off, length, time.time_ns(),
+                                  tuple(r.ino for r in records)))
+                w.set_meta(S.K_NEXT_CHUNK, _u64(cid + 1))
+            w.set_meta(S.K_NEXT_LOG, _u64(self._next_log))
+        for c in res.evicted:
+            self.logs.release(c.log_id, c.offset, c.length)
+        res.disk_free = _free_bytes(self.cfg.cache_dir)
+        return res
+
+
+def _u64(n: int) -> bytes:
+    return n.to_bytes(8, "little")
+
+
+def _meta_u64(index: Index, key: bytes) -> int:
+    v = index.get_meta(key)
+    return int.from_bytes(v, "little") if v else 0
+
+
+def _free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize

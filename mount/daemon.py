@@ -1,0 +1,163 @@
+"""Running a mount: lock the cache, start the engine, mount, serve, unmount, commit.
+
+Order at start: take the cache lock (a second daemon on the same cache refuses), open the
+index, recover the logs, scan the source if needed (with progress), mount, then report
+"ready" to the waiting parent. At stop (SIGINT/SIGTERM, or the kernel unmounting): stop
+serving, unmount, seal and commit what is pending, close the index, drop the lock.
+
+The daemon never makes a call on its own mountpoint (it would deadlock).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import logging.handlers
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pyfuse3
+import trio
+
+from dlcachefs.config import Config
+from dlcachefs.control import ControlState
+from dlcachefs.engine import Engine
+from dlcachefs.errors import DlcError
+from dlcachefs.lock import CacheLock
+from dlcachefs.namespace import is_dir
+
+from .ops import Operations
+
+log = logging.getLogger("dlcachefs")
+
+Reporter = Callable[[str], None]
+
+
+def setup_logging(cfg: Config) -> None:
+    root = logging.getLogger()
+    root.setLevel(cfg.log_level.upper())
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.makedirs(cfg.cache_dir, exist_ok=True)
+    fh = logging.handlers.RotatingFileHandler(
+        os.path.join(cfg.cache_dir, "dlcachefs.log"), maxBytes=10 << 20, backupCount=3)
+    fh.setFormatter(fmt)
+    root.addHandler(fh)
+    if cfg.foreground:
+        sh = logging.StreamHandler(sys.stderr)
+        sh.setFormatter(fmt)
+        root.addHandler(sh)
+
+
+def _fuse_mounted_at(path: str) -> bool:
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) > 2 and parts[1].encode().decode("unicode_escape") == path \
+                    and parts[2].startswith("fuse"):
+                return True
+    return False
+
+
+def check_mountpoint(path: str) -> None:
+    """Refuse a mountpoint that is not a directory or is in use; clean a stale FUSE mount
+    (one whose daemon died, for example by ``kill -9``: every call on it fails ENOTCONN)."""
+    if _fuse_mounted_at(path):
+        try:
+            os.statvfs(path)  # needs a live daemon; the kernel cannot answer from its cache
+        except OSError as e:
+            if e.errno != errno.ENOTCONN:
+                raise DlcError(f"mountpoint {path}: {e.strerror}") from None
+            log.warning("mountpoint %s is a stale FUSE mount; unmounting it", path)
+            subprocess.run(["fusermount3", "-u", "-z", path], check=False,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        else:
+            raise DlcError(f"{path} is already a mount point")
+    try:
+        st_ok = os.path.isdir(path)
+    except OSError as e:
+        raise DlcError(f"mountpoint {path}: {e.strerror}") from None
+    if not os.path.exists(path):
+        raise DlcError(f"mountpoint does not exist: {path}")
+    if not st_ok:
+        raise DlcError(f"mountpoint is not a directory: {path}")
+    if os.path.ismount(path):
+        raise DlcError(f"{path} is already a mount point")
+
+
+def fuse_options(cfg: Config) -> set[str]:
+    opts = {"fsname=dlcachefs", "subtype=dlcachefs", "default_permissions", "noatime"}
+    if cfg.allow_other:
+        opts.add("allow_other")
+    return opts
+
+
+def run(cfg: Config, report: Reporter) -> int:
+    """Run a mount until it is unmounted. ``report`` sends lines to the waiting parent:
+    ``progress ...`` while scanning, ``ready`` once mounted, ``error ...`` on failure."""
+    lock = CacheLock(cfg.cache_dir)
+    engine: Engine | None = None
+    mounted = False
+    try:
+        check_mountpoint(cfg.mountpoint)
+        lock.acquire(cfg.mountpoint)
+        engine = Engine(cfg)
+
+        def progress(entries: int, dirs: int, elapsed: float) -> None:
+            report(f"progress {entries} {dirs} {elapsed:.1f}")
+
+        info = engine.start(progress=progress)
+        log.info("started: %s", info)
+
+        def resolve_dir(rel: str) -> int:
+            e = engine.ns.resolve(os.fsencode(rel))
+            if not is_dir(e):
+                raise DlcError("not a directory")
+            return e.ino
+
+        ops = Operations(engine, ControlState(resolve_dir))
+        pyfuse3.init(ops, cfg.mountpoint, fuse_options(cfg))
+        mounted = True
+    except (DlcError, OSError, RuntimeError, ValueError) as e:
+        report(f"error {e}")
+        log.error("mount failed: %s", e)
+        if engine is not None:
+            engine.close_files()
+        lock.release()
+        return 1
+    try:
+        trio.run(_serve, engine, ops, report)
+    finally:
+        engine.close_files()
+        lock.release()
+        log.info("stopped; index committed")
+    return 0
+
+
+async def _serve(engine: Engine, ops: Operations, report: Reporter) -> None:
+    signalled = False
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        nursery.start_soon(ops.invalidation_worker)
+
+        async def on_signals() -> None:
+            nonlocal signalled
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as sigs:
+                async for sig in sigs:
+                    log.info("got %s; unmounting", signal.Signals(sig).name)
+                    signalled = True
+                    pyfuse3.terminate()
+
+        nursery.start_soon(on_signals)
+        report("ready")
+        try:
+            await pyfuse3.main(min_tasks=4, max_tasks=64)
+        finally:
+            # The kernel mount goes first (nobody waits on a daemon that no longer
+            # answers); then what is pending is sealed and committed.
+            pyfuse3.close(unmount=signalled)
+            with trio.CancelScope(shield=True):
+                await engine.close()
+            nursery.cancel_scope.cancel()

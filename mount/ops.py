@@ -1,0 +1,270 @@
+"""pyfuse3 ``Operations`` over the core :class:`~dlcachefs.engine.Engine`.
+
+Runs on the trio loop. Kernel caching: entries and attributes are cached for
+``--revalidate`` seconds (the same window in which the core trusts its snapshot), and
+``keep_cache`` is set for files served from the cache, so the kernel keeps their pages.
+FLUSH is answered once with ENOSYS, after which the kernel stops sending it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+
+import pyfuse3
+import trio
+
+from dlcachefs.control import ControlState
+from dlcachefs.engine import Engine
+from dlcachefs.errors import NotFound, PermissionDenied, ReadOnly
+from dlcachefs.namespace import ROOT_INO
+from dlcachefs.schema import Entry
+
+from . import virtual as V
+from .errmap import fuse_errors
+
+log = logging.getLogger(__name__)
+
+
+class _VHandle:
+    __slots__ = ("ino", "data", "pid")
+
+    def __init__(self, ino: int, data: bytes, pid: int) -> None:
+        self.ino, self.data, self.pid = ino, data, pid
+
+
+class Operations(pyfuse3.Operations):
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(self, engine: Engine, control: ControlState) -> None:
+        super().__init__()
+        self.engine = engine
+        self.ns = engine.ns
+        self.control = control
+        self.vattrs = V.VirtualAttrs()
+        self.timeout = float(engine.cfg.revalidate)
+        self._dirs: dict[int, list[tuple[bytes, int]]] = {}
+        self._next_dh = 1
+        self._vfh: dict[int, _VHandle] = {}
+        self._next_vfh = V.VFH_BASE
+        self._inval_send, self._inval_recv = trio.open_memory_channel[tuple](1000)
+        self.ns.on_invalidate = self._queue_invalidation
+
+    # ----- attributes ----------------------------------------------------------------
+
+    def _attrs(self, e: Entry) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = e.ino
+        a.generation = 0
+        a.entry_timeout = self.timeout
+        a.attr_timeout = self.timeout
+        a.st_mode = e.mode
+        a.st_nlink = e.nlink
+        a.st_uid = e.uid
+        a.st_gid = e.gid
+        a.st_rdev = e.rdev
+        a.st_size = e.size
+        a.st_blksize = 4096
+        a.st_blocks = e.blocks
+        a.st_atime_ns = e.atime_ns
+        a.st_mtime_ns = e.mtime_ns
+        a.st_ctime_ns = e.ctime_ns
+        return a
+
+    def _vattrs(self, ino: int) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = ino
+        a.entry_timeout = 1.0
+        a.attr_timeout = 1.0
+        a.st_mode = V.MODES[ino]
+        a.st_nlink = 2 if ino == V.VDIR_INO else 1
+        a.st_uid, a.st_gid = self.vattrs.uid, self.vattrs.gid
+        a.st_size = 0
+        a.st_blksize = 4096
+        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = self.vattrs.time_ns
+        return a
+
+    # ----- lookups ---------------------------------------------------------------------
+
+    @fuse_errors
+    async def lookup(self, parent_inode, name, ctx=None):
+        if parent_inode == ROOT_INO and name == V.VDIR_NAME:
+            return self._vattrs(V.VDIR_INO)
+        if parent_inode == V.VDIR_INO:
+            if name in V.FILES:
+                return self._vattrs(V.FILES[name])
+            raise NotFound(os.fsdecode(name))
+        return self._attrs(self.ns.lookup(parent_inode, name))
+
+    @fuse_errors
+    async def getattr(self, inode, ctx=None):
+        if inode in V.VIRTUAL:
+            return self._vattrs(inode)
+        return self._attrs(self.ns.get(inode))
+
+    @fuse_errors
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        # The only change allowed anywhere: truncating the control file to 0, which
+        # `echo ... > control` asks for. It has no effect (writes are not stored).
+        if (inode == V.CONTROL_INO and fields.update_size and attr.st_size == 0
+                and not (fields.update_mode or fields.update_uid or fields.update_gid)):
+            return self._vattrs(inode)
+        raise ReadOnly("read-only mirror")
+
+    @fuse_errors
+    async def readlink(self, inode, ctx):
+        e = self.ns.get(inode)
+        if not stat.S_ISLNK(e.mode):
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        return e.target
+
+    @fuse_errors
+    async def forget(self, inode_list):
+        return  # inodes are persistent; nothing to free
+
+    # ----- directories -------------------------------------------------------------------
+
+    @fuse_errors
+    async def opendir(self, inode, ctx):
+        if inode == V.VDIR_INO:
+            listing = [(b".", inode), (b"..", ROOT_INO), *sorted(V.FILES.items())]
+        else:
+            e = await self.ns.fresh_dir(inode)
+            listing = [(b".", inode), (b"..", e.parent or ROOT_INO), *self.ns.children(inode)]
+        dh = self._next_dh
+        self._next_dh += 1
+        self._dirs[dh] = listing
+        return dh
+
+    @fuse_errors
+    async def readdir(self, fh, start_id, token):
+        listing = self._dirs[fh]
+        for i in range(start_id, len(listing)):
+            name, ino = listing[i]
+            try:
+                attrs = self._vattrs(ino) if ino in V.VIRTUAL else self._attrs(self.ns.get(ino))
+            except NotFound:
+                continue  # removed since opendir
+            if not pyfuse3.readdir_reply(token, name, attrs, i + 1):
+                break
+
+    @fuse_errors
+    async def releasedir(self, fh):
+        self._dirs.pop(fh, None)
+
+    # ----- files -------------------------------------------------------------------------
+
+    @fuse_errors
+    async def open(self, inode, flags, ctx):
+        if inode in V.VIRTUAL:
+            return self._open_virtual(inode, flags, ctx)
+        if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
+            raise ReadOnly("read-only mirror")
+        r = await self.engine.open(inode)
+        return pyfuse3.FileInfo(fh=r.fh, keep_cache=r.keep_cache, direct_io=r.direct_io)
+
+    def _open_virtual(self, inode: int, flags: int, ctx) -> pyfuse3.FileInfo:
+        writing = flags & os.O_ACCMODE != os.O_RDONLY
+        if inode == V.VDIR_INO:
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        if writing and inode != V.CONTROL_INO:
+            raise ReadOnly("only .dlcache/control is writable")
+        if inode == V.CONTROL_INO and ctx.uid not in (self.vattrs.uid, 0):
+            raise PermissionDenied("the control file belongs to the mount's owner")
+        if inode == V.STATS_INO:
+            import json  # noqa: PLC0415  (only here)
+
+            data = (json.dumps(self.engine.stats(), indent=2) + "\n").encode()
+        elif inode == V.ERRORS_INO:
+            data = self.control.errors_text()
+        else:
+            data = b"" if writing else self.control.state_text()
+        fh = self._next_vfh
+        self._next_vfh += 1
+        self._vfh[fh] = _VHandle(inode, data, ctx.pid)
+        return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False, nonseekable=False)
+
+    @fuse_errors
+    async def read(self, fh, off, size):
+        if fh >= V.VFH_BASE:
+            return self._vfh[fh].data[off : off + size]
+        return await self.engine.read(fh, off, size)
+
+    @fuse_errors
+    async def write(self, fh, off, buf):
+        vh = self._vfh.get(fh) if fh >= V.VFH_BASE else None
+        if vh is None or vh.ino != V.CONTROL_INO:
+            raise ReadOnly("read-only mirror")
+        return self.control.apply(bytes(buf), vh.pid)
+
+    @fuse_errors
+    async def release(self, fh):
+        if fh >= V.VFH_BASE:
+            self._vfh.pop(fh, None)
+        else:
+            self.engine.release(fh)
+
+    async def flush(self, fh):
+        raise pyfuse3.FUSEError(errno.ENOSYS)  # the kernel then stops sending FLUSH
+
+    async def fsync(self, fh, datasync):
+        return
+
+    @fuse_errors
+    async def access(self, inode, mode, ctx):
+        if mode & os.W_OK and inode != V.CONTROL_INO:
+            raise ReadOnly("read-only mirror")
+
+    @fuse_errors
+    async def statfs(self, ctx):
+        st = await trio.to_thread.run_sync(self.engine.source.statvfs,
+                                           limiter=self.engine.source_limiter)
+        s = pyfuse3.StatvfsData()
+        s.f_bsize, s.f_frsize = st.f_bsize, st.f_frsize
+        s.f_blocks, s.f_bfree, s.f_bavail = st.f_blocks, 0, 0
+        s.f_files, s.f_ffree, s.f_favail = st.f_files, 0, 0
+        s.f_namemax = st.f_namemax
+        return s
+
+    # ----- extended attributes: none ---------------------------------------------------
+
+    async def getxattr(self, inode, name, ctx):
+        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+
+    async def listxattr(self, inode, ctx):
+        return []
+
+    # ----- every modification: EROFS -----------------------------------------------------
+
+    async def _erofs(self, *args, **kwargs):
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    create = mkdir = mknod = symlink = link = unlink = rmdir = rename = _erofs
+    setxattr = removexattr = _erofs
+
+    # ----- kernel cache invalidation -------------------------------------------------------
+
+    def _queue_invalidation(self, kind: str, parent: int, name: bytes | None, ino: int | None
+                            ) -> None:
+        try:
+            self._inval_send.send_nowait((kind, parent, name, ino))
+        except trio.WouldBlock:
+            log.warning("kernel invalidation queue full; an entry may stay cached until "
+                        "its timeout")
+
+    async def invalidation_worker(self) -> None:
+        """Tell the kernel about source changes, from a thread: the notify calls may block
+        on kernel locks, and must never run inside the request that caused them."""
+        async for kind, parent, name, ino in self._inval_recv:
+            try:
+                if kind == "entry" and name:
+                    await trio.to_thread.run_sync(pyfuse3.invalidate_entry, parent, name)
+                elif ino is not None:
+                    await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, False)
+            except OSError as e:
+                if e.errno != errno.ENOENT:  # the kernel did not know it: nothing to do
+                    log.debug("invalidate %s %s: %s", kind, ino or name, e)

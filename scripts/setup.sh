@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Set up a fresh Debian/Ubuntu machine for dlcachefs: system packages, a venv in .venv,
+# the package itself (editable) with its test, torch and bench extras.
+# Idempotent: a second run only checks. Run as root or with sudo available.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PKGS=(fuse3 libfuse3-dev pkg-config python3-venv python3-dev gcc)
+# Used by bench/ only (a slow remote over sshfs, rclone as a peer).
+BENCH_PKGS=(sshfs openssh-server openssh-client rclone iproute2 procps)
+
+missing=()
+for p in "${APT_PKGS[@]}" ${DLCACHEFS_BENCH:+"${BENCH_PKGS[@]}"}; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  echo "setup: installing system packages: ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  "$PY" -m venv .venv
+fi
+VPIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+# torch: the package needs torch>=2.1 only; this pin is the pair that imports together on a
+# CPU-only machine with Python 3.11 (torchvision has no CPU wheel on PyPI).
+TORCH_PIN=${DLCACHEFS_TORCH_PIN:-"torch==2.12.0 torchvision==0.27.0"}
+if ! .venv/bin/python -c "import torch, torchvision" >/dev/null 2>&1; then
+  echo "setup: installing $TORCH_PIN (large download, about two minutes)"
+  # shellcheck disable=SC2086
+  "${VPIP[@]}" install $TORCH_PIN
+fi
+"${VPIP[@]}" install -e ".[test,bench,torch]"
+echo "setup: ready (.venv/bin/dlcachefs)"
