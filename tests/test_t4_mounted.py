@@ -1,0 +1,382 @@
+"""Mounted tests: a real dlcachefs daemon in a subprocess, read through the kernel."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import requires_fuse
+from mounting import DLCACHEFS, drop_page_cache, fuse_mounted, read_tree
+
+from dlcachefs.index import Index
+
+pytestmark = requires_fuse
+
+
+def make_tree(root: Path, n_files: int = 60, seed: int = 1) -> dict[str, bytes]:
+    """A source tree with nested dirs, odd names, symlinks, empty files and dirs."""
+    rnd = random.Random(seed)
+    files: dict[str, bytes] = {}
+    for i in range(n_files):
+        d = root / f"cls{i % 4}" / ("sub" if i % 7 == 0 else "")
+        d.mkdir(parents=True, exist_ok=True)
+        size = rnd.choice([0, 1, 100, 4096, 30_000, 110_000, 250_000])
+        data = rnd.randbytes(size)
+        p = d / f"f{i:03d}.bin"
+        p.write_bytes(data)
+        files[str(p.relative_to(root))] = data
+    (root / "empty_dir").mkdir()
+    (root / "name with spaces é.txt").write_bytes(b"spaces\n")
+    files["name with spaces é.txt"] = b"spaces\n"
+    os.symlink("cls1/f001.bin", root / "link_to_file")
+    os.symlink("../cls1", root / "cls0" / "link_to_dir")
+    os.symlink("/etc/hostname", root / "abs_link")
+    bad = os.fsencode(str(root)) + b"/bad_\xff_name"
+    with open(bad, "wb") as f:
+        f.write(b"non-utf8 name\n")
+    os.chmod(root / "cls1" / "f001.bin", 0o600)
+    return files
+
+
+def listing(root: Path) -> list[str]:
+    out = subprocess.run(["find", ".", "-printf", r"%p|%y|%s|%m|%T@|%l|%n|%U|%G\n"],
+                         cwd=root, capture_output=True, check=True).stdout
+    return sorted(out.decode("utf-8", "surrogateescape").splitlines())
+
+
+@pytest.fixture
+def src(tmp_path):
+    root = tmp_path / "src"
+    root.mkdir()
+    make_tree(root)
+    return root
+
+
+def test_tree_and_bytes_match_the_source(src, mount):
+    m = mount(src)
+    assert subprocess.run(["diff", "-r", "--no-dereference", str(src), str(m.mnt)]).returncode == 0
+    assert listing(m.mnt) == listing(src)
+    du = lambda p, *a: subprocess.run(["du", "-s", *a, str(p)], capture_output=True,  # noqa: E731
+                                      text=True, check=True).stdout.split()[0]
+    assert du(m.mnt) == du(src)
+    assert du(m.mnt, "--apparent-size") == du(src, "--apparent-size")
+    stat = lambda p: subprocess.run(["stat", "-c", "%s %a %Y %F %h", str(p)],  # noqa: E731
+                                    capture_output=True, text=True, check=True).stdout
+    for rel in ["cls1/f001.bin", "cls0", "link_to_file", "empty_dir"]:
+        assert stat(m.mnt / rel) == stat(src / rel)
+    cat = subprocess.run(["cat", str(m.mnt / "cls2" / "f002.bin")], capture_output=True, check=True)
+    assert cat.stdout == (src / "cls2" / "f002.bin").read_bytes()
+    assert os.readlink(m.mnt / "link_to_file") == "cls1/f001.bin"
+    assert os.listdir(os.fsencode(str(m.mnt))) .count(b"bad_\xff_name") == 1
+    assert (m.mnt / "link_to_file").read_bytes() == (src / "cls1" / "f001.bin").read_bytes()
+
+
+def test_second_pass_is_served_from_the_cache(src, mount):
+    m = mount(src)
+    first = read_tree(m.mnt)
+    assert first == read_tree(src)
+    n = m.stats()["files"]
+    st1 = m.wait_cached(n)
+    drop_page_cache()
+    assert read_tree(m.mnt) == first
+    st2 = m.stats()
+    assert st2["bytes_from_source"] == st1["bytes_from_source"]
+    assert st2["hits"] > st1["hits"]
+
+
+def test_kill9_then_remount_serves_from_the_log(src, mount):
+    m = mount(src)
+    expected = read_tree(m.mnt)
+    m.wait_cached(m.stats()["files"])
+    m.kill9()
+    assert fuse_mounted(m.mnt)  # the dead daemon left a stale mount; the next mount cleans it
+    m2 = mount(src, name="mnt")
+    drop_page_cache()
+    assert read_tree(m2.mnt) == expected
+    st = m2.stats()
+    assert st["bytes_from_source"] == 0 and st["misses"] == 0 and st["hits"] > 0
+
+
+def test_sigterm_commits_pending_records(src, mount):
+    m = mount(src)
+    expected = read_tree(m.mnt)  # then stop at once: records are still pending in memory
+    m.proc.terminate()
+    assert m.proc.wait(timeout=60) == 0
+    assert not fuse_mounted(m.mnt)
+    m2 = mount(src)
+    assert read_tree(m2.mnt) == expected
+    assert m2.stats()["bytes_from_source"] == 0
+
+
+def test_torn_tail_after_crash_is_dropped(src, mount, tmp_path):
+    m = mount(src)
+    expected = read_tree(m.mnt)
+    m.wait_cached(m.stats()["files"])
+    m.kill9()
+    logs = sorted((tmp_path / "cache" / "logs").iterdir())
+    with open(logs[-1], "ab") as f:  # a chunk that was being appended when the power went
+        f.write(b"DLCCHNK1" + os.urandom(5000))
+    m2 = mount(src)
+    assert read_tree(m2.mnt) == expected
+    assert m2.stats()["bytes_from_source"] == 0
+
+
+def test_corrupted_chunk_byte_is_refetched(src, mount, tmp_path):
+    m = mount(src)
+    expected = read_tree(m.mnt)
+    m.wait_cached(m.stats()["files"])
+    m.umount()
+    ix = Index(str(tmp_path / "cache" / "meta.lmdb"))
+    try:
+        ino, rec = next((i, r) for i, r in ix.iter_records() if r.size > 1000)
+        name = ix.get_entry(ino).name
+    finally:
+        ix.close()
+    log = tmp_path / "cache" / "logs" / f"{rec.log_id:08d}.log"
+    with open(log, "r+b") as f:
+        f.seek(rec.offset + rec.size // 2)
+        b = f.read(1)
+        f.seek(rec.offset + rec.size // 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    m2 = mount(src)
+    drop_page_cache()
+    assert read_tree(m2.mnt) == expected
+    st = m2.stats()
+    assert st["checksum_failures"] >= 1
+    assert st["bytes_from_source"] >= rec.size  # the damaged file came from the source again
+    assert name  # the record we damaged belonged to a real file
+
+
+def test_modified_source_file_gives_new_bytes(src, mount):
+    m = mount(src, "--revalidate", "0")
+    p = "cls3/f003.bin"
+    old = (m.mnt / p).read_bytes()
+    assert old == (src / p).read_bytes()
+    m.wait_cached(1)
+    new = os.urandom(len(old) + 777)
+    (src / p).write_bytes(new)
+    assert (m.mnt / p).read_bytes() == new
+    # same size, new content and mtime
+    same = os.urandom(len(new))
+    (src / p).write_bytes(same)
+    os.utime(src / p, ns=(time.time_ns(), time.time_ns() + 5_000_000_000))
+    assert (m.mnt / p).read_bytes() == same
+    assert m.stats()["stale_refetches"] >= 1
+    # a new file appears in a listing, a removed one disappears
+    (src / "cls3" / "brand_new.bin").write_bytes(b"new")
+    (src / "cls3" / "f007.bin").unlink(missing_ok=True)
+    names = os.listdir(m.mnt / "cls3")
+    assert "brand_new.bin" in names and "f007.bin" not in names
+    assert (m.mnt / "cls3" / "brand_new.bin").read_bytes() == b"new"
+
+
+def test_vanished_source_file_is_enoent(src, mount):
+    m = mount(src, "--revalidate", "0")
+    (src / "cls2" / "f002.bin").unlink()
+    with pytest.raises(FileNotFoundError):
+        (m.mnt / "cls2" / "f002.bin").read_bytes()
+
+
+def _errno_of(fn) -> int:
+    try:
+        fn()
+    except OSError as e:
+        return e.errno
+    return 0
+
+
+def test_every_modification_is_erofs(src, mount):
+    m = mount(src)
+    f = m.mnt / "cls0" / "f004.bin"
+    d = m.mnt / "cls0"
+    checks = {
+        "open w": lambda: open(f, "wb"),
+        "open r+": lambda: open(f, "r+b"),
+        "open a": lambda: open(f, "ab"),
+        "create": lambda: open(d / "new", "wb"),
+        "mkdir": lambda: os.mkdir(d / "newdir"),
+        "unlink": lambda: os.unlink(f),
+        "rmdir": lambda: os.rmdir(m.mnt / "empty_dir"),
+        "rename": lambda: os.rename(f, d / "renamed"),
+        "symlink": lambda: os.symlink("x", d / "ln"),
+        "link": lambda: os.link(f, d / "hard"),
+        "mknod": lambda: os.mkfifo(d / "fifo"),
+        "chmod": lambda: os.chmod(f, 0o777),
+        "chown": lambda: os.chown(f, 1, 1),
+        "truncate": lambda: os.truncate(f, 0),
+        "utime": lambda: os.utime(f, (1, 1)),
+        "setxattr": lambda: os.setxattr(f, "user.x", b"1"),
+        "removexattr": lambda: os.removexattr(f, "user.x"),
+    }
+    got = {name: _errno_of(fn) for name, fn in checks.items()}
+    assert got == {name: errno.EROFS for name in checks}, got
+    assert f.read_bytes() == (src / "cls0" / "f004.bin").read_bytes()
+
+
+def test_dlcache_is_hidden_but_reachable(src, mount):
+    m = mount(src)
+    assert ".dlcache" not in os.listdir(m.mnt)
+    assert sorted(os.listdir(m.mnt)) == sorted(os.listdir(src))
+    assert sorted(os.listdir(m.mnt / ".dlcache")) == ["control", "errors", "stats"]
+    st = json.loads(subprocess.run(["cat", str(m.mnt / ".dlcache" / "stats")],
+                                   capture_output=True, check=True).stdout)
+    for key in ["files", "bytes_total", "cached_files", "cached_bytes", "hits", "misses",
+                "bytes_from_source", "bytes_from_cache", "chunks", "cache_limit_bytes",
+                "checksum_failures", "stale_refetches"]:
+        assert isinstance(st[key], int), key
+    assert st["files"] == sum(1 for _ in read_tree(src)) 
+    assert _errno_of(lambda: open(m.mnt / ".dlcache" / "stats", "wb")) == errno.EROFS
+
+
+def test_control_lines_refused_with_reason(src, mount):
+    m = mount(src)
+    ctl = m.mnt / ".dlcache" / "control"
+
+    def write(data: bytes) -> int:
+        fd = os.open(ctl, os.O_WRONLY | os.O_TRUNC)
+        try:
+            os.write(fd, data)
+        except OSError as e:
+            return e.errno
+        finally:
+            os.close(fd)
+        return 0
+
+    assert write(b"job train1\ndataset cls1\n") == 0
+    state = json.loads(ctl.read_bytes())
+    assert state["jobs"]["train1"]["dataset"] == "cls1"
+    bad = [b"frobnicate 3\n", b"job\n", b"job a b\n", b"job bad/name\n", b"dataset ../etc\n",
+           b"dataset /abs\n", b"dataset missing_dir\n", b"dataset cls0/f004.bin\n",
+           b"job ok\nnonsense\n", b"\xff\xfe\n", b"x" * (1 << 20)]
+    for data in bad:
+        assert write(data) == errno.EINVAL, data[:40]
+    errors = (m.mnt / ".dlcache" / "errors").read_text()
+    assert "unknown command 'frobnicate'" in errors
+    assert "not UTF-8" in errors
+    assert "not a directory" in errors
+    # nothing already accepted was lost, and the half-bad write changed nothing
+    state2 = json.loads(ctl.read_bytes())
+    assert state2["jobs"] == state["jobs"]
+    # the shell way works too
+    r = subprocess.run(["bash", "-c", f"echo 'dataset cls2' > '{ctl}'"], capture_output=True)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(["bash", "-c", f"echo 'bogus' > '{ctl}'"], capture_output=True, text=True)
+    assert r.returncode != 0 and "Invalid argument" in r.stderr
+
+
+def test_second_daemon_on_the_same_cache_refuses(src, mount, tmp_path):
+    mount(src)
+    other = tmp_path / "mnt2"
+    other.mkdir()
+    r = subprocess.run([*DLCACHEFS, "mount", str(src), str(other), "--cache-dir",
+                        str(tmp_path / "cache")], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "in use by another dlcachefs daemon" in r.stderr
+    assert not fuse_mounted(other)
+
+
+def test_bad_mount_arguments_fail_clearly(tmp_path):
+    r = subprocess.run([*DLCACHEFS, "mount", str(tmp_path / "nope"), str(tmp_path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "not a directory" in r.stderr
+    (tmp_path / "s").mkdir()
+    r = subprocess.run([*DLCACHEFS, "mount", str(tmp_path / "s"), str(tmp_path / "missing"),
+                        "--cache-dir", str(tmp_path / "c")], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode != 0 and "mountpoint does not exist" in r.stderr
+
+
+def test_daemonized_mount_and_umount_while_a_file_is_open(src, tmp_path):
+    mnt = tmp_path / "dmnt"
+    mnt.mkdir()
+    r = subprocess.run([*DLCACHEFS, "mount", str(src), str(mnt), "--cache-dir",
+                        str(tmp_path / "dcache")], capture_output=True, text=True, timeout=120)
+    try:
+        assert r.returncode == 0, r.stderr
+        pid = json.loads((mnt / ".dlcache" / "stats").read_bytes())["pid"]
+        f = open(mnt / "cls0" / "f004.bin", "rb")  # noqa: SIM115
+        r = subprocess.run([*DLCACHEFS, "umount", str(mnt)], capture_output=True, text=True)
+        assert r.returncode == 0 and "lazily" in r.stderr
+        assert f.read() == (src / "cls0" / "f004.bin").read_bytes()
+        f.close()
+        for _ in range(600):
+            if not os.path.exists(f"/proc/{pid}"):
+                break
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{pid}")
+    finally:
+        if fuse_mounted(mnt):
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)])
+
+
+def test_fstab_helper_mounts(src, tmp_path):
+    mnt = tmp_path / "fmnt"
+    mnt.mkdir()
+    helper = [sys.executable, "-c", "import sys; from dlcachefs.cli import mount_helper_main as m; sys.exit(m())"]
+    r = subprocess.run([*helper, str(src), str(mnt), "-o",
+                        f"rw,noauto,cache_dir={tmp_path / 'fcache'},revalidate=0,x-systemd.automount"],
+                       capture_output=True, text=True, timeout=120)
+    try:
+        assert r.returncode == 0, r.stderr
+        st = json.loads((mnt / ".dlcache" / "stats").read_bytes())
+        assert st["revalidate_s"] == 0 and st["cache_dir"] == str(tmp_path / "fcache")
+    finally:
+        subprocess.run([*DLCACHEFS, "umount", str(mnt)], capture_output=True)
+        if fuse_mounted(mnt):
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)])
+
+
+def test_full_cache_disk_falls_back_to_the_source(src, mount, tmp_path):
+    small = tmp_path / "tiny"
+    small.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(small)],
+                       capture_output=True)
+    if r.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        m = mount(src, "--min-free", "0", "--chunk-size", "256K", cache=small / "cache")
+        expected = read_tree(src)
+        assert read_tree(m.mnt) == expected
+        time.sleep(3)  # let the writer try (and fail) to seal; no assertion on timing
+        drop_page_cache()
+        assert read_tree(m.mnt) == expected
+        st = m.stats()
+        assert st["write_errors"] + st["cache_skipped"] > 0
+        m.cleanup()
+    finally:
+        subprocess.run(["umount", "-l", str(small)])
+
+
+def test_cache_size_limit_evicts_whole_chunks(src, mount):
+    m = mount(src, "--cache-size", "600K", "--chunk-size", "128K")
+    expected = read_tree(src)
+    for _ in range(2):
+        assert read_tree(m.mnt) == expected
+        time.sleep(2.5)
+        drop_page_cache()
+    st = m.stats()
+    assert st["chunk_bytes"] <= 600 * 1024
+    assert st["chunks_evicted"] > 0
+
+
+def test_symlink_swapped_in_after_the_scan_is_not_followed(tmp_path, mount):
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "f").write_bytes(b"inside")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "f").write_bytes(b"SECRET")
+    m = mount(src)
+    assert os.listdir(m.mnt / "d") == ["f"]
+    (src / "d" / "f").unlink()
+    (src / "d").rmdir()
+    os.symlink(outside, src / "d")
+    assert _errno_of(lambda: (m.mnt / "d" / "f").read_bytes()) in (errno.EACCES, errno.ESTALE,
+                                                                   errno.ENOENT)
