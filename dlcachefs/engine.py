@@ -111,6 +111,7 @@ class Engine:
         self.handles: dict[int, Handle] = {}
         self._next_fh = 1
         self._inflight: dict[int, _Inflight] = {}
+        self._loading: dict[int, trio.Event] = {}  # chunk id -> load in progress
         self._started = time.time()
         # adaptive whole-chunk reads: records served per chunk loaded, as a moving average
         self._reuse = 8.0
@@ -245,6 +246,9 @@ class Engine:
     async def _read_record(self, ino: int, rec: Record) -> memoryview | None:
         """The record's bytes from memory or the log; None when they cannot be trusted."""
         buf = self.memtier.get(rec.chunk_id)
+        while buf is None and rec.chunk_id in self._loading:
+            await self._loading[rec.chunk_id].wait()  # another open is loading this chunk
+            buf = self.memtier.get(rec.chunk_id)
         if buf is None:
             if not self.writer.pin(rec.chunk_id):
                 return None  # being evicted right now
@@ -254,17 +258,9 @@ class Engine:
                     return None
                 if not self._whole_chunk(c):
                     return await self._read_single(ino, rec)
-                try:
-                    data, verified = await trio.to_thread.run_sync(
-                        self._load_chunk, c, limiter=self.disk_limiter)
-                except (FormatError, OSError) as exc:
-                    log.warning("chunk %d unreadable (%s); refetching from the source",
-                                c.chunk_id, exc)
+                buf = await self._load_chunk_into_memory(c)
+                if buf is None:
                     return self._bad(ino)
-                self.counters.chunk_reads += 1
-                self._loads += 1
-                buf = ChunkBuf(c.chunk_id, c.offset, data, verified)
-                self.memtier.put(buf)
             finally:
                 self.writer.unpin(rec.chunk_id)
         else:
@@ -275,6 +271,23 @@ class Engine:
             return self._bad(ino)
         self.policy.on_access(rec.chunk_id)
         return view
+
+    async def _load_chunk_into_memory(self, c: Chunk) -> ChunkBuf | None:
+        ev = self._loading[c.chunk_id] = trio.Event()
+        try:
+            data, verified = await trio.to_thread.run_sync(
+                self._load_chunk, c, limiter=self.disk_limiter)
+        except (FormatError, OSError) as exc:
+            log.warning("chunk %d unreadable (%s); refetching from the source", c.chunk_id, exc)
+            return None
+        finally:
+            del self._loading[c.chunk_id]
+            ev.set()
+        self.counters.chunk_reads += 1
+        self._loads += 1
+        buf = ChunkBuf(c.chunk_id, c.offset, data, verified)
+        self.memtier.put(buf)
+        return buf
 
     async def _read_single(self, ino: int, rec: Record) -> memoryview | None:
         try:

@@ -10,6 +10,7 @@ filesystem supports it, and per log by deleting a log once none of its chunks is
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -171,10 +172,8 @@ class LogStore:
                 fd = self._fds.pop(log_id, None)
             if fd is not None:
                 os.close(fd)
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path(log_id))
-            except FileNotFoundError:
-                pass
             return
         try:
             punch_hole(self._fd(log_id), offset, length)

@@ -39,7 +39,7 @@ from . import schema as S
 from .errors import IsADirectory, NotADirectory, NotFound
 from .index import Index, Writer
 from .schema import Entry
-from .source import Identity, Listing, Source, identity_of
+from .source import Identity, Listing, Source
 
 log = logging.getLogger(__name__)
 

@@ -164,6 +164,13 @@ class ChunkWriter:
             pass
 
     async def _seal(self) -> None:
+        # One seal at a time, from planning to bookkeeping: a plan made while another
+        # seal's commit is in flight would see stale chunk_bytes and could choose the
+        # same victims again, and the cache would outgrow --cache-size.
+        async with self._limiter:
+            await self._seal_locked()
+
+    async def _seal_locked(self) -> None:
         if not self.open and not self.drops:
             return
         records, drops = self._take_batch()
@@ -189,9 +196,8 @@ class ChunkWriter:
             self._next_chunk += 1
         self.sealing_bytes += new_len
         try:
-            async with self._limiter:
-                res = await trio.to_thread.run_sync(self._commit, cid, records if write else [],
-                                                    victims, drops)
+            res = await trio.to_thread.run_sync(self._commit, cid, records if write else [],
+                                                victims, drops)
         finally:
             self.sealing_bytes -= new_len
             self.evicting.difference_update(victims)

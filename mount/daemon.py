@@ -99,7 +99,6 @@ def run(cfg: Config, report: Reporter) -> int:
     ``progress ...`` while scanning, ``ready`` once mounted, ``error ...`` on failure."""
     lock = CacheLock(cfg.cache_dir)
     engine: Engine | None = None
-    mounted = False
     try:
         check_mountpoint(cfg.mountpoint)
         lock.acquire(cfg.mountpoint)
@@ -119,7 +118,6 @@ def run(cfg: Config, report: Reporter) -> int:
 
         ops = Operations(engine, ControlState(resolve_dir))
         pyfuse3.init(ops, cfg.mountpoint, fuse_options(cfg))
-        mounted = True
     except (DlcError, OSError, RuntimeError, ValueError) as e:
         report(f"error {e}")
         log.error("mount failed: %s", e)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -27,10 +28,9 @@ class Mount:
         self.log = cache.parent / f"{mnt.name}.daemon.log"
 
     def start(self, timeout: float = 60.0) -> Mount:
-        try:
+        # OSError: a stale mount left by a killed daemon; the new daemon cleans it up
+        with contextlib.suppress(OSError):
             self.mnt.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            pass  # a stale mount left by a killed daemon: the new daemon cleans it up
         logf = open(self.log, "ab")  # noqa: SIM115 - kept open for the child's lifetime
         self.proc = subprocess.Popen(
             [*DLCACHEFS, "mount", str(self.source), str(self.mnt), "--cache-dir", str(self.cache),

@@ -231,7 +231,7 @@ def test_dlcache_is_hidden_but_reachable(src, mount):
                 "bytes_from_source", "bytes_from_cache", "chunks", "cache_limit_bytes",
                 "checksum_failures", "stale_refetches"]:
         assert isinstance(st[key], int), key
-    assert st["files"] == sum(1 for _ in read_tree(src)) 
+    assert st["files"] == sum(1 for _ in read_tree(src))
     assert _errno_of(lambda: open(m.mnt / ".dlcache" / "stats", "wb")) == errno.EROFS
 
 

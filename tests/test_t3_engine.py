@@ -1,0 +1,751 @@
+"""Tier 3: the cache engine without a kernel (Engine driven directly under trio).
+
+Every test checks ``index.check_invariants() == []`` when its engine closes (run_engine).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import tempfile
+from pathlib import Path
+
+import pytest
+import trio
+from fakes import (
+    ChangingSource,
+    CountingSource,
+    FailingSource,
+    HangingSource,
+    SlowSource,
+    make_config,
+    read_all,
+    read_source,
+    run_engine,
+    write_tree,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dlcachefs import schema as S
+from dlcachefs.chunkfmt import CHUNK_HEADER_SIZE
+from dlcachefs.errors import (
+    InvalidArgument,
+    IsADirectory,
+    NotFound,
+    SourceChanged,
+    SourceError,
+    SourceTimeout,
+)
+from dlcachefs.namespace import ROOT_INO
+
+
+def sample_files(seed: int = 0) -> dict[bytes, bytes]:
+    rng = random.Random(seed)
+    files: dict[bytes, bytes] = {}
+    for c in range(3):
+        for i in range(8):
+            files[b"train/cls%d/img%02d.jpg" % (c, i)] = rng.randbytes(rng.randrange(1, 20_000))
+    files[b"train/empty"] = b""
+    files[b"val/\xff\xfe-not-utf8.bin"] = rng.randbytes(3000)
+    files[b"top.txt"] = b"hello\n"
+    files[b"big.bin"] = rng.randbytes(150_000)  # larger than a chunk: sealed alone
+    return files
+
+
+@pytest.fixture
+def tree(tmp_path):
+    """(source dir, cache dir, files): a small dataset on the 'slow' side."""
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    files = sample_files()
+    write_tree(src, files)
+    return src, cache, files
+
+
+async def read_everything(eng, files, order=None, flush=False) -> None:
+    """Read every file and compare. ``flush``: seal after each one, so that none is skipped
+    by a writer that is behind (the fetch path never waits for the writer)."""
+    for rel in order or sorted(files):
+        assert await read_all(eng, rel) == files[rel], rel
+        if flush:
+            await eng.writer.flush()
+
+
+def cold_read(src: Path, cache: Path, files, **cfg_kw):
+    """A fresh engine on ``cache`` reads every file once; returns (engine, source)."""
+    source = CountingSource(src)
+
+    async def body(eng):
+        await read_everything(eng, files, flush=True)
+        assert eng.index.n_records() == len(files)
+
+    _, eng = run_engine(make_config(src, cache, **cfg_kw), body, source)
+    return eng, source
+
+
+# ----- basic read path -----------------------------------------------------------------
+
+
+def test_first_open_fetches_then_hits(tree):
+    src, cache, files = tree
+    source = CountingSource(src)
+
+    async def body(eng):
+        assert eng.ns.get(ROOT_INO).ino == ROOT_INO
+        assert [n for n, _ in eng.ns.children(ROOT_INO)] == [b"big.bin", b"top.txt", b"train",
+                                                               b"val"]
+        await read_everything(eng, files, flush=True)
+        c = eng.counters
+        assert c.misses == len(files) and c.hits == 0 and c.cache_skipped == 0
+        assert c.bytes_from_source == sum(map(len, files.values()))
+        assert source.calls["read_file"] == len(files)
+        # later passes in the same mount: memory tier or logs, never the source
+        await read_everything(eng, files)
+        await read_everything(eng, files)
+        assert c.hits == 2 * len(files)
+        assert source.calls["read_file"] == len(files)
+        assert c.bytes_from_source == sum(map(len, files.values()))
+        assert eng.index.n_records() == len(files)
+        assert eng.index.counter(S.K_CACHED_BYTES) == sum(map(len, files.values()))
+        assert c.chunks_written >= 2 and c.checksum_failures == 0
+
+    run_engine(make_config(src, cache), body, source)
+
+
+def test_writer_behind_skips_but_serves(tree):
+    """Fetches faster than the writer seals: some files are not cached (counted), all are
+    served right, and a later read caches them."""
+    src, cache, files = tree
+    source = CountingSource(src)
+
+    async def body(eng):
+        await read_everything(eng, files)  # no flushes: the writer may fall behind
+        await eng.writer.flush()
+        c = eng.counters
+        assert eng.index.n_records() == len(files) - c.cache_skipped
+        for _ in range(3):
+            await read_everything(eng, files, flush=True)
+        assert eng.index.n_records() == len(files)
+        assert c.misses == len(files) + c.cache_skipped
+        assert sum(source.reads.values()) == c.misses
+
+    run_engine(make_config(src, cache), body, source)
+
+
+def test_pending_records_are_hits(tree):
+    """A fetched file waiting to be sealed is served from the writer's pending set."""
+    src, cache, files = tree
+    source = CountingSource(src)
+    rel = b"top.txt"
+
+    async def body(eng):
+        assert await read_all(eng, rel) == files[rel]
+        assert eng.ns.resolve(rel).ino in eng.writer.pending
+        assert await read_all(eng, rel) == files[rel]
+        assert source.reads[rel] == 1 and eng.counters.hits == 1
+
+    run_engine(make_config(src, cache, flush_interval=30.0), body, source)
+
+
+def test_read_offsets_and_eof(tree):
+    src, cache, files = tree
+    rel = b"big.bin"
+    data = files[rel]
+
+    async def body(eng):
+        e = eng.ns.resolve(rel)
+        for _ in range(2):  # from the fetch, then from the cache
+            r = await eng.open(e.ino)
+            for off, size in [(0, 1), (1, 4096), (70_000, 100_000), (len(data) - 3, 10),
+                              (len(data), 10), (len(data) + 5, 10), (0, 0)]:
+                assert bytes(await eng.read(r.fh, off, size)) == data[off : off + size]
+            eng.release(r.fh)
+            await eng.writer.flush()
+        with pytest.raises(InvalidArgument):
+            await eng.read(r.fh, 0, 10)  # released
+        with pytest.raises(IsADirectory):
+            await eng.open(eng.ns.resolve(b"train").ino)
+        with pytest.raises(NotFound):
+            eng.ns.resolve(b"train/nope")
+
+    run_engine(make_config(src, cache), body)
+
+
+def test_concurrent_opens_share_one_fetch(tree):
+    src, cache, files = tree
+    source = SlowSource(src, delay=0.2)
+    rel = b"train/cls1/img03.jpg"
+
+    async def body(eng):
+        results = []
+
+        async def one():
+            results.append(await read_all(eng, rel))
+
+        async with trio.open_nursery() as n:
+            for _ in range(5):
+                n.start_soon(one)
+        assert results == [files[rel]] * 5
+        assert source.reads[rel] == 1
+        assert eng.counters.misses == 1
+
+    run_engine(make_config(src, cache), body, source)
+
+
+# ----- remount -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("revalidate", [3600.0, 0.0])
+def test_remount_serves_from_cache(tree, revalidate):
+    src, cache, files = tree
+    cold_read(src, cache, files)
+    source = CountingSource(src)
+
+    async def body(eng):
+        await read_everything(eng, files)
+        c = eng.counters
+        assert c.bytes_from_source == 0
+        assert c.hits == len(files) and c.misses == 0
+        assert c.bytes_from_cache == sum(map(len, files.values()))
+        assert c.chunk_reads + c.record_reads > 0
+
+    _, eng = run_engine(make_config(src, cache, revalidate=revalidate), body, source)
+    assert source.calls["read_file"] == 0
+    assert source.calls["list_dir"] == 0  # the namespace snapshot was reused, no rescan
+
+
+def test_remount_with_single_record_reads(tree):
+    """A memory tier too small for whole chunks: records are read one by one, verified."""
+    src, cache, files = tree
+    cold_read(src, cache, files)
+
+    async def body(eng):
+        await read_everything(eng, files)
+        assert eng.counters.record_reads > 0
+        assert eng.counters.bytes_from_source == 0
+
+    run_engine(make_config(src, cache, memory=4096), body)
+
+
+# ----- damaged cache -------------------------------------------------------------------
+
+
+def flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+def record_location(cache: Path, src: Path, rel: bytes):
+    """(ino, Record, log path) of a cached file, looked up in a short-lived engine."""
+
+    async def body(eng):
+        ino = eng.ns.resolve(rel).ino
+        rec = eng.index.get_record(ino)
+        assert rec is not None
+        return ino, rec, eng.logs.path(rec.log_id), eng.index.get_chunk(rec.chunk_id)
+
+    res, _ = run_engine(make_config(src, cache), body)
+    return res
+
+
+@pytest.mark.parametrize("memory", [64 << 20, 4096])  # whole-chunk reads, single-record reads
+def test_corrupt_record_is_refetched(tree, memory):
+    src, cache, files = tree
+    rel = b"train/cls0/img04.jpg"
+    cold_read(src, cache, files)
+    ino, rec, log_path, _ = record_location(cache, src, rel)
+    flip_byte(log_path, rec.offset + rec.size // 2)
+    source = CountingSource(src)
+
+    async def body(eng):  # a fresh engine: the memory tier is cold
+        assert await read_all(eng, rel) == files[rel]
+        assert eng.counters.checksum_failures == 1
+        assert source.reads[rel] == 1
+        assert eng.counters.misses == 1
+        # the rest is still served from the cache, including the damaged chunk's other records
+        await read_everything(eng, files)
+        assert eng.counters.checksum_failures == 1
+        assert sum(source.reads.values()) == 1
+        await eng.writer.flush()
+        new = eng.index.get_record(ino)
+        assert new is not None and new.chunk_id != rec.chunk_id
+
+    run_engine(make_config(src, cache, memory=memory), body, source)
+
+    async def again(eng):  # the re-cached copy is good
+        await read_everything(eng, files)
+        assert eng.counters.checksum_failures == 0
+        assert eng.counters.bytes_from_source == 0
+
+    run_engine(make_config(src, cache), again)
+
+
+def test_corrupt_chunk_header_records_still_verified(tree):
+    """A damaged chunk header: each record is checked against its own checksum instead."""
+    src, cache, files = tree
+    rel = b"train/cls2/img01.jpg"
+    cold_read(src, cache, files)
+    _, rec, log_path, chunk = record_location(cache, src, rel)
+    flip_byte(log_path, chunk.offset + 3)  # inside the chunk magic
+
+    async def body(eng):
+        await read_everything(eng, files)
+        assert eng.counters.checksum_failures == 0
+        assert eng.counters.bytes_from_source == 0
+
+    run_engine(make_config(src, cache), body)
+
+
+def test_every_record_byte_of_a_chunk_corrupted(tree):
+    """Damage spread over a whole chunk: every damaged record is refetched, none served."""
+    src, cache, files = tree
+    cold_read(src, cache, files)
+    _, rec, log_path, chunk = record_location(cache, src, b"train/cls0/img00.jpg")
+    for off in range(chunk.offset + CHUNK_HEADER_SIZE, chunk.offset + chunk.length, 997):
+        flip_byte(log_path, off)
+    source = CountingSource(src)
+
+    async def body(eng):
+        await read_everything(eng, files)
+        assert eng.counters.checksum_failures >= 1
+        assert eng.counters.checksum_failures == eng.counters.misses
+        assert sum(source.reads.values()) == eng.counters.misses
+
+    run_engine(make_config(src, cache), body, source)
+
+
+def test_truncated_log_is_refetched(tree):
+    """A log shorter than the index says (lost tail): those records are refetched."""
+    src, cache, files = tree
+    cold_read(src, cache, files)
+    _, rec, log_path, chunk = record_location(cache, src, b"val/\xff\xfe-not-utf8.bin")
+    os.truncate(log_path, chunk.offset + chunk.length // 2)
+
+    async def body(eng):
+        await read_everything(eng, files)
+        assert eng.counters.checksum_failures >= 1
+        assert eng.counters.misses >= 1
+
+    run_engine(make_config(src, cache), body)
+
+
+def test_missing_log_drops_its_chunks(tree):
+    src, cache, files = tree
+    cold_read(src, cache, files)
+    logs = sorted((cache / "logs").iterdir())
+    assert logs
+    os.unlink(logs[0])
+    source = CountingSource(src)
+
+    async def body(eng):
+        await read_everything(eng, files)
+        assert eng.counters.misses >= 1
+        assert eng.counters.checksum_failures == 0
+
+    run_engine(make_config(src, cache), body, source)
+
+
+def test_torn_tail_is_cut_at_start(tree):
+    src, cache, files = tree
+    cold_read(src, cache, files)
+    logs = sorted((cache / "logs").iterdir())
+    last = logs[-1]
+    size = last.stat().st_size
+    with open(last, "ab") as f:
+        f.write(os.urandom(12_345))
+
+    async def body(eng):
+        await read_everything(eng, files)
+        assert eng.counters.bytes_from_source == 0
+        assert eng.counters.checksum_failures == 0
+        # new chunks append cleanly after recovery
+        await read_everything(eng, {b"top.txt": files[b"top.txt"]})
+
+    _, eng = run_engine(make_config(src, cache), body)
+    assert last.stat().st_size == size
+
+
+def test_torn_tail_with_an_unindexed_chunk(tree):
+    """A chunk appended but never indexed (crash before commit) is cut off, not served."""
+    from dlcachefs.chunkfmt import RecordIn, encode_chunk
+
+    src, cache, files = tree
+    cold_read(src, cache, files)
+    last = sorted((cache / "logs").iterdir())[-1]
+    size = last.stat().st_size
+    chunk, _ = encode_chunk(999, [RecordIn(16, b"top.txt", 0, 0, b"WRONG BYTES")])
+    with open(last, "ab") as f:
+        f.write(chunk + chunk[:100])
+
+    async def body(eng):
+        await read_everything(eng, files)
+        assert eng.counters.bytes_from_source == 0
+
+    run_engine(make_config(src, cache), body)
+    assert last.stat().st_size == size
+
+
+# ----- changes on the source -----------------------------------------------------------
+
+
+def rewrite(path: Path, data: bytes, mtime_shift_ns: int = 2_000_000_000) -> None:
+    """Rewrite in place (same inode) and move mtime, as an editor or rsync --inplace would."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.write(data)
+        f.truncate(len(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + mtime_shift_ns))
+
+
+@pytest.mark.parametrize("same_size", [False, True])
+def test_changed_source_file_is_refetched(tree, same_size):
+    src, cache, files = tree
+    rel = b"train/cls1/img05.jpg"
+    cold_read(src, cache, files)
+    old = files[rel]
+    new = bytes(b ^ 0xFF for b in old) if same_size else old + b"more bytes"
+    rewrite(src / os.fsdecode(rel), new)
+    source = CountingSource(src)
+
+    async def body(eng):
+        assert await read_all(eng, rel) == new
+        assert eng.counters.stale_refetches == 1
+        assert source.reads[rel] == 1
+        e = eng.ns.resolve(rel)
+        assert e.size == len(new)
+        await eng.writer.flush()
+        rec = eng.index.get_record(e.ino)
+        assert rec is not None and rec.mtime_ns == e.mtime_ns and rec.size == len(new)
+        assert await read_all(eng, rel) == new
+        assert eng.counters.stale_refetches == 1
+        # the unchanged files are still hits
+        await read_everything(eng, {k: v for k, v in files.items() if k != rel})
+        assert sum(source.reads.values()) == 1
+
+    run_engine(make_config(src, cache, revalidate=0), body, source)
+
+
+def test_changed_source_file_seen_by_fetch(tree):
+    """Without revalidation the listed identity is old; the fetch sees the new one."""
+    src, cache, files = tree
+    rel = b"train/cls2/img07.jpg"
+    source = ChangingSource(src, rel, times=1, mode="before")
+
+    async def body(eng):
+        data = await read_all(eng, rel)
+        assert source.mutations == 1
+        assert data == read_source(src, rel) != files[rel]
+        assert eng.ns.resolve(rel).size == len(data)
+        await eng.writer.flush()
+        assert eng.index.get_record(eng.ns.resolve(rel).ino).size == len(data)
+        return data
+
+    data, _ = run_engine(make_config(src, cache), body, source)
+
+    async def remount(eng):
+        assert await read_all(eng, rel) == data
+        assert eng.counters.hits == 1
+
+    run_engine(make_config(src, cache), remount)
+
+
+def test_file_changing_during_read_is_retried(tree):
+    src, cache, files = tree
+    rel = b"train/cls0/img02.jpg"
+    source = ChangingSource(src, rel, times=1, mode="during")
+
+    async def body(eng):
+        data = await read_all(eng, rel)
+        assert source.mutations == 1
+        assert data == read_source(src, rel)
+        assert data != files[rel] and len(data) == len(files[rel]) + source.grow
+
+    run_engine(make_config(src, cache), body, source)
+
+
+def test_file_changing_on_every_read_raises_source_changed(tree):
+    src, cache, files = tree
+    rel = b"train/cls0/img02.jpg"
+    source = ChangingSource(src, rel, times=100, mode="during")
+
+    async def body(eng):
+        with pytest.raises(SourceChanged):
+            await read_all(eng, rel)
+        assert source.mutations == source.CHANGE_RETRIES
+        assert eng.counters.source_retries == 0  # not a transient error: no engine retries
+        await read_everything(eng, {k: v for k, v in files.items() if k != rel})
+
+    run_engine(make_config(src, cache), body, source)
+
+
+# ----- source errors -------------------------------------------------------------------
+
+
+def test_transient_eio_is_retried(tree):
+    src, cache, files = tree
+    rel = b"top.txt"
+    source = FailingSource(src, errno.EIO, fail_times=2, paths={rel})
+
+    async def body(eng):
+        assert await read_all(eng, rel) == files[rel]
+        assert eng.counters.source_retries == 2
+        assert eng.counters.source_errors == 2
+        assert source.reads[rel] == 3
+
+    run_engine(make_config(src, cache, source_retries=2), body, source)
+
+
+def test_persistent_eio_fails_after_retries(tree):
+    src, cache, files = tree
+    rel = b"top.txt"
+    source = FailingSource(src, errno.EIO, fail_times=None, paths={rel})
+
+    async def body(eng):
+        with pytest.raises(SourceError) as ei:
+            await read_all(eng, rel)
+        assert ei.value.errno == errno.EIO
+        assert source.reads[rel] == 2
+        assert eng.counters.source_retries == 1
+        # nothing was cached for it; other files are fine
+        await eng.writer.flush()
+        assert eng.index.get_record(eng.ns.resolve(rel).ino) is None
+        assert await read_all(eng, b"big.bin") == files[b"big.bin"]
+
+    run_engine(make_config(src, cache, source_retries=1), body, source)
+
+
+def test_eacces_is_not_retried(tree):
+    src, cache, files = tree
+    rel = b"train/cls0/img00.jpg"
+    source = FailingSource(src, errno.EACCES, fail_times=None, paths={rel})
+
+    async def body(eng):
+        with pytest.raises(SourceError) as ei:
+            await read_all(eng, rel)
+        assert ei.value.errno == errno.EACCES
+        assert source.reads[rel] == 1
+        assert eng.counters.source_retries == 0
+
+    run_engine(make_config(src, cache), body, source)
+
+
+@pytest.mark.parametrize("revalidate", [3600.0, 0.0])
+def test_vanished_source_file_is_not_found(tree, revalidate):
+    src, cache, files = tree
+    rel = b"train/cls2/img06.jpg"
+    source = CountingSource(src)
+
+    async def body(eng):
+        ino = eng.ns.resolve(rel).ino
+        os.unlink(src / os.fsdecode(rel))
+        with pytest.raises(NotFound):
+            await eng.open(ino)
+        if revalidate == 0:  # the restat also drops it from the snapshot
+            with pytest.raises(NotFound):
+                eng.ns.resolve(rel)
+        assert await read_all(eng, b"top.txt") == files[b"top.txt"]
+
+    run_engine(make_config(src, cache, revalidate=revalidate), body, source)
+
+
+def test_hanging_source_times_out(tree):
+    src, cache, files = tree
+    rel = b"train/cls1/img00.jpg"
+    source = HangingSource(src, paths={rel})
+
+    async def body(eng):
+        try:
+            with pytest.raises(SourceTimeout):
+                await read_all(eng, rel)
+            assert source.entered.is_set()
+            assert eng.counters.source_timeouts == 1
+            # the rest of the mount keeps working while one source thread is stuck
+            await read_everything(eng, {k: v for k, v in files.items() if k != rel})
+        finally:
+            source.release()
+
+    run_engine(make_config(src, cache, source_timeout=0.5), body, source)
+
+
+def test_slow_source_within_timeout(tree):
+    src, cache, files = tree
+    source = SlowSource(src, delay=0.02)
+
+    async def body(eng):
+        subset = dict(list(sorted(files.items()))[:6])
+        async with trio.open_nursery() as n:
+            for rel in subset:
+                n.start_soon(read_all, eng, rel)
+        await read_everything(eng, subset)
+        assert eng.counters.source_timeouts == 0
+        assert sum(source.reads.values()) == len(subset)
+
+    run_engine(make_config(src, cache, source_timeout=5.0), body, source)
+
+
+# ----- read-through of large files -----------------------------------------------------
+
+
+def test_large_file_is_read_through(tree):
+    src, cache, files = tree
+    rel = b"big.bin"
+    data = files[rel]
+
+    async def body(eng):
+        e = eng.ns.resolve(rel)
+        r = await eng.open(e.ino)
+        assert r.direct_io and not r.keep_cache
+        assert bytes(await eng.read(r.fh, 1000, 5000)) == data[1000:6000]
+        assert bytes(await eng.read(r.fh, len(data) - 10, 100)) == data[-10:]
+        # the file changes while open: no bytes of the new version come out
+        rewrite(src / "big.bin", data[::-1])
+        with pytest.raises(SourceChanged):
+            await eng.read(r.fh, 0, 10)
+        eng.release(r.fh)
+        await eng.writer.flush()
+        assert eng.index.get_record(e.ino) is None
+        assert eng.counters.bytes_from_source == 5000 + 10
+        assert await read_all(eng, b"top.txt") == files[b"top.txt"]
+
+    run_engine(make_config(src, cache, max_cached_file=100_000), body)
+
+
+# ----- eviction ------------------------------------------------------------------------
+
+
+def test_eviction_keeps_cache_within_size(tmp_path):
+    rng = random.Random(7)
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    files = {b"d%d/f%03d" % (i % 4, i): rng.randbytes(rng.randrange(2000, 12_000))
+             for i in range(80)}
+    write_tree(src, files)
+    cache_size = 200_000
+
+    async def body(eng):
+        order = sorted(files)
+        for epoch in range(3):
+            rng.shuffle(order)
+            for i, rel in enumerate(order):
+                assert await read_all(eng, rel) == files[rel]
+                if i % 10 == 9:
+                    await eng.writer.flush()
+                assert eng.index.counter(S.K_CHUNK_BYTES) <= cache_size, epoch
+            await eng.writer.flush()
+            assert eng.index.check_invariants() == []
+        assert eng.counters.chunks_evicted > 0
+        assert eng.index.counter(S.K_CHUNK_BYTES) <= cache_size
+        assert eng.counters.hits > 0 and eng.counters.misses > len(files)
+
+    run_engine(make_config(src, cache, cache_size=cache_size, chunk_size=32 << 10,
+                           log_size=64 << 10), body)
+
+    async def remount(eng):
+        await read_everything(eng, files)
+
+    run_engine(make_config(src, cache, cache_size=cache_size, chunk_size=32 << 10,
+                           log_size=64 << 10), remount)
+
+
+def test_concurrent_seals_respect_cache_size(tmp_path):
+    """Regression: a flush() while the writer task's seal is committing must not plan its
+    eviction from stale counters (both seals chose the same victim; the cache overgrew)."""
+    import time
+
+    rng = random.Random(1)
+    files = {b"f%03d" % i: rng.randbytes(9000) for i in range(40)}
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    write_tree(src, files)
+    cache_size = 100_000
+    names = iter(sorted(files))
+
+    async def body(eng):
+        for _ in range(3):  # fill the cache with ~36 KB chunks
+            for _ in range(4):
+                rel = next(names)
+                assert await read_all(eng, rel) == files[rel]
+            await eng.writer.flush()
+        orig = eng.writer._commit
+
+        def slow_commit(*args):
+            time.sleep(0.3)
+            return orig(*args)
+
+        eng.writer._commit = slow_commit
+        for _ in range(4):  # a chunk's worth: the writer task starts sealing it (slowly)
+            await read_all(eng, next(names))
+        with trio.fail_after(10):
+            while eng.writer.sealing_bytes == 0:
+                await trio.sleep(0.01)
+        for _ in range(4):
+            await read_all(eng, next(names))
+        await eng.writer.flush()  # a second seal while the first one commits
+        assert eng.counters.chunks_evicted >= 2
+        assert eng.index.counter(S.K_CHUNK_BYTES) <= cache_size
+
+    run_engine(make_config(src, cache, cache_size=cache_size, chunk_size=32 << 10,
+                           flush_interval=30.0), body)
+
+
+# ----- random workloads ----------------------------------------------------------------
+
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("read"), st.integers(0, 10**6), st.integers(0, 10**6),
+              st.integers(1, 70_000)),
+    st.tuples(st.just("flush")),
+    st.tuples(st.just("remount")),
+), min_size=1, max_size=40)
+
+
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(seed=st.integers(0, 2**32), n_files=st.integers(1, 25),
+       chunk_size=st.sampled_from([4096, 8192, 20_000, 64 << 10]),
+       memory=st.sampled_from([4096, 64 << 10, 16 << 20]),
+       cache_size=st.sampled_from([30_000, 100_000, 1 << 30]),
+       ops=OPS)
+def test_random_workload_reads_source_bytes(seed, n_files, chunk_size, memory, cache_size, ops):
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cache = Path(tmp) / "src", Path(tmp) / "cache"
+        files: dict[bytes, bytes] = {}
+        for i in range(n_files):
+            depth = rng.randrange(3)
+            parts = [b"d%d" % rng.randrange(3) for _ in range(depth)] + [b"f%d" % i]
+            size = rng.choice([0, 1, rng.randrange(100), rng.randrange(10_000),
+                               rng.randrange(40_000)])
+            files[b"/".join(parts)] = rng.randbytes(size)
+        write_tree(src, files)
+        names = sorted(files)
+        cfg = make_config(src, cache, chunk_size=chunk_size, memory=memory,
+                          cache_size=cache_size)
+        # split the op list into mounts
+        mounts: list[list[tuple]] = [[]]
+        for op in ops:
+            if op[0] == "remount":
+                mounts.append([])
+            else:
+                mounts[-1].append(op)
+        for mount_ops in mounts:
+            async def body(eng, mount_ops=mount_ops):
+                for op in mount_ops:
+                    if op[0] == "flush":
+                        await eng.writer.flush()
+                        continue
+                    _, which, off, size = op
+                    rel = names[which % len(names)]
+                    data = files[rel]
+                    off = off % (len(data) + 2)
+                    e = eng.ns.resolve(rel)
+                    r = await eng.open(e.ino)
+                    try:
+                        got = bytes(await eng.read(r.fh, off, size))
+                    finally:
+                        eng.release(r.fh)
+                    assert got == data[off : off + size], (rel, off, size)
+                assert eng.index.counter(S.K_CHUNK_BYTES) <= cache_size
+
+            run_engine(cfg, body)

@@ -1,0 +1,64 @@
+"""A real torchvision ImageFolder + DataLoader (several workers) through the mount."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from pathlib import Path
+
+import pytest
+from conftest import requires_fuse
+from mounting import drop_page_cache
+
+torch = pytest.importorskip("torch")
+datasets = pytest.importorskip("torchvision.datasets")
+transforms = pytest.importorskip("torchvision.transforms")
+Image = pytest.importorskip("PIL.Image")
+
+pytestmark = requires_fuse
+
+
+def make_images(root: Path, classes: int = 4, per_class: int = 30, seed: int = 0) -> None:
+    rnd = random.Random(seed)
+    for c in range(classes):
+        d = root / f"class_{c:02d}"
+        d.mkdir(parents=True)
+        for i in range(per_class):
+            w, h = rnd.randint(24, 64), rnd.randint(24, 64)
+            img = Image.frombytes("RGB", (w, h), rnd.randbytes(w * h * 3))
+            img.save(d / f"img_{i:03d}.jpg", quality=85)
+    (root / "class_00" / "notes.txt").write_text("not an image; ImageFolder must skip it\n")
+
+
+def run_epochs(root: Path, epochs: int = 2) -> list[list[tuple[str, int]]]:
+    tf = transforms.Compose([transforms.Resize((32, 32)), transforms.ToTensor()])
+    ds = datasets.ImageFolder(str(root), transform=tf)
+    g = torch.Generator()
+    g.manual_seed(1234)
+    dl = torch.utils.data.DataLoader(ds, batch_size=8, shuffle=True, num_workers=2, generator=g)
+    out = []
+    for _ in range(epochs):
+        seen = []
+        for x, y in dl:
+            for xi, yi in zip(x, y, strict=True):
+                seen.append((hashlib.sha256(xi.numpy().tobytes()).hexdigest(), int(yi)))
+        out.append(seen)
+    return out
+
+
+def test_imagefolder_dataloader_sees_the_same_samples(tmp_path, mount):
+    src = tmp_path / "src"
+    make_images(src)
+    m = mount(src)
+    assert datasets.ImageFolder(str(m.mnt)).classes == datasets.ImageFolder(str(src)).classes
+    assert [(Path(p).relative_to(m.mnt), y) for p, y in datasets.ImageFolder(str(m.mnt)).samples] \
+        == [(Path(p).relative_to(src), y) for p, y in datasets.ImageFolder(str(src)).samples]
+    direct = run_epochs(src)
+    through = run_epochs(m.mnt)
+    assert through == direct
+    assert len(direct[0]) == 120 and direct[0] != direct[1]  # shuffled differently per epoch
+    st = m.wait_cached(120)
+    drop_page_cache()
+    assert run_epochs(m.mnt, epochs=1) == direct[:1]
+    st2 = m.stats()
+    assert st2["bytes_from_source"] == st["bytes_from_source"]  # the third epoch hit the cache
