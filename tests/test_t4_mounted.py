@@ -6,14 +6,16 @@ import errno
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 from conftest import requires_fuse
-from mounting import DLCACHEFS, drop_page_cache, fuse_mounted, read_tree
+from mounting import DLCACHEFS, Mount, drop_page_cache, fuse_mounted, read_tree
 
 from dlcachefs.index import Index
 
@@ -380,3 +382,47 @@ def test_symlink_swapped_in_after_the_scan_is_not_followed(tmp_path, mount):
     os.symlink(outside, src / "d")
     assert _errno_of(lambda: (m.mnt / "d" / "f").read_bytes()) in (errno.EACCES, errno.ESTALE,
                                                                    errno.ENOENT)
+
+
+def _as_nobody(fn) -> int:
+    """Run fn() in a child process as uid/gid 65534; return its errno (0 on success)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            fn()
+        except OSError as e:
+            code = e.errno or 1
+        except BaseException:
+            code = 255
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to switch users")
+@pytest.mark.parametrize("allow_other", [False, True])
+def test_other_users_only_with_allow_other(src, tmp_path, allow_other):
+    # another user must be able to reach the mountpoint: pytest's tmp dirs are 0700
+    base = Path(tempfile.mkdtemp(prefix="dlc-perm-"))
+    base.chmod(0o755)
+    os.chmod(src, 0o755)
+    m = Mount(src, base / "mnt", tmp_path / "cache", *(["--allow-other"] if allow_other else []))
+    try:
+        m.start()
+        ls = _as_nobody(lambda: os.listdir(m.mnt))
+        if not allow_other:
+            assert ls == errno.EACCES
+            return
+        assert ls == 0
+        ctl = _as_nobody(lambda: open(m.mnt / ".dlcache" / "control", "w").write("job x\n"))
+        assert ctl == errno.EACCES  # the control file is the owner's
+        private = _as_nobody(lambda: (m.mnt / "cls1" / "f001.bin").read_bytes())
+        assert private == errno.EACCES  # mode 0600 on the source, mirrored and enforced
+        assert _as_nobody(lambda: (m.mnt / "cls2" / "f002.bin").read_bytes()) == 0
+    finally:
+        m.cleanup()
+        shutil.rmtree(base, ignore_errors=True)
