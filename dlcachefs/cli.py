@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true", help="print the raw JSON")
 
+    r = sub.add_parser("run", help="run a training command with the sampler hook installed "
+                                   "(no edit to the script)")
+    r.add_argument("--job", help="job name announced to the mount (default: 'default')")
+    r.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
+
     v = sub.add_parser("verify", help="check every cached record against its checksum (fsck)")
     v.add_argument("--cache-dir", required=True)
     v.add_argument("--repair", action="store_true", help="drop damaged records and chunks")
@@ -92,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_umount(a.mountpoint, a.timeout)
         if a.cmd == "stats":
             return cmd_stats(a.mountpoint, a.json)
+        if a.cmd == "run":
+            return cmd_run(a.command, a.job)
         if a.cmd == "verify":
             from .verify import cmd_verify  # noqa: PLC0415
 
@@ -202,6 +209,29 @@ def _daemonize(cfg: Config) -> int:
     print("dlcachefs: the daemon exited before the mount was ready; see "
           f"{os.path.join(cfg.cache_dir, 'dlcachefs.log')}", file=sys.stderr)
     return 1
+
+
+# ----- run ------------------------------------------------------------------------------
+
+def cmd_run(command: list[str], job: str | None) -> int:
+    """exec ``command`` with ``dlcachefs/_boot`` (a sitecustomize) first on PYTHONPATH."""
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        print("dlcachefs run: no command (usage: dlcachefs run -- python train.py ...)",
+              file=sys.stderr)
+        return 2
+    boot = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (boot, env.get("PYTHONPATH")) if p)
+    if job:
+        env["DLCACHEFS_JOB"] = job
+    try:
+        os.execvpe(command[0], command, env)
+    except OSError as e:
+        print(f"dlcachefs run: cannot run {command[0]}: {e.strerror}", file=sys.stderr)
+        return 127
+    return 0  # unreachable
 
 
 # ----- umount -------------------------------------------------------------------------

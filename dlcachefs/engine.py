@@ -50,6 +50,7 @@ from .namespace import Namespace, identity, is_file
 from .schema import Chunk, Entry, Record
 from .source import Identity, LocalSource, Source, open_for_range_reads, pread_checked
 from .stats import Counters
+from .streams import Stream, StreamManager
 from .writer import ChunkWriter
 
 log = logging.getLogger(__name__)
@@ -103,11 +104,13 @@ class Engine:
         self.source_limiter = trio.CapacityLimiter(cfg.source_threads)
         self.disk_limiter = trio.CapacityLimiter(4)
         self.ns = Namespace(self.index, self.source, revalidate=cfg.revalidate,
-                            use_src_ino=cfg.use_source_inode, source_limiter=self.source_limiter)
+                            use_src_ino=cfg.use_source_inode, source_limiter=self.source_limiter,
+                            source_timeout=cfg.source_timeout)
         self.policy = (policy_factory or make_policy)(cfg.policy)
         self.memtier = MemoryTier(cfg.memory)
         self.writer = ChunkWriter(cfg, self.index, self.logs, self.policy, self.memtier,
                                   self.counters)
+        self.streams = StreamManager(self)
         self.handles: dict[int, Handle] = {}
         self._next_fh = 1
         self._inflight: dict[int, _Inflight] = {}
@@ -118,6 +121,7 @@ class Engine:
         self._loads = 0
         self._served = 0
         self._probe = 0
+        self._last_chunk_read = -1
 
     # ----- life cycle ----------------------------------------------------------------
 
@@ -155,6 +159,7 @@ class Engine:
         """Background tasks (the chunk writer), until cancelled or :meth:`close`."""
         async with trio.open_nursery() as nursery:
             await nursery.start(self.writer.run)
+            await nursery.start(self.streams.run)
             task_status.started()
 
     async def close(self) -> None:
@@ -172,13 +177,22 @@ class Engine:
 
     # ----- open / read / release -----------------------------------------------------
 
-    async def open(self, ino: int) -> OpenResult:
+    async def open(self, ino: int, pid: int = 0) -> OpenResult:
+        """Open a file for reading; ``pid`` attributes the read to a stream."""
+        stream = self.streams.stream_of(pid) if pid else None
+        t0 = time.monotonic()
         e = await self.ns.fresh_file(ino)
         if not is_file(e):
             raise InvalidArgument("not a regular file")
+        if stream is not None:
+            self.streams.note_open(stream, ino)
         if e.size > self.cfg.max_cached_file:
             return await self._open_read_through(e)
-        data, cached = await self._load(e)
+        data, cached, waited = await self._load(e)
+        if stream is not None and waited:
+            stream.stall_seconds += time.monotonic() - t0
+            if not cached:
+                stream.bytes_from_source += len(data)
         fh = self._new_fh(Handle(ino, memoryview(data), cached))
         # keep_cache only for bytes we know are this version: the kernel then keeps its pages
         return OpenResult(fh, keep_cache=cached, direct_io=False)
@@ -223,8 +237,36 @@ class Engine:
 
     # ----- cache lookups -------------------------------------------------------------
 
-    async def _load(self, e: Entry) -> tuple[bytes | memoryview, bool]:
-        """Bytes of the current version of ``e`` and whether they came from the cache."""
+    def size_of(self, ino: int) -> int:
+        e = self.index.get_entry(ino)
+        return e.size if e is not None else 0
+
+    def is_cached(self, e: Entry) -> bool:
+        """True when the current version of ``e`` is indexed or waiting to be sealed."""
+        ident = identity(e)
+        rec = self.index.get_record(e.ino)
+        if rec is not None and e.ino not in self.writer.drops and Identity(
+                rec.size, rec.mtime_ns, rec.src_ino) == ident:
+            return True
+        p = self.writer.pending.get(e.ino)
+        return p is not None and p.ident == ident
+
+    async def prefetch_one(self, ino: int, stream: Stream) -> bool:
+        """Make sure the current version of ``ino`` is in the cache; True if it was fetched."""
+        e = await self.ns.fresh_file(ino)
+        if e.size > self.cfg.max_cached_file or self.is_cached(e) or ino in self._inflight:
+            return False
+        await self.writer.wait_room()
+        if self.is_cached(e) or ino in self._inflight:
+            return False
+        data, _ = await self._fetch(e)
+        stream.bytes_from_source += len(data)
+        self.counters.prefetched += 1
+        return True
+
+    async def _load(self, e: Entry) -> tuple[bytes | memoryview, bool, bool]:
+        """Bytes of the current version of ``e``, whether they came from the cache, and
+        whether the open had to wait for the source."""
         ident = identity(e)
         rec = self.index.get_record(e.ino)
         if rec is not None and e.ino not in self.writer.drops:
@@ -232,16 +274,21 @@ class Engine:
                 data = await self._read_record(e.ino, rec)
                 if data is not None:
                     self.counters.hits += 1
-                    return data, True
+                    return data, True, False
             else:
                 self.counters.stale_refetches += 1
                 self.writer.drop(e.ino)
         p = self.writer.pending.get(e.ino)
         if p is not None and p.ident == ident:
             self.counters.hits += 1
-            return p.data, True
+            return p.data, True, False
+        if e.ino in self._inflight:  # a prefetch is on it: wait for it, it is not a new miss
+            data, _ = await self._fetch(e)
+            self.counters.hits += 1
+            return data, True, True
         data, _ = await self._fetch(e)
-        return data, False
+        self.counters.misses += 1
+        return data, False, True
 
     async def _read_record(self, ino: int, rec: Record) -> memoryview | None:
         """The record's bytes from memory or the log; None when they cannot be trusted."""
@@ -284,6 +331,9 @@ class Engine:
             del self._loading[c.chunk_id]
             ev.set()
         self.counters.chunk_reads += 1
+        if c.chunk_id == self._last_chunk_read + 1:
+            self.counters.sequential_chunk_reads += 1
+        self._last_chunk_read = c.chunk_id
         self._loads += 1
         buf = ChunkBuf(c.chunk_id, c.offset, data, verified)
         self.memtier.put(buf)
@@ -314,7 +364,7 @@ class Engine:
         tier). When chunks loaded lately served few records each, read single records,
         and probe with a whole chunk every 16th miss to notice when that changes.
         """
-        if c.length > self.memtier.limit // 4:
+        if c.length > self.memtier.limit // 3:  # chunks end a little past --chunk-size
             return False
         if self._loads >= 32:
             self._reuse = 0.5 * self._reuse + 0.5 * (1 + self._served / self._loads)
@@ -337,13 +387,13 @@ class Engine:
 
     async def _fetch(self, e: Entry) -> tuple[bytes, Entry]:
         """Fetch a whole file from the source (concurrent opens of one file share it)."""
-        inf = self._inflight.get(e.ino)
-        if inf is not None:
+        while (inf := self._inflight.get(e.ino)) is not None:
             await inf.done.wait()
-            if inf.error is not None:
+            if inf.result is not None:
+                return inf.result
+            if isinstance(inf.error, Exception):
                 raise inf.error
-            assert inf.result is not None
-            return inf.result
+            # the fetching task was cancelled, not this one: never re-raise its Cancelled
         inf = self._inflight[e.ino] = _Inflight()
         try:
             inf.result = await self._fetch_now(e)
@@ -363,7 +413,6 @@ class Engine:
             # changed since it was listed: serve the new version, and tell the kernel
             e = await trio.to_thread.run_sync(self.ns.update_identity, e, ident)
             self.ns._notify("inode", e.parent, None, e.ino)
-        self.counters.misses += 1
         self.counters.bytes_from_source += len(data)
         self.writer.submit(e.ino, rel, ident, data)
         return data, e
@@ -419,4 +468,5 @@ class Engine:
             "revalidate_s": self.cfg.revalidate,
         }
         out.update(self.counters.as_dict())
+        out["streams"] = self.streams.stats()
         return out

@@ -25,6 +25,7 @@ stats of the source, and every write txn, run in worker threads.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import stat as stat_mod
@@ -36,7 +37,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import trio
 
 from . import schema as S
-from .errors import IsADirectory, NotADirectory, NotFound
+from .errors import IsADirectory, NotADirectory, NotFound, SourceTimeout
 from .index import Index, Writer
 from .schema import Entry
 from .source import Identity, Listing, Source
@@ -150,11 +151,12 @@ class Namespace:
     """Lookups and listings from the snapshot; refreshes from the source under the rule above."""
 
     def __init__(self, index: Index, source: Source, *, revalidate: float = 3600.0,
-                 use_src_ino: bool = True, source_limiter: trio.CapacityLimiter | None = None
-                 ) -> None:
+                 use_src_ino: bool = True, source_limiter: trio.CapacityLimiter | None = None,
+                 source_timeout: float | None = None) -> None:
         self.index = index
         self.source = source
         self.revalidate = revalidate
+        self.source_timeout = source_timeout
         self.use_src_ino = use_src_ino
         self.limiter = source_limiter
         self.on_invalidate: Invalidate | None = None
@@ -242,7 +244,7 @@ class Namespace:
     async def _restat(self, e: Entry) -> Entry:
         rel = self.path_of(e)
         try:
-            st = await trio.to_thread.run_sync(self.source.lstat, rel, limiter=self.limiter)
+            st = await self._source_call(self.source.lstat, rel)
         except NotFound:
             await self.refresh_dir(e.parent)
             raise
@@ -253,10 +255,23 @@ class Namespace:
             return self.get(e.ino)
         if not _same_attrs(e, new):
             if stat_mod.S_ISLNK(new.mode):
-                new.target = await trio.to_thread.run_sync(os.readlink, self.source_path(rel))
+                new.target = await self._source_call(os.readlink, self.source_path(rel))
             await trio.to_thread.run_sync(self._put, new)
             self._notify("inode", e.parent, None, e.ino)
         return new
+
+    async def _source_call(self, fn, *args):
+        """A blocking source call in a thread, given up after ``source_timeout`` (a hung
+        source must not hang an open or an opendir forever)."""
+        if self.source_timeout is None:
+            return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+        try:
+            with trio.fail_after(self.source_timeout):
+                return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter,
+                                                     abandon_on_cancel=True)
+        except trio.TooSlowError:
+            raise SourceTimeout(f"source did not answer within {self.source_timeout:.0f} s",
+                                errno.ETIMEDOUT) from None
 
     def source_path(self, rel: bytes) -> bytes:
         root = self.source.root
@@ -284,8 +299,7 @@ class Namespace:
             e = self.get(ino)
             rel = self.path_of(e)
             try:
-                listing = await trio.to_thread.run_sync(self.source.list_dir, rel,
-                                                        limiter=self.limiter)
+                listing = await self._source_call(self.source.list_dir, rel)
             except NotFound:
                 if ino != ROOT_INO:
                     await trio.to_thread.run_sync(self._delete, e)

@@ -9,9 +9,11 @@ from dataclasses import asdict, dataclass
 class Counters:
     hits: int = 0                  # opens served from the cache (log, memory or not yet sealed)
     misses: int = 0                # opens that fetched from the source
+    prefetched: int = 0            # files fetched ahead of the reader (clairvoyant prefetch)
     bytes_from_source: int = 0
     bytes_from_cache: int = 0      # bytes returned to readers from cached data
     chunk_reads: int = 0           # whole-chunk reads from the logs
+    sequential_chunk_reads: int = 0  # chunk reads of the chunk right after the previous one
     record_reads: int = 0          # single-record reads from the logs
     checksum_failures: int = 0     # cached records that failed their checksum (then refetched)
     stale_refetches: int = 0       # cached records whose source changed (then refetched)

@@ -88,7 +88,9 @@ class ChunkWriter:
         self._limiter = trio.CapacityLimiter(1)
         self._wake = trio.Event()
         self._closing = False
+        self._running = False
         self._idle = trio.Event()
+        self._space = trio.Event()  # set whenever a seal finished (room for more records)
         self._next_chunk = max(1, _meta_u64(index, S.K_NEXT_CHUNK))
         self._next_log = max(1, _meta_u64(index, S.K_NEXT_LOG), max(logs.log_ids(), default=0) + 1)
 
@@ -117,6 +119,15 @@ class ChunkWriter:
             self._wake.set()
         return True
 
+    def has_room(self, nbytes: int = 0) -> bool:
+        return self.open_bytes + self.sealing_bytes + nbytes <= 2 * self.cfg.chunk_size
+
+    async def wait_room(self) -> None:
+        """Backpressure for prefetching: wait until a fetched file would be accepted."""
+        while not self.has_room() and not self._closing:
+            self._wake.set()
+            await self._space.wait()
+
     def drop(self, ino: int) -> None:
         """Forget the cached record of ``ino`` at the next commit (stale or corrupt)."""
         self.drops.add(ino)
@@ -139,6 +150,13 @@ class ChunkWriter:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Seal chunks as they fill or age, until :meth:`close`."""
         task_status.started()
+        self._running = True
+        try:
+            await self._loop()
+        finally:
+            self._running = False
+
+    async def _loop(self) -> None:
         while True:
             with trio.move_on_after(max(0.05, self.cfg.flush_interval / 4)):
                 await self._wake.wait()
@@ -153,6 +171,9 @@ class ChunkWriter:
     async def close(self) -> None:
         """Seal what is open and stop the task (used at unmount)."""
         self._closing = True
+        if not self._running:  # the task is gone (cancelled): seal here
+            await self.flush()
+            return
         self._wake.set()
         await self._idle.wait()
 
@@ -201,6 +222,7 @@ class ChunkWriter:
         finally:
             self.sealing_bytes -= new_len
             self.evicting.difference_update(victims)
+        self.drops -= drops  # committed: the index no longer has those records
         self.disk_free = res.disk_free
         for c in res.evicted:
             self.policy.on_remove(c.chunk_id)
@@ -217,11 +239,14 @@ class ChunkWriter:
         for r in records:
             if self.pending.get(r.ino) is r:
                 del self.pending[r.ino]
+        self._space.set()
+        self._space = trio.Event()
 
     def _take_batch(self) -> tuple[list[Pending], set[int]]:
         records, self.open, self.open_bytes = self.open, [], 0
-        drops, self.drops = self.drops, set()
-        return records, drops
+        # drops stay in self.drops until their commit is done (see _seal_locked): the read
+        # path must keep ignoring those records while the index still has them
+        return records, set(self.drops)
 
     # ----- worker thread -------------------------------------------------------------
 

@@ -87,6 +87,22 @@ def check_mountpoint(path: str) -> None:
         raise DlcError(f"{path} is already a mount point")
 
 
+def raise_read_ahead(mountpoint: str, kb: int = 1024) -> None:
+    """Raise the kernel's readahead for this mount (default 128 KB; DESIGN.md measured +28%
+    files/s on small files and 2x on chunks). Best effort: needs root. Finds the mount's
+    device in /proc/self/mountinfo, never by a call on the mountpoint (that would deadlock)."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                parts = line.split()
+                if parts[4].encode().decode("unicode_escape") == mountpoint:
+                    dev = parts[2]
+        with open(f"/sys/class/bdi/{dev}/read_ahead_kb", "w") as f:  # noqa: F821
+            f.write(str(kb))
+    except (OSError, NameError, UnboundLocalError, IndexError) as e:
+        log.debug("could not raise read_ahead_kb of %s: %s", mountpoint, e)
+
+
 def fuse_options(cfg: Config) -> set[str]:
     opts = {"fsname=dlcachefs", "subtype=dlcachefs", "default_permissions", "noatime"}
     if cfg.allow_other:
@@ -116,7 +132,7 @@ def run(cfg: Config, report: Reporter) -> int:
                 raise DlcError("not a directory")
             return e.ino
 
-        ops = Operations(engine, ControlState(resolve_dir))
+        ops = Operations(engine, ControlState(resolve_dir, engine.streams.on_stream))
         pyfuse3.init(ops, cfg.mountpoint, fuse_options(cfg))
     except (DlcError, OSError, RuntimeError, ValueError) as e:
         report(f"error {e}")
@@ -149,6 +165,13 @@ async def _serve(engine: Engine, ops: Operations, report: Reporter) -> None:
                     pyfuse3.terminate()
 
         nursery.start_soon(on_signals)
+
+        async def after_init() -> None:
+            # the kernel sets the readahead from the INIT reply: raise it only after that
+            await ops.initialized.wait()
+            await trio.to_thread.run_sync(raise_read_ahead, engine.cfg.mountpoint)
+
+        nursery.start_soon(after_init)
         report("ready")
         try:
             await pyfuse3.main(min_tasks=4, max_tasks=64)

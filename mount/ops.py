@@ -53,6 +53,11 @@ class Operations(pyfuse3.Operations):
         self._next_vfh = V.VFH_BASE
         self._inval_send, self._inval_recv = trio.open_memory_channel[tuple](1000)
         self.ns.on_invalidate = self._queue_invalidation
+        self.initialized = trio.Event()
+
+    def init(self) -> None:
+        """FUSE INIT: called on the loop before the reply goes to the kernel."""
+        self.initialized.set()
 
     # ----- attributes ----------------------------------------------------------------
 
@@ -164,7 +169,7 @@ class Operations(pyfuse3.Operations):
             return self._open_virtual(inode, flags, ctx)
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
             raise ReadOnly("read-only mirror")
-        r = await self.engine.open(inode)
+        r = await self.engine.open(inode, ctx.pid)
         return pyfuse3.FileInfo(fh=r.fh, keep_cache=r.keep_cache, direct_io=r.direct_io)
 
     def _open_virtual(self, inode: int, flags: int, ctx) -> pyfuse3.FileInfo:

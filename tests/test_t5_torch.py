@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from pathlib import Path
 
@@ -62,3 +63,55 @@ def test_imagefolder_dataloader_sees_the_same_samples(tmp_path, mount):
     assert run_epochs(m.mnt, epochs=1) == direct[:1]
     st2 = m.stats()
     assert st2["bytes_from_source"] == st["bytes_from_source"]  # the third epoch hit the cache
+
+
+TRAIN = r'''
+import hashlib, sys, torch
+from torchvision import datasets, transforms
+torch.manual_seed(0)
+tf = transforms.Compose([transforms.Resize((16, 16)), transforms.ToTensor()])
+ds = datasets.ImageFolder(sys.argv[1], transform=tf)
+dl = torch.utils.data.DataLoader(ds, batch_size=8, shuffle=True, num_workers=2)
+model = torch.nn.Sequential(torch.nn.Dropout(0.2), torch.nn.Linear(16 * 16 * 3, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+h = hashlib.sha256()
+for epoch in range(2):
+    for x, y in dl:
+        h.update(y.numpy().tobytes())
+        h.update(x.numpy().tobytes())
+        loss = torch.nn.functional.cross_entropy(model(x.flatten(1)), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+h.update(torch.cat([p.detach().flatten() for p in model.parameters()]).numpy().tobytes())
+print(h.hexdigest())
+'''
+
+
+def test_launcher_is_bit_identical_and_announces_the_sampler(tmp_path, mount):
+    import subprocess
+    import sys
+
+    src = tmp_path / "src"
+    make_images(src)
+    m = mount(src)
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    py = [sys.executable, str(script)]
+
+    def run(cmd: list[str]) -> str:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+
+    plain = run([*py, str(m.mnt)])
+    assert m.stats()["streams"] == {}  # an unannounced script works and says nothing
+    hooked = run([sys.executable, "-m", "dlcachefs.cli", "run", "--", *py, str(m.mnt)])
+    assert hooked == plain  # same samples in the same order, same weights
+    assert run([*py, str(src)]) == plain
+    st = m.stats()["streams"]["default/0"]
+    assert st["epoch"] == 1 and st["samples"] == 120 and st["position"] == 120, st
+    assert st["error"] is None
+    ctl = json.loads((m.mnt / ".dlcache" / "control").read_bytes())
+    assert ctl["jobs"]["default"]["dataset"] == ""  # the mount root itself
+    assert ctl["streams"]["default/0"]["sampler"]["per_epoch"] is True

@@ -1,0 +1,190 @@
+"""Replaying PyTorch's samplers: the exact index order of any epoch, computed with torch.
+
+The training process tells the filesystem how it samples (the control file); this module
+turns that into the list of dataset indices each epoch reads, bit for bit what torch's
+samplers yield, by running the same torch calls on a generator in the same state.
+
+Supported (the ``sampler`` control line):
+
+* ``random``: ``torch.utils.data.RandomSampler``. ``seed=S`` seeds one generator that the
+  sampler owns across epochs: epoch ``E`` is its ``E+1``-th iteration. ``loader_draws``
+  says whether a DataLoader sharing that generator draws its base seed from it before the
+  sampler: ``none`` (generator given to the sampler), ``each`` (``DataLoader(shuffle=True,
+  generator=g)``), ``first`` (the same with ``persistent_workers=True``). ``per_epoch=true``
+  means ``S`` is that epoch's own seed (RandomSampler without a generator draws one per
+  epoch from the global RNG; the torch hook sends it at each epoch). ``num_samples`` and
+  ``replacement`` as in torch.
+* ``distributed``: ``torch.utils.data.DistributedSampler`` with ``seed``, ``world``
+  (num_replicas), ``rank``, ``shuffle``, ``drop_last``; epoch ``E`` uses ``seed + E``.
+* ``sequential``: indices in order.
+
+Orders are cached per (sampler, epoch); the state of a ``random`` generator is kept after
+each replayed epoch so that going from epoch E to E+1 costs one permutation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported inside the functions that replay orders, not at import time: the
+# daemon loads it only once a stream announces a sampler (it costs ~1 s and ~400 MB).
+
+
+@dataclass(frozen=True)
+class SamplerSpec:
+    kind: str  # "random" | "distributed" | "sequential"
+    seed: int = 0
+    num_samples: int | None = None
+    replacement: bool = False
+    per_epoch: bool = False
+    loader_draws: str = "none"  # "none" | "each" | "first"
+    world: int = 1
+    rank: int = 0
+    shuffle: bool = True
+    drop_last: bool = False
+
+    def validate(self, n: int) -> None:
+        """Raise ValueError when the spec cannot describe a sampler over ``n`` samples."""
+        if self.kind not in ("random", "distributed", "sequential"):
+            raise ValueError(f"unknown sampler kind {self.kind!r}")
+        if self.kind == "distributed":
+            if self.world < 1:
+                raise ValueError("world must be >= 1")
+            if not 0 <= self.rank < self.world:
+                raise ValueError(f"rank must be in [0, {self.world - 1}]")
+        if self.num_samples is not None and self.num_samples <= 0:
+            raise ValueError("num_samples must be positive")
+        if self.kind == "random" and not self.replacement and n == 0:
+            raise ValueError("empty dataset")
+        if self.loader_draws not in ("none", "each", "first"):
+            raise ValueError("loader_draws must be none, each or first")
+        if not -(1 << 63) <= self.seed < (1 << 64):
+            raise ValueError("seed out of the 64-bit range")
+
+
+def _int64_draw(g: torch.Generator) -> None:
+    import torch
+
+    torch.empty((), dtype=torch.int64).random_(generator=g)
+
+
+def _manual(seed: int) -> torch.Generator:
+    import torch
+
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def random_epoch(g: torch.Generator, n: int, num_samples: int, replacement: bool) -> list[int]:
+    """One iteration of RandomSampler.__iter__ with generator ``g`` (advances ``g``)."""
+    import torch
+
+    if replacement:
+        out: list[int] = []
+        for _ in range(num_samples // 32):
+            out += torch.randint(high=n, size=(32,), dtype=torch.int64, generator=g).tolist()
+        out += torch.randint(high=n, size=(num_samples % 32,), dtype=torch.int64,
+                             generator=g).tolist()
+        return out
+    out = []
+    for _ in range(num_samples // n):
+        out += torch.randperm(n, generator=g).tolist()
+    out += torch.randperm(n, generator=g).tolist()[: num_samples % n]
+    return out
+
+
+def distributed_epoch(spec: SamplerSpec, n: int, epoch: int) -> list[int]:
+    """DistributedSampler.__iter__ for ``epoch`` (see torch/utils/data/distributed.py)."""
+    if spec.drop_last and n % spec.world != 0:
+        per_rank = math.ceil((n - spec.world) / spec.world)
+    else:
+        per_rank = math.ceil(n / spec.world)
+    total = per_rank * spec.world
+    if spec.shuffle:
+        import torch
+
+        indices = torch.randperm(n, generator=_manual(spec.seed + epoch)).tolist()
+    else:
+        indices = list(range(n))
+    if not spec.drop_last:
+        pad = total - len(indices)
+        if pad <= len(indices):
+            indices += indices[:pad]
+        else:
+            indices += (indices * math.ceil(pad / len(indices)))[:pad]
+    else:
+        indices = indices[:total]
+    return indices[spec.rank : total : spec.world]
+
+
+@dataclass
+class OrderReplayer:
+    """Orders of successive epochs for one sampler over ``n`` samples."""
+
+    spec: SamplerSpec
+    n: int
+    base_epoch: int = 0  # for per_epoch seeds: the epoch the seed belongs to
+    _states: dict[int, torch.Tensor] = field(default_factory=dict)  # epoch -> state before it
+    _cache: dict[int, list[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.spec.validate(self.n)
+
+    @property
+    def num_samples(self) -> int:
+        return self.spec.num_samples if self.spec.num_samples is not None else self.n
+
+    def known(self, epoch: int) -> bool:
+        """Whether the order of ``epoch`` can be computed (per-epoch seeds only know theirs)."""
+        if self.spec.kind == "random" and self.spec.per_epoch:
+            return epoch == self.base_epoch
+        return epoch >= 0
+
+    def order(self, epoch: int) -> list[int]:
+        """Dataset indices of ``epoch``, in the order the sampler yields them."""
+        if not self.known(epoch):
+            raise ValueError(f"the order of epoch {epoch} is not known from this sampler")
+        hit = self._cache.get(epoch)
+        if hit is not None:
+            return hit
+        s = self.spec
+        if s.kind == "sequential":
+            out = list(range(self.n))
+        elif s.kind == "distributed":
+            out = distributed_epoch(s, self.n, epoch)
+        elif s.per_epoch:
+            out = random_epoch(_manual(s.seed), self.n, self.num_samples, s.replacement)
+        else:
+            out = self._random_from_state(epoch)
+        self._cache[epoch] = out
+        while len(self._cache) > 4:  # bounded: the current and next epochs matter
+            self._cache.pop(min(self._cache))
+        return out
+
+    def _random_from_state(self, epoch: int) -> list[int]:
+        import torch
+
+        s = self.spec
+        g = torch.Generator()
+        start = max((e for e in self._states if e <= epoch), default=None)
+        if start is None:
+            g.manual_seed(s.seed)
+            start = 0
+        else:
+            g.set_state(self._states[start])
+        out: list[int] = []
+        for e in range(start, epoch + 1):
+            self._states[e] = g.get_state()
+            if s.loader_draws == "each" or (s.loader_draws == "first" and e == 0):
+                _int64_draw(g)
+            out = random_epoch(g, self.n, self.num_samples, s.replacement)
+        self._states[epoch + 1] = g.get_state()
+        while len(self._states) > 8:
+            self._states.pop(min(self._states))
+        return out

@@ -1,0 +1,249 @@
+"""Streams: one per (job, rank) that announced its sampler; clairvoyant prefetch for each.
+
+When a stream knows its dataset (an ImageFolder root), its sampler and its epoch, the
+order of that epoch is known exactly (:mod:`dlcachefs.sampler`). The prefetcher then
+fetches the samples from the source in that order, ahead of the reader, into the cache
+(the chunk writer packs them into chunks in fetch order, so the epoch's log comes out in
+its read order).
+
+Reader position: opens are attributed to a stream by process (the process that wrote
+the control lines and its descendants, i.e. DataLoader workers, found through
+``/proc/<pid>/stat`` parents). Each open marks the first not-yet-consumed position of
+that sample in the order; ``position`` is the first position not consumed. Workers read
+slightly out of order; that only leaves a few holes behind ``position`` for a moment.
+
+Bounds: at most ``lead`` samples (and ``lead_bytes``) ahead of the reader, at most
+``concurrency`` fetches in flight, and never faster than the chunk writer takes them.
+
+Concurrency: all state on the trio loop; each stream's prefetcher is a task in the
+engine's nursery, cancelled and replaced when the stream's epoch or sampler changes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import trio
+
+from .control import JobState, StreamState
+from .errors import DlcError
+from .samplelist import SampleList, image_folder
+from .sampler import OrderReplayer, SamplerSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Stream:
+    job: str
+    rank: int
+    dataset: str | None = None
+    samples: SampleList | None = None
+    replayer: OrderReplayer | None = None
+    epoch: int | None = None
+    order: list[int] = field(default_factory=list)  # dataset indices of the current epoch
+    positions: dict[int, list[int]] = field(default_factory=dict)  # ino -> positions, reversed
+    consumed: bytearray = field(default_factory=bytearray)
+    ready: bytearray = field(default_factory=bytearray)
+    position: int = 0
+    prefetched_upto: int = 0
+    stall_seconds: float = 0.0
+    bytes_from_source: int = 0
+    prefetched: int = 0
+    cancel: trio.CancelScope | None = None
+    moved: trio.Event = field(default_factory=trio.Event)
+    pids: set[int] = field(default_factory=set)
+    error: str | None = None
+    target_epoch: int | None = None  # announced; ``epoch`` catches up once its order is known
+    early: list[int] = field(default_factory=list)  # opens seen before the order was known
+
+    @property
+    def key(self) -> str:
+        return f"{self.job}/{self.rank}"
+
+    def stats(self) -> dict:
+        hi = min(self.prefetched_upto, len(self.order))
+        lead = sum(1 for p in range(self.position, hi) if self.ready[p])
+        return {"epoch": self.epoch, "position": self.position, "samples": len(self.order),
+                "prefetch_lead": lead, "prefetched": self.prefetched,
+                "stall_seconds": round(self.stall_seconds, 3),
+                "bytes_from_source": self.bytes_from_source, "dataset": self.dataset,
+                "error": self.error}
+
+
+class StreamManager:
+    """Owns the streams and their prefetch tasks. ``engine`` provides ``ns``, ``writer``,
+    ``cfg`` and the coroutine ``prefetch_one(ino, stream) -> bool``."""
+
+    def __init__(self, engine, lead: int = 1024, lead_bytes: int = 512 << 20,
+                 concurrency: int | None = None) -> None:
+        self.engine = engine
+        self.lead = lead
+        self.lead_bytes = min(lead_bytes, engine.cfg.cache_size // 2)
+        self.concurrency = concurrency or engine.cfg.source_threads
+        self.streams: dict[tuple[str, int], Stream] = {}
+        self._pid_stream: OrderedDict[int, Stream | None] = OrderedDict()
+        self._nursery: trio.Nursery | None = None
+        self._samplelists: dict[str, SampleList] = {}
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    # ----- control updates (trio loop, from ControlState.apply) ---------------------
+
+    def on_stream(self, st: StreamState, js: JobState, pid: int) -> None:
+        s = self.streams.get((st.job, st.rank))
+        if s is None:
+            s = self.streams[(st.job, st.rank)] = Stream(st.job, st.rank)
+        s.pids.add(pid)
+        self._pid_stream.clear()  # attribution may have changed
+        if js.dataset is None or st.sampler is None or st.epoch is None:
+            return
+        if self._nursery is None:
+            return
+        # the previous epoch's prefetch stops now, even if its task has not started yet
+        if s.cancel is not None:
+            s.cancel.cancel()
+        s.cancel = trio.CancelScope()
+        s.target_epoch = st.epoch
+        s.early = []
+        self._nursery.start_soon(self._configure, s, s.cancel, js.dataset, st.sampler, st.epoch)
+
+    async def _configure(self, s: Stream, cs: trio.CancelScope, dataset: str, spec: SamplerSpec,
+                         epoch: int) -> None:
+        """Replay the epoch's order, then prefetch it. Never raises: a background task's
+        error is the stream's error, shown in stats, not the daemon's end."""
+        with cs:
+            try:
+                await self._configure_now(s, dataset, spec, epoch)
+            except Exception as e:  # noqa: BLE001
+                s.error = f"{type(e).__name__}: {e}"
+                log.exception("stream %s: prefetch stopped", s.key)
+
+    async def _configure_now(self, s: Stream, dataset: str, spec: SamplerSpec, epoch: int
+                             ) -> None:
+        try:
+            samples = self._samplelists.get(dataset)
+            if samples is None:
+                samples = await trio.to_thread.run_sync(image_folder, self.engine.ns, dataset)
+                self._samplelists = {dataset: samples}  # keep one: they can be large
+            if (s.replayer is None or s.replayer.spec != spec or s.samples is not samples
+                    or spec.per_epoch):
+                s.replayer = OrderReplayer(spec, len(samples), base_epoch=epoch)
+            order = await trio.to_thread.run_sync(s.replayer.order, epoch)
+        except (DlcError, ValueError, OSError) as e:
+            s.error = str(e)
+            log.warning("stream %s: cannot replay its order: %s", s.key, e)
+            return
+        s.error = None
+        s.dataset, s.samples, s.epoch, s.order = dataset, samples, epoch, order
+        positions: dict[int, list[int]] = {}
+        for p in range(len(order) - 1, -1, -1):
+            ino = samples.inos[order[p]]
+            if ino:
+                positions.setdefault(ino, []).append(p)
+        s.positions = positions
+        s.consumed = bytearray(len(order))
+        s.ready = bytearray(len(order))
+        s.position = s.prefetched_upto = 0
+        early, s.early = s.early, []
+        for ino in early:
+            self.note_open(s, ino)
+        log.info("stream %s: epoch %d, %d samples, order known", s.key, epoch, len(order))
+        await self._prefetch(s)
+
+    # ----- prefetch -------------------------------------------------------------------
+
+    async def _prefetch(self, s: Stream) -> None:
+        assert s.samples is not None
+        slots = trio.Semaphore(self.concurrency)
+        sizes_ahead = 0
+        window: list[tuple[int, int]] = []  # (position, size) prefetched, for lead_bytes
+        async with trio.open_nursery() as nursery:
+            for p in range(len(s.order)):
+                ino = s.samples.inos[s.order[p]]
+                size = self.engine.size_of(ino) if ino else 0
+                # stay within `lead` samples and `lead_bytes` of the reader
+                while True:
+                    while window and window[0][0] < s.position:
+                        sizes_ahead -= window.pop(0)[1]
+                    if p - s.position < self.lead and (sizes_ahead + size <= self.lead_bytes
+                                                       or not window):
+                        break
+                    await s.moved.wait()
+                await slots.acquire()
+                s.prefetched_upto = p + 1
+                window.append((p, size))
+                sizes_ahead += size
+                nursery.start_soon(self._fetch_one, s, p, ino, slots)
+
+    async def _fetch_one(self, s: Stream, p: int, ino: int, slots: trio.Semaphore) -> None:
+        try:
+            if ino and not s.consumed[p]:
+                fetched = await self.engine.prefetch_one(ino, s)
+                if fetched:
+                    s.prefetched += 1
+            s.ready[p] = 1
+        except DlcError as e:
+            log.debug("prefetch of inode %d failed: %s", ino, e)
+        finally:
+            slots.release()
+
+    # ----- reader attribution ---------------------------------------------------------
+
+    def stream_of(self, pid: int) -> Stream | None:
+        if not self.streams:
+            return None
+        if pid in self._pid_stream:
+            return self._pid_stream[pid]
+        owners = {p: s for s in self.streams.values() for p in s.pids}
+        found, cur = None, pid
+        for _ in range(16):  # the writer itself, or an ancestor of the reader
+            if cur in owners:
+                found = owners[cur]
+                break
+            cur = _parent(cur)
+            if cur <= 1:
+                break
+        self._pid_stream[pid] = found
+        while len(self._pid_stream) > 4096:
+            self._pid_stream.popitem(last=False)
+        return found
+
+    def note_open(self, s: Stream, ino: int) -> None:
+        """Mark the sample consumed and move the stream's position."""
+        if s.epoch != s.target_epoch:
+            if len(s.early) < 1 << 20:
+                s.early.append(ino)
+            return
+        ps = s.positions.get(ino)
+        if not ps:
+            return
+        p = ps.pop()
+        s.consumed[p] = 1
+        moved = False
+        while s.position < len(s.consumed) and s.consumed[s.position]:
+            s.position += 1
+            moved = True
+        if moved:
+            s.moved.set()
+            s.moved = trio.Event()
+
+    def stats(self) -> dict:
+        return {s.key: s.stats() for s in self.streams.values()}
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return 0
+    # the command name may contain spaces and parentheses: split after the last ')'
+    return int(data[data.rindex(b")") + 2 :].split()[1])
+
