@@ -139,6 +139,19 @@ def encode_chunk(chunk_id: int, records: Sequence[RecordIn]) -> tuple[bytes, lis
     return b"".join((head, _U64.pack(checksum(head)), payload)), metas
 
 
+def encode_chunk_header(chunk_id: int, n_records: int, payload_len: int, payload_xxh: int
+                        ) -> bytes:
+    """A chunk header on its own, for chunks whose records are written piecewise (the
+    reordered next-epoch log): the header goes last, once the payload is complete."""
+    head = _CHUNK.pack(CHUNK_MAGIC, VERSION, 0, n_records, chunk_id, payload_len, payload_xxh)
+    return head + _U64.pack(checksum(head))
+
+
+def record_len(key_len: int, size: int) -> int:
+    """Bytes one record takes in a chunk."""
+    return RECORD_HEADER_SIZE + key_len + size
+
+
 def decode_chunk_header(buf: bytes | memoryview) -> ChunkHeader:
     """Parse and verify a chunk header; raise FormatError on any damage."""
     if len(buf) < CHUNK_HEADER_SIZE:

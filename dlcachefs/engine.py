@@ -163,7 +163,8 @@ class Engine:
             task_status.started()
 
     async def close(self) -> None:
-        """Seal and commit what is pending, and stop background work."""
+        """Stop prefetching, seal and commit what is pending, and stop background work."""
+        self.streams.close()
         await self.writer.close()
 
     def close_files(self) -> None:
@@ -414,6 +415,10 @@ class Engine:
             e = await trio.to_thread.run_sync(self.ns.update_identity, e, ident)
             self.ns._notify("inode", e.parent, None, e.ino)
         self.counters.bytes_from_source += len(data)
+        if not self.writer.has_room(len(data)):
+            # backpressure: a reader faster than the disk waits for the writer rather than
+            # leaving files uncached (memory stays bounded by the writer's room)
+            await self.writer.wait_room(len(data))
         self.writer.submit(e.ino, rel, ident, data)
         return data, e
 

@@ -172,6 +172,12 @@ class Writer:
     def set_meta(self, key: bytes, value: bytes) -> None:
         self.txn.put(key, value, db=self.ix.meta)
 
+    def bump(self, key: bytes, value: int) -> None:
+        """Raise a persistent sequence to at least ``value`` (never lowers it)."""
+        v = self.txn.get(key, db=self.ix.meta)
+        if v is None or _Q.unpack(v)[0] < value:
+            self.txn.put(key, _Q.pack(value), db=self.ix.meta)
+
     def alloc(self, key: bytes, start: int = 1) -> int:
         """Next value of a persistent sequence (inode numbers, chunk ids, log ids)."""
         v = self.txn.get(key, db=self.ix.meta)

@@ -89,10 +89,16 @@ class StreamManager:
         self._samplelists: dict[str, SampleList] = {}
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Owns the prefetch tasks, until :meth:`close` or cancellation."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
             await trio.sleep_forever()
+
+    def close(self) -> None:
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+            self._nursery = None
 
     # ----- control updates (trio loop, from ControlState.apply) ---------------------
 
@@ -140,6 +146,8 @@ class StreamManager:
             s.error = str(e)
             log.warning("stream %s: cannot replay its order: %s", s.key, e)
             return
+        if s.target_epoch != epoch or trio.current_effective_deadline() == -float("inf"):
+            return  # a newer announcement replaced this one while the order was computed
         s.error = None
         s.dataset, s.samples, s.epoch, s.order = dataset, samples, epoch, order
         positions: dict[int, list[int]] = {}

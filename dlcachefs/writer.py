@@ -81,6 +81,7 @@ class ChunkWriter:
         self.sealing_bytes = 0
         self.pending: dict[int, Pending] = {}  # ino -> record not yet indexed
         self.drops: set[int] = set()
+        self.retire: set[int] = set()  # chunks to evict once unpinned (fully superseded)
         self.pins: Counter[int] = Counter()  # chunk id -> in-flight reads
         self.evicting: set[int] = set()
         self.backoff_until = 0.0
@@ -120,11 +121,14 @@ class ChunkWriter:
         return True
 
     def has_room(self, nbytes: int = 0) -> bool:
-        return self.open_bytes + self.sealing_bytes + nbytes <= 2 * self.cfg.chunk_size
+        """Room for ``nbytes`` more without passing two chunks' worth in memory (and always
+        room for one record when nothing is queued, however large it is)."""
+        queued = self.open_bytes + self.sealing_bytes
+        return queued == 0 or queued + nbytes <= 2 * self.cfg.chunk_size
 
-    async def wait_room(self) -> None:
-        """Backpressure for prefetching: wait until a fetched file would be accepted."""
-        while not self.has_room() and not self._closing:
+    async def wait_room(self, nbytes: int = 0) -> None:
+        """Backpressure (prefetch, fast readers): wait until ``nbytes`` more would fit."""
+        while not self.has_room(nbytes) and not self._closing:
             self._wake.set()
             await self._space.wait()
 
@@ -162,7 +166,8 @@ class ChunkWriter:
                 await self._wake.wait()
             self._wake = trio.Event()
             aged = self.open and time.monotonic() - self.open_since >= self.cfg.flush_interval
-            if self._closing or self.open_bytes >= self.cfg.chunk_size or aged or self.drops:
+            if (self._closing or self.open_bytes >= self.cfg.chunk_size or aged or self.drops
+                    or self.retire):
                 await self._seal()
             if self._closing and not self.open and not self.drops:
                 self._idle.set()
@@ -192,23 +197,28 @@ class ChunkWriter:
             await self._seal_locked()
 
     async def _seal_locked(self) -> None:
-        if not self.open and not self.drops:
+        if not self.open and not self.drops and not self.retire:
             return
         records, drops = self._take_batch()
         new_len = CHUNK_HEADER_SIZE + sum(r.encoded_len for r in records)
-        victims: list[int] = []
+        # superseded chunks go first (release after use); pinned ones wait for a later seal
+        retired = [c for c in self.retire if c not in self.pins]
+        self.retire.difference_update(retired)
+        victims: list[int] = list(retired)
         write = bool(records)
         if records:
-            used = self.index.counter(S.K_CHUNK_BYTES)
+            retired_len = sum(c.length for c in map(self.index.get_chunk, retired) if c)
+            used = self.index.counter(S.K_CHUNK_BYTES) - retired_len
             need = max(used + new_len - self.cfg.cache_size,
-                       self.cfg.min_free - (self.disk_free - new_len), 0)
+                       self.cfg.min_free - (self.disk_free + retired_len - new_len), 0)
             if need > 0:
-                victims = self.policy.victims(need, exclude=set(self.pins))
-                freed = sum(c.length for c in (self.index.get_chunk(v) for v in victims) if c)
+                chosen = self.policy.victims(need, exclude=set(self.pins) | set(retired))
+                freed = sum(c.length for c in map(self.index.get_chunk, chosen) if c)
                 if freed < need:
                     # cannot make room (everything pinned, or one chunk bigger than the cache)
-                    victims, write = [], False
+                    chosen, write = [], False
                     self.counters.cache_skipped += len(records)
+                victims += chosen
         for v in victims:
             self.evicting.add(v)
             self.memtier.discard(v)
@@ -283,16 +293,12 @@ class ChunkWriter:
                     res.indexed.append(r.ino)
                 w.put_chunk(Chunk(cid, log_id, off, length, time.time_ns(),
                                   tuple(r.ino for r in records)))
-                w.set_meta(S.K_NEXT_CHUNK, _u64(cid + 1))
-            w.set_meta(S.K_NEXT_LOG, _u64(self._next_log))
+                w.bump(S.K_NEXT_CHUNK, cid + 1)
+            w.bump(S.K_NEXT_LOG, self._next_log)
         for c in res.evicted:
             self.logs.release(c.log_id, c.offset, c.length)
         res.disk_free = _free_bytes(self.cfg.cache_dir)
         return res
-
-
-def _u64(n: int) -> bytes:
-    return n.to_bytes(8, "little")
 
 
 def _meta_u64(index: Index, key: bytes) -> int:

@@ -21,7 +21,7 @@ import trio
 import dlcachefs.source as source_mod
 from dlcachefs.config import Config
 from dlcachefs.engine import Engine
-from dlcachefs.errors import SourceError
+from dlcachefs.errors import NotFound, SourceError
 from dlcachefs.source import Identity, LocalSource
 
 # ----- sources -------------------------------------------------------------------------
@@ -71,7 +71,8 @@ class FailingSource(CountingSource):
     """read_file raises SourceError(err) for the first ``fail_times`` calls (``None``: always).
 
     Only paths in ``paths`` fail when it is given. ``err`` is an errno: EIO is transient
-    (the engine retries), EACCES is not.
+    (the engine retries), EACCES is not; ENOENT raises NotFound, as LocalSource does for a
+    file that vanished.
     """
 
     def __init__(self, root: str | bytes, err: int = errno.EIO, fail_times: int | None = 1,
@@ -90,7 +91,10 @@ class FailingSource(CountingSource):
                 if fail:
                     self.failures += 1
             if fail:
-                raise SourceError(f"read {os.fsdecode(rel)}: {os.strerror(self.err)}", self.err)
+                msg = f"read {os.fsdecode(rel)}: {os.strerror(self.err)}"
+                if self.err == errno.ENOENT:
+                    raise NotFound(msg)
+                raise SourceError(msg, self.err)
         return LocalSource.read_file(self, rel, use_src_ino)
 
 
@@ -113,6 +117,33 @@ class HangingSource(CountingSource):
             self.entered.set()
             self.gate.wait(self.max_hang)
         return super().read_file(rel, use_src_ino)
+
+
+class HangingMetaSource(CountingSource):
+    """lstat and list_dir of paths in ``paths`` block until :meth:`release`, once ``armed``
+    (the start-up scan is not affected; arm it afterwards)."""
+
+    def __init__(self, root: str | bytes, paths: set[bytes], max_hang: float = 30.0) -> None:
+        super().__init__(root)
+        self.paths = paths
+        self.max_hang = max_hang
+        self.armed = False
+        self.gate = threading.Event()
+
+    def release(self) -> None:
+        self.gate.set()
+
+    def _maybe_hang(self, rel: bytes) -> None:
+        if self.armed and rel in self.paths:
+            self.gate.wait(self.max_hang)
+
+    def lstat(self, rel: bytes) -> os.stat_result:
+        self._maybe_hang(rel)
+        return super().lstat(rel)
+
+    def list_dir(self, rel: bytes):
+        self._maybe_hang(rel)
+        return super().list_dir(rel)
 
 
 class ChangingSource(CountingSource):
@@ -218,7 +249,7 @@ async def read_all(engine: Engine, rel: bytes, step: int = 100_000) -> bytes:
 def run_engine(cfg: Config, body: Callable[[Engine], Awaitable[Any]], source=None,
                check_invariants: bool = True) -> tuple[Any, Engine]:
     """Start an Engine (blocking start-up, as the daemon does), run ``body(engine)`` inside
-    trio with the engine's background task running, close it, and check the index.
+    trio with the engine's background tasks running, close it, and check the index.
 
     Returns (body's result, engine); the engine's files are closed by then (counters stay).
     """
@@ -231,7 +262,8 @@ def run_engine(cfg: Config, body: Callable[[Engine], Awaitable[Any]], source=Non
             async with trio.open_nursery() as nursery:
                 await nursery.start(eng.run)
                 result = await body(eng)
-                await eng.close()
+                await eng.close()  # seals what is pending, as at unmount
+                nursery.cancel_scope.cancel()  # other background tasks, as the daemon does
             return result
 
         result = trio.run(main)

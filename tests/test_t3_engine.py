@@ -17,6 +17,7 @@ from fakes import (
     ChangingSource,
     CountingSource,
     FailingSource,
+    HangingMetaSource,
     HangingSource,
     SlowSource,
     make_config,
@@ -193,6 +194,34 @@ def test_concurrent_opens_share_one_fetch(tree):
     run_engine(make_config(src, cache), body, source)
 
 
+def test_cancelled_fetch_does_not_cancel_other_openers(tree):
+    """Regression: when the open that started a shared fetch is cancelled, the other opens
+    of the file fetch it themselves; they never receive the first one's Cancelled."""
+    src, cache, files = tree
+    source = SlowSource(src, delay=0.3)
+    rel = b"train/cls0/img01.jpg"
+
+    async def body(eng):
+        got = []
+
+        async def cancelled_opener():
+            with trio.move_on_after(0.05) as cs:
+                await read_all(eng, rel)
+            assert cs.cancelled_caught
+
+        async def other_opener():
+            await trio.sleep(0.01)  # joins the fetch the first one started
+            got.append(await read_all(eng, rel))
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as n:
+                n.start_soon(cancelled_opener)
+                n.start_soon(other_opener)
+        assert got == [files[rel]]
+
+    run_engine(make_config(src, cache), body, source)
+
+
 # ----- remount -------------------------------------------------------------------------
 
 
@@ -282,6 +311,44 @@ def test_corrupt_record_is_refetched(tree, memory):
         assert eng.counters.bytes_from_source == 0
 
     run_engine(make_config(src, cache), again)
+
+
+def test_record_being_dropped_is_not_read_again(tree):
+    """Regression: while the commit that drops a bad record is in flight, later opens must
+    not read (and count, and drop again) that record; the late second drop used to delete
+    the freshly re-cached copy in the next commit."""
+    import time
+
+    src, cache, files = tree
+    rel = b"train/cls1/img06.jpg"
+    cold_read(src, cache, files)
+    ino, rec, log_path, _ = record_location(cache, src, rel)
+    flip_byte(log_path, rec.offset + rec.size // 3)
+    source = CountingSource(src)
+
+    async def body(eng):
+        orig = eng.writer._commit
+
+        def slow_commit(*args):
+            time.sleep(0.3)
+            return orig(*args)
+
+        eng.writer._commit = slow_commit
+        assert await read_all(eng, rel) == files[rel]  # checksum failure, refetch, drop
+        with trio.fail_after(10):
+            while eng.writer.sealing_bytes == 0:  # the drop's commit is in flight
+                await trio.sleep(0.005)
+        for _ in range(3):
+            assert await read_all(eng, rel) == files[rel]
+        await eng.writer.flush()
+        eng.writer._commit = orig
+        await eng.writer.flush()
+        assert eng.counters.checksum_failures == 1
+        assert source.reads[rel] == 1
+        new = eng.index.get_record(ino)
+        assert new is not None and new.chunk_id != rec.chunk_id
+
+    run_engine(make_config(src, cache, flush_interval=30.0), body, source)
 
 
 def test_corrupt_chunk_header_records_still_verified(tree):
@@ -518,17 +585,21 @@ def test_persistent_eio_fails_after_retries(tree):
     run_engine(make_config(src, cache, source_retries=1), body, source)
 
 
-def test_eacces_is_not_retried(tree):
+@pytest.mark.parametrize("err,exc", [(errno.EACCES, SourceError), (errno.ENOENT, NotFound)])
+def test_permanent_errors_are_not_retried(tree, err, exc):
     src, cache, files = tree
     rel = b"train/cls0/img00.jpg"
-    source = FailingSource(src, errno.EACCES, fail_times=None, paths={rel})
+    source = FailingSource(src, err, fail_times=None, paths={rel})
 
     async def body(eng):
-        with pytest.raises(SourceError) as ei:
-            await read_all(eng, rel)
-        assert ei.value.errno == errno.EACCES
-        assert source.reads[rel] == 1
+        for _ in range(2):
+            with pytest.raises(exc) as ei:
+                await read_all(eng, rel)
+            if exc is SourceError:
+                assert ei.value.errno == err
+        assert source.reads[rel] == 2  # once per open, never retried
         assert eng.counters.source_retries == 0
+        assert await read_all(eng, b"top.txt") == files[b"top.txt"]
 
     run_engine(make_config(src, cache), body, source)
 
@@ -571,6 +642,28 @@ def test_hanging_source_times_out(tree):
     run_engine(make_config(src, cache, source_timeout=0.5), body, source)
 
 
+@pytest.mark.parametrize("revalidate", [0.0, 1e-9])  # lstat of the file; re-list of its dir
+def test_hanging_namespace_call_times_out(tree, revalidate):
+    """Regression: a hung lstat/list_dir (revalidation) must end in SourceTimeout, not hang."""
+    src, cache, files = tree
+    rel = b"train/cls1/img02.jpg"
+    source = HangingMetaSource(src, paths={rel, b"train/cls1"})
+
+    async def body(eng):
+        ino = eng.ns.resolve(rel).ino
+        source.armed = True
+        try:
+            with trio.fail_after(20):  # a safety net only; the engine must give up first
+                with pytest.raises(SourceTimeout):
+                    await eng.open(ino)
+                assert await read_all(eng, b"top.txt") == files[b"top.txt"]
+        finally:
+            source.release()
+
+    run_engine(make_config(src, cache, revalidate=revalidate, source_timeout=0.5), body,
+               source)
+
+
 def test_slow_source_within_timeout(tree):
     src, cache, files = tree
     source = SlowSource(src, delay=0.02)
@@ -585,6 +678,44 @@ def test_slow_source_within_timeout(tree):
         assert sum(source.reads.values()) == len(subset)
 
     run_engine(make_config(src, cache, source_timeout=5.0), body, source)
+
+
+# ----- the cache disk fails ------------------------------------------------------------
+
+
+def test_disk_full_serves_from_source_and_recovers(tree, monkeypatch):
+    """ENOSPC on a log append: the half-written chunk is cut off, nothing is indexed, every
+    file is still served (from the source), and caching resumes after the back-off."""
+    from dlcachefs.chunkfmt import LOG_HEADER_SIZE
+
+    src, cache, files = tree
+    real_fdatasync = os.fdatasync
+
+    def enospc(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    async def body(eng):
+        monkeypatch.setattr(os, "fdatasync", enospc)
+        await read_everything(eng, files, flush=True)
+        c = eng.counters
+        assert c.write_errors == 1  # then the writer backs off instead of failing again
+        assert c.cache_skipped == len(files)
+        assert eng.index.n_records() == 0 and eng.index.n_chunks() == 0
+        logs = sorted((cache / "logs").iterdir())
+        assert [p.stat().st_size for p in logs] == [LOG_HEADER_SIZE]
+        monkeypatch.setattr(os, "fdatasync", real_fdatasync)
+        eng.writer.backoff_until = 0.0  # the disk has room again; skip the wait
+        await read_everything(eng, files, flush=True)
+        assert eng.index.n_records() == len(files)
+        assert c.misses == 2 * len(files)
+
+    run_engine(make_config(src, cache), body)
+
+    async def remount(eng):
+        await read_everything(eng, files)
+        assert eng.counters.bytes_from_source == 0
+
+    run_engine(make_config(src, cache), remount)
 
 
 # ----- read-through of large files -----------------------------------------------------
@@ -700,7 +831,7 @@ OPS = st.lists(st.one_of(
 ), min_size=1, max_size=40)
 
 
-@settings(max_examples=12, deadline=None,
+@settings(max_examples=30, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(seed=st.integers(0, 2**32), n_files=st.integers(1, 25),
        chunk_size=st.sampled_from([4096, 8192, 20_000, 64 << 10]),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 import random
 from pathlib import Path
 
@@ -109,7 +110,11 @@ def test_launcher_is_bit_identical_and_announces_the_sampler(tmp_path, mount):
     hooked = run([sys.executable, "-m", "dlcachefs.cli", "run", "--", *py, str(m.mnt)])
     assert hooked == plain  # same samples in the same order, same weights
     assert run([*py, str(src)]) == plain
-    st = m.stats()["streams"]["default/0"]
+    for _ in range(600):  # the daemon replays epoch 1's order in the background: wait for it
+        st = m.stats()["streams"]["default/0"]
+        if st["epoch"] == 1 and st["position"] == 120:
+            break
+        time.sleep(0.1)
     assert st["epoch"] == 1 and st["samples"] == 120 and st["position"] == 120, st
     assert st["error"] is None
     ctl = json.loads((m.mnt / ".dlcache" / "control").read_bytes())
