@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 import random
+import time
 from pathlib import Path
 
 import pytest
