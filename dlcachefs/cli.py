@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--source-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="give up on a source read after this long: ETIMEDOUT (default 60)")
     m.add_argument("--policy", default="lru", help="eviction policy (default lru)")
+    m.add_argument("--no-reorder", action="store_true",
+                   help="do not lay out each next epoch's log in its order (LCache)")
     m.add_argument("--foreground", "-f", action="store_true", help="do not daemonize")
     m.add_argument("--allow-other", action="store_true",
                    help="let other users use the mount (with default_permissions)")
@@ -83,7 +85,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         cache_dir=os.path.abspath(a.cache_dir) if a.cache_dir else default_cache_dir(source),
         cache_size=a.cache_size, chunk_size=a.chunk_size, memory=a.memory, min_free=a.min_free,
         revalidate=a.revalidate, rescan=a.rescan, use_source_inode=not a.ignore_source_inode,
-        source_threads=a.source_threads, source_timeout=a.source_timeout, policy=a.policy,
+        source_threads=a.source_threads, source_timeout=a.source_timeout, policy=a.policy, reorder=not a.no_reorder,
         allow_other=a.allow_other, foreground=a.foreground, log_level=a.log_level,
         debug_invariants=a.debug_invariants)
 

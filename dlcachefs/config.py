@@ -41,6 +41,7 @@ class Config:
     flush_interval: float = 2.0      # a partly filled chunk is sealed after this long
     max_cached_file: int = 256 << 20  # larger files are read through, never cached
     policy: str = "lru"
+    reorder: bool = True             # LCache log reordering for streams with a known next order
     allow_other: bool = False
     foreground: bool = False
     log_level: str = "info"

@@ -190,6 +190,8 @@ class Engine:
         if e.size > self.cfg.max_cached_file:
             return await self._open_read_through(e)
         data, cached, waited = await self._load(e)
+        if stream is not None and stream.next_log is not None:
+            stream.next_log.consumed(ino, data, identity(e))
         if stream is not None and waited:
             stream.stall_seconds += time.monotonic() - t0
             if not cached:
@@ -253,9 +255,13 @@ class Engine:
         return p is not None and p.ident == ident
 
     async def prefetch_one(self, ino: int, stream: Stream) -> bool:
-        """Make sure the current version of ``ino`` is in the cache; True if it was fetched."""
+        """Make sure the current version of ``ino`` is in the cache (and its chunk in the
+        memory tier, when whole chunks are being read); True if it was fetched."""
         e = await self.ns.fresh_file(ino)
-        if e.size > self.cfg.max_cached_file or self.is_cached(e) or ino in self._inflight:
+        if e.size > self.cfg.max_cached_file or ino in self._inflight:
+            return False
+        if self.is_cached(e):
+            await self._preload_chunk(ino)
             return False
         await self.writer.wait_room()
         if self.is_cached(e) or ino in self._inflight:
@@ -264,6 +270,39 @@ class Engine:
         stream.bytes_from_source += len(data)
         self.counters.prefetched += 1
         return True
+
+    async def _preload_chunk(self, ino: int) -> None:
+        rec = self.index.get_record(ino)
+        if rec is None or rec.chunk_id in self.memtier or rec.chunk_id in self._loading:
+            return
+        c = self.index.get_chunk(rec.chunk_id)
+        if c is None or c.length > self.memtier.limit // 3 or self._reuse < 2.0:
+            return
+        if not self.writer.pin(c.chunk_id):
+            return
+        try:
+            if await self._load_chunk_into_memory(c) is not None:
+                self.counters.chunk_preloads += 1
+        finally:
+            self.writer.unpin(c.chunk_id)
+
+    async def bytes_for(self, ino: int, ident: Identity) -> bytes | memoryview | None:
+        """The bytes of this version of ``ino`` from the cache, else the source; None when
+        the file is gone or no longer this version (used to fill reordered logs)."""
+        e = self.index.get_entry(ino)
+        if e is None or identity(e) != ident:
+            return None
+        rec = self.index.get_record(ino)
+        if rec is not None and ino not in self.writer.drops and Identity(
+                rec.size, rec.mtime_ns, rec.src_ino) == ident:
+            data = await self._read_record(ino, rec)
+            if data is not None:
+                return data
+        p = self.writer.pending.get(ino)
+        if p is not None and p.ident == ident:
+            return p.data
+        data, e2 = await self._fetch(e)
+        return data if identity(e2) == ident else None
 
     async def _load(self, e: Entry) -> tuple[bytes | memoryview, bool, bool]:
         """Bytes of the current version of ``e``, whether they came from the cache, and

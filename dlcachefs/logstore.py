@@ -52,10 +52,11 @@ class LogStore:
         self.dir = directory
         self.log_size = log_size
         self._fds: dict[int, int] = {}
-        self._lock = threading.Lock()  # guards _fds (reads open descriptors lazily)
+        self._lock = threading.Lock()  # guards _fds and live (several threads use them)
         self.active_id: int | None = None
         self.active_end = 0
-        self.live: dict[int, int] = {}  # log id -> live chunk bytes (appender thread only)
+        self.live: dict[int, int] = {}  # log id -> live chunk bytes
+        self.filling: set[int] = set()  # reorder logs still being written: never deleted
 
     def path(self, log_id: int) -> str:
         return os.path.join(self.dir, f"{log_id:08d}.log")
@@ -125,6 +126,48 @@ class LogStore:
         self.active_end = LOG_HEADER_SIZE
         self.live.setdefault(log_id, 0)
 
+    def create_sized(self, log_id: int, size: int) -> None:
+        """Create a log of ``size`` bytes (sparse) to be filled at planned offsets: the
+        reordered log of a next epoch. It is never the append target."""
+        p = self.path(log_id)
+        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, encode_log_header(log_id, time.time_ns()))
+            os.ftruncate(fd, max(size, LOG_HEADER_SIZE))
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(p)
+            raise
+        with self._lock:
+            self._fds[log_id] = fd
+        self._fsync_dir()
+        self.live.setdefault(log_id, 0)
+
+    def pwrite(self, log_id: int, data: bytes | memoryview, offset: int) -> None:
+        n = os.pwrite(self._fd(log_id), data, offset)
+        if n != len(data):
+            raise OSError(errno.EIO, f"short write to log {log_id}")
+
+    def datasync(self, log_id: int) -> None:
+        os.fdatasync(self._fd(log_id))
+
+    def add_live(self, log_id: int, length: int) -> None:
+        with self._lock:  # the chunk writer and the reorderer commit from different threads
+            self.live[log_id] = self.live.get(log_id, 0) + length
+
+    def discard_log(self, log_id: int) -> None:
+        """Delete a log nothing in the index points at (an abandoned reorder plan)."""
+        if self.live.get(log_id, 0) > 0:
+            return
+        self.live.pop(log_id, None)
+        with self._lock:
+            fd = self._fds.pop(log_id, None)
+        if fd is not None:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path(log_id))
+
     def needs_new_log(self, length: int) -> bool:
         return self.active_id is None or (
             self.active_end > LOG_HEADER_SIZE and self.active_end + length > self.log_size)
@@ -150,7 +193,7 @@ class LogStore:
                 log.exception("could not cut log %d back after a failed append", self.active_id)
             raise
         self.active_end = off + len(data)
-        self.live[self.active_id] = self.live.get(self.active_id, 0) + len(data)
+        self.add_live(self.active_id, len(data))
         return self.active_id, off
 
     def read(self, log_id: int, offset: int, length: int) -> bytes:
@@ -165,9 +208,13 @@ class LogStore:
 
     def release(self, log_id: int, offset: int, length: int) -> None:
         """Give back the space of an evicted chunk; delete the log when nothing in it lives."""
-        self.live[log_id] = self.live.get(log_id, 0) - length
-        if self.live[log_id] <= 0 and log_id != self.active_id:
-            self.live.pop(log_id, None)
+        with self._lock:
+            self.live[log_id] = self.live.get(log_id, 0) - length
+            empty = (self.live[log_id] <= 0 and log_id != self.active_id
+                     and log_id not in self.filling)
+            if empty:
+                self.live.pop(log_id, None)
+        if empty:
             with self._lock:
                 fd = self._fds.pop(log_id, None)
             if fd is not None:

@@ -27,8 +27,10 @@ from dataclasses import dataclass, field
 
 import trio
 
+from . import schema as S
 from .control import JobState, StreamState
 from .errors import DlcError
+from .reorder import NextEpochLog
 from .samplelist import SampleList, image_folder
 from .sampler import OrderReplayer, SamplerSpec
 
@@ -58,6 +60,7 @@ class Stream:
     error: str | None = None
     target_epoch: int | None = None  # announced; ``epoch`` catches up once its order is known
     early: list[int] = field(default_factory=list)  # opens seen before the order was known
+    next_log: NextEpochLog | None = None  # the next epoch's log being laid out (LCache)
 
     @property
     def key(self) -> str:
@@ -163,7 +166,36 @@ class StreamManager:
         for ino in early:
             self.note_open(s, ino)
         log.info("stream %s: epoch %d, %d samples, order known", s.key, epoch, len(order))
-        await self._prefetch(s)
+        prev, s.next_log = s.next_log, None
+        if prev is not None:
+            if prev.epoch == epoch:
+                prev.request_finish()  # this epoch's log: fill its gaps and seal it
+            else:
+                prev.abandon()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._prefetch, s)
+            await self._plan_next(s, samples, epoch)
+
+    async def _plan_next(self, s: Stream, samples: SampleList, epoch: int) -> None:
+        """LCache: when epoch+1's order is known, lay out its log while this epoch runs."""
+        assert s.replayer is not None and self._nursery is not None
+        if not self.engine.cfg.reorder or not s.replayer.known(epoch + 1):
+            return
+        need = sum(self.engine.size_of(i) for i in set(samples.inos) if i)
+        used = self.engine.index.counter(S.K_CHUNK_BYTES)
+        if used + need > self.engine.cfg.cache_size:
+            log.info("stream %s: no room for a second log (%d + %d > %d bytes); epoch %d "
+                     "is read where it lies", s.key, used, need, self.engine.cfg.cache_size,
+                     epoch + 1)
+            return
+        order = await trio.to_thread.run_sync(s.replayer.order, epoch + 1)
+        nl = NextEpochLog(self.engine, s.key, epoch + 1)
+        await nl.plan([samples.inos[i] for i in order])
+        if s.target_epoch != epoch:  # a newer epoch began while planning
+            nl.abandon()
+        else:
+            s.next_log = nl
+        self._nursery.start_soon(nl.run)
 
     # ----- prefetch -------------------------------------------------------------------
 

@@ -132,6 +132,22 @@ class ChunkWriter:
             self._wake.set()
             await self._space.wait()
 
+    def reserve_chunk_ids(self, n: int) -> int:
+        """Chunk ids for chunks written outside this writer (the reorderer)."""
+        first = self._next_chunk
+        self._next_chunk += n
+        return first
+
+    def reserve_log_id(self) -> int:
+        lid = self._next_log
+        self._next_log += 1
+        return lid
+
+    def retire_chunk(self, chunk_id: int) -> None:
+        """A chunk whose records all moved elsewhere: evict it at the next seal."""
+        self.retire.add(chunk_id)
+        self._wake.set()
+
     def drop(self, ino: int) -> None:
         """Forget the cached record of ``ino`` at the next commit (stale or corrupt)."""
         self.drops.add(ino)
@@ -227,8 +243,11 @@ class ChunkWriter:
             self._next_chunk += 1
         self.sealing_bytes += new_len
         try:
+            new_log = None
+            if write and self.logs.needs_new_log(new_len):  # no commit runs now: safe to read
+                new_log = self.reserve_log_id()
             res = await trio.to_thread.run_sync(self._commit, cid, records if write else [],
-                                                victims, drops)
+                                                victims, drops, new_log)
         finally:
             self.sealing_bytes -= new_len
             self.evicting.difference_update(victims)
@@ -260,17 +279,16 @@ class ChunkWriter:
 
     # ----- worker thread -------------------------------------------------------------
 
-    def _commit(self, cid: int, records: list[Pending], victims: list[int], drops: set[int]
-                ) -> _Result:
+    def _commit(self, cid: int, records: list[Pending], victims: list[int], drops: set[int],
+                new_log: int | None) -> _Result:
         res = _Result()
         metas = []
         if records:
             data, metas = encode_chunk(cid, [
                 RecordIn(r.ino, r.key, r.ident.mtime_ns, r.ident.src_ino, r.data) for r in records])
             try:
-                if self.logs.needs_new_log(len(data)):
-                    self.logs.start_log(self._next_log)
-                    self._next_log += 1
+                if new_log is not None:
+                    self.logs.start_log(new_log)
                 log_id, off = self.logs.append(data)
                 res.written = (log_id, off, len(data))
             except OSError as e:
@@ -294,7 +312,8 @@ class ChunkWriter:
                 w.put_chunk(Chunk(cid, log_id, off, length, time.time_ns(),
                                   tuple(r.ino for r in records)))
                 w.bump(S.K_NEXT_CHUNK, cid + 1)
-            w.bump(S.K_NEXT_LOG, self._next_log)
+            if new_log is not None:
+                w.bump(S.K_NEXT_LOG, new_log + 1)
         for c in res.evicted:
             self.logs.release(c.log_id, c.offset, c.length)
         res.disk_free = _free_bytes(self.cfg.cache_dir)

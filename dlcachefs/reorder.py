@@ -1,0 +1,286 @@
+"""LCache's log reordering (Algorithm 1): lay out epoch e+1's log in epoch e+1's order
+while epoch e is read.
+
+When a stream knows the order of its next epoch (DistributedSampler, or a RandomSampler
+whose generator seed was announced), a :class:`NextEpochLog` plans a new log file: the
+samples of epoch e+1 in that order, grouped into chunks of about ``--chunk-size``, each
+record at a precomputed offset (LCache computes "the storage location of each sample
+file within the LogFile" from the file sizes). While epoch e runs, every sample the
+reader consumes is written, in the background, to its slot in that file, from the bytes
+the reader was just served (no second read). A chunk whose records are all written gets
+its header (payload checksum) and ``fdatasync``, and only then is indexed: its records
+now point into the new log. Old chunks whose records have all moved are released
+(LCache line 16, "evict(CurrLog, ...)"), through the chunk writer, once unpinned.
+
+At the start of epoch e+1 the plan is finished: slots still empty (samples not read
+through this stream in epoch e) are filled from the cache, or the source, and their
+chunks sealed. Epoch e+1 then reads its log front to back, one large read per chunk.
+
+Each sample gets one slot (its first position in the next order): the index keeps one
+location per file. Crash safety is the writer's: only complete, fsynced chunks are
+indexed; after a crash the plan is gone and the records still point at their old chunks.
+
+Concurrency: the plan's state lives on the trio loop; slot writes go to worker threads
+in batches (one thread hop per batch, not per sample) under the disk limiter; chunk
+finalization (read back, checksum, header, fdatasync, one LMDB write transaction) runs in
+a thread. The plan's tasks belong to the stream manager's nursery.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import trio
+
+from . import schema as S
+from .chunkfmt import (
+    CHUNK_HEADER_SIZE,
+    LOG_HEADER_SIZE,
+    RECORD_HEADER_SIZE,
+    RecordIn,
+    checksum,
+    encode_chunk_header,
+    encode_record,
+    record_len,
+)
+from .errors import DlcError
+from .namespace import identity
+from .schema import Chunk, Record
+from .source import Identity
+
+log = logging.getLogger(__name__)
+
+#: bytes of consumed samples waiting to be written to their slots; above it they are
+#: left for the fill at the epoch boundary
+MAX_QUEUED = 64 << 20
+
+
+@dataclass(slots=True)
+class Slot:
+    ino: int
+    key: bytes
+    ident: Identity
+    chunk: int  # index into NextEpochLog.chunks
+    offset: int  # absolute offset of the record header in the log
+    written: bool = False
+
+
+@dataclass(slots=True)
+class PlannedChunk:
+    chunk_id: int
+    offset: int
+    length: int
+    slots: list[Slot] = field(default_factory=list)
+    remaining: int = 0
+    sealed: bool = False
+
+
+def plan_layout(index, inos: list[int], chunk_size: int, max_file: int, start_offset: int
+                ) -> tuple[list[PlannedChunk], dict[int, Slot]]:
+    """Thread: slots and chunk boundaries for ``inos`` in this order (first occurrence
+    only; files not cacheable are left out). Chunk ids are filled in by the caller."""
+    paths: dict[int, bytes] = {}
+
+    def rel(e) -> bytes:
+        if e.parent in (0, 1):
+            return e.name
+        p = paths.get(e.parent)
+        if p is None:
+            pe = index.get_entry(e.parent)
+            p = paths[e.parent] = rel(pe) if pe is not None else b""
+        return p + b"/" + e.name
+
+    chunks: list[PlannedChunk] = []
+    slots: dict[int, Slot] = {}
+    cur: PlannedChunk | None = None
+    off = start_offset
+    for ino in inos:
+        if not ino or ino in slots:
+            continue
+        e = index.get_entry(ino)
+        if e is None or e.size > max_file or (e.mode & 0o170000) != 0o100000:
+            continue
+        key = rel(e)
+        rlen = record_len(len(key), e.size)
+        if cur is None or (cur.slots and cur.length + rlen > chunk_size):
+            cur = PlannedChunk(0, off, CHUNK_HEADER_SIZE)
+            chunks.append(cur)
+            off += CHUNK_HEADER_SIZE
+        slot = Slot(ino, key, identity(e), len(chunks) - 1, off)
+        cur.slots.append(slot)
+        cur.length += rlen
+        cur.remaining += 1
+        slots[ino] = slot
+        off += rlen
+    return chunks, slots
+
+
+class NextEpochLog:
+    """The reordered log of one stream's next epoch."""
+
+    def __init__(self, engine, stream_key: str, epoch: int) -> None:
+        self.engine = engine
+        self.key = stream_key
+        self.epoch = epoch
+        self.log_id = 0
+        self.chunks: list[PlannedChunk] = []
+        self.slots: dict[int, Slot] = {}
+        self.queue: list[tuple[Slot, bytes]] = []
+        self.queued_bytes = 0
+        self._wake = trio.Event()
+        self.sealed = 0
+        self.failed = False
+        self._finish = False
+        self.done = trio.Event()
+
+    async def plan(self, order_inos: list[int]) -> None:
+        eng = self.engine
+        cfg = eng.cfg
+        self.chunks, self.slots = await trio.to_thread.run_sync(
+            plan_layout, eng.index, order_inos, cfg.chunk_size, cfg.max_cached_file,
+            LOG_HEADER_SIZE)
+        first = eng.writer.reserve_chunk_ids(len(self.chunks))
+        for i, c in enumerate(self.chunks):
+            c.chunk_id = first + i
+        self.log_id = eng.writer.reserve_log_id()
+        end = self.chunks[-1].offset + self.chunks[-1].length if self.chunks else LOG_HEADER_SIZE
+        eng.logs.filling.add(self.log_id)
+        await trio.to_thread.run_sync(eng.logs.create_sized, self.log_id, end)
+        log.info("stream %s: planned epoch %d's log %d: %d samples in %d chunks", self.key,
+                 self.epoch, self.log_id, len(self.slots), len(self.chunks))
+
+    # ----- loop side ------------------------------------------------------------------
+
+    def consumed(self, ino: int, data: bytes | memoryview, ident: Identity) -> None:
+        """The reader was just served ``data`` for ``ino``: queue it for its slot."""
+        slot = self.slots.get(ino)
+        if slot is None or slot.written or self.failed:
+            return
+        if slot.ident != ident or len(data) != slot.ident.size:
+            return  # changed since planning: the fill decides at the epoch boundary
+        if self.queued_bytes + len(data) > MAX_QUEUED:
+            return
+        slot.written = True  # claimed; written by the drain task
+        self.queue.append((slot, bytes(data)))
+        self.queued_bytes += len(data)
+        self._wake.set()
+
+    def request_finish(self) -> None:
+        """Epoch e+1 has started: fill what is missing and seal the rest (see :meth:`run`)."""
+        self._finish = True
+        self._wake.set()
+
+    def abandon(self) -> None:
+        self.failed = True
+        self._finish = True
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Drain consumed samples into their slots and seal complete chunks; once asked to
+        finish, fill the empty slots (from the cache, else the source) and seal them."""
+        try:
+            while not self._finish:
+                await self._wake.wait()
+                self._wake = trio.Event()
+                await self._drain()
+            if not self.failed:
+                await self._fill()
+        except (OSError, DlcError) as e:
+            self.failed = True
+            log.warning("stream %s: reordering epoch %d stopped: %s", self.key, self.epoch, e)
+        finally:
+            self.engine.logs.filling.discard(self.log_id)
+            if self.sealed == 0:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(self.engine.logs.discard_log, self.log_id)
+            log.info("stream %s: epoch %d's log %d: %d of %d chunks sealed", self.key,
+                     self.epoch, self.log_id, self.sealed, len(self.chunks))
+            self.done.set()
+
+    async def _drain(self) -> None:
+        while self.queue:
+            batch, self.queue, self.queued_bytes = self.queue, [], 0
+            await trio.to_thread.run_sync(self._write_slots, batch,
+                                          limiter=self.engine.disk_limiter)
+            ready = []
+            for slot, _ in batch:
+                c = self.chunks[slot.chunk]
+                c.remaining -= 1
+                if c.remaining == 0:
+                    ready.append(c)
+            for c in ready:
+                await self._seal(c)
+
+    async def _fill(self) -> None:
+        for slot in list(self.slots.values()):
+            if slot.written:
+                continue
+            data = await self.engine.bytes_for(slot.ino, slot.ident)
+            if data is None:  # gone or changed: that chunk stays unsealed
+                continue
+            slot.written = True
+            self.queue.append((slot, bytes(data)))
+            self.queued_bytes += len(data)
+            if self.queued_bytes > 8 << 20:
+                await self._drain()
+        await self._drain()
+
+    # ----- threads --------------------------------------------------------------------
+
+    def _write_slots(self, batch: list[tuple[Slot, bytes]]) -> None:
+        logs = self.engine.logs
+        for slot, data in batch:
+            rec = encode_record(RecordIn(slot.ino, slot.key, slot.ident.mtime_ns,
+                                         slot.ident.src_ino, data))
+            logs.pwrite(self.log_id, rec, slot.offset)
+
+    async def _seal(self, c: PlannedChunk) -> None:
+        eng = self.engine
+        dead = await trio.to_thread.run_sync(self._seal_thread, c, limiter=eng.disk_limiter)
+        c.sealed = True
+        self.sealed += 1
+        eng.policy.on_insert(c.chunk_id, c.length)
+        eng.counters.reorder_chunks += 1
+        for old in dead:
+            eng.writer.retire_chunk(old)
+
+    def _seal_thread(self, c: PlannedChunk) -> list[int]:
+        eng = self.engine
+        payload_len = c.length - CHUNK_HEADER_SIZE
+        payload = eng.logs.read(self.log_id, c.offset + CHUNK_HEADER_SIZE, payload_len)
+        head = encode_chunk_header(c.chunk_id, len(c.slots), payload_len, checksum(payload))
+        eng.logs.pwrite(self.log_id, head, c.offset)
+        eng.logs.datasync(self.log_id)
+        old_chunks: set[int] = set()
+        dead: list[int] = []
+        mv = memoryview(payload)
+        with eng.index.write() as w:
+            for slot in c.slots:
+                e = w.get_entry(slot.ino)
+                if e is None or identity(e) != slot.ident:
+                    continue  # changed meanwhile: never index it
+                data_off = slot.offset + RECORD_HEADER_SIZE + len(slot.key)
+                rel = data_off - c.offset - CHUNK_HEADER_SIZE
+                xxh = checksum(mv[rel : rel + slot.ident.size])
+                old = w.get_record(slot.ino)
+                if old is not None:
+                    old_chunks.add(old.chunk_id)
+                w.put_record(slot.ino, Record(c.chunk_id, self.log_id, data_off,
+                                              slot.ident.size, xxh, slot.ident.mtime_ns,
+                                              slot.ident.src_ino))
+            w.put_chunk(Chunk(c.chunk_id, self.log_id, c.offset, c.length, time.time_ns(),
+                              tuple(s.ino for s in c.slots)))
+            w.bump(S.K_NEXT_CHUNK, c.chunk_id + 1)
+            w.bump(S.K_NEXT_LOG, self.log_id + 1)
+            for oc in old_chunks:
+                ch = w.txn.get(S.ukey(oc), db=w.ix.chunk)
+                if ch is None:
+                    continue
+                members = Chunk.unpack(oc, ch).members
+                if all((r := w.get_record(m)) is None or r.chunk_id != oc for m in members):
+                    dead.append(oc)
+        eng.logs.add_live(self.log_id, c.length)
+        return dead
+
