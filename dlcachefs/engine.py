@@ -26,6 +26,7 @@ import errno
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -121,7 +122,7 @@ class Engine:
         self._loads = 0
         self._served = 0
         self._probe = 0
-        self._last_chunk_read = -1
+        self._recent_chunk_reads: deque[int] = deque(maxlen=4)
 
     # ----- life cycle ----------------------------------------------------------------
 
@@ -295,7 +296,7 @@ class Engine:
         rec = self.index.get_record(ino)
         if rec is not None and ino not in self.writer.drops and Identity(
                 rec.size, rec.mtime_ns, rec.src_ino) == ident:
-            data = await self._read_record(ino, rec)
+            data = await self._read_record(ino, rec, background=True)
             if data is not None:
                 return data
         p = self.writer.pending.get(ino)
@@ -330,8 +331,11 @@ class Engine:
         self.counters.misses += 1
         return data, False, True
 
-    async def _read_record(self, ino: int, rec: Record) -> memoryview | None:
-        """The record's bytes from memory or the log; None when they cannot be trusted."""
+    async def _read_record(self, ino: int, rec: Record, background: bool = False
+                           ) -> memoryview | None:
+        """The record's bytes from memory or the log; None when they cannot be trusted.
+        ``background`` reads (filling a reordered log) read the record alone and leave the
+        memory tier and the reader's statistics alone."""
         buf = self.memtier.get(rec.chunk_id)
         while buf is None and rec.chunk_id in self._loading:
             await self._loading[rec.chunk_id].wait()  # another open is loading this chunk
@@ -343,8 +347,8 @@ class Engine:
                 c = self.index.get_chunk(rec.chunk_id)
                 if c is None:
                     return None
-                if not self._whole_chunk(c):
-                    return await self._read_single(ino, rec)
+                if background or not self._whole_chunk(c):
+                    return await self._read_single(ino, rec, background)
                 buf = await self._load_chunk_into_memory(c)
                 if buf is None:
                     return self._bad(ino)
@@ -371,21 +375,28 @@ class Engine:
             del self._loading[c.chunk_id]
             ev.set()
         self.counters.chunk_reads += 1
-        if c.chunk_id == self._last_chunk_read + 1:
+        log.debug("chunk read %d (log %d, %d bytes)", c.chunk_id, c.log_id, c.length)
+        # sequential: the chunk before it was among the last few read (the reader and the
+        # preloader may interleave two front-to-back scans)
+        if c.chunk_id - 1 in self._recent_chunk_reads:
             self.counters.sequential_chunk_reads += 1
-        self._last_chunk_read = c.chunk_id
+        self._recent_chunk_reads.append(c.chunk_id)
         self._loads += 1
         buf = ChunkBuf(c.chunk_id, c.offset, data, verified)
         self.memtier.put(buf)
         return buf
 
-    async def _read_single(self, ino: int, rec: Record) -> memoryview | None:
+    async def _read_single(self, ino: int, rec: Record, background: bool = False
+                           ) -> memoryview | None:
         try:
             data = await trio.to_thread.run_sync(self.logs.read, rec.log_id, rec.offset,
                                                  rec.size, limiter=self.disk_limiter)
         except (FormatError, OSError):
             return self._bad(ino)
-        self.counters.record_reads += 1
+        if background:
+            self.counters.fill_reads += 1
+        else:
+            self.counters.record_reads += 1
         if checksum(data) != rec.data_xxh:
             return self._bad(ino)
         self.policy.on_access(rec.chunk_id)

@@ -213,6 +213,23 @@ class NextEpochLog:
             for c in ready:
                 await self._seal(c)
 
+    async def backfill(self, inos: list[int]) -> None:
+        """Queue samples consumed before this plan existed (read back from the cache)."""
+        for ino in inos:
+            slot = self.slots.get(ino)
+            if slot is None or slot.written or self.failed or self._finish:
+                continue
+            data = await self.engine.bytes_for(slot.ino, slot.ident)
+            if data is None or slot.written:
+                continue
+            slot.written = True
+            self.queue.append((slot, bytes(data)))
+            self.queued_bytes += len(data)
+            if self.queued_bytes > 8 << 20:
+                self._wake.set()
+                await trio.sleep(0)
+        self._wake.set()
+
     async def _fill(self) -> None:
         for slot in list(self.slots.values()):
             if slot.written:

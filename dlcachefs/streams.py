@@ -195,6 +195,9 @@ class StreamManager:
             nl.abandon()
         else:
             s.next_log = nl
+            # samples this epoch already served before the plan existed go in from the cache
+            done = [samples.inos[s.order[p]] for p in range(len(s.order)) if s.consumed[p]]
+            self._nursery.start_soon(nl.backfill, done)
         self._nursery.start_soon(nl.run)
 
     # ----- prefetch -------------------------------------------------------------------

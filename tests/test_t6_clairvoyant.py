@@ -1,0 +1,112 @@
+"""Clairvoyant epochs through a real mount: the sampler announced by the launcher, the
+next epoch's log laid out in its order (LCache), prefetch ahead of the reader."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import requires_fuse
+from test_t5_torch import make_images
+
+pytest.importorskip("torchvision")
+pytestmark = requires_fuse
+
+TRAIN = r'''
+import hashlib, json, os, sys, time, torch
+from torchvision import datasets, transforms
+root, epochs, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+ds = datasets.ImageFolder(root, transform=transforms.Compose(
+    [transforms.Resize((16, 16)), transforms.ToTensor()]))
+if kind == "distributed":
+    sampler = torch.utils.data.DistributedSampler(ds, num_replicas=1, rank=0, seed=7)
+    dl = torch.utils.data.DataLoader(ds, batch_size=32, sampler=sampler, num_workers=2)
+else:
+    sampler = None
+    torch.manual_seed(3)
+    dl = torch.utils.data.DataLoader(ds, batch_size=32, shuffle=True, num_workers=2)
+stats_path = os.path.join(root, ".dlcache", "stats")
+
+def stats():
+    if not os.path.exists(stats_path):
+        return None
+    with open(stats_path) as f:
+        return json.load(f)
+
+out = []
+for epoch in range(epochs):
+    if sampler is not None:
+        sampler.set_epoch(epoch)
+    before = stats()
+    samples = []
+    for x, y in dl:
+        for xi, yi in zip(x, y):
+            samples.append((hashlib.sha256(xi.numpy().tobytes()).hexdigest()[:16], int(yi)))
+    after = stats()
+    if after is not None:
+        # let the background work for the next epoch settle (no timing is asserted)
+        for _ in range(300):
+            s = stats()
+            st = s["streams"].get("default/0", {})
+            if s["pending_bytes"] == 0 and st.get("position") == len(samples):
+                break
+            time.sleep(0.1)
+    out.append({"samples": samples, "before": before, "after": after})
+print(json.dumps(out))
+'''
+
+
+def _run(cmd: list[str]) -> list[dict]:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _delta(ep: dict, key: str) -> int:
+    return ep["after"][key] - ep["before"][key]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    src = tmp_path_factory.mktemp("clair") / "src"
+    make_images(src, classes=8, per_class=250)  # 2,000 files
+    return src
+
+
+def test_three_epochs_with_the_launcher(dataset, mount, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    m = mount(dataset, "--chunk-size", "256K")
+    direct = _run([sys.executable, str(script), str(dataset), "3", "distributed"])
+    through = _run([sys.executable, "-m", "dlcachefs.cli", "run", "--", sys.executable,
+                    str(script), str(m.mnt), "3", "distributed"])
+    for d, t in zip(direct, through, strict=True):
+        assert t["samples"] == d["samples"]  # same samples, same labels, same order
+    e1, e2, e3 = through
+    assert _delta(e1, "bytes_from_source") > 0
+    for ep in (e2, e3):
+        assert _delta(ep, "bytes_from_source") == 0  # the cache serves epochs 2 and 3
+        assert _delta(ep, "misses") == 0
+        reads = _delta(ep, "chunk_reads")
+        seq = _delta(ep, "sequential_chunk_reads")
+        assert reads > 0 and seq >= reads - 2, (reads, seq)  # the log is read front to back
+        assert _delta(ep, "record_reads") == 0
+    st = m.stats()
+    assert st["reorder_chunks"] > 0
+    assert st["streams"]["default/0"]["epoch"] == 2
+    assert st["prefetched"] > 0  # epoch 1 was fetched ahead of the reader
+
+
+def test_random_sampler_without_generator_is_cached_after_epoch_one(dataset, mount, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    m = mount(dataset, "--chunk-size", "256K", cache=tmp_path / "cache2", name="mnt2")
+    direct = _run([sys.executable, str(script), str(dataset), "2", "random"])
+    through = _run([sys.executable, "-m", "dlcachefs.cli", "run", "--", sys.executable,
+                    str(script), str(m.mnt), "2", "random"])
+    assert [t["samples"] for t in through] == [d["samples"] for d in direct]
+    assert _delta(through[1], "bytes_from_source") == 0
+    assert m.stats()["streams"]["default/0"]["epoch"] == 1
