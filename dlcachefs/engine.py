@@ -123,6 +123,10 @@ class Engine:
         self._served = 0
         self._probe = 0
         self._recent_chunk_reads: deque[int] = deque(maxlen=4)
+        # records read ahead of the reader (record mode); consumed by the next open
+        self.ready: dict[int, tuple[Record, memoryview]] = {}
+        self._ready_bytes = 0
+        self._ready_limit = max(cfg.memory // 4, cfg.chunk_size)
 
     # ----- life cycle ----------------------------------------------------------------
 
@@ -262,7 +266,7 @@ class Engine:
         if e.size > self.cfg.max_cached_file or ino in self._inflight:
             return False
         if self.is_cached(e):
-            await self._preload_chunk(ino)
+            await self._preload(ino)
             return False
         await self.writer.wait_room()
         if self.is_cached(e) or ino in self._inflight:
@@ -272,20 +276,32 @@ class Engine:
         self.counters.prefetched += 1
         return True
 
-    async def _preload_chunk(self, ino: int) -> None:
+    async def _preload(self, ino: int) -> None:
+        """Ahead of the reader: its chunk into the memory tier when whole chunks are being
+        reused, else the record alone into the small ready set (the reader then never
+        waits for the disk)."""
         rec = self.index.get_record(ino)
         if rec is None or rec.chunk_id in self.memtier or rec.chunk_id in self._loading:
             return
         c = self.index.get_chunk(rec.chunk_id)
-        if c is None or c.length > self.memtier.limit // 3 or self._reuse < 2.0:
-            return
-        if not self.writer.pin(c.chunk_id):
+        if c is None or not self.writer.pin(c.chunk_id):
             return
         try:
-            if await self._load_chunk_into_memory(c) is not None:
-                self.counters.chunk_preloads += 1
+            if c.length <= self.memtier.limit // 3 and self._reuse >= 2.0:
+                if await self._load_chunk_into_memory(c) is not None:
+                    self.counters.chunk_preloads += 1
+            elif ino not in self.ready and self._ready_bytes + rec.size <= self._ready_limit:
+                data = await self._read_single(ino, rec, True, "record_preloads")
+                if data is not None and self.index.get_record(ino) == rec:
+                    self.ready[ino] = (rec, data)
+                    self._ready_bytes += rec.size
         finally:
             self.writer.unpin(c.chunk_id)
+
+    def drop_ready(self) -> None:
+        """Forget records read ahead for an epoch that is over."""
+        self.ready.clear()
+        self._ready_bytes = 0
 
     async def bytes_for(self, ino: int, ident: Identity) -> bytes | memoryview | None:
         """The bytes of this version of ``ino`` from the cache, else the source; None when
@@ -310,8 +326,15 @@ class Engine:
         whether the open had to wait for the source."""
         ident = identity(e)
         rec = self.index.get_record(e.ino)
+        early = self.ready.pop(e.ino, None)
+        if early is not None:
+            self._ready_bytes -= early[0].size
         if rec is not None and e.ino not in self.writer.drops:
             if Identity(rec.size, rec.mtime_ns, rec.src_ino) == ident:
+                if early is not None and early[0] == rec:
+                    self.counters.hits += 1
+                    self.policy.on_access(rec.chunk_id)
+                    return early[1], True, False
                 data = await self._read_record(e.ino, rec)
                 if data is not None:
                     self.counters.hits += 1
@@ -386,15 +409,17 @@ class Engine:
         self.memtier.put(buf)
         return buf
 
-    async def _read_single(self, ino: int, rec: Record, background: bool = False
-                           ) -> memoryview | None:
+    async def _read_single(self, ino: int, rec: Record, background: bool = False,
+                           counter: str = "fill_reads") -> memoryview | None:
+        """One record from the log, checked against its checksum. ``background`` reads
+        count under ``counter`` instead of ``record_reads``."""
         try:
             data = await trio.to_thread.run_sync(self.logs.read, rec.log_id, rec.offset,
                                                  rec.size, limiter=self.disk_limiter)
         except (FormatError, OSError):
             return self._bad(ino)
         if background:
-            self.counters.fill_reads += 1
+            setattr(self.counters, counter, getattr(self.counters, counter) + 1)
         else:
             self.counters.record_reads += 1
         if checksum(data) != rec.data_xxh:

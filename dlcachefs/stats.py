@@ -25,6 +25,7 @@ class Counters:
     cache_skipped: int = 0         # fetched files not cached (cache full, writer behind, disk full)
     reorder_chunks: int = 0        # chunks of a next epoch's log sealed by the reorderer
     chunk_preloads: int = 0        # chunks read ahead of the reader into the memory tier
+    record_preloads: int = 0       # single records read ahead of the reader
     fill_reads: int = 0            # records read to fill gaps of a reordered log
     write_errors: int = 0          # failed log appends (ENOSPC, EIO): served from the source instead
 

@@ -162,6 +162,7 @@ class StreamManager:
         s.consumed = bytearray(len(order))
         s.ready = bytearray(len(order))
         s.position = s.prefetched_upto = 0
+        self.engine.drop_ready()
         early, s.early = s.early, []
         for ino in early:
             self.note_open(s, ino)
