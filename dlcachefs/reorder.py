@@ -169,6 +169,9 @@ class NextEpochLog:
 
     def request_finish(self) -> None:
         """Epoch e+1 has started: fill what is missing and seal the rest (see :meth:`run`)."""
+        log.info("stream %s: epoch %d starts with %d of %d chunks of its log sealed, %d "
+                 "samples missing", self.key, self.epoch, self.sealed, len(self.chunks),
+                 sum(1 for s in self.slots.values() if not s.written))
         self._finish = True
         self._wake.set()
 

@@ -73,7 +73,10 @@ class Stream:
                 "prefetch_lead": lead, "prefetched": self.prefetched,
                 "stall_seconds": round(self.stall_seconds, 3),
                 "bytes_from_source": self.bytes_from_source, "dataset": self.dataset,
-                "error": self.error}
+                "error": self.error,
+                "next_log": None if self.next_log is None else {
+                    "epoch": self.next_log.epoch, "chunks": len(self.next_log.chunks),
+                    "sealed": self.next_log.sealed, "failed": self.next_log.failed}}
 
 
 class StreamManager:

@@ -306,6 +306,9 @@ class ChunkWriter:
                     e = w.get_entry(r.ino)
                     if e is None or identity(e) != r.ident:
                         continue  # changed or removed while it waited: never index it
+                    cur = w.get_record(r.ino)
+                    if cur is not None and Identity(cur.size, cur.mtime_ns, cur.src_ino) == r.ident:
+                        continue  # already indexed elsewhere (the reorderer moved it): keep that
                     w.put_record(r.ino, Record(cid, log_id, off + m.data_offset, m.size,
                                                m.data_xxh, m.mtime_ns, m.src_ino))
                     res.indexed.append(r.ino)

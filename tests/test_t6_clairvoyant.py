@@ -51,7 +51,9 @@ for epoch in range(epochs):
         for _ in range(300):
             s = stats()
             st = s["streams"].get("default/0", {})
-            if s["pending_bytes"] == 0 and st.get("position") == len(samples):
+            nl = st.get("next_log")
+            if (s["pending_bytes"] == 0 and st.get("position") == len(samples)
+                    and (nl is None or nl["sealed"] == nl["chunks"])):
                 break
             time.sleep(0.1)
     out.append({"samples": samples, "before": before, "after": after})
