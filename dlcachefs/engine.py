@@ -346,10 +346,11 @@ class Engine:
         if p is not None and p.ident == ident:
             self.counters.hits += 1
             return p.data, True, False
-        if e.ino in self._inflight:  # a prefetch is on it: wait for it, it is not a new miss
+        if e.ino in self._inflight:  # a prefetch is on it: wait for it (a miss all the same)
             data, _ = await self._fetch(e)
-            self.counters.hits += 1
-            return data, True, True
+            self.counters.misses += 1
+            self.counters.prefetch_waits += 1
+            return data, False, True
         data, _ = await self._fetch(e)
         self.counters.misses += 1
         return data, False, True

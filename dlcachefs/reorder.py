@@ -77,10 +77,12 @@ class PlannedChunk:
     sealed: bool = False
 
 
-def plan_layout(index, inos: list[int], chunk_size: int, max_file: int, start_offset: int
-                ) -> tuple[list[PlannedChunk], dict[int, Slot]]:
+def plan_layout(index, inos: list[int], chunk_size: int, max_file: int, start_offset: int,
+                max_bytes: int | None = None) -> tuple[list[PlannedChunk], dict[int, Slot]]:
     """Thread: slots and chunk boundaries for ``inos`` in this order (first occurrence
-    only; files not cacheable are left out). Chunk ids are filled in by the caller."""
+    only; files not cacheable are left out), stopping before ``max_bytes`` of chunks: when
+    the log cannot hold the whole epoch it holds the samples that come first (LCache
+    III-B). Chunk ids are filled in by the caller."""
     paths: dict[int, bytes] = {}
 
     def rel(e) -> bytes:
@@ -104,6 +106,8 @@ def plan_layout(index, inos: list[int], chunk_size: int, max_file: int, start_of
             continue
         key = rel(e)
         rlen = record_len(len(key), e.size)
+        if max_bytes is not None and off - start_offset + rlen + CHUNK_HEADER_SIZE > max_bytes:
+            break
         if cur is None or (cur.slots and cur.length + rlen > chunk_size):
             cur = PlannedChunk(0, off, CHUNK_HEADER_SIZE)
             chunks.append(cur)
@@ -135,15 +139,17 @@ class NextEpochLog:
         self._finish = False
         self.done = trio.Event()
 
-    async def plan(self, order_inos: list[int]) -> None:
+    async def plan(self, order_inos: list[int], max_bytes: int | None = None) -> None:
         eng = self.engine
         cfg = eng.cfg
         self.chunks, self.slots = await trio.to_thread.run_sync(
             plan_layout, eng.index, order_inos, cfg.chunk_size, cfg.max_cached_file,
-            LOG_HEADER_SIZE)
+            LOG_HEADER_SIZE, max_bytes)
         first = eng.writer.reserve_chunk_ids(len(self.chunks))
         for i, c in enumerate(self.chunks):
             c.chunk_id = first + i
+        # until its epoch starts, this log's chunks are not the LRU's to take
+        eng.writer.protected.update(c.chunk_id for c in self.chunks)
         self.log_id = eng.writer.reserve_log_id()
         end = self.chunks[-1].offset + self.chunks[-1].length if self.chunks else LOG_HEADER_SIZE
         eng.logs.filling.add(self.log_id)
@@ -167,6 +173,9 @@ class NextEpochLog:
         self.queued_bytes += len(data)
         self._wake.set()
 
+    def unprotect(self) -> None:
+        self.engine.writer.protected.difference_update(c.chunk_id for c in self.chunks)
+
     def request_finish(self) -> None:
         """Epoch e+1 has started: fill what is missing and seal the rest (see :meth:`run`)."""
         log.info("stream %s: epoch %d starts with %d of %d chunks of its log sealed, %d "
@@ -176,6 +185,7 @@ class NextEpochLog:
         self._wake.set()
 
     def abandon(self) -> None:
+        self.unprotect()
         self.failed = True
         self._finish = True
         self._wake.set()

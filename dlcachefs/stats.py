@@ -8,8 +8,9 @@ from dataclasses import asdict, dataclass
 @dataclass(slots=True)
 class Counters:
     hits: int = 0                  # opens served from the cache (log, memory or not yet sealed)
-    misses: int = 0                # opens that fetched from the source
+    misses: int = 0                # opens that waited for the source
     prefetched: int = 0            # files fetched ahead of the reader (clairvoyant prefetch)
+    prefetch_waits: int = 0        # misses that waited for a prefetch already in flight
     bytes_from_source: int = 0
     bytes_from_cache: int = 0      # bytes returned to readers from cached data
     chunk_reads: int = 0           # whole-chunk reads from the logs

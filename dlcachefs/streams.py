@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import trio
 
-from . import schema as S
 from .control import JobState, StreamState
 from .errors import DlcError
 from .reorder import NextEpochLog
@@ -172,6 +171,7 @@ class StreamManager:
         log.info("stream %s: epoch %d, %d samples, order known", s.key, epoch, len(order))
         prev, s.next_log = s.next_log, None
         if prev is not None:
+            prev.unprotect()  # its epoch has come: its chunks are ordinary cache now
             if prev.epoch == epoch:
                 prev.request_finish()  # this epoch's log: fill its gaps and seal it
             else:
@@ -185,16 +185,18 @@ class StreamManager:
         assert s.replayer is not None and self._nursery is not None
         if not self.engine.cfg.reorder or not s.replayer.known(epoch + 1):
             return
+        cfg = self.engine.cfg
         need = sum(self.engine.size_of(i) for i in set(samples.inos) if i)
-        used = self.engine.index.counter(S.K_CHUNK_BYTES)
-        if used + need > self.engine.cfg.cache_size:
-            log.info("stream %s: no room for a second log (%d + %d > %d bytes); epoch %d "
-                     "is read where it lies", s.key, used, need, self.engine.cfg.cache_size,
-                     epoch + 1)
-            return
+        # LCache: two logs. When the cache cannot hold two copies of the dataset, the next
+        # log gets half the cache and holds the samples that come first in its epoch; the
+        # rest is prefetched from the source in order when that epoch runs.
+        budget = None if 2 * need <= cfg.cache_size else cfg.cache_size // 2
         order = await trio.to_thread.run_sync(s.replayer.order, epoch + 1)
         nl = NextEpochLog(self.engine, s.key, epoch + 1)
-        await nl.plan([samples.inos[i] for i in order])
+        await nl.plan([samples.inos[i] for i in order], budget)
+        if budget is not None:
+            log.info("stream %s: the cache holds %d of %d samples of epoch %d's log",
+                     s.key, len(nl.slots), len(samples), epoch + 1)
         if s.target_epoch != epoch:  # a newer epoch began while planning
             nl.abandon()
         else:

@@ -82,6 +82,7 @@ class ChunkWriter:
         self.pending: dict[int, Pending] = {}  # ino -> record not yet indexed
         self.drops: set[int] = set()
         self.retire: set[int] = set()  # chunks to evict once unpinned (fully superseded)
+        self.protected: set[int] = set()  # next-epoch log chunks: never the policy's victims
         self.pins: Counter[int] = Counter()  # chunk id -> in-flight reads
         self.evicting: set[int] = set()
         self.backoff_until = 0.0
@@ -228,7 +229,8 @@ class ChunkWriter:
             need = max(used + new_len - self.cfg.cache_size,
                        self.cfg.min_free - (self.disk_free + retired_len - new_len), 0)
             if need > 0:
-                chosen = self.policy.victims(need, exclude=set(self.pins) | set(retired))
+                chosen = self.policy.victims(
+                    need, exclude=set(self.pins) | set(retired) | self.protected)
                 freed = sum(c.length for c in map(self.index.get_chunk, chosen) if c)
                 if freed < need:
                     # cannot make room (everything pinned, or one chunk bigger than the cache)

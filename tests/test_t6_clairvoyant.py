@@ -112,3 +112,26 @@ def test_random_sampler_without_generator_is_cached_after_epoch_one(dataset, mou
     assert [t["samples"] for t in through] == [d["samples"] for d in direct]
     assert _delta(through[1], "bytes_from_source") == 0
     assert m.stats()["streams"]["default/0"]["epoch"] == 1
+
+
+def test_dataset_larger_than_the_cache(dataset, mount, tmp_path):
+    """LCache III-B: the next log holds the samples that come first in its epoch; the rest
+    is fetched in order ahead of the reader. Bytes stay exact; the cache stays bounded."""
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    total = sum(p.stat().st_size for p in dataset.rglob("*.jpg"))
+    limit = int(total * 0.3)
+    m = mount(dataset, "--chunk-size", "128K", "--cache-size", str(limit), "--min-free", "0",
+              cache=tmp_path / "cache3", name="mnt3")
+    direct = _run([sys.executable, str(script), str(dataset), "3", "distributed"])
+    through = _run([sys.executable, "-m", "dlcachefs.cli", "run", "--", sys.executable,
+                    str(script), str(m.mnt), "3", "distributed"])
+    assert [t["samples"] for t in through] == [d["samples"] for d in direct]
+    for ep in through[1:]:
+        from_source = _delta(ep, "bytes_from_source")
+        assert 0 < from_source < total  # part of the epoch came from the cache
+        hits = _delta(ep, "hits")
+        assert hits > 0
+    st = m.stats()
+    assert st["chunk_bytes"] <= limit
+    assert st["reorder_chunks"] > 0
