@@ -124,9 +124,10 @@ class Engine:
         self._probe = 0
         self._recent_chunk_reads: deque[int] = deque(maxlen=4)
         # records read ahead of the reader (record mode); consumed by the next open
-        self.ready: dict[int, tuple[Record, memoryview]] = {}
+        # (identity, record it came from or None when prefetched from the source, bytes)
+        self.ready: dict[int, tuple[Identity, Record | None, bytes | memoryview]] = {}
         self._ready_bytes = 0
-        self._ready_limit = max(cfg.memory // 4, cfg.chunk_size)
+        self.ready_limit = max(cfg.memory // 4, cfg.chunk_size)
 
     # ----- life cycle ----------------------------------------------------------------
 
@@ -194,7 +195,8 @@ class Engine:
             self.streams.note_open(stream, ino)
         if e.size > self.cfg.max_cached_file:
             return await self._open_read_through(e)
-        data, cached, waited = await self._load(e)
+        data, cached, waited = await self._load(
+            e, cache=stream is None or not stream.memory_prefetch)
         if stream is not None and stream.next_log is not None:
             stream.next_log.consumed(ino, data, identity(e))
         if stream is not None and waited:
@@ -263,7 +265,7 @@ class Engine:
         """Make sure the current version of ``ino`` is in the cache (and its chunk in the
         memory tier, when whole chunks are being read); True if it was fetched."""
         e = await self.ns.fresh_file(ino)
-        if e.size > self.cfg.max_cached_file or ino in self._inflight:
+        if e.size > self.cfg.max_cached_file or ino in self._inflight or ino in self.ready:
             return False
         if self.is_cached(e):
             await self._preload(ino)
@@ -271,7 +273,12 @@ class Engine:
         await self.writer.wait_room()
         if self.is_cached(e) or ino in self._inflight:
             return False
-        data, _ = await self._fetch(e)
+        if stream.memory_prefetch:
+            # the disk cache is kept for the logs: hold it in memory until it is read
+            data, e = await self._fetch(e, cache=False)
+            self._put_ready(ino, identity(e), None, data)
+        else:
+            data, _ = await self._fetch(e)
         stream.bytes_from_source += len(data)
         self.counters.prefetched += 1
         return True
@@ -290,13 +297,20 @@ class Engine:
             if c.length <= self.memtier.limit // 3 and self._reuse >= 2.0:
                 if await self._load_chunk_into_memory(c) is not None:
                     self.counters.chunk_preloads += 1
-            elif ino not in self.ready and self._ready_bytes + rec.size <= self._ready_limit:
+            elif ino not in self.ready and self._ready_bytes + rec.size <= self.ready_limit:
                 data = await self._read_single(ino, rec, True, "record_preloads")
                 if data is not None and self.index.get_record(ino) == rec:
-                    self.ready[ino] = (rec, data)
-                    self._ready_bytes += rec.size
+                    self._put_ready(ino, Identity(rec.size, rec.mtime_ns, rec.src_ino), rec, data)
         finally:
             self.writer.unpin(c.chunk_id)
+
+    def _put_ready(self, ino: int, ident: Identity, rec: Record | None,
+                   data: bytes | memoryview) -> None:
+        old = self.ready.pop(ino, None)
+        if old is not None:
+            self._ready_bytes -= len(old[2])
+        self.ready[ino] = (ident, rec, data)
+        self._ready_bytes += len(data)
 
     def drop_ready(self) -> None:
         """Forget records read ahead for an epoch that is over."""
@@ -321,20 +335,23 @@ class Engine:
         data, e2 = await self._fetch(e)
         return data if identity(e2) == ident else None
 
-    async def _load(self, e: Entry) -> tuple[bytes | memoryview, bool, bool]:
+    async def _load(self, e: Entry, cache: bool = True) -> tuple[bytes | memoryview, bool, bool]:
         """Bytes of the current version of ``e``, whether they came from the cache, and
         whether the open had to wait for the source."""
         ident = identity(e)
         rec = self.index.get_record(e.ino)
         early = self.ready.pop(e.ino, None)
         if early is not None:
-            self._ready_bytes -= early[0].size
+            self._ready_bytes -= len(early[2])
+            if early[0] == ident and early[1] is None:  # fetched ahead, kept in memory only
+                self.counters.prefetch_hits += 1
+                return early[2], False, False
         if rec is not None and e.ino not in self.writer.drops:
             if Identity(rec.size, rec.mtime_ns, rec.src_ino) == ident:
-                if early is not None and early[0] == rec:
+                if early is not None and early[1] == rec:
                     self.counters.hits += 1
                     self.policy.on_access(rec.chunk_id)
-                    return early[1], True, False
+                    return early[2], True, False
                 data = await self._read_record(e.ino, rec)
                 if data is not None:
                     self.counters.hits += 1
@@ -349,9 +366,9 @@ class Engine:
         if e.ino in self._inflight:  # a prefetch is on it: wait for it (a miss all the same)
             data, _ = await self._fetch(e)
             self.counters.misses += 1
-            self.counters.prefetch_waits += 1
+            self.counters.fetch_waits += 1
             return data, False, True
-        data, _ = await self._fetch(e)
+        data, _ = await self._fetch(e, cache)
         self.counters.misses += 1
         return data, False, True
 
@@ -462,7 +479,7 @@ class Engine:
 
     # ----- source fetches ------------------------------------------------------------
 
-    async def _fetch(self, e: Entry) -> tuple[bytes, Entry]:
+    async def _fetch(self, e: Entry, cache: bool = True) -> tuple[bytes, Entry]:
         """Fetch a whole file from the source (concurrent opens of one file share it)."""
         while (inf := self._inflight.get(e.ino)) is not None:
             await inf.done.wait()
@@ -473,7 +490,7 @@ class Engine:
             # the fetching task was cancelled, not this one: never re-raise its Cancelled
         inf = self._inflight[e.ino] = _Inflight()
         try:
-            inf.result = await self._fetch_now(e)
+            inf.result = await self._fetch_now(e, cache)
             return inf.result
         except BaseException as exc:
             inf.error = exc
@@ -482,7 +499,7 @@ class Engine:
             del self._inflight[e.ino]
             inf.done.set()
 
-    async def _fetch_now(self, e: Entry) -> tuple[bytes, Entry]:
+    async def _fetch_now(self, e: Entry, cache: bool = True) -> tuple[bytes, Entry]:
         rel = self.ns.path_of(e)
         data, ident = await self._source_call(self.source.read_file, rel,
                                               self.cfg.use_source_inode)
@@ -491,6 +508,8 @@ class Engine:
             e = await trio.to_thread.run_sync(self.ns.update_identity, e, ident)
             self.ns._notify("inode", e.parent, None, e.ino)
         self.counters.bytes_from_source += len(data)
+        if not cache:
+            return data, e
         if not self.writer.has_room(len(data)):
             # backpressure: a reader faster than the disk waits for the writer rather than
             # leaving files uncached (memory stays bounded by the writer's room)

@@ -108,12 +108,14 @@ class LogStore:
                 self._fds[log_id] = fd
             return fd
 
-    def start_log(self, log_id: int) -> None:
-        """Create a new log file and make it the one appends go to (durable on return)."""
+    def _create(self, log_id: int, size: int) -> None:
+        """A new log file with its header, ``size`` bytes long (sparse), durable on return."""
         p = self.path(log_id)
         fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.write(fd, encode_log_header(log_id, time.time_ns()))
+            if size > LOG_HEADER_SIZE:
+                os.ftruncate(fd, size)
             os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -121,28 +123,19 @@ class LogStore:
             raise
         with self._lock:
             self._fds[log_id] = fd
+            self.live.setdefault(log_id, 0)
         self._fsync_dir()
+
+    def start_log(self, log_id: int) -> None:
+        """Create a new log file and make it the one appends go to."""
+        self._create(log_id, LOG_HEADER_SIZE)
         self.active_id = log_id
         self.active_end = LOG_HEADER_SIZE
-        self.live.setdefault(log_id, 0)
 
     def create_sized(self, log_id: int, size: int) -> None:
         """Create a log of ``size`` bytes (sparse) to be filled at planned offsets: the
         reordered log of a next epoch. It is never the append target."""
-        p = self.path(log_id)
-        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, encode_log_header(log_id, time.time_ns()))
-            os.ftruncate(fd, max(size, LOG_HEADER_SIZE))
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            os.unlink(p)
-            raise
-        with self._lock:
-            self._fds[log_id] = fd
-        self._fsync_dir()
-        self.live.setdefault(log_id, 0)
+        self._create(log_id, size)
 
     def pwrite(self, log_id: int, data: bytes | memoryview, offset: int) -> None:
         n = os.pwrite(self._fd(log_id), data, offset)

@@ -268,6 +268,9 @@ class NextEpochLog:
 
     async def _seal(self, c: PlannedChunk) -> None:
         eng = self.engine
+        if not await eng.writer.make_room(c.length):
+            log.debug("stream %s: chunk %d sealed over --cache-size (nothing evictable)",
+                      self.key, c.chunk_id)
         dead = await trio.to_thread.run_sync(self._seal_thread, c, limiter=eng.disk_limiter)
         c.sealed = True
         self.sealed += 1

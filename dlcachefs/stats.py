@@ -10,7 +10,9 @@ class Counters:
     hits: int = 0                  # opens served from the cache (log, memory or not yet sealed)
     misses: int = 0                # opens that waited for the source
     prefetched: int = 0            # files fetched ahead of the reader (clairvoyant prefetch)
-    prefetch_waits: int = 0        # misses that waited for a prefetch already in flight
+    fetch_waits: int = 0           # misses that joined a fetch already in flight
+    prefetch_hits: int = 0         # opens served from memory, fetched ahead of the reader
+                                   # and not cached (the dataset is larger than the cache)
     bytes_from_source: int = 0
     bytes_from_cache: int = 0      # bytes returned to readers from cached data
     chunk_reads: int = 0           # whole-chunk reads from the logs

@@ -60,6 +60,8 @@ class Stream:
     target_epoch: int | None = None  # announced; ``epoch`` catches up once its order is known
     early: list[int] = field(default_factory=list)  # opens seen before the order was known
     next_log: NextEpochLog | None = None  # the next epoch's log being laid out (LCache)
+    memory_prefetch: bool = False  # dataset > half the cache: prefetch into memory only
+    current_log: NextEpochLog | None = None  # the reordered log this epoch reads
 
     @property
     def key(self) -> str:
@@ -154,6 +156,8 @@ class StreamManager:
         if s.target_epoch != epoch or trio.current_effective_deadline() == -float("inf"):
             return  # a newer announcement replaced this one while the order was computed
         s.error = None
+        need = await trio.to_thread.run_sync(self._dataset_bytes, samples)
+        s.memory_prefetch = 2 * need > self.engine.cfg.cache_size
         s.dataset, s.samples, s.epoch, s.order = dataset, samples, epoch, order
         positions: dict[int, list[int]] = {}
         for p in range(len(order) - 1, -1, -1):
@@ -170,10 +174,18 @@ class StreamManager:
             self.note_open(s, ino)
         log.info("stream %s: epoch %d, %d samples, order known", s.key, epoch, len(order))
         prev, s.next_log = s.next_log, None
+        if s.current_log is not None and s.memory_prefetch:
+            # LCache line 16, release after use: the last epoch's log is consumed; what of
+            # it the new log did not take is not worth the room (partial caching only)
+            for c in s.current_log.chunks:
+                if c.sealed:
+                    self.engine.writer.retire_chunk(c.chunk_id)
+        s.current_log = None
         if prev is not None:
             prev.unprotect()  # its epoch has come: its chunks are ordinary cache now
             if prev.epoch == epoch:
                 prev.request_finish()  # this epoch's log: fill its gaps and seal it
+                s.current_log = prev
             else:
                 prev.abandon()
         async with trio.open_nursery() as nursery:
@@ -185,12 +197,10 @@ class StreamManager:
         assert s.replayer is not None and self._nursery is not None
         if not self.engine.cfg.reorder or not s.replayer.known(epoch + 1):
             return
-        cfg = self.engine.cfg
-        need = sum(self.engine.size_of(i) for i in set(samples.inos) if i)
         # LCache: two logs. When the cache cannot hold two copies of the dataset, the next
         # log gets half the cache and holds the samples that come first in its epoch; the
-        # rest is prefetched from the source in order when that epoch runs.
-        budget = None if 2 * need <= cfg.cache_size else cfg.cache_size // 2
+        # rest is prefetched from the source in order, into memory, when that epoch runs.
+        budget = self.engine.cfg.cache_size // 2 if s.memory_prefetch else None
         order = await trio.to_thread.run_sync(s.replayer.order, epoch + 1)
         nl = NextEpochLog(self.engine, s.key, epoch + 1)
         await nl.plan([samples.inos[i] for i in order], budget)
@@ -206,11 +216,18 @@ class StreamManager:
             self._nursery.start_soon(nl.backfill, done)
         self._nursery.start_soon(nl.run)
 
+    def _dataset_bytes(self, samples: SampleList) -> int:
+        """Thread: total size of the dataset's files (LMDB reads only)."""
+        return sum(self.engine.size_of(i) for i in set(samples.inos) if i)
+
     # ----- prefetch -------------------------------------------------------------------
 
     async def _prefetch(self, s: Stream) -> None:
         assert s.samples is not None
         slots = trio.Semaphore(self.concurrency)
+        lead_bytes = self.lead_bytes
+        if s.memory_prefetch:
+            lead_bytes = min(lead_bytes, self.engine.ready_limit)
         sizes_ahead = 0
         window: list[tuple[int, int]] = []  # (position, size) prefetched, for lead_bytes
         async with trio.open_nursery() as nursery:
@@ -221,7 +238,7 @@ class StreamManager:
                 while True:
                     while window and window[0][0] < s.position:
                         sizes_ahead -= window.pop(0)[1]
-                    if p - s.position < self.lead and (sizes_ahead + size <= self.lead_bytes
+                    if p - s.position < self.lead and (sizes_ahead + size <= lead_bytes
                                                        or not window):
                         break
                     await s.moved.wait()

@@ -149,6 +149,28 @@ class ChunkWriter:
         self.retire.add(chunk_id)
         self._wake.set()
 
+    async def make_room(self, nbytes: int) -> bool:
+        """Evict (by the policy) so that ``nbytes`` more chunk bytes fit in --cache-size;
+        for chunks written outside this writer (the reorderer). False if it cannot."""
+        async with self._limiter:
+            need = self.index.counter(S.K_CHUNK_BYTES) + nbytes - self.cfg.cache_size
+            if need <= 0:
+                return True
+            victims = self.policy.victims(need, exclude=set(self.pins) | self.protected)
+            freed = sum(c.length for c in map(self.index.get_chunk, victims) if c)
+            for v in victims:
+                self.evicting.add(v)
+                self.memtier.discard(v)
+            try:
+                res = await trio.to_thread.run_sync(self._commit, 0, [], victims, set(), None)
+            finally:
+                self.evicting.difference_update(victims)
+            for c in res.evicted:
+                self.policy.on_remove(c.chunk_id)
+            self.counters.chunks_evicted += len(res.evicted)
+            self.disk_free = res.disk_free
+            return freed >= need
+
     def drop(self, ino: int) -> None:
         """Forget the cached record of ``ino`` at the next commit (stale or corrupt)."""
         self.drops.add(ino)
