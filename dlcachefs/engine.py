@@ -124,8 +124,9 @@ class Engine:
         self._probe = 0
         self._recent_chunk_reads: deque[int] = deque(maxlen=4)
         # records read ahead of the reader (record mode); consumed by the next open
-        # (identity, record it came from or None when prefetched from the source, bytes)
-        self.ready: dict[int, tuple[Identity, Record | None, bytes | memoryview]] = {}
+        # ino -> (identity, record it came from or None when prefetched from the source,
+        # bytes, owning stream key)
+        self.ready: dict[int, tuple[Identity, Record | None, bytes | memoryview, str]] = {}
         self._ready_bytes = 0
         self.ready_limit = max(cfg.memory // 4, cfg.chunk_size)
 
@@ -204,8 +205,11 @@ class Engine:
             if not cached:
                 stream.bytes_from_source += len(data)
         fh = self._new_fh(Handle(ino, memoryview(data), cached))
-        # keep_cache only for bytes we know are this version: the kernel then keeps its pages
-        return OpenResult(fh, keep_cache=cached, direct_io=False)
+        # keep_cache only for bytes we know are this version and when the kernel cannot
+        # hold pages of an older one (the file did not change during this mount)
+        keep = cached and ino not in self.ns.changed
+        self.ns.changed.discard(ino)  # this open drops the kernel's pages of the file
+        return OpenResult(fh, keep_cache=keep, direct_io=False)
 
     async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
         h = self.handles.get(fh)
@@ -268,7 +272,7 @@ class Engine:
         if e.size > self.cfg.max_cached_file or ino in self._inflight or ino in self.ready:
             return False
         if self.is_cached(e):
-            await self._preload(ino)
+            await self._preload(ino, stream.key)
             return False
         await self.writer.wait_room()
         if self.is_cached(e) or ino in self._inflight:
@@ -276,14 +280,14 @@ class Engine:
         if stream.memory_prefetch:
             # the disk cache is kept for the logs: hold it in memory until it is read
             data, e = await self._fetch(e, cache=False)
-            self._put_ready(ino, identity(e), None, data)
+            self._put_ready(ino, identity(e), None, data, stream.key)
         else:
             data, _ = await self._fetch(e)
         stream.bytes_from_source += len(data)
         self.counters.prefetched += 1
         return True
 
-    async def _preload(self, ino: int) -> None:
+    async def _preload(self, ino: int, owner: str) -> None:
         """Ahead of the reader: its chunk into the memory tier when whole chunks are being
         reused, else the record alone into the small ready set (the reader then never
         waits for the disk)."""
@@ -300,22 +304,23 @@ class Engine:
             elif ino not in self.ready and self._ready_bytes + rec.size <= self.ready_limit:
                 data = await self._read_single(ino, rec, True, "record_preloads")
                 if data is not None and self.index.get_record(ino) == rec:
-                    self._put_ready(ino, Identity(rec.size, rec.mtime_ns, rec.src_ino), rec, data)
+                    self._put_ready(ino, Identity(rec.size, rec.mtime_ns, rec.src_ino), rec, data,
+                                    owner)
         finally:
             self.writer.unpin(c.chunk_id)
 
     def _put_ready(self, ino: int, ident: Identity, rec: Record | None,
-                   data: bytes | memoryview) -> None:
+                   data: bytes | memoryview, owner: str) -> None:
         old = self.ready.pop(ino, None)
         if old is not None:
             self._ready_bytes -= len(old[2])
-        self.ready[ino] = (ident, rec, data)
+        self.ready[ino] = (ident, rec, data, owner)
         self._ready_bytes += len(data)
 
-    def drop_ready(self) -> None:
-        """Forget records read ahead for an epoch that is over."""
-        self.ready.clear()
-        self._ready_bytes = 0
+    def drop_ready(self, owner: str) -> None:
+        """Forget what was read ahead for one stream's epoch that is over."""
+        for ino in [i for i, v in self.ready.items() if v[3] == owner]:
+            self._ready_bytes -= len(self.ready.pop(ino)[2])
 
     async def bytes_for(self, ino: int, ident: Identity) -> bytes | memoryview | None:
         """The bytes of this version of ``ino`` from the cache, else the source; None when
@@ -516,6 +521,10 @@ class Engine:
             await self.writer.wait_room(len(data))
         self.writer.submit(e.ino, rel, ident, data)
         return data, e
+
+    async def source_call(self, fn, *args):
+        """A blocking call on the source from the FUSE layer (statfs): same rules."""
+        return await self._source_call(fn, *args)
 
     async def _source_call(self, fn, *args):
         """Run a blocking source call in a thread: timeout, retries of transient errors."""

@@ -160,6 +160,9 @@ class Namespace:
         self.use_src_ino = use_src_ino
         self.limiter = source_limiter
         self.on_invalidate: Invalidate | None = None
+        # inodes that changed on the source during this mount: the kernel may still hold
+        # pages of the old version, so their next open must not ask it to keep them
+        self.changed: set[int] = set()
         self._dir_paths: OrderedDict[int, bytes] = OrderedDict()
         self._refreshing: dict[int, trio.Event] = {}
 
@@ -327,6 +330,8 @@ class Namespace:
             w.delete_tree(e.ino)
 
     def _notify(self, kind: str, parent: int, name: bytes | None, ino: int | None) -> None:
+        if ino is not None:
+            self.changed.add(ino)
         if self.on_invalidate is not None:
             self.on_invalidate(kind, parent, name, ino)
 

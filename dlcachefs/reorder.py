@@ -203,6 +203,9 @@ class NextEpochLog:
         except (OSError, DlcError) as e:
             self.failed = True
             log.warning("stream %s: reordering epoch %d stopped: %s", self.key, self.epoch, e)
+        except Exception:  # noqa: BLE001 - a background task must never end the daemon
+            self.failed = True
+            log.exception("stream %s: reordering epoch %d failed", self.key, self.epoch)
         finally:
             self.engine.logs.filling.discard(self.log_id)
             if self.sealed == 0:
@@ -228,11 +231,20 @@ class NextEpochLog:
 
     async def backfill(self, inos: list[int]) -> None:
         """Queue samples consumed before this plan existed (read back from the cache)."""
+        try:
+            await self._backfill(inos)
+        except Exception:  # noqa: BLE001 - a background task must never end the daemon
+            log.exception("stream %s: backfill of epoch %d's log failed", self.key, self.epoch)
+
+    async def _backfill(self, inos: list[int]) -> None:
         for ino in inos:
             slot = self.slots.get(ino)
             if slot is None or slot.written or self.failed or self._finish:
                 continue
-            data = await self.engine.bytes_for(slot.ino, slot.ident)
+            try:
+                data = await self.engine.bytes_for(slot.ino, slot.ident)
+            except DlcError:  # gone from the source, timed out...: its chunk stays unsealed
+                continue
             if data is None or slot.written:
                 continue
             slot.written = True
@@ -247,7 +259,10 @@ class NextEpochLog:
         for slot in list(self.slots.values()):
             if slot.written:
                 continue
-            data = await self.engine.bytes_for(slot.ino, slot.ident)
+            try:
+                data = await self.engine.bytes_for(slot.ino, slot.ident)
+            except DlcError:
+                data = None
             if data is None:  # gone or changed: that chunk stays unsealed
                 continue
             slot.written = True

@@ -25,6 +25,7 @@ each replayed epoch so that going from epoch E to E+1 costs one permutation.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -132,6 +133,7 @@ class OrderReplayer:
     base_epoch: int = 0  # for per_epoch seeds: the epoch the seed belongs to
     _states: dict[int, torch.Tensor] = field(default_factory=dict)  # epoch -> state before it
     _cache: dict[int, list[int]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # order() runs in threads
 
     def __post_init__(self) -> None:
         self.spec.validate(self.n)
@@ -148,6 +150,10 @@ class OrderReplayer:
 
     def order(self, epoch: int) -> list[int]:
         """Dataset indices of ``epoch``, in the order the sampler yields them."""
+        with self._lock:
+            return self._order(epoch)
+
+    def _order(self, epoch: int) -> list[int]:
         if not self.known(epoch):
             raise ValueError(f"the order of epoch {epoch} is not known from this sampler")
         hit = self._cache.get(epoch)

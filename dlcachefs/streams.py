@@ -149,14 +149,15 @@ class StreamManager:
                     or spec.per_epoch):
                 s.replayer = OrderReplayer(spec, len(samples), base_epoch=epoch)
             order = await trio.to_thread.run_sync(s.replayer.order, epoch)
+            need = await trio.to_thread.run_sync(self._dataset_bytes, samples)
         except (DlcError, ValueError, OSError) as e:
             s.error = str(e)
             log.warning("stream %s: cannot replay its order: %s", s.key, e)
             return
         if s.target_epoch != epoch or trio.current_effective_deadline() == -float("inf"):
             return  # a newer announcement replaced this one while the order was computed
+        # no await from here on: the stream switches epochs atomically
         s.error = None
-        need = await trio.to_thread.run_sync(self._dataset_bytes, samples)
         s.memory_prefetch = 2 * need > self.engine.cfg.cache_size
         s.dataset, s.samples, s.epoch, s.order = dataset, samples, epoch, order
         positions: dict[int, list[int]] = {}
@@ -165,21 +166,21 @@ class StreamManager:
             if ino:
                 positions.setdefault(ino, []).append(p)
         s.positions = positions
-        s.consumed = bytearray(len(order))
+        # a sample that is not a readable file (dangling link) is never opened: count it read
+        s.consumed = bytearray(0 if samples.inos[i] else 1 for i in order)
         s.ready = bytearray(len(order))
         s.position = s.prefetched_upto = 0
-        self.engine.drop_ready()
+        self.engine.drop_ready(s.key)
         early, s.early = s.early, []
         for ino in early:
             self.note_open(s, ino)
         log.info("stream %s: epoch %d, %d samples, order known", s.key, epoch, len(order))
         prev, s.next_log = s.next_log, None
-        if s.current_log is not None and s.memory_prefetch:
+        if s.current_log is not None and s.memory_prefetch and prev is not None:
             # LCache line 16, release after use: the last epoch's log is consumed; what of
-            # it the new log did not take is not worth the room (partial caching only)
-            for c in s.current_log.chunks:
-                if c.sealed:
-                    self.engine.writer.retire_chunk(c.chunk_id)
+            # it the new log did not take is not worth the room (partial caching only).
+            # Only once the new log is complete: its gaps are filled from the old one.
+            self._nursery.start_soon(self._release_after, prev, s.current_log)
         s.current_log = None
         if prev is not None:
             prev.unprotect()  # its epoch has come: its chunks are ordinary cache now
@@ -215,6 +216,12 @@ class StreamManager:
             done = [samples.inos[s.order[p]] for p in range(len(s.order)) if s.consumed[p]]
             self._nursery.start_soon(nl.backfill, done)
         self._nursery.start_soon(nl.run)
+
+    async def _release_after(self, filling: NextEpochLog, old: NextEpochLog) -> None:
+        await filling.done.wait()
+        for c in old.chunks:
+            if c.sealed:
+                self.engine.writer.retire_chunk(c.chunk_id)
 
     def _dataset_bytes(self, samples: SampleList) -> int:
         """Thread: total size of the dataset's files (LMDB reads only)."""
@@ -268,7 +275,7 @@ class StreamManager:
         if pid in self._pid_stream:
             return self._pid_stream[pid]
         owners = {p: s for s in self.streams.values() for p in s.pids}
-        found, cur = None, pid
+        found, cur = None, _tgid(pid)
         for _ in range(16):  # the writer itself, or an ancestor of the reader
             if cur in owners:
                 found = owners[cur]
@@ -302,6 +309,18 @@ class StreamManager:
 
     def stats(self) -> dict:
         return {s.key: s.stats() for s in self.streams.values()}
+
+
+def _tgid(tid: int) -> int:
+    """FUSE reports the calling thread's id: map it to its process."""
+    try:
+        with open(f"/proc/{tid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return tid
 
 
 def _parent(pid: int) -> int:

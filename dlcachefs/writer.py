@@ -207,7 +207,17 @@ class ChunkWriter:
             aged = self.open and time.monotonic() - self.open_since >= self.cfg.flush_interval
             if (self._closing or self.open_bytes >= self.cfg.chunk_size or aged or self.drops
                     or self.retire):
-                await self._seal()
+                try:
+                    await self._seal()
+                except Exception:  # noqa: BLE001 - LMDB full, statvfs failing...: keep serving
+                    log.exception("sealing a chunk failed; serving from the source for %.0f s",
+                                  WRITE_BACKOFF)
+                    self.counters.write_errors += 1
+                    self.backoff_until = time.monotonic() + WRITE_BACKOFF
+                    self.open, self.open_bytes = [], 0
+                    self.pending.clear()
+                    self._space.set()
+                    self._space = trio.Event()
             if self._closing and not self.open and not self.drops:
                 self._idle.set()
                 return

@@ -173,12 +173,15 @@ async def _serve(engine: Engine, ops: Operations, report: Reporter) -> None:
 
         nursery.start_soon(after_init)
         report("ready")
+        clean = False
         try:
             await pyfuse3.main(min_tasks=4, max_tasks=64)
+            clean = not signalled  # the kernel unmounted us: nothing left to unmount
         finally:
             # The kernel mount goes first (nobody waits on a daemon that no longer
-            # answers); then what is pending is sealed and committed.
-            pyfuse3.close(unmount=signalled)
+            # answers; after a crash of a task, clients get an error, not ENOTCONN forever);
+            # then what is pending is sealed and committed.
+            pyfuse3.close(unmount=not clean)
             with trio.CancelScope(shield=True):
                 await engine.close()
             nursery.cancel_scope.cancel()

@@ -51,7 +51,10 @@ class Operations(pyfuse3.Operations):
         self._next_dh = 1
         self._vfh: dict[int, _VHandle] = {}
         self._next_vfh = V.VFH_BASE
-        self._inval_send, self._inval_recv = trio.open_memory_channel[tuple](1000)
+        # pending kernel notifications, deduplicated; unbounded on purpose: dropping one
+        # would let the kernel serve an old size for up to --revalidate seconds
+        self._inval: dict[tuple, None] = {}
+        self._inval_ready = trio.Event()
         self.ns.on_invalidate = self._queue_invalidation
         self.initialized = trio.Event()
 
@@ -226,8 +229,7 @@ class Operations(pyfuse3.Operations):
 
     @fuse_errors
     async def statfs(self, ctx):
-        st = await trio.to_thread.run_sync(self.engine.source.statvfs,
-                                           limiter=self.engine.source_limiter)
+        st = await self.engine.source_call(self.engine.source.statvfs)
         s = pyfuse3.StatvfsData()
         s.f_bsize, s.f_frsize = st.f_bsize, st.f_frsize
         s.f_blocks, s.f_bfree, s.f_bavail = st.f_blocks, 0, 0
@@ -255,21 +257,22 @@ class Operations(pyfuse3.Operations):
 
     def _queue_invalidation(self, kind: str, parent: int, name: bytes | None, ino: int | None
                             ) -> None:
-        try:
-            self._inval_send.send_nowait((kind, parent, name, ino))
-        except trio.WouldBlock:
-            log.warning("kernel invalidation queue full; an entry may stay cached until "
-                        "its timeout")
+        self._inval[(kind, parent, name, ino)] = None
+        self._inval_ready.set()
 
     async def invalidation_worker(self) -> None:
         """Tell the kernel about source changes, from a thread: the notify calls may block
         on kernel locks, and must never run inside the request that caused them."""
-        async for kind, parent, name, ino in self._inval_recv:
-            try:
-                if kind == "entry" and name:
-                    await trio.to_thread.run_sync(pyfuse3.invalidate_entry, parent, name)
-                elif ino is not None:
-                    await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, False)
-            except OSError as e:
-                if e.errno != errno.ENOENT:  # the kernel did not know it: nothing to do
-                    log.debug("invalidate %s %s: %s", kind, ino or name, e)
+        while True:
+            await self._inval_ready.wait()
+            self._inval_ready = trio.Event()
+            batch, self._inval = list(self._inval), {}
+            for kind, parent, name, ino in batch:
+                try:
+                    if kind == "entry" and name:
+                        await trio.to_thread.run_sync(pyfuse3.invalidate_entry, parent, name)
+                    elif ino is not None:
+                        await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, False)
+                except OSError as e:
+                    if e.errno != errno.ENOENT:  # the kernel did not know it: nothing to do
+                        log.debug("invalidate %s %s: %s", kind, ino or name, e)
