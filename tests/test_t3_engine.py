@@ -880,3 +880,30 @@ def test_random_workload_reads_source_bytes(seed, n_files, chunk_size, memory, c
                 assert eng.index.counter(S.K_CHUNK_BYTES) <= cache_size
 
             run_engine(cfg, body)
+
+
+def test_reorder_backfill_of_a_vanished_file_does_not_end_the_engine(tmp_path):
+    """Regression (review): a source error while filling a next-epoch log is that log's
+    problem, never the daemon's."""
+    from dlcachefs.reorder import NextEpochLog
+
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    files = {f"train/c0/img{i}.jpg".encode(): os.urandom(3000) for i in range(4)}
+    write_tree(src, files)
+    inos: list[int] = []
+
+    async def body(eng):
+        inos.extend(eng.ns.resolve(r).ino for r in files)
+        nl = NextEpochLog(eng, "default/0", 1)
+        await nl.plan(inos)
+        os.unlink(src / "train/c0/img0.jpg")  # not cached, and gone from the source
+        eng.streams._nursery.start_soon(nl.backfill, [inos[0]])
+        eng.streams._nursery.start_soon(nl.run)
+        await trio.sleep(0.3)
+        nl.request_finish()
+        await nl.done.wait()
+        assert nl.sealed < len(nl.chunks)  # the chunk with the vanished file stays unsealed
+        # the engine still serves the other files
+        assert await read_all(eng, b"train/c0/img1.jpg") == files[b"train/c0/img1.jpg"]
+
+    run_engine(make_config(src, cache), body)
