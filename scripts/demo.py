@@ -55,6 +55,12 @@ def main() -> int:
     from torch import nn
     from torchvision import datasets, transforms
 
+    import dlcachefs.torch
+
+    # what `dlcachefs run -- python train.py` does without editing the script: the
+    # sampler tells the mount each epoch's order (the training is unchanged, bit for bit)
+    dlcachefs.torch.install()
+
     work = Path(a.workdir or tempfile.mkdtemp(prefix="dlcachefs-demo-"))
     src, mnt, cache = work / "dataset", work / "mnt", work / "cache"
     if not src.exists():
@@ -67,7 +73,11 @@ def main() -> int:
     try:
         tf = transforms.Compose([transforms.Resize((64, 64)), transforms.ToTensor()])
         ds = datasets.ImageFolder(str(mnt / "train"), transform=tf)
-        dl = torch.utils.data.DataLoader(ds, batch_size=32, shuffle=True, num_workers=a.workers)
+        # DistributedSampler (one rank here) orders by seed + epoch, so the mount also knows
+        # the next epoch's order and lays out its log in that order (LCache)
+        sampler = torch.utils.data.DistributedSampler(ds, num_replicas=1, rank=0, seed=0)
+        dl = torch.utils.data.DataLoader(ds, batch_size=32, sampler=sampler,
+                                         num_workers=a.workers)
         torch.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(4),
                               nn.Flatten(), nn.Linear(128, len(ds.classes)))
@@ -75,6 +85,7 @@ def main() -> int:
         print(f"demo: training on {len(ds)} images in {len(ds.classes)} classes through {mnt}")
         prev = json.loads((mnt / ".dlcache" / "stats").read_bytes())
         for epoch in range(1, a.epochs + 1):
+            sampler.set_epoch(epoch - 1)
             t0 = time.perf_counter()
             correct = total = 0
             for x, y in dl:
@@ -87,9 +98,13 @@ def main() -> int:
                 total += len(y)
             dt = time.perf_counter() - t0
             st = json.loads((mnt / ".dlcache" / "stats").read_bytes())
+            d = {k: st[k] - prev[k] for k in ("bytes_from_source", "hits", "misses",
+                                               "prefetched", "chunk_reads",
+                                               "sequential_chunk_reads")}
             print(f"epoch {epoch}: {total / dt:7.0f} images/s  train acc {correct / total:.2f}  "
-                  f"from source {st['bytes_from_source'] - prev['bytes_from_source']:>10,} B  "
-                  f"cache hits {st['hits'] - prev['hits']:>5}  misses {st['misses'] - prev['misses']:>5}")
+                  f"from source {d['bytes_from_source']:>10,} B  hits {d['hits']:>5}  "
+                  f"misses {d['misses']:>4}  prefetched {d['prefetched']:>5}  chunk reads "
+                  f"{d['chunk_reads']} ({d['sequential_chunk_reads']} sequential)")
             prev = st
             time.sleep(2.5)  # let the writer seal the last chunk before the next epoch
         print("demo: stats of the mount:")
