@@ -20,7 +20,6 @@ Pure: reads the snapshot only.
 from __future__ import annotations
 
 import os
-import posixpath
 import stat as stat_mod
 from dataclasses import dataclass
 
@@ -48,37 +47,65 @@ class SampleList:
         return len(self.inos)
 
 
-def _follow(ns: Namespace, e: Entry, rel: str) -> Entry | None:
-    """Resolve a symlink entry within the mirror; None when it leaves it or dangles."""
-    root_s = os.fsdecode(ns.source.root)
-    for _ in range(_MAX_LINK_HOPS):
-        if not stat_mod.S_ISLNK(e.mode):
-            return e
-        target = os.fsdecode(e.target)
-        if target.startswith("/"):
-            if not (target == root_s or target.startswith(root_s.rstrip("/") + "/")):
-                return None
-            full = posixpath.normpath(target[len(root_s):].lstrip("/"))
-        else:
-            full = posixpath.normpath(posixpath.join(posixpath.dirname(rel), target))
-        if full.startswith("..") or full.startswith("/"):
+def _realpath(ns: Namespace, parts: list[str]) -> Entry | None:
+    """Resolve a path (components from the mirror's root) like ``os.path.realpath``:
+    every symlink on the way is followed, relative to the directory it physically sits
+    in. None when it dangles, loops, or leaves the mirror."""
+    root_s = os.fsdecode(ns.source.root).rstrip("/")
+    cur = ns.get(ROOT_INO)
+    trail: list[Entry] = [cur]  # physical directories from the root down to cur
+    todo = list(parts)
+    hops = 0
+    while todo:
+        comp = todo.pop(0)
+        if comp in ("", "."):
+            continue
+        if comp == "..":
+            if len(trail) == 1:
+                return None  # above the mirror's root
+            trail.pop()
+            cur = trail[-1]
+            continue
+        if not stat_mod.S_ISDIR(cur.mode):
             return None
-        rel = "" if full == "." else full
         try:
-            e = ns.resolve(os.fsencode(rel))
-        except (NotFound, OSError):
+            child = ns.lookup(cur.ino, os.fsencode(comp))
+        except NotFound:
             return None
-        except Exception:  # noqa: BLE001 - NotADirectory on the way
-            return None
-    return None
+        if stat_mod.S_ISLNK(child.mode):
+            hops += 1
+            if hops > _MAX_LINK_HOPS:
+                return None
+            target = os.fsdecode(child.target)
+            if target.startswith("/"):
+                if not (target == root_s or target.startswith(root_s + "/")):
+                    return None
+                trail = [ns.get(ROOT_INO)]
+                target = target[len(root_s):]
+            cur = trail[-1]
+            todo = target.split("/") + todo
+            continue
+        cur = child
+        trail.append(child)
+    return cur
+
+
+def _follow(ns: Namespace, e: Entry) -> Entry | None:
+    """An entry, or what its symlink (chain) resolves to inside the mirror."""
+    if not stat_mod.S_ISLNK(e.mode):
+        return e
+    parent = ns.path_of(ns.get(e.parent))
+    base = os.fsdecode(parent).split("/") if parent else []
+    return _realpath(ns, [*base, os.fsdecode(e.name)])
 
 
 def image_folder(ns: Namespace, dataset_rel: str, extensions: tuple[str, ...] = IMG_EXTENSIONS
                  ) -> SampleList:
     """The ImageFolder sample list of the directory ``dataset_rel`` inside the mount."""
     dataset_rel = dataset_rel.strip("/")
-    root = ns.resolve(os.fsencode(dataset_rel)) if dataset_rel else ns.get(ROOT_INO)
-    root = _follow(ns, root, dataset_rel) or root
+    root = _realpath(ns, dataset_rel.split("/")) if dataset_rel else ns.get(ROOT_INO)
+    if root is None or not stat_mod.S_ISDIR(root.mode):
+        raise NotFound(f"dataset {dataset_rel!r} is not a directory")
 
     def children(d: Entry) -> list[tuple[str, Entry]]:
         out = []
@@ -88,13 +115,13 @@ def image_folder(ns: Namespace, dataset_rel: str, extensions: tuple[str, ...] = 
                 out.append((os.fsdecode(name), e))
         return out
 
-    def is_dir(e: Entry, rel: str) -> Entry | None:
-        t = _follow(ns, e, rel)
+    def as_dir(e: Entry) -> Entry | None:
+        t = _follow(ns, e)
         return t if t is not None and stat_mod.S_ISDIR(t.mode) else None
 
     classes: list[tuple[str, Entry]] = []
     for name, e in children(root):
-        d = is_dir(e, posixpath.join(dataset_rel, name))
+        d = as_dir(e)
         if d is not None:
             classes.append((name, d))
     classes.sort(key=lambda t: t[0])
@@ -102,29 +129,29 @@ def image_folder(ns: Namespace, dataset_rel: str, extensions: tuple[str, ...] = 
     labels: list[int] = []
     paths: list[str] = []
     for label, (cname, cdir) in enumerate(classes):
-        # os.walk(top, followlinks=True), then sorted by the root path string
-        walked: list[tuple[str, str, list[tuple[str, Entry]]]] = []
-        stack = [(cname, posixpath.join(dataset_rel, cname), cdir)]
-        seen = set()
+        # os.walk(top, followlinks=True), then sorted by the root path string. A directory
+        # is walked again each time a link reaches it, except inside itself (a loop).
+        walked: list[tuple[str, list[tuple[str, Entry]]]] = []
+        stack: list[tuple[str, Entry, frozenset[int]]] = [(cname, cdir, frozenset())]
         while stack:
-            shown, rel, d = stack.pop()
-            if d.ino in seen:  # a symlink loop; os.walk would recurse until ELOOP
+            shown, d, ancestors = stack.pop()
+            if d.ino in ancestors:  # a symlink loop; os.walk would recurse until ELOOP
                 continue
-            seen.add(d.ino)
+            inner = ancestors | {d.ino}
             files = []
             for name, e in children(d):
-                sub = is_dir(e, posixpath.join(rel, name))
+                sub = as_dir(e)
                 if sub is not None:
-                    stack.append((shown + "/" + name, posixpath.join(rel, name), sub))
+                    stack.append((shown + "/" + name, sub, inner))
                 else:
                     files.append((name, e))
-            walked.append((shown, rel, files))
+            walked.append((shown, files))
         walked.sort(key=lambda t: t[0])
-        for shown, rel, files in walked:
+        for shown, files in walked:
             for name, e in sorted(files, key=lambda t: t[0]):
                 if not name.lower().endswith(extensions):
                     continue
-                target = _follow(ns, e, posixpath.join(rel, name))
+                target = _follow(ns, e)
                 # torchvision keeps a dangling or odd entry (and fails when it opens it): keep
                 # its index too, as inode 0, so that every later index still lines up
                 ok = target is not None and stat_mod.S_ISREG(target.mode)

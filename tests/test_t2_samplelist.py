@@ -207,11 +207,9 @@ def test_symlink_loop_does_not_hang(src, tmp_path):
     assert sl.paths[:1] == ["c/a.jpg"] and "c/sub/b.jpg" in sl.paths
 
 
-# ----- known divergences (bugs in dlcachefs.samplelist; strict xfail: remove when fixed) ---
+# ----- symlink layouts that once diverged from torchvision (regression tests) ---
 
 
-@pytest.mark.xfail(strict=True, reason="samplelist: one 'seen' set per class skips a second "
-                   "symlink to an already walked directory; os.walk lists it again")
 def test_two_links_to_the_same_directory(src, tmp_path):
     touch(src, "c/x/a.jpg", "shared/s.jpg")
     link(src, "c/l1", "../shared")
@@ -221,8 +219,6 @@ def test_two_links_to_the_same_directory(src, tmp_path):
     assert sl.paths[:2] == ["c/l1/s.jpg", "c/l2/s.jpg"]
 
 
-@pytest.mark.xfail(strict=True, reason="samplelist._follow resolves a relative link target "
-                   "against the link's logical path, not the directory it physically is in")
 def test_relative_link_inside_a_linked_directory(src, tmp_path):
     touch(src, "data/cat/a.jpg", "elsewhere/real.png", "elsewhere/bird/b.jpg")
     link(src, "data/bird", "../elsewhere/bird")
@@ -231,8 +227,6 @@ def test_relative_link_inside_a_linked_directory(src, tmp_path):
         check_same(eng, src, "data")
 
 
-@pytest.mark.xfail(strict=True, reason="samplelist._follow uses ns.resolve, which does not "
-                   "follow symlinks in intermediate components of a link target")
 def test_link_target_through_a_linked_directory(src, tmp_path):
     touch(src, "data/cat/a.jpg", "real/a/r.jpg")
     link(src, "cur", "real")
@@ -242,8 +236,6 @@ def test_link_target_through_a_linked_directory(src, tmp_path):
         check_same(eng, src, "data")
 
 
-@pytest.mark.xfail(strict=True, reason="samplelist: links under a dataset root reached through "
-                   "a symlink resolve through that (unfollowed) symlink")
 def test_links_under_a_linked_dataset_root(src, tmp_path):
     """A common layout: /data/imagenet -> imagenet-2012."""
     touch(src, "imagenet-2012/cls/a.jpg", "imagenet-2012/other/o.jpg")
