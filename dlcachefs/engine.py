@@ -207,9 +207,12 @@ class Engine:
         fh = self._new_fh(Handle(ino, memoryview(data), cached))
         # keep_cache only for bytes we know are this version and when the kernel cannot
         # hold pages of an older one (the file did not change during this mount)
-        keep = cached and ino not in self.ns.changed
+        changed = ino in self.ns.changed
         self.ns.changed.discard(ino)  # this open drops the kernel's pages of the file
-        return OpenResult(fh, keep_cache=keep, direct_io=False)
+        # a file that changed during the mount: its first open bypasses the page cache
+        # (direct_io), since the kernel's idea of its size may be the old one until the
+        # invalidation queued for it has gone through
+        return OpenResult(fh, keep_cache=cached and not changed, direct_io=changed)
 
     async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
         h = self.handles.get(fh)

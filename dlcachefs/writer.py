@@ -249,6 +249,9 @@ class ChunkWriter:
         if not self.open and not self.drops and not self.retire:
             return
         records, drops = self._take_batch()
+        # a record already indexed for the same version (moved by the reorderer meanwhile)
+        # would only be a dead copy in a chunk nobody reads
+        records = [r for r in records if not self._indexed(r)]
         new_len = CHUNK_HEADER_SIZE + sum(r.encoded_len for r in records)
         # superseded chunks go first (release after use); pinned ones wait for a later seal
         retired = [c for c in self.retire if c not in self.pins]
@@ -304,6 +307,16 @@ class ChunkWriter:
                 del self.pending[r.ino]
         self._space.set()
         self._space = trio.Event()
+
+    def _indexed(self, r: Pending) -> bool:
+        cur = self.index.get_record(r.ino)
+        if cur is None or r.ino in self.drops:
+            return False
+        if Identity(cur.size, cur.mtime_ns, cur.src_ino) != r.ident:
+            return False
+        if self.pending.get(r.ino) is r:
+            del self.pending[r.ino]
+        return True
 
     def _take_batch(self) -> tuple[list[Pending], set[int]]:
         records, self.open, self.open_bytes = self.open, [], 0
