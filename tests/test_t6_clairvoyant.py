@@ -19,6 +19,7 @@ TRAIN = r'''
 import hashlib, json, os, sys, time, torch
 from torchvision import datasets, transforms
 root, epochs, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+first = int(sys.argv[4]) if len(sys.argv) > 4 else 0
 ds = datasets.ImageFolder(root, transform=transforms.Compose(
     [transforms.Resize((16, 16)), transforms.ToTensor()]))
 if kind == "distributed":
@@ -37,7 +38,7 @@ def stats():
         return json.load(f)
 
 out = []
-for epoch in range(epochs):
+for epoch in range(first, first + epochs):
     if sampler is not None:
         sampler.set_epoch(epoch)
     before = stats()
@@ -135,3 +136,22 @@ def test_dataset_larger_than_the_cache(dataset, mount, tmp_path):
     st = m.stats()
     assert st["chunk_bytes"] <= limit
     assert st["reorder_chunks"] > 0
+
+
+def test_restart_between_epochs_reads_nothing_again(dataset, mount, tmp_path):
+    """The daemon dies (kill -9) after two epochs; the job resumes at epoch 2 on a new
+    daemon: what is on disk is served from the logs, nothing is fetched again."""
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    cache = tmp_path / "cache4"
+    m = mount(dataset, "--chunk-size", "256K", cache=cache, name="mnt4")
+    launcher = [sys.executable, "-m", "dlcachefs.cli", "run", "--", sys.executable, str(script)]
+    _run([*launcher, str(m.mnt), "2", "distributed"])
+    m.wait_cached(2000)
+    m.kill9()
+    m2 = mount(dataset, "--chunk-size", "256K", cache=cache, name="mnt4")
+    resumed = _run([*launcher, str(m2.mnt), "1", "distributed", "2"])
+    direct = _run([sys.executable, str(script), str(dataset), "1", "distributed", "2"])
+    assert resumed[0]["samples"] == direct[0]["samples"]
+    assert _delta(resumed[0], "bytes_from_source") == 0
+    assert _delta(resumed[0], "misses") == 0
