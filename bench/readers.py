@@ -64,6 +64,13 @@ class ReadResult:
                 "p99": round(percentile(lat, 99) * ms, 4),
                 "max": round(lat[-1] * ms, 4) if lat else None,
             },
+            # mean latency of each tenth of the run, in reading order: warm-up and
+            # periodic stalls (chunk loads, writer commits) show up here
+            "latency_ms_by_tenth": [
+                round(sum(part) / len(part) * ms, 4) if part else None
+                for part in (self.latencies_s[k * len(self.latencies_s) // 10:
+                                              (k + 1) * len(self.latencies_s) // 10]
+                             for k in range(10))],
             "reader_cpu_s": round(self.reader_cpu_s, 3),
             "errors": len(self.errors),
         }
