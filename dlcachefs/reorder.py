@@ -75,6 +75,7 @@ class PlannedChunk:
     slots: list[Slot] = field(default_factory=list)
     remaining: int = 0
     sealed: bool = False
+    unread: int = 0  # records not yet read in this log's own epoch
 
 
 def plan_layout(index, inos: list[int], chunk_size: int, max_file: int, start_offset: int,
@@ -172,6 +173,23 @@ class NextEpochLog:
         self.queue.append((slot, bytes(data)))
         self.queued_bytes += len(data)
         self._wake.set()
+
+    def start_reading(self) -> None:
+        """This log's epoch has begun: count, per chunk, the records still to be read."""
+        for c in self.chunks:
+            c.unread = len(c.slots)
+
+    def used(self, ino: int) -> int | None:
+        """The reader consumed ``ino`` in this log's epoch; returns the chunk id when that
+        was the chunk's last unread record (and the chunk is sealed): it may be released."""
+        slot = self.slots.get(ino)
+        if slot is None:
+            return None
+        c = self.chunks[slot.chunk]
+        if c.unread <= 0:
+            return None
+        c.unread -= 1
+        return c.chunk_id if c.unread == 0 and c.sealed else None
 
     def unprotect(self) -> None:
         self.engine.writer.protected.difference_update(c.chunk_id for c in self.chunks)

@@ -187,6 +187,7 @@ class StreamManager:
             if prev.epoch == epoch:
                 prev.request_finish()  # this epoch's log: fill its gaps and seal it
                 s.current_log = prev
+                prev.start_reading()
             else:
                 prev.abandon()
         async with trio.open_nursery() as nursery:
@@ -199,9 +200,12 @@ class StreamManager:
         if not self.engine.cfg.reorder or not s.replayer.known(epoch + 1):
             return
         # LCache: two logs. When the cache cannot hold two copies of the dataset, the next
-        # log gets half the cache and holds the samples that come first in its epoch; the
-        # rest is prefetched from the source in order, into memory, when that epoch runs.
-        budget = self.engine.cfg.cache_size // 2 if s.memory_prefetch else None
+        # log holds the samples that come first in its epoch, as many as the cache holds
+        # (the current log is released chunk by chunk as it is consumed, so the two fit);
+        # the rest is prefetched from the source in order, into memory, when it runs.
+        cfg = self.engine.cfg
+        budget = max(cfg.cache_size - 2 * cfg.chunk_size, cfg.chunk_size) \
+            if s.memory_prefetch else None
         order = await trio.to_thread.run_sync(s.replayer.order, epoch + 1)
         nl = NextEpochLog(self.engine, s.key, epoch + 1)
         await nl.plan([samples.inos[i] for i in order], budget)
@@ -299,6 +303,10 @@ class StreamManager:
             return
         p = ps.pop()
         s.consumed[p] = 1
+        if s.memory_prefetch and s.current_log is not None:
+            done = s.current_log.used(ino)  # LCache line 16: release a chunk after use
+            if done is not None:
+                self.engine.writer.retire_chunk(done)
         moved = False
         while s.position < len(s.consumed) and s.consumed[s.position]:
             s.position += 1
