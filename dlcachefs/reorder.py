@@ -155,6 +155,7 @@ class NextEpochLog:
         end = self.chunks[-1].offset + self.chunks[-1].length if self.chunks else LOG_HEADER_SIZE
         eng.logs.filling.add(self.log_id)
         await trio.to_thread.run_sync(eng.logs.create_sized, self.log_id, end)
+        await trio.to_thread.run_sync(self._record_plan)
         log.info("stream %s: planned epoch %d's log %d: %d samples in %d chunks", self.key,
                  self.epoch, self.log_id, len(self.slots), len(self.chunks))
 
@@ -289,6 +290,29 @@ class NextEpochLog:
             if self.queued_bytes > 8 << 20:
                 await self._drain()
         await self._drain()
+
+    def _record_plan(self) -> None:
+        """Thread: the epoch's chunk list in the index (the per-sample locations follow as
+        chunks are sealed). Older epochs' lists of this stream are dropped."""
+        import json  # noqa: PLC0415
+
+        eng = self.engine
+        with eng.index.write() as w:
+            prefix = f"epoch_log/{self.key}/".encode()
+            cur = w.txn.cursor(db=w.ix.meta)
+            stale = []
+            if cur.set_range(prefix):
+                for k, _ in cur:
+                    k = bytes(k)
+                    if not k.startswith(prefix):
+                        break
+                    if int(k[len(prefix):]) < self.epoch - 1:
+                        stale.append(k)
+            for k in stale:
+                w.txn.delete(k, db=w.ix.meta)
+            w.set_meta(S.epoch_log_key(self.key, self.epoch), json.dumps(
+                {"log": self.log_id, "chunks": [c.chunk_id for c in self.chunks],
+                 "samples": len(self.slots)}).encode())
 
     # ----- threads --------------------------------------------------------------------
 

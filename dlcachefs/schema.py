@@ -5,7 +5,9 @@ All keys that are numbers are 8-byte big-endian so that LMDB's byte order is num
 =========  ===========================  ==================================================
 database   key                          value
 =========  ===========================  ==================================================
-meta       ascii name                   format version, source root, counters (u64/bytes)
+meta       ascii name                   format version, source root, counters (u64/bytes);
+                                        ``epoch_log/<job>/<rank>/<epoch>``: the epoch's
+                                        reordered log and its chunk ids (JSON)
 inode      ino                          :class:`Entry` (attributes mirrored from the source)
 dirent     parent ino + name bytes      child ino  (a prefix scan lists a directory, sorted)
 record     ino                          :class:`Record` (where the cached bytes are)
@@ -46,6 +48,11 @@ K_CACHED_BYTES = b"cached_bytes"
 K_CHUNK_BYTES = b"chunk_bytes"
 
 _U64 = struct.Struct(">Q")
+
+
+def epoch_log_key(stream: str, epoch: int) -> bytes:
+    """meta key of the chunk list of one stream's epoch log (LCache's per-epoch MetaIndex)."""
+    return f"epoch_log/{stream}/{epoch}".encode()
 
 
 def ukey(n: int) -> bytes:
