@@ -30,7 +30,7 @@ import logging
 import os
 import stat as stat_mod
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
@@ -360,13 +360,20 @@ class Namespace:
             w.set_meta(S.K_SOURCE, self.source.root)
         n_entries, n_dirs = 0, 0
         last_report = 0.0
+        # Bounded memory: at most 2 x threads listings in flight; directories found wait
+        # in a queue (a million stat results held at once would cost ~1 GB).
+        todo: deque[tuple[int, bytes]] = deque([(ROOT_INO, b"")])
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="scan") as pool:
-            pending: dict[Future, tuple[int, bytes]] = {
-                pool.submit(self.source.list_dir, b""): (ROOT_INO, b"")}
+            pending: dict[Future, tuple[int, bytes]] = {}
             batch: list[tuple[int, bytes, list[Listing]]] = []
             batch_size = 0
-            while pending:
-                done, _ = wait(list(pending), timeout=0.5, return_when=FIRST_COMPLETED)
+            while todo or pending or batch:
+                while todo and len(pending) < 2 * threads:
+                    ino, rel = todo.popleft()
+                    pending[pool.submit(self.source.list_dir, rel)] = (ino, rel)
+                done: set[Future] = set()
+                if pending:
+                    done, _ = wait(list(pending), timeout=0.5, return_when=FIRST_COMPLETED)
                 for fut in done:
                     ino, rel = pending.pop(fut)
                     try:
@@ -375,7 +382,8 @@ class Namespace:
                         continue  # vanished during the scan; its parent's next listing drops it
                     batch.append((ino, rel, listing))
                     batch_size += len(listing) + 1
-                if batch and (batch_size >= SCAN_BATCH or not pending or not done):
+                if batch and (batch_size >= SCAN_BATCH or not pending or not done
+                              or not todo):
                     with self.index.write() as w:
                         for ino, rel, listing in batch:
                             d = w.get_entry(ino)
@@ -384,9 +392,7 @@ class Namespace:
                             res = merge_listing(w, d, rel, listing, now, self.use_src_ino)
                             n_entries += len(listing)
                             n_dirs += 1
-                            for sub_ino, sub_rel in res.subdirs:
-                                pending[pool.submit(self.source.list_dir, sub_rel)] = (
-                                    sub_ino, sub_rel)
+                            todo.extend(res.subdirs)
                     batch, batch_size = [], 0
                 if progress is not None and time.monotonic() - last_report > 0.5:
                     last_report = time.monotonic()

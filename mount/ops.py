@@ -239,11 +239,13 @@ class Operations(pyfuse3.Operations):
 
     # ----- extended attributes: none ---------------------------------------------------
 
+    # ENOSYS once, and the kernel stops asking (no_getxattr/no_listxattr): `ls -l` looks up
+    # an ACL xattr of every file, and these would otherwise be one request per file
     async def getxattr(self, inode, name, ctx):
-        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        raise pyfuse3.FUSEError(errno.ENOSYS)
 
     async def listxattr(self, inode, ctx):
-        return []
+        raise pyfuse3.FUSEError(errno.ENOSYS)
 
     # ----- every modification: EROFS -----------------------------------------------------
 
