@@ -11,6 +11,7 @@ Data keeps its order; throughput is not limited (tbf shapes bandwidth separately
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import threading
@@ -55,7 +56,6 @@ def main() -> int:
     delay = delay_ms / 1000.0
     sock = socket.create_connection((host, port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    stdin, stdout = sys.stdin.buffer.raw, sys.stdout.buffer.raw
 
     def to_remote(data: bytes) -> None:
         if data:
@@ -67,12 +67,11 @@ def main() -> int:
         if data:
             view = memoryview(data)
             while view:
-                n = stdout.write(view)
-                view = view[n:]
+                view = view[os.write(1, view):]
         else:
-            stdout.close()
+            os.close(1)
 
-    up = threading.Thread(target=_pump, args=(lambda: stdin.read(1 << 16), to_remote, delay),
+    up = threading.Thread(target=_pump, args=(lambda: os.read(0, 1 << 16), to_remote, delay),
                           daemon=True)
     up.start()
     _pump(lambda: sock.recv(1 << 16), to_local, delay)
