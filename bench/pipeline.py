@@ -40,6 +40,8 @@ import resource
 import sys
 import time
 
+from .util import net_rx
+
 
 def _cpu_all() -> float:
     s = resource.getrusage(resource.RUSAGE_SELF)
@@ -67,16 +69,6 @@ def _read_stats(path: str | None) -> dict | None:
         return None
     with open(path, "rb") as f:
         return json.loads(f.read())
-
-
-def _net_rx(iface: str | None) -> int | None:
-    if not iface:
-        return None
-    try:
-        with open(f"/sys/class/net/{iface}/statistics/rx_bytes") as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return None
 
 
 def make_dataset_class():
@@ -131,7 +123,7 @@ def run(a: argparse.Namespace) -> int:
         dcpu0 = proc_cpu_seconds(dpid) if dpid else None
         pids = list(a.daemon_pid or [])
         pcpu0 = {p: proc_cpu_seconds(p) for p in pids}
-        rx0 = _net_rx(a.net_iface)
+        rx0 = net_rx(a.net_iface)
         cpu0 = _cpu_all()
         seen: dict[int, tuple[int, str]] = {}
         nbytes = 0
@@ -165,7 +157,7 @@ def run(a: argparse.Namespace) -> int:
             "all_files": files == len(ds.samples),
             "digest": tree_digest((rels[i], s, h) for i, (s, h) in seen.items()),
         }
-        rx1 = _net_rx(a.net_iface)
+        rx1 = net_rx(a.net_iface)
         if rx0 is not None and rx1 is not None:
             rec["net_rx_bytes"] = rx1 - rx0
         if pids:

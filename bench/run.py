@@ -44,6 +44,7 @@ from .util import (
     drop_page_cache,
     fs_of,
     machine_info,
+    net_rx,
     proc_cpu_seconds,
     proc_status_kb,
     reset_peak_rss,
@@ -63,16 +64,6 @@ def log(msg: str) -> None:
 
 
 # ----- probes ------------------------------------------------------------------------------
-
-def net_rx(iface: str | None) -> int | None:
-    if not iface:
-        return None
-    try:
-        with open(f"/sys/class/net/{iface}/statistics/rx_bytes") as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return None
-
 
 class Daemons:
     """CPU seconds and peak RSS of a set of daemon pids (name -> pid) over a run."""

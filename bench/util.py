@@ -84,6 +84,17 @@ def drop_page_cache(fallback_roots: Sequence[str] = ()) -> str:
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
+def net_rx(iface: str | None) -> int | None:
+    """Bytes received so far on a network interface (None when unknown)."""
+    if not iface:
+        return None
+    try:
+        with open(f"/sys/class/net/{iface}/statistics/rx_bytes") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
 def proc_cpu_seconds(pid: int) -> float | None:
     """utime + stime of a process (all its threads), in seconds."""
     try:
