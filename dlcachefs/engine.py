@@ -247,7 +247,7 @@ class Engine:
                                             self.cfg.use_source_inode)
         if ident != identity(e):
             e = await trio.to_thread.run_sync(self.ns.update_identity, e, ident)
-            self.ns._notify("inode", e.parent, None, e.ino)
+            self.ns.changed_on_source(e)
         self.counters.misses += 1
         return OpenResult(self._new_fh(Handle(e.ino, None, False, fd, ident)),
                           keep_cache=False, direct_io=True)
@@ -514,7 +514,7 @@ class Engine:
         if ident != identity(e):
             # changed since it was listed: serve the new version, and tell the kernel
             e = await trio.to_thread.run_sync(self.ns.update_identity, e, ident)
-            self.ns._notify("inode", e.parent, None, e.ino)
+            self.ns.changed_on_source(e)
         self.counters.bytes_from_source += len(data)
         if not cache:
             return data, e

@@ -151,9 +151,13 @@ class LogStore:
 
     def discard_log(self, log_id: int) -> None:
         """Delete a log nothing in the index points at (an abandoned reorder plan)."""
-        if self.live.get(log_id, 0) > 0:
-            return
-        self.live.pop(log_id, None)
+        with self._lock:
+            if self.live.get(log_id, 0) > 0:
+                return
+            self.live.pop(log_id, None)
+        self._delete(log_id)
+
+    def _delete(self, log_id: int) -> None:
         with self._lock:
             fd = self._fds.pop(log_id, None)
         if fd is not None:
@@ -208,12 +212,7 @@ class LogStore:
             if empty:
                 self.live.pop(log_id, None)
         if empty:
-            with self._lock:
-                fd = self._fds.pop(log_id, None)
-            if fd is not None:
-                os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path(log_id))
+            self._delete(log_id)
             return
         try:
             punch_hole(self._fd(log_id), offset, length)

@@ -329,6 +329,10 @@ class Namespace:
         with self.index.write() as w:
             w.delete_tree(e.ino)
 
+    def changed_on_source(self, e: Entry) -> None:
+        """A fetch saw a newer version of ``e`` than the snapshot: tell the kernel."""
+        self._notify("inode", e.parent, None, e.ino)
+
     def _notify(self, kind: str, parent: int, name: bytes | None, ino: int | None) -> None:
         if ino is not None:
             self.changed.add(ino)
