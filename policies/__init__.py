@@ -2,39 +2,83 @@
 
 Built-in policies are listed here; third-party ones register through the entry-point
 group ``dlcachefs.policies`` (an entry point names a class derived from
-:class:`EvictionPolicy`). Duplicate names are refused.
+:class:`CachePolicy`). Duplicate names are refused. A policy is chosen with
+``--policy NAME[:key=value,...]``; the options a policy takes are its ``options``.
 """
 
 from __future__ import annotations
 
 from importlib.metadata import entry_points
 
-from .base import EvictionPolicy
+from .base import (
+    NEVER,
+    PACK_ALONE,
+    PACK_CHUNK,
+    CachePolicy,
+    CacheView,
+    EvictionPolicy,
+    FutureView,
+    ImportanceView,
+    PolicyContext,
+    parse_policy_spec,
+)
+from .icache import ICachePolicy
+from .lcache import LCachePolicy
 from .lru import LRUPolicy
+from .reuse_distance import ReuseDistancePolicy
 
 ENTRY_POINT_GROUP = "dlcachefs.policies"
 
-_BUILTIN: dict[str, type[EvictionPolicy]] = {LRUPolicy.name: LRUPolicy}
+_BUILTIN: dict[str, type[CachePolicy]] = {
+    cls.name: cls for cls in (LRUPolicy, ReuseDistancePolicy, LCachePolicy, ICachePolicy)}
 
 
-def registry() -> dict[str, type[EvictionPolicy]]:
+def registry() -> dict[str, type[CachePolicy]]:
     """All policies by name: the built-in ones and those installed through entry points."""
     out = dict(_BUILTIN)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name in out:
             raise ValueError(f"policy name {ep.name!r} is registered twice")
         cls = ep.load()
-        if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
-            raise TypeError(f"entry point {ep.name!r} is not an EvictionPolicy class")
+        if not (isinstance(cls, type) and issubclass(cls, CachePolicy)):
+            raise TypeError(f"entry point {ep.name!r} is not a CachePolicy class")
         out[ep.name] = cls
     return out
 
 
-def make_policy(name: str) -> EvictionPolicy:
+def _convert(policy: str, key: str, typ: type, text: str) -> object:
+    try:
+        if typ is bool:
+            low = text.lower()
+            if low not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(text)
+            return low in ("true", "1", "yes")
+        if typ is int:
+            from dlcachefs.units import parse_size  # noqa: PLC0415 - sizes like 1M
+
+            return parse_size(text) if not text.lstrip("-").isdigit() else int(text)
+        return typ(text)
+    except ValueError:
+        raise ValueError(f"policy {policy!r}: option {key}={text!r} is not a valid "
+                         f"{typ.__name__}") from None
+
+
+def make_policy(spec: str, ctx: PolicyContext | None = None) -> CachePolicy:
+    """Build a policy from ``NAME[:key=value,...]`` with the given context."""
+    name, raw = parse_policy_spec(spec)
     reg = registry()
     if name not in reg:
         raise ValueError(f"unknown policy {name!r}; available: {', '.join(sorted(reg))}")
-    return reg[name]()
+    cls = reg[name]
+    unknown = set(raw) - set(cls.options)
+    if unknown:
+        raise ValueError(f"policy {name!r} has no option(s) {', '.join(sorted(unknown))} "
+                         f"(known: {', '.join(sorted(cls.options)) or 'none'})")
+    opts = {k: _convert(name, k, cls.options[k], v) for k, v in raw.items()}
+    return cls(ctx, **opts)
 
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "make_policy", "registry"]
+__all__ = ["NEVER", "PACK_ALONE", "PACK_CHUNK", "CachePolicy", "CacheView", "EvictionPolicy",
+           "FutureView", "ICachePolicy", "ImportanceView", "LCachePolicy", "LRUPolicy",
+           "PolicyContext", "ReuseDistancePolicy", "make_policy", "parse_policy_spec",
+           "registry"]

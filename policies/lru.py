@@ -1,43 +1,44 @@
-"""Least-recently-used eviction over whole chunks."""
+"""Least-recently-used eviction over whole units (the baseline)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
-from .base import EvictionPolicy
+from .base import CachePolicy
 
 
-class LRUPolicy(EvictionPolicy):
-    """Evict the chunk whose last served record is the oldest."""
+class LRUPolicy(CachePolicy):
+    """Evict the unit whose last served sample is the oldest."""
 
     name = "lru"
 
-    def __init__(self) -> None:
-        self._order: OrderedDict[int, int] = OrderedDict()  # chunk id -> size, oldest first
+    def __init__(self, ctx=None, **opts: object) -> None:
+        super().__init__(ctx, **opts)
+        self._order: OrderedDict[int, int] = OrderedDict()  # unit -> size, oldest first
 
     def __len__(self) -> int:
         return len(self._order)
 
-    def on_insert(self, chunk_id: int, size: int) -> None:
-        self._order[chunk_id] = size
-        self._order.move_to_end(chunk_id)
+    def on_insert(self, unit: int, members: Sequence[int], size: int) -> None:
+        self._order[unit] = size
+        self._order.move_to_end(unit)
 
-    def on_access(self, chunk_id: int) -> None:
-        if chunk_id in self._order:
-            self._order.move_to_end(chunk_id)
+    def on_access(self, unit: int, sample: int) -> None:
+        if unit in self._order:
+            self._order.move_to_end(unit)
 
-    def on_remove(self, chunk_id: int) -> None:
-        self._order.pop(chunk_id, None)
+    def on_remove(self, unit: int) -> None:
+        self._order.pop(unit, None)
 
-    def victims(self, need_bytes: int, exclude: Collection[int]) -> list[int]:
+    def victims(self, need: int, exclude: Collection[int]) -> list[int]:
         out: list[int] = []
         freed = 0
-        for cid, size in self._order.items():
-            if freed >= need_bytes:
+        for unit, size in self._order.items():
+            if freed >= need:
                 break
-            if cid in exclude:
+            if unit in exclude:
                 continue
-            out.append(cid)
+            out.append(unit)
             freed += size
         return out

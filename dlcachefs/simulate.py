@@ -1,0 +1,382 @@
+"""``dlcachefs simulate``: replay an access trace against every caching policy.
+
+A trace is what a training reads, epoch by epoch (sample indices in order), with each
+sample's size and class directory, and the losses the training reported in each epoch.
+It comes from a file (JSON, as :func:`save_trace` writes) or is generated from sampler
+settings (:func:`generate_trace`: torch's RandomSampler / DistributedSampler orders, or
+iCACHE's importance sampling over synthetic losses).
+
+The runner drives the same :class:`~dlcachefs.policies.CachePolicy` objects a mount uses,
+through the same calls in the same order as the chunk writer and the engine (request,
+hit / miss, substitution, admission, packing into units, eviction, release after use),
+with a future view that knows the current and the next epoch (what an announced seeded
+sampler gives) and an importance view fed with the trace's losses at the end of each
+epoch (the H-list rebuilt at each epoch start). Belady's rule with the whole trace known
+and bypass allowed (farthest next use, a sample never cached when it would be the
+farthest itself) is printed as the bound. A substituted miss is not a hit: it is counted
+apart, and reads nothing from the source.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from dlcachefs.importance import Importance, select_epoch
+
+NEVER = float("inf")
+
+
+@dataclass
+class Trace:
+    """Orders per epoch over samples 0..n-1, their sizes, classes and reported losses."""
+
+    sizes: list[int]
+    classes: list[int]
+    epochs: list[list[int]]
+    losses: list[dict[int, float]] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.sizes)
+
+    def total_bytes(self) -> int:
+        return sum(self.sizes)
+
+    def accesses(self) -> int:
+        return sum(len(e) for e in self.epochs)
+
+
+def save_trace(trace: Trace, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump({"sizes": trace.sizes, "classes": trace.classes, "epochs": trace.epochs,
+                   "losses": [{str(k): v for k, v in d.items()} for d in trace.losses]}, f)
+
+
+def load_trace(path: str) -> Trace:
+    with open(path) as f:
+        d = json.load(f)
+    n = len(d["sizes"])
+    t = Trace([int(s) for s in d["sizes"]], [int(c) for c in d.get("classes") or [0] * n],
+              [[int(i) for i in e] for e in d["epochs"]],
+              [{int(k): float(v) for k, v in e.items()} for e in d.get("losses", [])])
+    for e in t.epochs:
+        if any(not 0 <= i < n for i in e):
+            raise ValueError(f"{path}: a sample index is out of range 0..{n - 1}")
+    return t
+
+
+def generate_trace(n: int, epochs: int, sampler: str = "random", seed: int = 0,
+                   classes: int = 10, mean_size: int = 110_000) -> Trace:
+    """A synthetic training: lognormal file sizes, per-sample difficulty, and losses that
+    fall over the epochs (``loss = difficulty * exp(-epoch / 8) * noise``). ``sampler``:
+    ``random`` / ``distributed`` (torch's orders, replayed), or ``iis`` (iCACHE's
+    importance sampling over the losses reported so far)."""
+    rng = random.Random(seed)
+    sigma = 0.5
+    mu = math.log(mean_size) - sigma * sigma / 2
+    sizes = [max(512, int(rng.lognormvariate(mu, sigma))) for _ in range(n)]
+    cls = [i * classes // n for i in range(n)]  # ImageFolder: classes in contiguous runs
+    difficulty = [rng.lognormvariate(0.0, 1.0) for _ in range(n)]
+    orders: list[list[int]] = []
+    losses: list[dict[int, float]] = []
+    iv = [math.nan] * n
+    for e in range(epochs):
+        if sampler == "iis":
+            order = select_epoch(n, e, seed, iv)
+        else:
+            from dlcachefs.sampler import OrderReplayer, SamplerSpec  # noqa: PLC0415 (torch)
+
+            spec = (SamplerSpec("distributed", seed=seed, world=1, rank=0)
+                    if sampler == "distributed" else SamplerSpec("random", seed=seed))
+            order = OrderReplayer(spec, n).order(e)
+        orders.append(order)
+        rep = {s: difficulty[s] * math.exp(-e / 8) * rng.lognormvariate(0.0, 0.3) for s in order}
+        losses.append(rep)
+        for s, v in rep.items():
+            iv[s] = v
+    return Trace(sizes, cls, orders, losses)
+
+
+# ----- the runner's views (what a mount's engine provides) ----------------------------
+
+
+class _Cache:
+    def __init__(self, capacity: int) -> None:
+        self.cap = capacity
+        self.bytes = 0
+        self.units: dict[int, tuple[list[int], int]] = {}
+
+    def capacity(self) -> int:
+        return self.cap
+
+    def used(self) -> int:
+        return self.bytes
+
+    def members(self, unit: int) -> Sequence[int]:
+        return self.units[unit][0] if unit in self.units else ()
+
+    def unit_size(self, unit: int) -> int:
+        return self.units[unit][1] if unit in self.units else 0
+
+
+class _Future:
+    """The trace's next uses, known up to the end of the next epoch."""
+
+    def __init__(self, trace: Trace, horizon_epochs: int) -> None:
+        self.seq = [s for e in trace.epochs for s in e]
+        self.starts: list[int] = []
+        t = 0
+        for e in trace.epochs:
+            self.starts.append(t)
+            t += len(e)
+        self.starts.append(t)
+        self.nxt = [0] * len(self.seq)
+        last: dict[int, int] = {}
+        for i in range(len(self.seq) - 1, -1, -1):
+            self.nxt[i] = last.get(self.seq[i], len(self.seq))
+            last[self.seq[i]] = i
+        self.next_pos = [len(self.seq)] * trace.n
+        for s, i in last.items():
+            self.next_pos[s] = i
+        self.horizon_epochs = horizon_epochs
+        self.t = 0
+        self.epoch = 0
+
+    def advance(self, t: int, epoch: int) -> None:
+        """Tick ``t`` (sample seq[t]) is being served now."""
+        self.t, self.epoch = t, epoch
+        self.next_pos[self.seq[t]] = self.nxt[t]
+
+    def now(self) -> int:
+        return self.t
+
+    def horizon(self) -> int:
+        return self.starts[min(self.epoch + 1 + self.horizon_epochs, len(self.starts) - 1)] - 1
+
+    def next_use(self, sample: int) -> float:
+        p = self.next_pos[sample]
+        return p if p <= self.horizon() else NEVER
+
+    def epoch_length(self) -> int | None:
+        return self.starts[self.epoch + 1] - self.starts[self.epoch]
+
+    def epoch_start(self) -> int:
+        return self.starts[self.epoch]
+
+
+class _Importance:
+    def __init__(self, imp: Importance) -> None:
+        self.imp = imp
+        self.ep = 0
+
+    def importance(self, sample: int) -> float | None:
+        return self.imp.value(sample)
+
+    def is_high(self, sample: int) -> bool:
+        return self.imp.is_high(sample)
+
+    def version(self) -> int:
+        return self.imp.version()
+
+    def epoch(self) -> int:
+        return self.ep
+
+
+@dataclass
+class Result:
+    policy: str
+    capacity: int
+    hits: int = 0
+    misses: int = 0
+    substituted: int = 0
+    bytes_from_source: int = 0
+    accesses: int = 0
+    policy_stats: dict = field(default_factory=dict)
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hits / self.accesses if self.accesses else 0.0
+
+    def as_dict(self) -> dict:
+        return {"policy": self.policy, "capacity": self.capacity, "hits": self.hits,
+                "misses": self.misses, "substituted": self.substituted,
+                "accesses": self.accesses, "hit_ratio": round(self.hit_ratio, 4),
+                "bytes_from_source": self.bytes_from_source, "policy_stats": self.policy_stats}
+
+
+def run_policy(trace: Trace, spec: str, capacity: int, *, chunk_size: int = 0,
+               substitute: bool = False, h_fraction: float = 0.7,
+               horizon_epochs: int = 1) -> Result:
+    """Replay ``trace`` against the policy ``spec`` with a cache of ``capacity`` bytes."""
+    from dlcachefs.policies import PACK_ALONE, PACK_CHUNK, PolicyContext, make_policy  # noqa: PLC0415
+
+    cache = _Cache(capacity)
+    fut = _Future(trace, horizon_epochs)
+    imp = Importance(trace.n, h_fraction)
+    iview = _Importance(imp)
+    pol = make_policy(spec, PolicyContext(cache, fut, iview))
+    res = Result(spec, capacity)
+    unit_of: dict[int, int] = {}  # sample -> unit (sealed or open)
+    open_units: dict[int, list[int]] = {}  # pack target -> samples waiting
+    open_bytes: dict[int, int] = {}
+    by_class: dict[int, set[int]] = {}
+    served: set[int] = set()
+    next_unit = [1]
+
+    def remove(unit: int) -> None:
+        members, size = cache.units.pop(unit)
+        cache.bytes -= size
+        for m in members:
+            if unit_of.get(m) == unit:
+                del unit_of[m]
+                by_class.get(trace.classes[m], set()).discard(m)
+        pol.on_remove(unit)
+
+    def seal(target: int) -> None:
+        members = open_units.pop(target, [])
+        size = open_bytes.pop(target, 0)
+        for m in members:
+            unit_of.pop(m, None)
+        if not members:
+            return
+        need = cache.bytes + size - capacity
+        if need > 0:
+            for v in pol.victims(need, ()):
+                remove(v)
+        if cache.bytes + size > capacity:
+            return  # cannot make room: not cached (the writer's cache_skipped)
+        uid = next_unit[0]
+        next_unit[0] += 1
+        cache.units[uid] = (members, size)
+        cache.bytes += size
+        for m in members:
+            unit_of[m] = uid
+            by_class.setdefault(trace.classes[m], set()).add(m)
+        pol.on_insert(uid, members, size)
+
+    def serve_from(unit: int, sample: int) -> None:
+        if unit in cache.units:
+            pol.on_access(unit, sample)
+            if pol.release_after_use(unit, sample):
+                remove(unit)
+
+    rng = random.Random(0)
+    t = 0
+    for e, order in enumerate(trace.epochs):
+        iview.ep = e
+        served.clear()
+        if e > 0:
+            imp.rebuild()  # the H-list for this epoch, from the losses so far
+        for s in order:
+            fut.advance(t, e)
+            t += 1
+            res.accesses += 1
+            pol.on_request(s)
+            served.add(s)
+            size = trace.sizes[s]
+            u = unit_of.get(s)
+            if u is not None:
+                res.hits += 1
+                serve_from(u, s)
+            else:
+                sub = None
+                if substitute and pol.substitutable(s):
+                    pool = [c for c in by_class.get(trace.classes[s], ()) if c not in served]
+                    if len(pool) > 256:
+                        pool = rng.sample(pool, 256)
+                    sub = pol.choose_substitute(s, pool)
+                if sub is not None and sub in unit_of:
+                    res.substituted += 1
+                    served.add(sub)
+                    serve_from(unit_of[sub], sub)
+                else:
+                    res.misses += 1
+                    res.bytes_from_source += size
+                    if size <= capacity and pol.admit(s, size):
+                        target = pol.pack(s, size)
+                        if target == PACK_CHUNK:
+                            target = chunk_size
+                        open_units.setdefault(target, []).append(s)
+                        open_bytes[target] = open_bytes.get(target, 0) + size
+                        unit_of[s] = -1  # pending: readable, like the writer's pending set
+                        if open_bytes[target] >= target:
+                            seal(target)
+            if t % 1024 == 0:
+                while pol.maintain():
+                    pass
+        for target in list(open_units):
+            seal(target)
+        if e < len(trace.losses):
+            for s, v in trace.losses[e].items():
+                imp.update("sim", [s], [v])
+    res.policy_stats = pol.stats()
+    return res
+
+
+def belady(trace: Trace, capacity: int) -> Result:
+    """Farthest-next-use with bypass and the whole trace known (the offline bound)."""
+    fut = _Future(trace, len(trace.epochs))
+    res = Result("belady", capacity)
+    cached: dict[int, int] = {}  # sample -> its next use
+    heap: list[tuple[int, int]] = []
+    used = 0
+    for t, s in enumerate(fut.seq):
+        res.accesses += 1
+        nxt = fut.nxt[t]
+        size = trace.sizes[s]
+        if s in cached:
+            res.hits += 1
+        else:
+            res.misses += 1
+            res.bytes_from_source += size
+            if size > capacity:
+                continue
+            used += size
+        cached[s] = nxt
+        heapq.heappush(heap, (-nxt, s))
+        while used > capacity:
+            neg, g = heapq.heappop(heap)
+            if cached.get(g) != -neg:
+                continue  # stale entry
+            del cached[g]  # farthest next use: possibly s itself (bypass)
+            used -= trace.sizes[g]
+    return res
+
+
+def simulate(trace: Trace, policies: Sequence[str], fractions: Sequence[float], *,
+             chunk_size: int = 0, substitute: bool = False, h_fraction: float = 0.7) -> dict:
+    """Every policy and Belady at every cache size (fractions of the dataset's bytes)."""
+    total = trace.total_bytes()
+    rows = []
+    for frac in fractions:
+        cap = int(total * frac)
+        row = {"fraction": frac, "capacity": cap,
+               "belady": belady(trace, cap).as_dict()}
+        for p in policies:
+            row[p] = run_policy(trace, p, cap, chunk_size=chunk_size, h_fraction=h_fraction,
+                                substitute=substitute and p.startswith("icache")).as_dict()
+        rows.append(row)
+    return {"samples": trace.n, "epochs": len(trace.epochs), "accesses": trace.accesses(),
+            "dataset_bytes": total, "policies": list(policies), "rows": rows}
+
+
+def table(result: dict) -> str:
+    """Markdown: hit ratio (and GB from the source) per policy and cache size."""
+    pols = [*result["policies"], "belady"]
+    head = "| cache | " + " | ".join(pols) + " |"
+    lines = [head, "|" + "---|" * (len(pols) + 1)]
+    for row in result["rows"]:
+        cells = []
+        for p in pols:
+            r = row[p]
+            cell = f"{r['hit_ratio']:.3f} ({r['bytes_from_source'] / 1e9:.2f} GB)"
+            if r["substituted"]:
+                cell += f" +{r['substituted'] / r['accesses']:.3f} subst."
+            cells.append(cell)
+        lines.append(f"| {row['fraction']:.0%} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,143 @@
+"""Lobster's eviction: reuse count and reuse distance, with deterministic prefetching.
+
+Lobster (ICPP'22, section 4.4) knows every future access from the seeded sampler and
+applies, per node:
+
+(a) reuse count: once a sample has had its last planned access, evict it right away;
+(b) reuse distance: after iteration ``h`` of an epoch of ``I`` iterations, a sample just
+    used whose next reuse distance is larger than ``2I - h`` is not read during the next
+    epoch: evict it to make room for more prefetches;
+(c) when the cache is full anyway, evict the sample whose next use is farthest, and
+    prefetch (admit) the sample whose next use is nearest (Belady's MIN rule).
+
+Here the clock ticks once per sample served, so ``I`` is the epoch's length in samples and
+``h`` the position in it. The future is what the announced orders tell (this epoch and,
+when the sampler is seeded, the next): (a) and (b) only act when the next epoch is known
+(``horizon`` reaches the end of it), so an unknown future never evicts anything early.
+A unit (a chunk of several samples) is as near as its nearest member: it is released only
+when every member qualifies, and its eviction key is its members' earliest next use.
+With nothing announced the rules reduce to LRU (every key is NEVER; ties go oldest-first).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Collection, Sequence
+
+from .base import NEVER, CachePolicy
+
+
+class ReuseDistancePolicy(CachePolicy):
+    """Farthest-next-use eviction + Lobster's release rules; LRU without a known future."""
+
+    name = "reuse-distance"
+    options = {"eager": bool}
+
+    def __init__(self, ctx=None, eager: bool = True, **opts: object) -> None:
+        super().__init__(ctx, **opts)
+        self.eager = eager
+        self._units: dict[int, tuple[int, tuple[int, ...]]] = {}  # unit -> (size, members)
+        self._seq: dict[int, int] = {}  # unit -> recency stamp (ties: oldest first)
+        self._tick = 0
+        # lazy max-heap of (-key, stamp, unit); entries go stale on access or removal and
+        # are checked (and re-keyed) when they reach the top
+        self._heap: list[tuple[float, int, int]] = []
+        self.released = 0
+
+    def __len__(self) -> int:
+        return len(self._units)
+
+    def _key(self, unit: int) -> float:
+        nu = self.ctx.future.next_use
+        return min((nu(m) for m in self._units[unit][1]), default=NEVER)
+
+    def _push(self, unit: int) -> None:
+        self._tick += 1
+        self._seq[unit] = self._tick
+        heapq.heappush(self._heap, (-self._key(unit), self._tick, unit))
+        if len(self._heap) > 4 * len(self._units) + 64:  # drop stale entries now and then
+            self._heap = [e for e in self._heap if self._seq.get(e[2]) == e[1]]
+            heapq.heapify(self._heap)
+
+    def on_insert(self, unit: int, members: Sequence[int], size: int) -> None:
+        self._units[unit] = (size, tuple(members))
+        self._push(unit)
+
+    def on_access(self, unit: int, sample: int) -> None:
+        if unit in self._units:
+            self._push(unit)  # its next use moved on
+
+    def on_remove(self, unit: int) -> None:
+        self._units.pop(unit, None)
+        self._seq.pop(unit, None)
+
+    def _top(self, exclude: Collection[int], held: list) -> tuple[float, int] | None:
+        """The valid entry with the farthest key (popped), or None."""
+        while self._heap:
+            neg, stamp, unit = heapq.heappop(self._heap)
+            if self._seq.get(unit) != stamp:
+                continue  # stale
+            key = self._key(unit)
+            if key < -neg:  # the future got nearer (a new order was announced): re-key
+                heapq.heappush(self._heap, (-key, stamp, unit))
+                continue
+            if unit in exclude:
+                held.append((neg, stamp, unit))
+                continue
+            return key, unit
+        return None
+
+    def farthest(self) -> float | None:
+        """Key of the unit that would be evicted first (None when nothing is cached)."""
+        held: list = []
+        top = self._top((), held)
+        if top is None:
+            return None
+        key, unit = top
+        heapq.heappush(self._heap, (-key, self._seq[unit], unit))
+        return key
+
+    def admit(self, sample: int, size: int) -> bool:
+        # (c): when room has to be made, only for a sample needed sooner than the
+        # farthest cached one (else it would evict something more useful than itself)
+        cache, fut = self.ctx.cache, self.ctx.future
+        if cache.used() + size <= cache.capacity() or fut.horizon() <= fut.now():
+            return True
+        far = self.farthest()
+        return far is None or fut.next_use(sample) < far
+
+    def release_after_use(self, unit: int, sample: int) -> bool:
+        if not self.eager or unit not in self._units:
+            return False
+        fut = self.ctx.future
+        length = fut.epoch_length()
+        if not length:
+            return False
+        now = fut.now()
+        h = now - fut.epoch_start()
+        limit = now + 2 * length - h  # end of the next epoch
+        if fut.horizon() < limit:  # the next epoch's order is not known: rule cannot apply
+            return False
+        # (a) and (b): no member is read again before the end of the next epoch
+        if all(fut.next_use(m) > limit for m in self._units[unit][1]):
+            self.released += 1
+            return True
+        return False
+
+    def victims(self, need: int, exclude: Collection[int]) -> list[int]:
+        out: list[int] = []
+        held: list = []
+        freed = 0
+        while freed < need:
+            top = self._top(exclude, held)
+            if top is None:
+                break
+            _, unit = top
+            out.append(unit)
+            freed += self._units[unit][0]
+        for e in held + [(-self._key(u), self._seq[u], u) for u in out]:
+            heapq.heappush(self._heap, e)  # the caller calls on_remove for the chosen
+        return out
+
+    def stats(self) -> dict:
+        return {"released_after_use": self.released}
