@@ -49,7 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--source-threads", type=int, default=16, help="parallel source reads (16)")
     m.add_argument("--source-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="give up on a source read after this long: ETIMEDOUT (default 60)")
-    m.add_argument("--policy", default="lru", help="eviction policy (default lru)")
+    m.add_argument("--policy", default="lru", metavar="NAME[:KEY=VALUE,...]",
+                   help="caching policy: lru (default), reuse-distance, lcache, icache; "
+                        "options after a colon, e.g. icache:package=1M,h_ratio=0.9")
+    m.add_argument("--substitute", action="store_true",
+                   help="serve a missed low-importance sample with a cached one of the same "
+                        "class directory not yet used this epoch (iCACHE; needs losses)")
+    m.add_argument("--h-fraction", type=float, default=0.7,
+                   help="share of the dataset that counts as important (H-list, 0.7)")
     m.add_argument("--no-reorder", action="store_true",
                    help="do not lay out each next epoch's log in its order (LCache)")
     m.add_argument("--foreground", "-f", action="store_true", help="do not daemonize")
@@ -71,6 +78,25 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--job", help="job name announced to the mount (default: 'default')")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
 
+    sm = sub.add_parser("simulate", help="replay an access trace against every caching "
+                                          "policy and cache size, with Belady's bound")
+    sm.add_argument("--trace", help="trace file (JSON, see dlcachefs.simulate); default: "
+                                    "generate one from the sampler settings below")
+    sm.add_argument("--sampler", default="random", choices=["random", "distributed", "iis"],
+                    help="generated trace: torch's orders, or iCACHE's importance sampling")
+    sm.add_argument("--samples", type=int, default=5000)
+    sm.add_argument("--epochs", type=int, default=6)
+    sm.add_argument("--seed", type=int, default=0)
+    sm.add_argument("--classes", type=int, default=10)
+    sm.add_argument("--cache", default="0.1,0.2,0.4,0.6,0.8",
+                    help="cache sizes as fractions of the dataset's bytes")
+    sm.add_argument("--policies", default="all", help="comma-separated specs, or 'all'")
+    sm.add_argument("--chunk-size", type=_size, default="0",
+                    help="unit size for policies that use the chunk size (0: one sample)")
+    sm.add_argument("--substitute", action="store_true", help="let icache substitute")
+    sm.add_argument("--h-fraction", type=float, default=0.7)
+    sm.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+
     v = sub.add_parser("verify", help="check every cached record against its checksum (fsck)")
     v.add_argument("--cache-dir", required=True)
     v.add_argument("--repair", action="store_true", help="drop damaged records and chunks")
@@ -79,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(a: argparse.Namespace) -> Config:
+    from dlcachefs.policies import make_policy  # noqa: PLC0415 - a bad --policy fails here
+
+    make_policy(a.policy)
     source = os.path.abspath(a.source)
     return Config(
         source=source, mountpoint=os.path.abspath(a.mountpoint),
@@ -86,6 +115,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         cache_size=a.cache_size, chunk_size=a.chunk_size, memory=a.memory, min_free=a.min_free,
         revalidate=a.revalidate, rescan=a.rescan, use_source_inode=not a.ignore_source_inode,
         source_threads=a.source_threads, source_timeout=a.source_timeout, policy=a.policy, reorder=not a.no_reorder,
+        substitute=a.substitute, h_fraction=a.h_fraction,
         allow_other=a.allow_other, foreground=a.foreground, log_level=a.log_level,
         debug_invariants=a.debug_invariants)
 
@@ -101,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_stats(a.mountpoint, a.json)
         if a.cmd == "run":
             return cmd_run(a.command, a.job)
+        if a.cmd == "simulate":
+            return cmd_simulate(a)
         if a.cmd == "verify":
             from .verify import cmd_verify  # noqa: PLC0415
 
@@ -109,6 +141,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dlcachefs: {e}", file=sys.stderr)
         return 2
     return 2
+
+
+def cmd_simulate(a: argparse.Namespace) -> int:
+    """Print the hit-ratio table (and write JSON) of every policy at every cache size."""
+    import json  # noqa: PLC0415
+
+    from dlcachefs.policies import registry  # noqa: PLC0415
+
+    from .simulate import generate_trace, load_trace, simulate, table  # noqa: PLC0415
+
+    trace = load_trace(a.trace) if a.trace else generate_trace(
+        a.samples, a.epochs, a.sampler, a.seed, a.classes)
+    fracs = [float(x) for x in a.cache.split(",") if x.strip()]
+    if not fracs or any(not 0 < f <= 1 for f in fracs):
+        raise ValueError("--cache takes fractions within (0, 1]")
+    pols = sorted(registry()) if a.policies == "all" else [
+        p.strip() for p in a.policies.split(",") if p.strip()]
+    res = simulate(trace, pols, fracs, chunk_size=a.chunk_size, substitute=a.substitute,
+                   h_fraction=a.h_fraction)
+    res["trace"] = a.trace or {"sampler": a.sampler, "samples": a.samples,
+                               "epochs": a.epochs, "seed": a.seed}
+    print(f"{res['samples']} samples, {res['epochs']} epochs, {res['accesses']} accesses, "
+          f"{res['dataset_bytes'] / 1e9:.2f} GB; hit ratio (GB read from the source)")
+    print(table(res))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
 
 
 # ----- mount --------------------------------------------------------------------------
@@ -306,7 +366,7 @@ def cmd_stats(mountpoint: str, as_json: bool) -> int:
 
 _IGNORED = {"rw", "ro", "defaults", "auto", "noauto", "user", "nouser", "users", "nofail",
             "_netdev", "exec", "noexec", "suid", "nosuid", "dev", "nodev", "async", "sync"}
-_FLAGS = {"rescan", "allow_other", "ignore_source_inode", "foreground"}
+_FLAGS = {"rescan", "allow_other", "ignore_source_inode", "foreground", "substitute"}
 
 
 def mount_helper_argv(argv: list[str]) -> list[str]:

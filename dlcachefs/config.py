@@ -40,7 +40,9 @@ class Config:
     source_retries: int = 2
     flush_interval: float = 2.0      # a partly filled chunk is sealed after this long
     max_cached_file: int = 256 << 20  # larger files are read through, never cached
-    policy: str = "lru"
+    policy: str = "lru"              # NAME[:key=value,...], see dlcachefs.policies
+    substitute: bool = False         # iCACHE substitution of missed L-samples
+    h_fraction: float = 0.7          # share of the dataset in the H-list (by importance)
     reorder: bool = True             # LCache log reordering for streams with a known next order
     allow_other: bool = False
     foreground: bool = False
@@ -56,6 +58,8 @@ class Config:
             raise ValueError("--source-timeout must be > 0")
         if self.source_threads < 1:
             raise ValueError("--source-threads must be >= 1")
+        if not 0.0 < self.h_fraction <= 1.0:
+            raise ValueError("--h-fraction must be within (0, 1]")
 
     @property
     def index_dir(self) -> str:

@@ -10,8 +10,12 @@ lines and ``#`` comments are ignored. The lines::
                           [loader_draws=none|each|first]
     sampler distributed seed=S world=W rank=R [shuffle=true] [drop_last=false]
     sampler sequential
+    sampler explicit         # the orders come from ``order`` lines (no fields)
     batch B [workers=K] [prefetch_factor=F]     # hints
     epoch E                  # the epoch this process starts now (0-based)
+    loss I V [I V ...]       # per-sample training losses: dataset index I, finite float V
+    order E START I1 I2 ...  # a chunk of epoch E's explicit sample order, from position START
+    order E end COUNT        # epoch E's order is complete and has COUNT indices
 
 See :mod:`dlcachefs.sampler` for what the sampler fields mean. Each (job, rank) is one
 stream: a ``distributed`` sampler line binds the writing process to its rank, other
@@ -19,6 +23,27 @@ samplers to rank 0. A write is attributed to a job: the one its own ``job`` line
 else the job this process named last, else ``default``; and to the rank this process
 was bound to last. Reads are attributed to streams by process (the writer and its
 descendants, such as DataLoader workers): see :mod:`dlcachefs.streams`.
+
+``loss`` and ``order`` indices are indices into the job's dataset sample list (as
+torchvision's ``ImageFolder`` lists it), so the job must have a ``dataset`` (from an
+earlier write, or an earlier line of the same write). They are checked against the
+dataset's size (``0 <= I < n``) when the ``dataset_size`` callback knows it; when it does
+not (yet), they are only checked to be in ``[0, MAX_INDEX)`` and the receiver of
+``on_loss`` / ``on_order`` must check them against its sample list. A write may carry at
+most ``MAX_LOSS_PAIRS`` loss pairs; the losses of one job must refer to one dataset per
+write (a ``dataset`` line that changes the job's dataset after its ``loss`` lines is
+refused). Losses are not stored: they go to ``on_loss`` once the write is applied
+(``JobState.losses`` counts them).
+
+``order`` lines give a stream (job, rank) an explicit order for an epoch (an importance
+sampler announcing the indices it drew; pair with ``sampler explicit``). The chunks of an
+epoch come in sequence: ``START`` must be the number of indices received so far for that
+epoch (``0`` restarts it); ``order E end COUNT`` must give that number, and completes the
+order: it is stored in ``StreamState.orders[E]`` and passed to ``on_order``. A stream
+keeps at most ``MAX_ORDER_EPOCHS`` completed orders and as many in progress (the oldest
+is dropped), each at most ``MAX_ORDER_LEN`` indices, and the mount at most
+``MAX_ORDER_TOTAL`` indices in all. A ``dataset`` line that changes a job's dataset drops
+its streams' orders (their indices named samples of the old one).
 
 State is bounded: at most ``MAX_JOBS`` jobs, ``MAX_STREAMS`` streams and ``MAX_WRITE``
 bytes per write; the error log keeps the last ``MAX_ERRORS`` refusals. Runs on the trio
@@ -28,10 +53,12 @@ loop (parsing plus dictionary updates); no I/O.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
+from array import array
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from .errors import ControlError, DlcError
@@ -44,17 +71,24 @@ MAX_STREAMS = 1024
 MAX_PIDS = 4096
 MAX_ERRORS = 100
 MAX_EPOCH = 1 << 40
+MAX_INDEX = 1 << 40  # indices are checked against this when the dataset's size is unknown
+MAX_LOSS_PAIRS = 100_000  # per write
+MAX_ORDER_LEN = 1 << 26  # indices of one epoch's order
+MAX_ORDER_EPOCHS = 2  # completed orders kept per stream (and as many in progress)
+MAX_ORDER_TOTAL = 1 << 28  # order indices held by the mount, completed and in progress
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _INT_RE = re.compile(r"^-?\d{1,20}$")
-COMMANDS = ("job", "dataset", "sampler", "batch", "epoch")
+COMMANDS = ("job", "dataset", "sampler", "batch", "epoch", "loss", "order")
 
 _SAMPLER_KEYS = {
     "random": {"seed", "num_samples", "replacement", "per_epoch", "loader_draws"},
     "distributed": {"seed", "world", "rank", "shuffle", "drop_last"},
     "sequential": set(),
+    "explicit": set(),
 }
-_REQUIRED = {"random": {"seed"}, "distributed": {"world", "rank"}, "sequential": set()}
+_REQUIRED = {"random": {"seed"}, "distributed": {"world", "rank"}, "sequential": set(),
+             "explicit": set()}
 
 
 @dataclass
@@ -68,6 +102,10 @@ class StreamState:
     batch: int | None = None
     workers: int | None = None
     prefetch_factor: int | None = None
+    #: completed explicit orders (``order`` lines): epoch -> dataset indices, oldest first
+    orders: dict[int, array] = field(default_factory=dict)
+    #: orders still being received: epoch -> the indices so far, oldest first
+    pending_orders: dict[int, array] = field(default_factory=dict)
     updated: float = field(default_factory=time.time)
 
 
@@ -76,6 +114,7 @@ class JobState:
     name: str
     dataset: str | None = None
     dataset_ino: int | None = None
+    losses: int = 0  # loss pairs accepted for this job
     updated: float = field(default_factory=time.time)
 
 
@@ -84,6 +123,7 @@ class _Op:
     verb: str
     arg: object
     extra: tuple = ()
+    line: int = 0
 
 
 def _int(n: int, key: str, text: str, lo: int | None = None, hi: int | None = None) -> int:
@@ -95,6 +135,20 @@ def _int(n: int, key: str, text: str, lo: int | None = None, hi: int | None = No
     if hi is not None and v > hi:
         raise ControlError(f"line {n}: {key} must be <= {hi}, got {v}")
     return v
+
+
+def _indices(n: int, tokens: list[str]) -> list[int]:
+    """Dataset indices: integers in [0, MAX_INDEX); the dataset's size is checked later."""
+    out: list[int] = []
+    match = _INT_RE.match
+    for t in tokens:
+        if not match(t):
+            raise ControlError(f"line {n}: index must be an integer, got {t[:40]!r}")
+        v = int(t)
+        if not 0 <= v < MAX_INDEX:
+            raise ControlError(f"line {n}: index {v} out of range (0 <= INDEX < {MAX_INDEX})")
+        out.append(v)
+    return out
 
 
 def _bool(n: int, key: str, text: str) -> bool:
@@ -125,20 +179,46 @@ class ControlState:
     """Accepted control state of all jobs and streams, and the log of refused writes.
 
     ``resolve_dir(relpath) -> ino`` maps a dataset path to a directory of the mirror; it
-    raises a :class:`DlcError` when there is no such directory. ``on_stream(stream, pid)``
-    is called after a write changed a stream (the engine starts or moves its prefetch).
+    raises a :class:`DlcError` when there is no such directory. The optional callbacks,
+    all called after a write was applied (every state change of the write is visible by
+    then), in this order:
+
+    * ``on_order(stream, job, epoch, order, pid)``: for each ``order E end COUNT`` of the
+      write, in write order; ``order`` is the ``array('q')`` stored in
+      ``stream.orders[epoch]`` (do not modify it).
+    * ``on_stream(stream, job, pid)``: for each stream a write changed (the engine starts
+      or moves its prefetch). ``order`` lines do not count as a change.
+    * ``on_loss(job_name, indices, values)``: once per job that got ``loss`` pairs in the
+      write, with all of them in write order (``list[int]``, ``list[float]``); an index may
+      repeat: apply them in order, the later value wins. The indices refer to the job's
+      current dataset (``jobs[job_name].dataset``).
+
+    ``dataset_size(relpath) -> int | None`` gives the number of samples of the dataset at
+    ``relpath`` (the path of a ``dataset`` line, normalized), or None when it is not known
+    (yet); ``loss`` and ``order`` indices are range-checked against it. It is called on
+    the trio loop during :meth:`apply`, at most once per dataset per write: it must be
+    cheap (answer None rather than list a directory).
     """
 
     def __init__(self, resolve_dir: Callable[[str], int],
-                 on_stream: Callable[[StreamState, JobState, int], None] | None = None) -> None:
+                 on_stream: Callable[[StreamState, JobState, int], None] | None = None,
+                 *,
+                 dataset_size: Callable[[str], int | None] | None = None,
+                 on_loss: Callable[[str, list[int], list[float]], None] | None = None,
+                 on_order: Callable[[StreamState, JobState, int, Sequence[int], int], None]
+                 | None = None) -> None:
         self._resolve_dir = resolve_dir
         self.on_stream = on_stream
+        self.dataset_size = dataset_size
+        self.on_loss = on_loss
+        self.on_order = on_order
         self.jobs: dict[str, JobState] = {}
         self.streams: dict[tuple[str, int], StreamState] = {}
         self._pid_job: OrderedDict[int, tuple[str, int]] = OrderedDict()
         self.errors: deque[str] = deque(maxlen=MAX_ERRORS)
         self.accepted_writes = 0
         self.refused_writes = 0
+        self.order_indices = 0  # held in all streams' orders, completed and in progress
 
     def binding_of(self, pid: int) -> tuple[str, int]:
         """(job, rank) a process writes for; ("default", 0) for one that never said."""
@@ -151,12 +231,14 @@ class ControlState:
         """Apply one write from process ``pid``; returns its length or raises ControlError."""
         try:
             ops = self._parse(data)
-            self._check_bounds(ops, pid)
+            self._check(ops, pid)
         except ControlError as e:
             self._refuse(pid, str(e))
             raise
         job, rank = self.binding_of(pid)
         touched: dict[tuple[str, int], StreamState] = {}
+        completed: list[tuple[StreamState, int, array]] = []
+        losses: dict[str, tuple[list[int], list[float]]] = {}
         for op in ops:  # validated: applying cannot fail half way
             if op.verb == "job":
                 job, rank = str(op.arg), 0
@@ -166,6 +248,8 @@ class ControlState:
             js = self.jobs.setdefault(job, JobState(job))
             js.updated = time.time()
             if op.verb == "dataset":
+                if js.dataset != op.arg:
+                    self._drop_orders(job)
                 js.dataset, js.dataset_ino = str(op.arg), int(op.extra[0])
                 for (j, _r), st in self.streams.items():
                     if j == job:
@@ -173,8 +257,17 @@ class ControlState:
                 continue
             if op.verb == "job":
                 continue
+            if op.verb == "loss":
+                idx, vals = losses.setdefault(job, ([], []))
+                idx.extend(op.arg)  # type: ignore[arg-type]
+                vals.extend(op.extra[0])
+                js.losses += len(op.extra[0])
+                continue
             st = self.streams.setdefault((job, rank), StreamState(job, rank))
             st.updated = time.time()
+            if op.verb == "order":
+                self._apply_order(st, op, completed)
+                continue
             if op.verb == "sampler":
                 st.sampler = op.arg  # type: ignore[assignment]
             elif op.verb == "epoch":
@@ -188,14 +281,60 @@ class ControlState:
         while len(self._pid_job) > MAX_PIDS:
             self._pid_job.popitem(last=False)
         self.accepted_writes += 1
+        if self.on_order is not None:
+            for st, epoch, order in completed:
+                self.on_order(st, self.jobs[st.job], epoch, order, pid)
         if self.on_stream is not None:
             for st in touched.values():
                 self.on_stream(st, self.jobs[st.job], pid)
+        if self.on_loss is not None:
+            for name, (idx, vals) in losses.items():
+                self.on_loss(name, idx, vals)
         return len(data)
 
-    def _check_bounds(self, ops: list[_Op], pid: int) -> None:
+    def _drop_orders(self, job: str) -> None:
+        for (j, _r), st in self.streams.items():
+            if j == job:
+                for d in (st.orders, st.pending_orders):
+                    self.order_indices -= sum(len(a) for a in d.values())
+                    d.clear()
+
+    def _apply_order(self, st: StreamState, op: _Op, completed: list) -> None:
+        epoch = int(op.arg)  # type: ignore[call-overload]
+        pend = st.pending_orders
+        if op.extra[0] == "chunk":
+            start, indices = op.extra[1], op.extra[2]
+            if start == 0:
+                old = pend.pop(epoch, None)
+                if old is not None:
+                    self.order_indices -= len(old)
+                while len(pend) >= MAX_ORDER_EPOCHS:
+                    self.order_indices -= len(pend.pop(next(iter(pend))))
+                pend[epoch] = array("q")
+            pend[epoch].extend(indices)
+            self.order_indices += len(indices)
+            return
+        order = pend.pop(epoch, None)
+        if order is None:  # "order E end 0" with nothing received: an empty order
+            order = array("q")
+        old = st.orders.pop(epoch, None)
+        if old is not None:
+            self.order_indices -= len(old)
+        st.orders[epoch] = order
+        while len(st.orders) > MAX_ORDER_EPOCHS:
+            self.order_indices -= len(st.orders.pop(next(iter(st.orders))))
+        completed.append((st, epoch, order))
+
+    def _check(self, ops: list[_Op], pid: int) -> None:
+        """What parsing alone cannot check: bounds, and the lines that depend on the state
+        (the job's dataset, where an order continues). Replays the write on copies."""
         job, rank = self.binding_of(pid)
         new_jobs, new_streams = set(), set()
+        datasets: dict[str, str | None] = {}  # job -> its dataset at this point
+        loss_ds: dict[str, str] = {}  # job -> the dataset its losses of this write refer to
+        sizes: dict[str, int | None] = {}
+        pending: dict[tuple[str, int], dict[int, int]] = {}  # stream -> epoch -> received
+        added = 0
         for op in ops:
             if op.verb == "job":
                 job, rank = str(op.arg), 0
@@ -204,12 +343,91 @@ class ControlState:
                 rank = op.arg.rank if op.arg.kind == "distributed" else 0
             if job not in self.jobs:
                 new_jobs.add(job)
-            if op.verb in ("sampler", "epoch", "batch") and (job, rank) not in self.streams:
+            if op.verb in ("sampler", "epoch", "batch", "order") \
+                    and (job, rank) not in self.streams:
                 new_streams.add((job, rank))
+            if job not in datasets:
+                datasets[job] = self.jobs[job].dataset if job in self.jobs else None
+            if op.verb == "dataset":
+                rel = str(op.arg)
+                if datasets[job] != rel:
+                    if job in loss_ds:
+                        raise ControlError(
+                            f"line {op.line}: dataset of job {job!r} changes after its loss "
+                            f"lines in the same write; send them in separate writes")
+                    for key in [k for k in (*self.streams, *pending) if k[0] == job]:
+                        pending[key] = {}  # its orders are dropped
+                datasets[job] = rel
+            if op.verb not in ("loss", "order"):
+                continue
+            rel = datasets[job]
+            if rel is None:
+                raise ControlError(f"line {op.line}: {op.verb} before a dataset: job {job!r} "
+                                   f"has no 'dataset' line yet")
+            if op.verb == "order" and op.extra[0] == "end":
+                self._check_order(op, (job, rank), pending)
+                continue
+            indices: list[int] = op.arg if op.verb == "loss" else op.extra[2]  # type: ignore[assignment]
+            if rel not in sizes:
+                sizes[rel] = self._size_of(rel)
+            n = sizes[rel]
+            if n is not None and indices and max(indices) >= n:
+                bad = next(i for i in indices if i >= n)
+                raise ControlError(f"line {op.line}: index {bad} out of range: dataset "
+                                   f"{rel or '.'!r} of job {job!r} has {n} samples "
+                                   f"(0 <= INDEX < {n})")
+            if op.verb == "loss":
+                loss_ds[job] = rel
+            else:
+                self._check_order(op, (job, rank), pending)
+                added += len(indices)
         if len(self.jobs) + len(new_jobs) > MAX_JOBS:
             raise ControlError(f"too many jobs (at most {MAX_JOBS} per mount)")
         if len(self.streams) + len(new_streams) > MAX_STREAMS:
             raise ControlError(f"too many streams (at most {MAX_STREAMS} per mount)")
+        if self.order_indices + added > MAX_ORDER_TOTAL:
+            raise ControlError(f"too many order indices held by the mount (at most "
+                               f"{MAX_ORDER_TOTAL}): {self.order_indices} held, "
+                               f"{added} in this write")
+
+    def _check_order(self, op: _Op, key: tuple[str, int],
+                     pending: dict[tuple[str, int], dict[int, int]]) -> None:
+        """Replays one ``order`` line on the received counts, as :meth:`_apply_order` does."""
+        counts = pending.get(key)
+        if counts is None:
+            st = self.streams.get(key)
+            counts = pending[key] = {e: len(a) for e, a in st.pending_orders.items()} \
+                if st is not None else {}
+        epoch = int(op.arg)  # type: ignore[call-overload]
+        have = counts.get(epoch, 0)
+        if op.extra[0] == "end":
+            if op.extra[1] != have:
+                raise ControlError(f"line {op.line}: order for epoch {epoch} has {have} "
+                                   f"indices, 'end' says {op.extra[1]}")
+            counts.pop(epoch, None)
+            return
+        start, indices = op.extra[1], op.extra[2]
+        if start == 0:
+            counts.pop(epoch, None)
+            while len(counts) >= MAX_ORDER_EPOCHS:
+                counts.pop(next(iter(counts)))
+            counts[epoch] = have = 0
+        elif start != have:
+            raise ControlError(f"line {op.line}: order for epoch {epoch} continues at {have}, "
+                               f"got {start}")
+        if have + len(indices) > MAX_ORDER_LEN:
+            raise ControlError(f"line {op.line}: order for epoch {epoch} longer than "
+                               f"{MAX_ORDER_LEN} indices")
+        counts[epoch] = have + len(indices)
+
+    def _size_of(self, rel: str) -> int | None:
+        if self.dataset_size is None:
+            return None
+        try:
+            n = self.dataset_size(rel)
+            return None if n is None else int(n)
+        except Exception:  # noqa: BLE001 - a failing lookup is an unknown size, not a refusal
+            return None
 
     def _parse(self, data: bytes) -> list[_Op]:
         if len(data) > MAX_WRITE:
@@ -219,6 +437,7 @@ class ControlState:
         except UnicodeDecodeError as e:
             raise ControlError(f"not UTF-8 text (byte {e.start})") from None
         ops: list[_Op] = []
+        pairs = 0
         for n, raw in enumerate(text.split("\n"), 1):
             line = raw.rstrip("\r").strip()
             if not line or line.startswith("#"):
@@ -227,7 +446,13 @@ class ControlState:
                 raise ControlError(f"line {n}: longer than {MAX_LINE} characters")
             if "\x00" in line:
                 raise ControlError(f"line {n}: contains a NUL character")
-            ops.append(self._parse_line(n, line))
+            op = self._parse_line(n, line)
+            if op.verb == "loss":
+                pairs += len(op.arg)  # type: ignore[arg-type]
+                if pairs > MAX_LOSS_PAIRS:
+                    raise ControlError(f"line {n}: more than {MAX_LOSS_PAIRS} loss pairs in "
+                                       f"one write")
+            ops.append(op if op.line == n else replace(op, line=n))
         if not ops:
             raise ControlError("empty write: no command")
         return ops
@@ -247,6 +472,10 @@ class ControlState:
             pf = _int(n, "prefetch_factor", kv["prefetch_factor"], 0, 4096) \
                 if "prefetch_factor" in kv else None
             return _Op("batch", b, (workers, pf))
+        if verb == "loss":
+            return self._parse_loss(n, args)
+        if verb == "order":
+            return self._parse_order(n, args)
         if len(args) != 1:
             raise ControlError(f"line {n}: '{verb}' takes exactly one argument, got {len(args)}")
         arg = args[0]
@@ -268,6 +497,38 @@ class ControlState:
         except DlcError as e:
             raise ControlError(f"line {n}: dataset {arg[:80]!r} is not a directory in the mount ({e})") from None
         return _Op("dataset", rel, (ino,))
+
+    @staticmethod
+    def _parse_loss(n: int, args: list[str]) -> _Op:
+        if not args:
+            raise ControlError(f"line {n}: 'loss' needs INDEX VALUE pairs")
+        if len(args) % 2:
+            raise ControlError(f"line {n}: 'loss' expects INDEX VALUE pairs, got {len(args)} "
+                               f"tokens")
+        indices = _indices(n, args[0::2])
+        values: list[float] = []
+        isfinite = math.isfinite
+        for t in args[1::2]:
+            try:
+                v = float(t)
+            except ValueError:
+                raise ControlError(f"line {n}: loss must be a number, got {t[:40]!r}") from None
+            if not isfinite(v):
+                raise ControlError(f"line {n}: loss must be a finite number, got {t[:40]!r}")
+            values.append(v)
+        return _Op("loss", indices, (values,), n)
+
+    @staticmethod
+    def _parse_order(n: int, args: list[str]) -> _Op:
+        if len(args) < 2:
+            raise ControlError(f"line {n}: 'order' needs EPOCH START INDEX... or EPOCH end COUNT")
+        epoch = _int(n, "epoch", args[0], 0, MAX_EPOCH)
+        if args[1] == "end":
+            if len(args) != 3:
+                raise ControlError(f"line {n}: 'order EPOCH end' takes exactly one COUNT")
+            return _Op("order", epoch, ("end", _int(n, "count", args[2], 0, MAX_ORDER_LEN)), n)
+        start = _int(n, "start", args[1], 0, MAX_ORDER_LEN)
+        return _Op("order", epoch, ("chunk", start, _indices(n, args[2:])), n)
 
     def _parse_sampler(self, n: int, args: list[str]) -> SamplerSpec:
         if not args:
@@ -309,9 +570,13 @@ class ControlState:
         return ("\n".join(self.errors) + ("\n" if self.errors else "")).encode()
 
     def state_text(self) -> bytes:
-        jobs = {name: {"dataset": j.dataset} for name, j in sorted(self.jobs.items())}
+        jobs = {name: {"dataset": j.dataset, "losses": j.losses}
+                for name, j in sorted(self.jobs.items())}
         streams = {f"{j}/{r}": {"sampler": s.sampler.__dict__ if s.sampler else None,
-                                "epoch": s.epoch, "batch": s.batch}
+                                "epoch": s.epoch, "batch": s.batch,
+                                "orders": {str(e): len(o) for e, o in s.orders.items()},
+                                "pending_orders": {str(e): len(o)
+                                                   for e, o in s.pending_orders.items()}}
                    for (j, r), s in sorted(self.streams.items())}
         return (json.dumps({"jobs": jobs, "streams": streams,
                             "accepted_writes": self.accepted_writes,

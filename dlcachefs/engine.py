@@ -52,6 +52,7 @@ from .schema import Chunk, Entry, Record
 from .source import Identity, LocalSource, Source, open_for_range_reads, pread_checked
 from .stats import Counters
 from .streams import Stream, StreamManager
+from .views import IndexCacheView, InodeImportance, StreamFuture
 from .writer import ChunkWriter
 
 log = logging.getLogger(__name__)
@@ -92,9 +93,8 @@ class _Inflight:
 class Engine:
     """Owns the index, the logs, the namespace, the memory tier and the chunk writer."""
 
-    def __init__(self, cfg: Config, source: Source | None = None,
-                 policy_factory: Callable[[str], object] | None = None) -> None:
-        from dlcachefs.policies import make_policy  # noqa: PLC0415  (layer import, not at top)
+    def __init__(self, cfg: Config, source: Source | None = None) -> None:
+        from dlcachefs.policies import PolicyContext, make_policy  # noqa: PLC0415 (layer import)
 
         self.cfg = cfg
         self.source = source if source is not None else LocalSource(cfg.source)
@@ -107,11 +107,16 @@ class Engine:
         self.ns = Namespace(self.index, self.source, revalidate=cfg.revalidate,
                             use_src_ino=cfg.use_source_inode, source_limiter=self.source_limiter,
                             source_timeout=cfg.source_timeout)
-        self.policy = (policy_factory or make_policy)(cfg.policy)
+        self.streams = StreamManager(self)
+        # what the policy sees: chunks from the index, the streams' future, the losses
+        self.future = StreamFuture(self.streams)
+        self.importance = InodeImportance()
+        self.policy = make_policy(cfg.policy, PolicyContext(
+            IndexCacheView(self.index, cfg.cache_size), self.future, self.importance))
         self.memtier = MemoryTier(cfg.memory)
         self.writer = ChunkWriter(cfg, self.index, self.logs, self.policy, self.memtier,
                                   self.counters)
-        self.streams = StreamManager(self)
+        self._children: dict[int, tuple[float, list[int]]] = {}  # dir -> (when, files)
         self.handles: dict[int, Handle] = {}
         self._next_fh = 1
         self._inflight: dict[int, _Inflight] = {}
@@ -149,7 +154,7 @@ class Engine:
         for c in chunks:
             ends[c.log_id] = max(ends.get(c.log_id, 0), c.offset + c.length)
             self.logs.live[c.log_id] = self.logs.live.get(c.log_id, 0) + c.length
-            self.policy.on_insert(c.chunk_id, c.length)
+            self.policy.on_insert(c.chunk_id, c.members, c.length)
         info.update(self.logs.recover(ends))
         info["chunks"] = len(chunks)
         info["lost_chunks"] = len(lost)
@@ -167,7 +172,15 @@ class Engine:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.writer.run)
             await nursery.start(self.streams.run)
+            nursery.start_soon(self._maintain_policy)
             task_status.started()
+
+    async def _maintain_policy(self) -> None:
+        """The policy's background steps (iCACHE's shadow heap), between requests."""
+        while True:
+            while self.policy.maintain():
+                await trio.sleep(0)
+            await trio.sleep(0.2)
 
     async def close(self) -> None:
         """Stop prefetching, seal and commit what is pending, and stop background work."""
@@ -196,10 +209,19 @@ class Engine:
             self.streams.note_open(stream, ino)
         if e.size > self.cfg.max_cached_file:
             return await self._open_read_through(e)
+        self.future.tick += 1
+        self.policy.on_request(ino)
+        if stream is not None and self.cfg.substitute:
+            sub = await self._substitute(e, stream)
+            if sub is not None:
+                return sub
         data, cached, waited = await self._load(
             e, cache=stream is None or not stream.memory_prefetch)
         if stream is not None and stream.next_log is not None:
             stream.next_log.consumed(ino, data, identity(e))
+        if stream is not None:
+            stream.used.add(ino)
+            stream.note_latency(cached, time.monotonic() - t0)
         if stream is not None and waited:
             stream.stall_seconds += time.monotonic() - t0
             if not cached:
@@ -213,6 +235,112 @@ class Engine:
         # (direct_io), since the kernel's idea of its size may be the old one until the
         # invalidation queued for it has gone through
         return OpenResult(fh, keep_cache=cached and not changed, direct_io=changed)
+
+    async def _substitute(self, e: Entry, stream: Stream) -> OpenResult | None:
+        """iCACHE substitution: a missed L-sample is served with the bytes of a cached
+        L-sample of the SAME directory (so the class label taken from the path stays
+        right) not yet used this epoch. Never an H-sample (the policy says which)."""
+        if self.is_cached(e) or e.ino in self.ready or e.ino in self._inflight:
+            return None
+        if not self.policy.substitutable(e.ino):
+            return None
+        files = await self._files_in(e.parent)
+        cands = [i for i in files if i != e.ino and i not in stream.used]
+        while True:
+            pick = self.policy.choose_substitute(e.ino, cands)
+            if pick is None:
+                return None
+            cands.remove(pick)
+            se = self.index.get_entry(pick)
+            rec = self.index.get_record(pick)
+            if se is None or rec is None or pick in self.writer.drops or Identity(
+                    rec.size, rec.mtime_ns, rec.src_ino) != identity(se):
+                continue
+            data = await self._read_record(pick, rec)
+            if data is None:
+                continue
+            break
+        self.counters.substitutions += 1  # neither a hit nor a miss: counted apart
+        stream.used.update((pick, e.ino))
+        stream.substituted[e.ino] = pick
+        stream.substitutions[stream.epoch or 0] = stream.substitutions.get(stream.epoch or 0, 0) + 1
+        self._after_use(rec.chunk_id, pick)
+        # the kernel knows the requested file's size: direct_io so the substitute's own
+        # length is what the reader gets (a short read is its end of file)
+        fh = self._new_fh(Handle(e.ino, memoryview(data), True))
+        return OpenResult(fh, keep_cache=False, direct_io=True)
+
+    async def _files_in(self, parent: int) -> list[int]:
+        """Regular files of a directory (cached for the revalidation window)."""
+        hit = self._children.get(parent)
+        now = time.monotonic()
+        if hit is not None and now - hit[0] < max(self.cfg.revalidate, 1.0):
+            return hit[1]
+        files = await trio.to_thread.run_sync(self._list_files, parent)
+        if len(self._children) > 4096:
+            self._children.clear()
+        self._children[parent] = (now, files)
+        return files
+
+    def _list_files(self, parent: int) -> list[int]:
+        out = []
+        for _name, ino in self.index.list_dir(parent):
+            ent = self.index.get_entry(ino)
+            if ent is not None and is_file(ent):
+                out.append(ino)
+        return out
+
+    # ----- importance (iCACHE) ---------------------------------------------------------
+
+    def epoch_started(self, stream: Stream, samples) -> None:
+        """A stream begins an epoch: note its job's caching benefit measured over the
+        epoch that ended, and rebuild the H-list (in a thread) from the losses so far."""
+        imp = self.importance
+        imp.bind(stream.dataset or "", samples.inos, self.cfg.h_fraction)
+        imp.current_epoch = max(imp.current_epoch, stream.target_epoch or 0)
+        table = imp.table
+        if table is None or not table.jobs:
+            return
+        b = stream.benefit(time.monotonic())
+        if b is not None and stream.job in table.jobs:
+            table.jobs[stream.job].benefit = b
+        nursery = self.streams._nursery
+        if nursery is not None:
+            nursery.start_soon(trio.to_thread.run_sync, table.rebuild)
+
+    def dataset_size(self, rel: str) -> int | None:
+        """Samples in the ImageFolder at ``rel`` when a stream has listed it (else None)."""
+        sl = self.streams.sample_list(rel)
+        return None if sl is None else len(sl.inos)
+
+    def on_loss(self, job: str, indices: list[int], values: list[float]) -> None:
+        """Losses a job reported (``loss`` control lines): its IVs. A loss reported for a
+        sample that was substituted belongs to the sample actually served."""
+        dataset = self.streams.job_dataset(job)
+        if dataset is None:
+            return
+        sl = self.streams.sample_list(dataset)
+        if sl is None:
+            return
+        imp = self.importance
+        imp.bind(dataset, sl.inos, self.cfg.h_fraction)
+        subs: dict[int, int] = {}
+        for st in self.streams.streams.values():
+            if st.job == job:
+                subs.update(st.substituted)
+        if subs:
+            idx = imp.index_of
+            indices = [idx.get(subs.get(sl.inos[i], -1), i) for i in indices]
+        assert imp.table is not None
+        imp.table.update(job, indices, values)
+        self.counters.losses += len(indices)
+
+    def _after_use(self, chunk_id: int, ino: int) -> None:
+        """A record of the chunk was served: tell the policy; release if it says so."""
+        self.policy.on_access(chunk_id, ino)
+        if self.policy.release_after_use(chunk_id, ino):
+            self.counters.released_after_use += 1
+            self.writer.retire_chunk(chunk_id)
 
     async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
         h = self.handles.get(fh)
@@ -277,6 +405,8 @@ class Engine:
         if self.is_cached(e):
             await self._preload(ino, stream.key)
             return False
+        if self.cfg.substitute and self.policy.substitutable(ino):
+            return False  # an L-sample: its open may be served by substitution instead
         await self.writer.wait_room()
         if self.is_cached(e) or ino in self._inflight:
             return False
@@ -358,7 +488,7 @@ class Engine:
             if Identity(rec.size, rec.mtime_ns, rec.src_ino) == ident:
                 if early is not None and early[1] == rec:
                     self.counters.hits += 1
-                    self.policy.on_access(rec.chunk_id)
+                    self._after_use(rec.chunk_id, e.ino)
                     return early[2], True, False
                 data = await self._read_record(e.ino, rec)
                 if data is not None:
@@ -409,7 +539,8 @@ class Engine:
         view = memoryview(buf.data)[start : start + rec.size]
         if len(view) != rec.size or (not buf.verified and checksum(view) != rec.data_xxh):
             return self._bad(ino)
-        self.policy.on_access(rec.chunk_id)
+        if not background:
+            self._after_use(rec.chunk_id, ino)
         return view
 
     async def _load_chunk_into_memory(self, c: Chunk) -> ChunkBuf | None:
@@ -450,7 +581,8 @@ class Engine:
             self.counters.record_reads += 1
         if checksum(data) != rec.data_xxh:
             return self._bad(ino)
-        self.policy.on_access(rec.chunk_id)
+        if not background:
+            self._after_use(rec.chunk_id, ino)
         return memoryview(data)
 
     def _bad(self, ino: int) -> None:
@@ -518,6 +650,9 @@ class Engine:
         self.counters.bytes_from_source += len(data)
         if not cache:
             return data, e
+        if not self.policy.admit(e.ino, len(data)):
+            self.counters.not_admitted += 1
+            return data, e
         if not self.writer.has_room(len(data)):
             # backpressure: a reader faster than the disk waits for the writer rather than
             # leaving files uncached (memory stays bounded by the writer's room)
@@ -581,4 +716,11 @@ class Engine:
         }
         out.update(self.counters.as_dict())
         out["streams"] = self.streams.stats()
+        out["policy"] = {"name": self.cfg.policy, **self.policy.stats()}
+        t = self.importance.table
+        out["importance"] = None if t is None else {
+            "dataset": self.importance.dataset, "samples": t.n, "version": t.version(),
+            "h_samples": None if t.high is None else sum(t.high),
+            "jobs": {k: {"reported": j.reported, "benefit": j.benefit}
+                     for k, j in t.jobs.items()}}
         return out

@@ -331,7 +331,7 @@ class NextEpochLog:
         dead = await trio.to_thread.run_sync(self._seal_thread, c, limiter=eng.disk_limiter)
         c.sealed = True
         self.sealed += 1
-        eng.policy.on_insert(c.chunk_id, c.length)
+        eng.policy.on_insert(c.chunk_id, tuple(s.ino for s in c.slots), c.length)
         eng.counters.reorder_chunks += 1
         for old in dead:
             eng.writer.retire_chunk(old)

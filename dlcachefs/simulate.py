@@ -213,7 +213,7 @@ def run_policy(trace: Trace, spec: str, capacity: int, *, chunk_size: int = 0,
                substitute: bool = False, h_fraction: float = 0.7,
                horizon_epochs: int = 1) -> Result:
     """Replay ``trace`` against the policy ``spec`` with a cache of ``capacity`` bytes."""
-    from dlcachefs.policies import PACK_ALONE, PACK_CHUNK, PolicyContext, make_policy  # noqa: PLC0415
+    from dlcachefs.policies import PACK_CHUNK, PolicyContext, make_policy  # noqa: PLC0415
 
     cache = _Cache(capacity)
     fut = _Future(trace, horizon_epochs)

@@ -30,6 +30,10 @@ class Counters:
     chunk_preloads: int = 0        # chunks read ahead of the reader into the memory tier
     record_preloads: int = 0       # single records read ahead of the reader
     fill_reads: int = 0            # records read to fill gaps of a reordered log
+    substitutions: int = 0         # misses served with another cached sample (--substitute)
+    not_admitted: int = 0          # fetched files the policy chose not to cache
+    losses: int = 0                # per-sample losses received (loss control lines)
+    released_after_use: int = 0    # chunks the policy released right after a use
     write_errors: int = 0          # failed log appends (ENOSPC, EIO): served from the source instead
 
     def as_dict(self) -> dict[str, int]:

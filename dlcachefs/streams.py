@@ -22,6 +22,7 @@ engine's nursery, cancelled and replaced when the stream's epoch or sampler chan
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -42,7 +43,7 @@ class Stream:
     rank: int
     dataset: str | None = None
     samples: SampleList | None = None
-    replayer: OrderReplayer | None = None
+    replayer: OrderReplayer | _Explicit | None = None
     epoch: int | None = None
     order: list[int] = field(default_factory=list)  # dataset indices of the current epoch
     positions: dict[int, list[int]] = field(default_factory=dict)  # ino -> positions, reversed
@@ -62,6 +63,38 @@ class Stream:
     next_log: NextEpochLog | None = None  # the next epoch's log being laid out (LCache)
     memory_prefetch: bool = False  # dataset > half the cache: prefetch into memory only
     current_log: NextEpochLog | None = None  # the reordered log this epoch reads
+    explicit: dict | None = None  # epoch -> order, for ``sampler explicit`` (order lines)
+    # the next epoch's order when known: sample -> first position (the policy's future)
+    next_first: dict[int, int] | None = None
+    next_first_order: list[int] = field(default_factory=list)
+    used: set[int] = field(default_factory=set)  # inodes served this epoch (substitution)
+    substituted: dict[int, int] = field(default_factory=dict)  # requested -> served ino
+    substitutions: dict[int, int] = field(default_factory=dict)  # epoch -> count
+    # open latencies, for the job's measured caching benefit (iCACHE III-D)
+    hit_s: float = 0.0
+    hit_n: int = 0
+    miss_s: float = 0.0
+    miss_n: int = 0
+    epoch_t0: float = 0.0
+
+    def note_latency(self, cached: bool, seconds: float) -> None:
+        if cached:
+            self.hit_s += seconds
+            self.hit_n += 1
+        else:
+            self.miss_s += seconds
+            self.miss_n += 1
+
+    def benefit(self, now: float) -> float | None:
+        """Estimated T_cacheless / T_cache of this stream's epoch so far: its wall time
+        per sample, and what it would be if its cache hits had waited like its misses
+        (reads are sequential per loader worker). None until both were measured."""
+        n = self.hit_n + self.miss_n
+        if self.hit_n < 20 or self.miss_n < 20 or now <= self.epoch_t0:
+            return None
+        per = (now - self.epoch_t0) / n
+        extra = self.hit_n / n * max(0.0, self.miss_s / self.miss_n - self.hit_s / self.hit_n)
+        return (per + extra) / per
 
     @property
     def key(self) -> str:
@@ -74,6 +107,7 @@ class Stream:
                 "prefetch_lead": lead, "prefetched": self.prefetched,
                 "stall_seconds": round(self.stall_seconds, 3),
                 "bytes_from_source": self.bytes_from_source, "dataset": self.dataset,
+                "substitutions": {str(k): v for k, v in sorted(self.substitutions.items())},
                 "error": self.error,
                 "next_log": None if self.next_log is None else {
                     "epoch": self.next_log.epoch, "chunks": len(self.next_log.chunks),
@@ -125,7 +159,14 @@ class StreamManager:
         s.cancel = trio.CancelScope()
         s.target_epoch = st.epoch
         s.early = []
+        s.explicit = st.orders if st.sampler.kind == "explicit" else None
         self._nursery.start_soon(self._configure, s, s.cancel, js.dataset, st.sampler, st.epoch)
+
+    def on_order(self, st: StreamState, js: JobState, epoch: int, order, pid: int) -> None:
+        """An explicit order (``order`` lines, the importance sampler) was completed."""
+        s = self.streams.get((st.job, st.rank))
+        if s is not None and s.target_epoch == epoch and s.epoch != epoch:
+            self.on_stream(st, js, pid)  # its epoch was announced first: start it now
 
     async def _configure(self, s: Stream, cs: trio.CancelScope, dataset: str, spec: SamplerSpec,
                          epoch: int) -> None:
@@ -145,10 +186,17 @@ class StreamManager:
             if samples is None:
                 samples = await trio.to_thread.run_sync(image_folder, self.engine.ns, dataset)
                 self._samplelists = {dataset: samples}  # keep one: they can be large
-            if (s.replayer is None or s.replayer.spec != spec or s.samples is not samples
+            if spec.kind == "explicit":
+                s.replayer = _Explicit(spec, s.explicit or {}, len(samples))
+            elif (s.replayer is None or s.replayer.spec != spec or s.samples is not samples
                     or spec.per_epoch):
                 s.replayer = OrderReplayer(spec, len(samples), base_epoch=epoch)
             order = await trio.to_thread.run_sync(s.replayer.order, epoch)
+            nxt: list[int] = []
+            nxt_first: dict[int, int] | None = None
+            if s.replayer.known(epoch + 1):  # the policy's future reaches into it
+                nxt = await trio.to_thread.run_sync(s.replayer.order, epoch + 1)
+                nxt_first = _first_positions(nxt, samples)
             need = await trio.to_thread.run_sync(self._dataset_bytes, samples)
         except (DlcError, ValueError, OSError) as e:
             s.error = str(e)
@@ -158,7 +206,10 @@ class StreamManager:
             return  # a newer announcement replaced this one while the order was computed
         # no await from here on: the stream switches epochs atomically
         s.error = None
-        s.memory_prefetch = 2 * need > self.engine.cfg.cache_size
+        # partial caching the LCache way needs the next epoch's log; without a known next
+        # order the cache is filled the ordinary way, by the policy's admission
+        s.memory_prefetch = (2 * need > self.engine.cfg.cache_size and self.engine.cfg.reorder
+                             and nxt_first is not None)
         s.dataset, s.samples, s.epoch, s.order = dataset, samples, epoch, order
         positions: dict[int, list[int]] = {}
         for p in range(len(order) - 1, -1, -1):
@@ -171,6 +222,12 @@ class StreamManager:
         s.ready = bytearray(len(order))
         s.position = s.prefetched_upto = 0
         self.engine.drop_ready(s.key)
+        self.engine.epoch_started(s, samples)
+        s.used, s.substituted = set(), {}
+        s.hit_s = s.miss_s = 0.0
+        s.hit_n = s.miss_n = 0
+        s.epoch_t0 = time.monotonic()
+        s.next_first, s.next_first_order = nxt_first, nxt
         early, s.early = s.early, []
         for ino in early:
             self.note_open(s, ino)
@@ -226,6 +283,16 @@ class StreamManager:
         for c in old.chunks:
             if c.sealed:
                 self.engine.writer.retire_chunk(c.chunk_id)
+
+    def sample_list(self, dataset: str) -> SampleList | None:
+        """The ImageFolder sample list of ``dataset`` if a stream has listed it."""
+        return self._samplelists.get(dataset)
+
+    def job_dataset(self, job: str) -> str | None:
+        for s in self.streams.values():
+            if s.job == job and s.dataset is not None:
+                return s.dataset
+        return None
 
     def _dataset_bytes(self, samples: SampleList) -> int:
         """Thread: total size of the dataset's files (LMDB reads only)."""
@@ -317,6 +384,33 @@ class StreamManager:
 
     def stats(self) -> dict:
         return {s.key: s.stats() for s in self.streams.values()}
+
+
+class _Explicit:
+    """Orders announced with ``order`` lines, in place of a replayed sampler."""
+
+    def __init__(self, spec: SamplerSpec, orders: dict, n: int) -> None:
+        self.spec, self.orders, self.n = spec, orders, n
+
+    def known(self, epoch: int) -> bool:
+        return epoch in self.orders
+
+    def order(self, epoch: int) -> list[int]:
+        if epoch not in self.orders:
+            raise ValueError(f"no order announced for epoch {epoch} (send 'order' lines first)")
+        out = [int(i) for i in self.orders[epoch]]
+        if any(not 0 <= i < self.n for i in out):
+            raise ValueError(f"the order of epoch {epoch} names a sample outside 0..{self.n - 1}")
+        return out
+
+
+def _first_positions(order: list[int], samples: SampleList) -> dict[int, int]:
+    first: dict[int, int] = {}
+    for p, i in enumerate(order):
+        ino = samples.inos[i]
+        if ino and ino not in first:
+            first[ino] = p
+    return first
 
 
 def _tgid(tid: int) -> int:

@@ -22,8 +22,10 @@ imported). Nothing here ever breaks a training: a failed announcement is a warni
 from __future__ import annotations
 
 import copy
+import errno
 import importlib.abc
 import importlib.util
+import math
 import os
 import sys
 import warnings
@@ -166,3 +168,363 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         spec.loader.exec_module = exec_module
         return spec
+
+
+# ----- per-sample losses and explicit orders (importance sampling) ----------------------
+
+#: limits of the control file (see :mod:`dlcachefs.control`): bytes per write, chars per line
+_MAX_WRITE = 64 * 1024
+_MAX_LINE = 4096
+
+
+def _as_list(x) -> list:
+    """A flat Python list from a torch tensor (any device), a numpy array or a sequence."""
+    if hasattr(x, "detach"):  # torch.Tensor
+        x = x.detach().cpu().reshape(-1).tolist()
+    elif hasattr(x, "tolist"):  # numpy array or scalar
+        x = x.tolist()
+    if isinstance(x, (int, float)):
+        return [x]
+    return list(x)
+
+
+class LossReporter:
+    """Sends per-sample training losses to the dlcachefs mount that holds a dataset, as
+    ``loss INDEX VALUE ...`` lines of ``<mount>/.dlcache/control`` (an importance sampler
+    on the mount side can then favour the hard samples)::
+
+        reporter = LossReporter(train_set.root)
+        for images, targets, indices in loader:      # see with_index()
+            loss = F.cross_entropy(model(images), targets, reduction="none")
+            reporter.report(indices, loss)
+            loss.mean().backward()
+            ...
+        reporter.close()
+
+    ``indices`` are indices into the dataset's sample list (ImageFolder order). Pairs are
+    buffered and written once ``max_pairs_per_write`` of them are pending, and by
+    :meth:`flush` / :meth:`close` (also the end of a ``with`` block). Each write holds at
+    most ``max_pairs_per_write`` pairs and 64 KiB, in lines of at most 4096 characters;
+    values are sent with 9 significant digits (exact for float32 losses).
+
+    The lines count for ``job`` (default: ``$DLCACHEFS_JOB``; if neither, the job this
+    process announced last, as for every control write). The job needs a dataset on the
+    mount side: the sampler hook (:func:`install`) sends it; if the first write is refused
+    (EINVAL), it is sent again once with ``dataset RELPATH`` for ``dataset_root``.
+
+    Nothing here breaks a training: when ``dataset_root`` is not on a dlcachefs mount,
+    every call is a no-op (one warning); non-finite losses and negative indices are
+    dropped (one warning); a refused or failed write is dropped with one warning (the
+    reason is in ``<mount>/.dlcache/errors``).
+    """
+
+    def __init__(self, dataset_root: str | os.PathLike, job: str | None = None,
+                 max_pairs_per_write: int = 3000) -> None:
+        self.dataset_root = os.fspath(dataset_root)
+        self.job = job or os.environ.get(ENV_JOB) or None
+        self.max_pairs = max(1, int(max_pairs_per_write))
+        self._indices: list[int] = []
+        self._values: list[float] = []
+        self._dataset_sent = False
+        self.sent_pairs = 0  # pairs written and accepted
+        self.dropped_pairs = 0  # non-finite, negative or refused
+        target = find_mount(self.dataset_root)
+        if target is None:
+            self.mount: str | None = None
+            self.rel: str | None = None
+            _warn_once(f"loss-nomount:{self.dataset_root}",
+                       f"{self.dataset_root} is not on a dlcachefs mount: losses are not reported")
+        else:
+            self.mount, self.rel = target
+
+    @property
+    def enabled(self) -> bool:
+        """True when the dataset is on a dlcachefs mount (else every call is a no-op)."""
+        return self.mount is not None
+
+    def report(self, indices, losses) -> None:
+        """Queue the losses of the samples ``indices`` (same length; torch tensors on any
+        device, numpy arrays or sequences). Writes when enough pairs are pending."""
+        if self.mount is None:
+            return
+        idx, vals = _as_list(indices), _as_list(losses)
+        if len(idx) != len(vals):
+            raise ValueError(f"LossReporter.report: {len(idx)} indices but {len(vals)} losses")
+        bad = 0
+        isfinite = math.isfinite
+        for i, v in zip(idx, vals, strict=True):
+            i, v = int(i), float(v)
+            if i < 0 or not isfinite(v):
+                bad += 1
+                continue
+            self._indices.append(i)
+            self._values.append(v)
+        if bad:
+            self.dropped_pairs += bad
+            _warn_once("loss-nonfinite", "non-finite losses (or negative indices) are not "
+                       "reported to the mount")
+        if len(self._indices) >= self.max_pairs:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write every pending pair now (one ``os.write`` per batch of lines)."""
+        if self.mount is None or not self._indices:
+            return
+        idx, vals = self._indices, self._values
+        self._indices, self._values = [], []
+        writes = self._encode(idx, vals)
+        path = os.path.join(self.mount, ".dlcache", "control")
+        try:
+            fd = os.open(path, os.O_WRONLY)
+        except OSError as e:
+            self._failed(len(idx), e)
+            return
+        try:
+            for data, n in writes:
+                try:
+                    os.write(fd, data)
+                except OSError as e:
+                    if e.errno == errno.EINVAL and not self._dataset_sent and self.rel:
+                        # maybe the job has no dataset yet: name it and try once more
+                        self._dataset_sent = True
+                        try:
+                            os.write(fd, self._head(with_dataset=True) + data[len(self._head()):])
+                        except OSError as e2:
+                            self._failed(n, e2)
+                        else:
+                            self.sent_pairs += n
+                        continue
+                    self._failed(n, e)
+                else:
+                    self.sent_pairs += n
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Flush; the reporter can still be used afterwards."""
+        self.flush()
+
+    def __enter__(self) -> LossReporter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _failed(self, n: int, e: OSError) -> None:
+        self.dropped_pairs += n
+        _warn_once(f"loss-write:{self.mount}",
+                   f"could not report losses to {self.mount} ({e}); see "
+                   f"{self.mount}/.dlcache/errors. Training goes on.")
+
+    def _head(self, with_dataset: bool = False) -> bytes:
+        head = f"job {self.job}\n" if self.job else ""
+        if with_dataset:
+            head += f"dataset {self.rel}\n"
+        return head.encode()
+
+    def _encode(self, idx: list[int], vals: list[float]) -> list[tuple[bytes, int]]:
+        """The writes for these pairs: (bytes, number of pairs) each, every write at most
+        ``max_pairs`` pairs and 64 KiB (with room for a ``dataset`` line), every line at most
+        4096 characters."""
+        head = self._head()
+        room = _MAX_WRITE - len(self._head(with_dataset=True))
+        writes: list[tuple[bytes, int]] = []
+        lines: list[str] = []
+        line: list[str] = []
+        line_len = size = pairs = 0
+
+        def end_line() -> None:
+            nonlocal line, line_len
+            if line:
+                lines.append("loss " + " ".join(line) + "\n")
+                line, line_len = [], 0
+
+        def end_write() -> None:
+            nonlocal lines, size, pairs
+            end_line()
+            if lines:
+                writes.append((head + "".join(lines).encode(), pairs))
+            lines, size, pairs = [], 0, 0
+
+        for i, v in zip(idx, vals, strict=True):
+            tok = f"{i} {v:.9g}"
+            if line and line_len + 1 + len(tok) <= _MAX_LINE:
+                cost = 1 + len(tok)  # " " + tok on the current line
+                new_line = False
+            else:
+                cost = len("loss ") + len(tok) + 1  # a new line, with its "\n"
+                new_line = True
+            if pairs >= self.max_pairs or size + cost > room:
+                end_write()
+                cost, new_line = len("loss ") + len(tok) + 1, True
+            if new_line:
+                end_line()
+                line_len = len("loss ") + len(tok)
+            else:
+                line_len += 1 + len(tok)
+            line.append(tok)
+            size += cost
+            pairs += 1
+        end_write()
+        return writes
+
+
+def with_index(dataset):
+    """Wrap ``dataset`` so that item ``i`` is ``(*dataset[i], i)``: ``(sample, target,
+    index)`` for an ImageFolder, what :class:`LossReporter` needs. Other attributes
+    (``root``, ``samples``, ``targets``, ``classes``...) are the wrapped dataset's, so
+    the sampler hook still finds the dataset's root. Returns a
+    ``torch.utils.data.Dataset`` (torch is imported here, not with this module).
+
+    With a ``Subset`` the index is the subset's, not the dataset's: wrap the dataset and
+    take the subset of the wrapper."""
+    return _with_index_class()(dataset)
+
+
+@lru_cache(maxsize=1)
+def _with_index_class() -> type:
+    from torch.utils.data import Dataset
+
+    class WithIndex(Dataset):
+        """``dataset[i]`` followed by ``i``; attributes pass through to ``dataset``."""
+
+        def __init__(self, dataset) -> None:
+            self.dataset = dataset
+
+        def __len__(self) -> int:
+            return len(self.dataset)
+
+        def __getitem__(self, i):
+            item = self.dataset[i]
+            if isinstance(item, tuple):
+                return (*item, i)
+            return (item, i)
+
+        def __getattr__(self, name: str):
+            # only called for what the wrapper lacks; never for dunders (DataLoader probes
+            # __getitems__, which would bypass __getitem__) nor before __init__ (unpickling)
+            if name.startswith("__") or "dataset" not in self.__dict__:
+                raise AttributeError(name)
+            return getattr(self.__dict__["dataset"], name)
+
+        def __repr__(self) -> str:
+            return f"WithIndex({self.dataset!r})"
+
+    WithIndex.__module__ = __name__
+    WithIndex.__qualname__ = "WithIndex"
+    return WithIndex
+
+
+class ImportanceSampler:
+    """iCACHE's I/O-oriented importance sampling (IIS) as a DataLoader sampler.
+
+    Before each epoch it decides which samples the epoch trains on from their latest
+    losses (:func:`dlcachefs.importance.select_epoch`: a seeded permutation; full epochs
+    during ``warmup`` and every ``full_every``-th epoch; otherwise sample ``s`` is kept
+    with probability ``rank(s) ** beta``), and announces that exact order to the mount
+    (``sampler explicit`` + ``order`` lines + ``epoch``), so the mount prefetches and lays
+    out what is read, and caches by importance. Feed it the losses with :meth:`record`
+    (and the mount with a :class:`LossReporter`)::
+
+        ds = with_index(ImageFolder(root))
+        sampler = ImportanceSampler(ds, seed=0)
+        loader = DataLoader(ds, sampler=sampler, batch_size=64, num_workers=4)
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            for x, y, idx in loader:
+                loss = F.cross_entropy(model(x), y, reduction="none")
+                sampler.record(idx, loss); reporter.report(idx, loss)
+                loss.mean().backward(); ...
+
+    Works without a mount too (the selection is the same; nothing is announced).
+    """
+
+    def __init__(self, dataset, seed: int = 0, beta: float = 0.33, warmup: int = 2,
+                 full_every: int = 3, job: str | None = None, announce: bool = True) -> None:
+        self.n = len(dataset)
+        self.seed, self.beta, self.warmup, self.full_every = seed, beta, warmup, full_every
+        self.iv = [math.nan] * self.n
+        self.epoch = 0
+        self.job = job or os.environ.get(ENV_JOB) or "default"
+        root = _dataset_root(dataset)
+        self._target = find_mount(root) if (announce and root) else None
+        self._order: list[int] | None = None
+        self._announced: int | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self._order = None
+
+    def record(self, indices, losses) -> None:
+        """Latest loss per sample (non-finite values are ignored)."""
+        for i, v in zip(_as_list(indices), _as_list(losses), strict=True):
+            v = float(v)
+            if math.isfinite(v) and 0 <= int(i) < self.n:
+                self.iv[int(i)] = v
+
+    def order(self) -> list[int]:
+        """The samples of the current epoch, in order (computed once per epoch)."""
+        if self._order is None:
+            from .importance import select_epoch  # noqa: PLC0415
+
+            known = any(not math.isnan(v) for v in self.iv)
+            self._order = select_epoch(self.n, self.epoch, self.seed,
+                                       self.iv if known else None, beta=self.beta,
+                                       warmup=self.warmup, full_every=self.full_every)
+        return self._order
+
+    def __len__(self) -> int:
+        return len(self.order())
+
+    def __iter__(self):
+        order = self.order()
+        if self._target is not None and self._announced != self.epoch:
+            self._announced = self.epoch
+            self._announce(order)
+        return iter(order)
+
+    def _announce(self, order: list[int]) -> None:
+        assert self._target is not None
+        mount, rel = self._target
+        head = f"job {self.job}\ndataset {rel}\nsampler explicit\n"
+        writes, buf, start, line, line_start = [], [head], 0, [], 0
+        size = len(head)
+
+        def end_line() -> None:
+            nonlocal size, line, line_start
+            if line:
+                text = f"order {self.epoch} {line_start} " + " ".join(line) + "\n"
+                buf.append(text)
+                size += len(text)
+                line = []
+
+        for p, i in enumerate(order):
+            if not line:
+                line_start = p
+            line.append(str(i))
+            if len(line) >= 400:
+                end_line()
+                if size > 48 * 1024:
+                    writes.append("".join(buf))
+                    buf, size = [f"job {self.job}\n"], 0
+            start = p + 1
+        end_line()
+        buf.append(f"order {self.epoch} end {start}\nepoch {self.epoch}\n")
+        writes.append("".join(buf))
+        try:
+            fd = os.open(os.path.join(mount, ".dlcache", "control"), os.O_WRONLY)
+            try:
+                for w in writes:
+                    os.write(fd, w.encode())
+            finally:
+                os.close(fd)
+        except OSError as e:
+            _warn_once(f"iis:{mount}", f"could not announce the importance order to {mount} "
+                       f"({e}); see {mount}/.dlcache/errors. Training goes on.")
+
+
+def __getattr__(name: str):
+    # ``dlcachefs.torch.WithIndex``: the class, built (and torch imported) on first use
+    if name == "WithIndex":
+        return _with_index_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

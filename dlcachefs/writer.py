@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import trio
 
+from dlcachefs.policies.base import PACK_CHUNK
+
 from . import schema as S
 from .chunkfmt import CHUNK_HEADER_SIZE, RECORD_HEADER_SIZE, RecordIn, encode_chunk
 from .config import Config
@@ -51,6 +53,7 @@ class Pending:
     key: bytes
     ident: Identity
     data: bytes
+    target: int = 0  # bytes of the unit it goes into (the policy's pack answer)
 
     @property
     def encoded_len(self) -> int:
@@ -61,6 +64,7 @@ class Pending:
 class _Result:
     written: tuple[int, int, int] | None = None  # (log id, offset, length)
     indexed: list[int] = field(default_factory=list)
+    chunks: list[tuple[int, tuple[int, ...], int]] = field(default_factory=list)  # id, members, len
     evicted: list[Chunk] = field(default_factory=list)
     error: OSError | None = None
     disk_free: int = 0
@@ -79,6 +83,7 @@ class ChunkWriter:
         self.open_bytes = 0
         self.open_since = 0.0
         self.sealing_bytes = 0
+        self.committing = False  # a seal's commit is running in its thread
         self.pending: dict[int, Pending] = {}  # ino -> record not yet indexed
         self.drops: set[int] = set()
         self.retire: set[int] = set()  # chunks to evict once unpinned (fully superseded)
@@ -93,6 +98,9 @@ class ChunkWriter:
         self._running = False
         self._idle = trio.Event()
         self._space = trio.Event()  # set whenever a seal finished (room for more records)
+        # open records by unit target size; a group at its target makes a seal due
+        self._group_bytes: dict[int, int] = {}
+        self._full = False
         self._next_chunk = max(1, _meta_u64(index, S.K_NEXT_CHUNK))
         self._next_log = max(1, _meta_u64(index, S.K_NEXT_LOG), max(logs.log_ids(), default=0) + 1)
 
@@ -106,7 +114,9 @@ class ChunkWriter:
         if self._closing or time.monotonic() < self.backoff_until:
             self.counters.cache_skipped += 1
             return False
-        rec = Pending(ino, key, ident, data)
+        target = self.policy.pack(ino, len(data))
+        rec = Pending(ino, key, ident, data,
+                      self.cfg.chunk_size if target == PACK_CHUNK else target)
         # bounded memory: one chunk filling, one being sealed, and a little slack
         if self.open_bytes + self.sealing_bytes + rec.encoded_len > 3 * self.cfg.chunk_size and (
                 self.open or self.sealing_bytes):
@@ -117,7 +127,10 @@ class ChunkWriter:
         self.open.append(rec)
         self.open_bytes += rec.encoded_len
         self.pending[ino] = rec
-        if self.open_bytes >= self.cfg.chunk_size:
+        group = self._group_bytes.get(rec.target, 0) + rec.encoded_len
+        self._group_bytes[rec.target] = group
+        if group >= rec.target or self.open_bytes >= self.cfg.chunk_size:
+            self._full = True
             self._wake.set()
         return True
 
@@ -205,8 +218,7 @@ class ChunkWriter:
                 await self._wake.wait()
             self._wake = trio.Event()
             aged = self.open and time.monotonic() - self.open_since >= self.cfg.flush_interval
-            if (self._closing or self.open_bytes >= self.cfg.chunk_size or aged or self.drops
-                    or self.retire):
+            if self._closing or self._full or aged or self.drops or self.retire:
                 try:
                     await self._seal()
                 except Exception:  # noqa: BLE001 - LMDB full, statvfs failing...: keep serving
@@ -215,6 +227,7 @@ class ChunkWriter:
                     self.counters.write_errors += 1
                     self.backoff_until = time.monotonic() + WRITE_BACKOFF
                     self.open, self.open_bytes = [], 0
+                    self._group_bytes, self._full = {}, False
                     self.pending.clear()
                     self._space.set()
                     self._space = trio.Event()
@@ -234,25 +247,26 @@ class ChunkWriter:
     async def flush(self) -> None:
         """Seal and commit everything queued so far (tests and clean shutdown)."""
         if self.open or self.drops:
-            await self._seal()
+            await self._seal(force=True)
         async with self._limiter:  # FIFO: returns once any commit in flight is done
             pass
 
-    async def _seal(self) -> None:
+    async def _seal(self, force: bool = False) -> None:
         # One seal at a time, from planning to bookkeeping: a plan made while another
         # seal's commit is in flight would see stale chunk_bytes and could choose the
         # same victims again, and the cache would outgrow --cache-size.
         async with self._limiter:
-            await self._seal_locked()
+            await self._seal_locked(force)
 
-    async def _seal_locked(self) -> None:
+    async def _seal_locked(self, force: bool = False) -> None:
         if not self.open and not self.drops and not self.retire:
             return
-        records, drops = self._take_batch()
+        records, drops = self._take_batch(force)
         # a record already indexed for the same version (moved by the reorderer meanwhile)
         # would only be a dead copy in a chunk nobody reads
         records = [r for r in records if not self._indexed(r)]
-        new_len = CHUNK_HEADER_SIZE + sum(r.encoded_len for r in records)
+        groups = _units(records)
+        new_len = sum(CHUNK_HEADER_SIZE + sum(r.encoded_len for r in g) for g in groups)
         # superseded chunks go first (release after use); pinned ones wait for a later seal
         retired = [c for c in self.retire if c not in self.pins]
         self.retire.difference_update(retired)
@@ -277,15 +291,17 @@ class ChunkWriter:
             self.memtier.discard(v)
         cid = self._next_chunk
         if write:
-            self._next_chunk += 1
+            self._next_chunk += len(groups)
         self.sealing_bytes += new_len
+        self.committing = True
         try:
             new_log = None
             if write and self.logs.needs_new_log(new_len):  # no commit runs now: safe to read
                 new_log = self.reserve_log_id()
-            res = await trio.to_thread.run_sync(self._commit, cid, records if write else [],
+            res = await trio.to_thread.run_sync(self._commit, cid, groups if write else [],
                                                 victims, drops, new_log)
         finally:
+            self.committing = False
             self.sealing_bytes -= new_len
             self.evicting.difference_update(victims)
         self.drops -= drops  # committed: the index no longer has those records
@@ -299,9 +315,10 @@ class ChunkWriter:
             self.backoff_until = time.monotonic() + WRITE_BACKOFF
             log.warning("cache write failed (%s); serving from the source for %.0f s",
                         res.error, WRITE_BACKOFF)
-        elif res.written is not None:
-            self.policy.on_insert(cid, res.written[2])
-            self.counters.chunks_written += 1
+        else:
+            for chunk_id, members, length in res.chunks:
+                self.policy.on_insert(chunk_id, members, length)
+                self.counters.chunks_written += 1
         for r in records:
             if self.pending.get(r.ino) is r:
                 del self.pending[r.ino]
@@ -318,21 +335,40 @@ class ChunkWriter:
             del self.pending[r.ino]
         return True
 
-    def _take_batch(self) -> tuple[list[Pending], set[int]]:
-        records, self.open, self.open_bytes = self.open, [], 0
+    def _take_batch(self, force: bool = False) -> tuple[list[Pending], set[int]]:
+        """The records to seal now: every group, when aged or closing; else the groups
+        at their target size (a package is not sealed short because another filled)."""
+        aged = self.open and time.monotonic() - self.open_since >= self.cfg.flush_interval
+        # with only chunk-size groups (lru), any seal takes everything open, as it always did
+        if (force or aged or self._closing or self.open_bytes >= self.cfg.chunk_size
+                or set(self._group_bytes) <= {self.cfg.chunk_size}):
+            records, self.open, self.open_bytes = self.open, [], 0
+            self._group_bytes = {}
+        else:
+            full = {t for t, b in self._group_bytes.items() if b >= t}
+            records = [r for r in self.open if r.target in full]
+            self.open = [r for r in self.open if r.target not in full]
+            self.open_bytes = sum(r.encoded_len for r in self.open)
+            for t in full:
+                del self._group_bytes[t]
+        self._full = False
         # drops stay in self.drops until their commit is done (see _seal_locked): the read
         # path must keep ignoring those records while the index still has them
         return records, set(self.drops)
 
     # ----- worker thread -------------------------------------------------------------
 
-    def _commit(self, cid: int, records: list[Pending], victims: list[int], drops: set[int],
-                new_log: int | None) -> _Result:
+    def _commit(self, cid: int, groups: list[list[Pending]], victims: list[int],
+                drops: set[int], new_log: int | None) -> _Result:
+        """Thread: the groups as consecutive chunks ``cid, cid+1, ...`` in ONE append (one
+        fdatasync), then one LMDB transaction indexes them and drops the victims."""
         res = _Result()
-        metas = []
-        if records:
-            data, metas = encode_chunk(cid, [
-                RecordIn(r.ino, r.key, r.ident.mtime_ns, r.ident.src_ino, r.data) for r in records])
+        encoded = []
+        for k, g in enumerate(groups):
+            encoded.append(encode_chunk(cid + k, [
+                RecordIn(r.ino, r.key, r.ident.mtime_ns, r.ident.src_ino, r.data) for r in g]))
+        if encoded:
+            data = b"".join(d for d, _ in encoded)
             try:
                 if new_log is not None:
                     self.logs.start_log(new_log)
@@ -348,26 +384,50 @@ class ChunkWriter:
             for ino in drops:
                 w.drop_record(ino)
             if res.written is not None:
-                log_id, off, length = res.written
-                for m, r in zip(metas, records, strict=True):
-                    e = w.get_entry(r.ino)
-                    if e is None or identity(e) != r.ident:
-                        continue  # changed or removed while it waited: never index it
-                    cur = w.get_record(r.ino)
-                    if cur is not None and Identity(cur.size, cur.mtime_ns, cur.src_ino) == r.ident:
-                        continue  # already indexed elsewhere (the reorderer moved it): keep that
-                    w.put_record(r.ino, Record(cid, log_id, off + m.data_offset, m.size,
-                                               m.data_xxh, m.mtime_ns, m.src_ino))
-                    res.indexed.append(r.ino)
-                w.put_chunk(Chunk(cid, log_id, off, length, time.time_ns(),
-                                  tuple(r.ino for r in records)))
-                w.bump(S.K_NEXT_CHUNK, cid + 1)
+                log_id, off, _ = res.written
+                for k, (g, (chunk, metas)) in enumerate(zip(groups, encoded, strict=True)):
+                    for m, r in zip(metas, g, strict=True):
+                        e = w.get_entry(r.ino)
+                        if e is None or identity(e) != r.ident:
+                            continue  # changed or removed while it waited: never index it
+                        cur = w.get_record(r.ino)
+                        if cur is not None and Identity(
+                                cur.size, cur.mtime_ns, cur.src_ino) == r.ident:
+                            continue  # indexed elsewhere (the reorderer moved it): keep that
+                        w.put_record(r.ino, Record(cid + k, log_id, off + m.data_offset, m.size,
+                                                   m.data_xxh, m.mtime_ns, m.src_ino))
+                        res.indexed.append(r.ino)
+                    members = tuple(r.ino for r in g)
+                    w.put_chunk(Chunk(cid + k, log_id, off, len(chunk), time.time_ns(), members))
+                    res.chunks.append((cid + k, members, len(chunk)))
+                    off += len(chunk)
+                w.bump(S.K_NEXT_CHUNK, cid + len(groups))
             if new_log is not None:
                 w.bump(S.K_NEXT_LOG, new_log + 1)
         for c in res.evicted:
             self.logs.release(c.log_id, c.offset, c.length)
         res.disk_free = _free_bytes(self.cfg.cache_dir)
         return res
+
+
+def _units(records: list[Pending]) -> list[list[Pending]]:
+    """Records grouped into units: by target, a target-0 record alone, and a group cut
+    where it reaches its target (a seal may take more than one target's worth)."""
+    out: list[list[Pending]] = []
+    by_target: dict[int, list[Pending]] = {}
+    sizes: dict[int, int] = {}
+    for r in records:
+        if r.target <= 0:
+            out.append([r])
+            continue
+        g = by_target.setdefault(r.target, [])
+        g.append(r)
+        sizes[r.target] = sizes.get(r.target, 0) + r.encoded_len
+        if sizes[r.target] >= r.target:
+            out.append(g)
+            by_target[r.target], sizes[r.target] = [], 0
+    out.extend(g for g in by_target.values() if g)
+    return out
 
 
 def _meta_u64(index: Index, key: bytes) -> int:

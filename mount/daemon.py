@@ -132,7 +132,9 @@ def run(cfg: Config, report: Reporter) -> int:
                 raise DlcError("not a directory")
             return e.ino
 
-        ops = Operations(engine, ControlState(resolve_dir, engine.streams.on_stream))
+        ops = Operations(engine, ControlState(
+            resolve_dir, engine.streams.on_stream, dataset_size=engine.dataset_size,
+            on_loss=engine.on_loss, on_order=engine.streams.on_order))
         pyfuse3.init(ops, cfg.mountpoint, fuse_options(cfg))
     except (DlcError, OSError, RuntimeError, ValueError) as e:
         report(f"error {e}")

@@ -171,7 +171,7 @@ class CachePolicy(ABC):
         with different answers never share a unit."""
         return PACK_CHUNK
 
-    def on_request(self, sample: int) -> None:
+    def on_request(self, sample: int) -> None:  # noqa: B027 - optional hook
         """Every sample asked for, hit or miss, before anything else (access counts)."""
 
     def admit(self, sample: int, size: int) -> bool:

@@ -336,7 +336,7 @@ def test_record_being_dropped_is_not_read_again(tree):
         eng.writer._commit = slow_commit
         assert await read_all(eng, rel) == files[rel]  # checksum failure, refetch, drop
         with trio.fail_after(10):
-            while eng.writer.sealing_bytes == 0:  # the drop's commit is in flight
+            while not eng.writer.committing:  # the drop's commit is in flight
                 await trio.sleep(0.005)
         for _ in range(3):
             assert await read_all(eng, rel) == files[rel]

@@ -1,0 +1,111 @@
+"""The read-only views a mount gives its caching policy (see :mod:`dlcachefs.policies.base`).
+
+* :class:`IndexCacheView`: units are chunks; sizes and members from the index;
+* :class:`StreamFuture`: the known future from the streams' announced orders. The clock
+  ticks once per open; a sample's next use is ``now`` plus how far ahead of its stream's
+  position it comes in this epoch, or in the next epoch when that order is known;
+* :class:`InodeImportance`: the dataset's :class:`~dlcachefs.importance.Importance`
+  (losses by dataset index) seen by inode.
+
+All of it runs on the trio loop, like the policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from . import schema as S
+from .importance import Importance
+from .index import Index
+
+NEVER = float("inf")
+
+
+class IndexCacheView:
+    def __init__(self, index: Index, capacity: int) -> None:
+        self.index = index
+        self.cap = capacity
+
+    def capacity(self) -> int:
+        return self.cap
+
+    def used(self) -> int:
+        return self.index.counter(S.K_CHUNK_BYTES)
+
+    def members(self, unit: int) -> Sequence[int]:
+        c = self.index.get_chunk(unit)
+        return c.members if c is not None else ()
+
+    def unit_size(self, unit: int) -> int:
+        c = self.index.get_chunk(unit)
+        return c.length if c is not None else 0
+
+
+class StreamFuture:
+    """Next uses from every stream that knows its order (the nearest wins)."""
+
+    def __init__(self, streams) -> None:
+        self.streams = streams  # StreamManager
+        self.tick = 0
+
+    def _active(self):
+        return [s for s in self.streams.streams.values() if s.order and s.samples is not None]
+
+    def now(self) -> int:
+        return self.tick
+
+    def next_use(self, sample: int) -> float:
+        best = NEVER
+        for s in self._active():
+            ps = s.positions.get(sample)
+            if ps:
+                best = min(best, self.tick + max(0, ps[-1] - s.position))
+            elif s.next_first is not None and sample in s.next_first:
+                best = min(best, self.tick + len(s.order) - s.position + s.next_first[sample])
+        return best
+
+    def horizon(self) -> int:
+        ends = [self.tick + len(s.order) - s.position
+                + (len(s.next_first_order) if s.next_first is not None else 0)
+                for s in self._active()]
+        return max(ends, default=self.tick)
+
+    def epoch_length(self) -> int | None:
+        act = self._active()
+        return len(act[0].order) if act else None
+
+    def epoch_start(self) -> int:
+        act = self._active()
+        return self.tick - act[0].position if act else 0
+
+
+class InodeImportance:
+    """Importance by inode, for the dataset whose jobs report losses."""
+
+    def __init__(self) -> None:
+        self.table: Importance | None = None
+        self.index_of: dict[int, int] = {}
+        self.dataset: str | None = None
+        self.current_epoch = 0
+
+    def bind(self, dataset: str, inos: Sequence[int], h_fraction: float) -> None:
+        if self.dataset == dataset and self.table is not None and self.table.n == len(inos):
+            return
+        self.dataset = dataset
+        self.table = Importance(len(inos), h_fraction)
+        self.index_of = {ino: i for i, ino in enumerate(inos) if ino}
+
+    def importance(self, sample: int) -> float | None:
+        i = self.index_of.get(sample)
+        return None if i is None or self.table is None else self.table.value(i)
+
+    def is_high(self, sample: int) -> bool:
+        i = self.index_of.get(sample)
+        # a file outside the dataset is never a substitution candidate: count it as H
+        return True if i is None or self.table is None else self.table.is_high(i)
+
+    def version(self) -> int:
+        return 0 if self.table is None else self.table.version()
+
+    def epoch(self) -> int:
+        return self.current_epoch

@@ -1,0 +1,317 @@
+"""One suite for every registered caching policy (built-in and entry-point ones), plus
+the algorithms' own properties (Lobster's rules, iCACHE's heap and substitution) and the
+simulator against Belady's bound."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from dlcachefs.policies import (
+    NEVER,
+    PACK_ALONE,
+    CachePolicy,
+    PolicyContext,
+    make_policy,
+    parse_policy_spec,
+    registry,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dlcachefs.importance import Importance, percentile_ranks, select_epoch
+from dlcachefs.simulate import Trace, belady, run_policy, simulate
+
+ALL = sorted(registry())
+
+
+class Cache:
+    def __init__(self, cap: int) -> None:
+        self.cap, self.bytes, self.units = cap, 0, {}
+
+    def capacity(self) -> int:
+        return self.cap
+
+    def used(self) -> int:
+        return self.bytes
+
+    def members(self, unit):
+        return self.units.get(unit, ((), 0))[0]
+
+    def unit_size(self, unit):
+        return self.units.get(unit, ((), 0))[1]
+
+
+class Future:
+    def __init__(self, uses: dict[int, float], now: int = 0, horizon: int = 0,
+                 length: int | None = None) -> None:
+        self.uses, self.t, self.h, self.length = uses, now, horizon, length
+
+    def now(self):
+        return self.t
+
+    def next_use(self, s):
+        return self.uses.get(s, NEVER)
+
+    def horizon(self):
+        return self.h
+
+    def epoch_length(self):
+        return self.length
+
+    def epoch_start(self):
+        return 0
+
+
+class Imp:
+    def __init__(self, values: dict[int, float], high: set[int] | None, version: int = 1):
+        self.values, self.high, self.v, self.ep = values, high, version, 0
+
+    def importance(self, s):
+        return self.values.get(s)
+
+    def is_high(self, s):
+        return self.high is None or s in self.high
+
+    def version(self):
+        return self.v
+
+    def epoch(self):
+        return self.ep
+
+
+# ----- the shared contract ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_registered_policy_is_a_cache_policy(name):
+    cls = registry()[name]
+    assert issubclass(cls, CachePolicy) and cls.name == name
+    assert isinstance(make_policy(name), CachePolicy)
+
+
+@pytest.mark.parametrize("name", ALL)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.tuples(st.sampled_from(["insert", "access", "remove", "victims"]),
+                              st.integers(0, 30), st.integers(1, 5000)), max_size=120),
+       seed=st.integers(0, 1000))
+def test_policy_contract(name, ops, seed):
+    """Whatever happens, victims are tracked units, never excluded ones, never repeated,
+    and free at least ``need`` bytes when the unexcluded units hold that much."""
+    rnd = random.Random(seed)
+    cache = Cache(20_000)
+    uses = {s: rnd.choice([NEVER, rnd.randint(1, 500)]) for s in range(64)}
+    imp = Imp({s: rnd.random() for s in range(64)}, {s for s in range(64) if s % 3 == 0})
+    pol = make_policy(name, PolicyContext(cache, Future(uses, 0, 1000, 100), imp))
+    live: dict[int, int] = {}
+    for op, unit, size in ops:
+        if op == "insert" and unit not in live:
+            members = (unit, unit + 32) if pol.pack(unit, size) != PACK_ALONE else (unit,)
+            pol.on_insert(unit, members, size)
+            live[unit] = size
+            cache.units[unit] = (members, size)
+            cache.bytes += size
+        elif op == "access" and unit in live:
+            pol.on_access(unit, unit)
+            if pol.release_after_use(unit, unit):
+                pass  # allowed at any time; the runner removes it
+        elif op == "remove" and unit in live:
+            pol.on_remove(unit)
+            cache.bytes -= live.pop(unit)
+            del cache.units[unit]
+        elif op == "victims":
+            exclude = {u for u in live if rnd.random() < 0.3}
+            need = size
+            vs = pol.victims(need, exclude)
+            assert len(vs) == len(set(vs))
+            assert set(vs) <= set(live) - exclude
+            avail = sum(s for u, s in live.items() if u not in exclude)
+            if avail >= need:
+                assert sum(live[u] for u in vs) >= need
+            for u in vs:
+                pol.on_remove(u)
+                cache.bytes -= live.pop(u)
+                del cache.units[u]
+        while pol.maintain():
+            pass
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_policy_options_are_checked(name):
+    with pytest.raises(ValueError, match="no option"):
+        make_policy(f"{name}:no_such_option=1")
+
+
+def test_policy_spec_parsing_and_errors():
+    assert parse_policy_spec("icache:package=2M, h_ratio=0.8") == (
+        "icache", {"package": "2M", "h_ratio": "0.8"})
+    assert make_policy("icache:package=2M").package == 2 << 20
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("nope")
+    with pytest.raises(ValueError, match="not a valid"):
+        make_policy("icache:h_ratio=lots")
+
+
+# ----- Lobster (reuse-distance) ------------------------------------------------------------
+
+
+def test_reuse_distance_evicts_farthest_next_use_and_refuses_farther_admission():
+    cache = Cache(300)
+    fut = Future({1: 50, 2: 10, 3: 400, 4: 700}, now=0, horizon=1000, length=500)
+    pol = make_policy("reuse-distance", PolicyContext(cache, fut))
+    for u in (1, 2, 3):
+        pol.on_insert(u, (u,), 100)
+        cache.units[u] = ((u,), 100)
+    cache.bytes = 300
+    assert pol.victims(100, ()) == [3]
+    assert pol.victims(200, {3}) == [1, 2]
+    assert not pol.admit(4, 100)  # needed after everything cached: bypass
+    fut.uses[5] = 20
+    assert pol.admit(5, 100)
+
+
+def test_reuse_distance_release_rules_need_a_known_next_epoch():
+    cache = Cache(10_000)
+    fut = Future({1: NEVER, 2: 900, 3: 1200}, now=100, horizon=500, length=500)
+    pol = make_policy("reuse-distance", PolicyContext(cache, fut))
+    for u in (1, 2, 3):
+        pol.on_insert(u, (u,), 100)
+    # the next epoch is not known (horizon = end of this epoch): nothing released
+    assert not pol.release_after_use(1, 1)
+    fut.h = 1000  # now it is: limit = 100 + 2*500 - 100 = 1000
+    assert pol.release_after_use(1, 1)      # (a) no further use
+    assert not pol.release_after_use(2, 2)  # used in the next epoch
+    assert pol.release_after_use(3, 3)      # (b) farther than 2I - h
+
+
+def test_reuse_distance_matches_belady_on_a_replayed_random_trace():
+    rnd = random.Random(3)
+    n = 300
+    sizes = [rnd.randint(1000, 3000) for _ in range(n)]
+    orders = [rnd.sample(range(n), n) for _ in range(4)]
+    tr = Trace(sizes, [0] * n, orders)
+    cap = sum(sizes) // 3
+    rd, lru, opt = (run_policy(tr, "reuse-distance", cap), run_policy(tr, "lru", cap),
+                    belady(tr, cap))
+    assert opt.hit_ratio > 0
+    assert rd.hit_ratio >= 0.9 * opt.hit_ratio
+    assert rd.hit_ratio > 2 * lru.hit_ratio
+
+
+# ----- iCACHE ----------------------------------------------------------------------------------
+
+
+def test_icache_h_admission_by_heap_min_and_shadow_rebuild():
+    cache = Cache(1000)
+    imp = Imp({1: 0.5, 2: 0.2, 3: 0.9, 4: 0.1, 5: 0.6}, high={1, 2, 3, 4, 5})
+    pol = make_policy("icache:h_ratio=0.5,package=100", PolicyContext(cache, Future({}), imp))
+    assert pol.h_capacity() == 500
+    for u in (1, 2, 3):
+        assert pol.admit(u, 150) and pol.pack(u, 150) == PACK_ALONE
+        pol.on_insert(u, (u,), 150)
+    assert not pol.admit(4, 150)  # 0.1 is not greater than the heap min 0.2
+    assert pol.admit(5, 150)      # 0.6 > 0.2: replaces the top-node
+    assert pol.victims(150, ()) == [2]
+    pol.on_remove(2)
+    # importance changes: the old heap decides until the shadow heap is complete
+    imp.values.update({1: 0.05})
+    imp.v += 1
+    pol.on_request(1)
+    assert pol.victims(150, ()) == [3] or pol.stats()["rebuilding"]
+    while pol.maintain():
+        pass
+    assert pol.stats()["shadow_swaps"] == 1
+    assert pol.victims(150, ()) == [1]
+
+
+def test_icache_substitutes_only_l_samples_from_the_l_cache_not_used_this_epoch():
+    cache = Cache(10_000)
+    imp = Imp({}, high={1})
+    pol = make_policy("icache:package=200", PolicyContext(cache, Future({}), imp))
+    assert not pol.substitutable(1)
+    assert pol.choose_substitute(1, [10, 11]) is None  # never for an H-sample
+    pol.on_insert(7, (10, 11), 220)  # an L package
+    assert pol.substitutable(2)
+    assert pol.choose_substitute(2, [1, 99]) is None  # candidates not in the L-cache
+    first = pol.choose_substitute(2, [10, 11])
+    second = pol.choose_substitute(3, [10, 11])
+    assert {first, second} == {10, 11}
+    assert pol.choose_substitute(4, [10, 11]) is None  # both used this epoch
+    imp.ep = 1
+    assert pol.choose_substitute(4, [10, 11]) in (10, 11)
+
+
+def test_icache_beats_lru_under_importance_sampling_in_simulation():
+    n = 600
+    rnd = random.Random(1)
+    sizes = [rnd.randint(1000, 3000) for _ in range(n)]
+    diff = [rnd.lognormvariate(0, 1) for _ in range(n)]
+    iv = [float("nan")] * n
+    orders, losses = [], []
+    for e in range(6):
+        o = select_epoch(n, e, 1, iv)
+        orders.append(o)
+        rep = {s: diff[s] for s in o}
+        losses.append(rep)
+        for s, v in rep.items():
+            iv[s] = v
+    tr = Trace(sizes, [s * 5 // n for s in range(n)], orders, losses)
+    cap = sum(sizes) // 5
+    ic = run_policy(tr, "icache", cap)
+    lru = run_policy(tr, "lru", cap)
+    assert ic.hit_ratio > 1.5 * lru.hit_ratio
+    sub = run_policy(tr, "icache", cap, substitute=True)
+    assert sub.substituted > 0 and sub.bytes_from_source < ic.bytes_from_source
+
+
+# ----- importance, IIS and the simulator --------------------------------------------------
+
+
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=60))
+def test_percentile_ranks_preserve_order(values):
+    r = percentile_ranks(values)
+    for i in range(len(values)):
+        for j in range(len(values)):
+            if values[i] < values[j]:
+                assert r[i] < r[j]
+            elif values[i] == values[j]:
+                assert r[i] == r[j]
+    assert all(0.0 <= x <= 1.0 for x in r)
+
+
+def test_aiv_weights_jobs_by_benefit_and_h_list_takes_the_top():
+    imp = Importance(4, h_fraction=0.5)
+    imp.update("a", [0, 1, 2, 3], [4.0, 3.0, 2.0, 1.0])
+    imp.update("b", [0, 1, 2, 3], [1.0, 2.0, 3.0, 4.0])
+    assert imp.is_high(3)  # no H-list yet: everything counts as H
+    imp.jobs["a"].benefit, imp.jobs["b"].benefit = 3.0, 1.2  # b is not cache-eligible
+    imp.rebuild()
+    assert imp.version() == 1
+    assert [imp.is_high(i) for i in range(4)] == [True, True, False, False]
+    imp.jobs["b"].benefit = 2.0  # both eligible: AIV = 3*RIV_a + 2*RIV_b
+    imp.rebuild()
+    assert imp.value(0) == pytest.approx(3.0) and imp.value(3) == pytest.approx(2.0)
+
+
+def test_iis_selection_is_deterministic_full_in_warmup_and_favours_important():
+    n = 2000
+    iv = [float(i) for i in range(n)]
+    assert sorted(select_epoch(n, 0, 5, iv)) == list(range(n))  # warm-up
+    a, b = select_epoch(n, 4, 5, iv), select_epoch(n, 4, 5, iv)
+    assert a == b and len(set(a)) == len(a) < n
+    top, bottom = sum(1 for s in a if s >= n // 2), sum(1 for s in a if s < n // 2)
+    assert top > bottom
+    assert n - 1 in a  # the most important sample is always kept
+
+
+def test_simulate_reports_every_policy_and_belady_bounds_them():
+    rnd = random.Random(2)
+    n = 200
+    tr = Trace([rnd.randint(500, 1500) for _ in range(n)], [0] * n,
+               [rnd.sample(range(n), n) for _ in range(3)])
+    res = simulate(tr, ALL, [0.2, 0.5])
+    for row in res["rows"]:
+        for p in ALL:
+            assert row[p]["accesses"] == 3 * n
+            assert row[p]["hits"] + row[p]["misses"] + row[p]["substituted"] == 3 * n
+            assert row[p]["hit_ratio"] <= row["belady"]["hit_ratio"] + 1e-9

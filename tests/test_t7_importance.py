@@ -1,0 +1,142 @@
+"""Importance and substitution through a real mount (iCACHE): losses in, H-list built,
+missed L-samples served with cached L-samples of the same class directory, H-samples
+never substituted; bad loss lines refused with a reason."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+from conftest import requires_fuse
+
+pytestmark = requires_fuse
+
+CLASSES = ("ant", "bee", "cat")
+PER_CLASS = 24
+
+
+def make_tree(root: Path) -> list[Path]:
+    rnd = random.Random(7)
+    files = []
+    for c in CLASSES:
+        (root / "train" / c).mkdir(parents=True)
+        for i in range(PER_CLASS):
+            p = root / "train" / c / f"{i:03d}.jpg"
+            p.write_bytes(rnd.randbytes(rnd.randint(1500, 2500)))
+            files.append(p)
+    return files  # ImageFolder order: classes sorted, files sorted
+
+
+def write_control(mnt: Path, text: str) -> None:
+    fd = os.open(mnt / ".dlcache" / "control", os.O_WRONLY)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def wait_for(m, pred, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = m.stats()
+        if pred(st):
+            return st
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out; stats: {st}")
+        time.sleep(0.05)
+
+
+def epoch_order(n: int, epoch: int) -> list[int]:
+    return random.Random(epoch).sample(range(n), n)  # a shuffled epoch, as training reads
+
+
+def announce_epoch(mnt: Path, n: int, epoch: int) -> None:
+    order = " ".join(map(str, epoch_order(n, epoch)))
+    write_control(mnt, f"job j\ndataset train\nsampler explicit\norder {epoch} 0 {order}\n"
+                       f"order {epoch} end {n}\nepoch {epoch}\n")
+
+
+def test_substitution_stays_in_the_class_and_never_touches_h_samples(tmp_path, mount):
+    src = tmp_path / "src"
+    files = make_tree(src)
+    n = len(files)
+    losses = {i: float((i * 37) % n) for i in range(n)}  # a permutation: H and L mixed
+    k = round(0.5 * n)
+    high = set(sorted(range(n), key=losses.__getitem__, reverse=True)[:k])
+    m = mount(src, "--policy", "icache:package=4K,h_ratio=0.5", "--substitute",
+              "--h-fraction", "0.5", "--cache-size", "60K", "--chunk-size", "4K")
+    loss_line = "loss " + " ".join(f"{i} {v}" for i, v in losses.items()) + "\n"
+    by_dir: dict[Path, dict[bytes, Path]] = {}
+    for p in files:
+        by_dir.setdefault(p.parent, {})[p.read_bytes()] = p
+    subs_total = 0
+    for epoch in range(4):
+        announce_epoch(m.mnt, n, epoch)
+        st = wait_for(m, lambda s, e=epoch: s["streams"].get("j/0", {}).get("epoch") == e)
+        if epoch >= 1:  # the H-list from the losses reported so far
+            st = wait_for(m, lambda s, e=epoch: (s["importance"] or {}).get("version", 0) >= e)
+            assert st["importance"]["h_samples"] == k
+        for i in epoch_order(n, epoch):
+            p = files[i]
+            got = (m.mnt / p.relative_to(src)).read_bytes()
+            want = p.read_bytes()
+            if got == want:
+                continue
+            # a substitute: another file's exact bytes, from the SAME class directory,
+            # for an L-sample only
+            assert i not in high, f"H-sample {p.name} was substituted"
+            assert got in by_dir[p.parent], f"{p} served bytes from outside its class"
+            sub = by_dir[p.parent][got]
+            assert sub != p and files.index(sub) not in high
+            subs_total += 1
+        write_control(m.mnt, "job j\n" + loss_line)
+        wait_for(m, lambda s, e=epoch: s["losses"] >= n * (e + 1))
+    st = m.stats()
+    assert st["substitutions"] == subs_total > 0
+    assert sum(st["streams"]["j/0"]["substitutions"].values()) >= 1
+    assert st["policy"]["name"].startswith("icache")
+
+
+def test_without_substitute_every_read_is_exact(tmp_path, mount):
+    src = tmp_path / "src"
+    files = make_tree(src)
+    n = len(files)
+    m = mount(src, "--policy", "icache:package=4K", "--cache-size", "40K", "--chunk-size", "4K")
+    for epoch in range(3):
+        announce_epoch(m.mnt, n, epoch)
+        wait_for(m, lambda s, e=epoch: s["streams"].get("j/0", {}).get("epoch") == e)
+        for i in epoch_order(n, epoch):
+            p = files[i]
+            assert (m.mnt / p.relative_to(src)).read_bytes() == p.read_bytes()
+        write_control(m.mnt, "job j\nloss " + " ".join(f"{i} {i % 5}.5" for i in range(n)))
+    assert m.stats()["substitutions"] == 0
+
+
+@pytest.mark.parametrize("line, reason", [
+    ("loss 1", "pairs"),
+    ("loss 1 0.5 2", "pairs"),
+    ("loss x 0.5", "integer"),
+    ("loss 1 abc", "number"),
+    ("loss 1 nan", "finite"),
+    ("loss 1 inf", "finite"),
+    ("loss 1 -inf", "finite"),
+    ("loss 99999 0.5", "range"),
+    ("loss -1 0.5", ""),
+])
+def test_bad_loss_lines_are_refused_with_a_reason(tmp_path, mount, line, reason):
+    src = tmp_path / "src"
+    make_tree(src)
+    m = mount(src)
+    write_control(m.mnt, "job j\ndataset train\nsampler sequential\nepoch 0\n")
+    wait_for(m, lambda s: s["streams"].get("j/0", {}).get("samples") == len(CLASSES) * PER_CLASS)
+    with pytest.raises(OSError) as ei:
+        write_control(m.mnt, f"job j\n{line}\n")
+    assert ei.value.errno == errno.EINVAL
+    errors = (m.mnt / ".dlcache" / "errors").read_text()
+    assert "refused" in errors and reason.lower() in errors.lower()
+    write_control(m.mnt, "job j\nloss 0 1.5 1 2.5\n")  # the mount is fine afterwards
+    assert wait_for(m, lambda s: s["losses"] >= 2)["losses"] == 2
