@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--substitute", action="store_true",
                    help="serve a missed low-importance sample with a cached one of the same "
                         "class directory not yet used this epoch (iCACHE; needs losses)")
+    m.add_argument("--trace", metavar="FILE",
+                   help="record what announced trainings read (and their losses) into FILE "
+                        "at unmount, for 'dlcachefs simulate --trace FILE'")
     m.add_argument("--h-fraction", type=float, default=0.7,
                    help="share of the dataset that counts as important (H-list, 0.7)")
     m.add_argument("--no-reorder", action="store_true",
@@ -116,6 +119,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         revalidate=a.revalidate, rescan=a.rescan, use_source_inode=not a.ignore_source_inode,
         source_threads=a.source_threads, source_timeout=a.source_timeout, policy=a.policy, reorder=not a.no_reorder,
         substitute=a.substitute, h_fraction=a.h_fraction,
+        trace=os.path.abspath(a.trace) if a.trace else None,
         allow_other=a.allow_other, foreground=a.foreground, log_level=a.log_level,
         debug_invariants=a.debug_invariants)
 

@@ -43,6 +43,7 @@ class Config:
     policy: str = "lru"              # NAME[:key=value,...], see dlcachefs.policies
     substitute: bool = False         # iCACHE substitution of missed L-samples
     h_fraction: float = 0.7          # share of the dataset in the H-list (by importance)
+    trace: str | None = None         # record the streams' reads here (dlcachefs simulate)
     reorder: bool = True             # LCache log reordering for streams with a known next order
     allow_other: bool = False
     foreground: bool = False

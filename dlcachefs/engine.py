@@ -52,6 +52,7 @@ from .schema import Chunk, Entry, Record
 from .source import Identity, LocalSource, Source, open_for_range_reads, pread_checked
 from .stats import Counters
 from .streams import Stream, StreamManager
+from .tracelog import TraceRecorder
 from .views import IndexCacheView, InodeImportance, StreamFuture
 from .writer import ChunkWriter
 
@@ -117,6 +118,7 @@ class Engine:
         self.writer = ChunkWriter(cfg, self.index, self.logs, self.policy, self.memtier,
                                   self.counters)
         self._children: dict[int, tuple[float, list[int]]] = {}  # dir -> (when, files)
+        self.trace = TraceRecorder(cfg.trace) if cfg.trace else None
         self.handles: dict[int, Handle] = {}
         self._next_fh = 1
         self._inflight: dict[int, _Inflight] = {}
@@ -186,6 +188,8 @@ class Engine:
         """Stop prefetching, seal and commit what is pending, and stop background work."""
         self.streams.close()
         await self.writer.close()
+        if self.trace is not None:
+            await trio.to_thread.run_sync(self.trace.save, self.size_of)
 
     def close_files(self) -> None:
         """Release descriptors and the index (after :meth:`close`, off the loop is fine)."""
@@ -207,6 +211,8 @@ class Engine:
             raise InvalidArgument("not a regular file")
         if stream is not None:
             self.streams.note_open(stream, ino)
+            if self.trace is not None:
+                self.trace.opened(stream.dataset, stream.samples, stream.epoch, ino)
         if e.size > self.cfg.max_cached_file:
             return await self._open_read_through(e)
         self.future.tick += 1
@@ -322,6 +328,10 @@ class Engine:
         sl = self.streams.sample_list(dataset)
         if sl is None:
             return
+        n = len(sl.inos)
+        if any(not 0 <= i < n for i in indices):  # sent before the sample list was known
+            pairs = [(i, v) for i, v in zip(indices, values, strict=True) if 0 <= i < n]
+            indices, values = [i for i, _ in pairs], [v for _, v in pairs]
         imp = self.importance
         imp.bind(dataset, sl.inos, self.cfg.h_fraction)
         subs: dict[int, int] = {}
@@ -333,6 +343,8 @@ class Engine:
             indices = [idx.get(subs.get(sl.inos[i], -1), i) for i in indices]
         assert imp.table is not None
         imp.table.update(job, indices, values)
+        if self.trace is not None:
+            self.trace.lost(dataset, imp.current_epoch, indices, values)
         self.counters.losses += len(indices)
 
     def _after_use(self, chunk_id: int, ino: int) -> None:

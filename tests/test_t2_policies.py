@@ -315,3 +315,28 @@ def test_simulate_reports_every_policy_and_belady_bounds_them():
             assert row[p]["accesses"] == 3 * n
             assert row[p]["hits"] + row[p]["misses"] + row[p]["substituted"] == 3 * n
             assert row[p]["hit_ratio"] <= row["belady"]["hit_ratio"] + 1e-9
+
+
+@given(st.lists(st.tuples(st.sampled_from([0, 3000, 10_000]), st.integers(1, 5000)),
+                max_size=60))
+def test_writer_packs_records_into_units_by_target(recs):
+    """The chunk writer's grouping: each record in exactly one unit, a target-0 record
+    alone, one target per unit, and every unit but a target's last reaches its target."""
+    from dlcachefs.source import Identity
+    from dlcachefs.writer import Pending, _units
+
+    pend = [Pending(i, b"k", Identity(n, 0, 0), b"x" * n, t) for i, (t, n) in enumerate(recs)]
+    units = _units(pend)
+    assert sorted(r.ino for u in units for r in u) == list(range(len(pend)))
+    last: dict[int, int] = {}
+    for k, u in enumerate(units):
+        targets = {r.target for r in u}
+        assert len(targets) == 1
+        t = targets.pop()
+        if t == 0:
+            assert len(u) == 1
+        last[t] = k
+    for k, u in enumerate(units):
+        t = u[0].target
+        if t > 0 and k != last[t]:
+            assert sum(r.encoded_len for r in u) >= t

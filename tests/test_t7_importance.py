@@ -140,3 +140,39 @@ def test_bad_loss_lines_are_refused_with_a_reason(tmp_path, mount, line, reason)
     assert "refused" in errors and reason.lower() in errors.lower()
     write_control(m.mnt, "job j\nloss 0 1.5 1 2.5\n")  # the mount is fine afterwards
     assert wait_for(m, lambda s: s["losses"] >= 2)["losses"] == 2
+
+
+def test_trace_recorded_by_the_mount_replays_in_simulate(tmp_path, mount):
+    import json
+    import subprocess
+    import sys
+
+    from dlcachefs.simulate import load_trace
+
+    src = tmp_path / "src"
+    files = make_tree(src)
+    n = len(files)
+    trace = tmp_path / "trace.json"
+    m = mount(src, "--trace", str(trace))
+    for epoch in range(2):
+        announce_epoch(m.mnt, n, epoch)
+        wait_for(m, lambda s, e=epoch: s["streams"].get("j/0", {}).get("epoch") == e)
+        for i in epoch_order(n, epoch):
+            (m.mnt / files[i].relative_to(src)).read_bytes()
+        write_control(m.mnt, "job j\nloss " + " ".join(f"{i} {i / 10}" for i in range(n)))
+        wait_for(m, lambda s, e=epoch: s["losses"] >= n * (e + 1))
+    m.umount()
+    t = load_trace(str(trace))
+    assert t.epochs == [epoch_order(n, 0), epoch_order(n, 1)]
+    assert t.sizes == [p.stat().st_size for p in files]
+    assert t.classes == [CLASSES.index(p.parent.name) for p in files]
+    assert t.losses[1][5] == 0.5
+    out = tmp_path / "sim.json"
+    r = subprocess.run([sys.executable, "-m", "dlcachefs.cli", "simulate", "--trace", str(trace),
+                        "--cache", "0.3,0.6", "--json", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "belady" in r.stdout
+    doc = json.loads(out.read_text())
+    for row in doc["rows"]:
+        assert row["lru"]["accesses"] == 2 * n
+        assert row["reuse-distance"]["hit_ratio"] <= row["belady"]["hit_ratio"] + 1e-9

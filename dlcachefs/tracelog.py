@@ -1,0 +1,68 @@
+"""Recording what a training read, for ``dlcachefs simulate --trace`` (``--trace FILE``).
+
+Each open attributed to a stream is noted as (epoch, dataset index) of the stream's
+dataset; losses are noted per epoch. At unmount the trace is written in the format of
+:func:`dlcachefs.simulate.save_trace`: every epoch's order as read (the first open of
+each sample per epoch), file sizes and classes from the sample list, and the losses.
+One dataset per trace (the first one a stream reads). Runs on the trio loop; memory is
+one int per open.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .samplelist import SampleList
+from .simulate import Trace, save_trace
+
+log = logging.getLogger(__name__)
+
+
+class TraceRecorder:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.samples: SampleList | None = None
+        self.dataset: str | None = None
+        self._index: dict[int, int] = {}
+        self.epochs: dict[int, list[int]] = {}
+        self._seen: dict[int, set[int]] = {}
+        self.losses: dict[int, dict[int, float]] = {}
+
+    def _bind(self, dataset: str, samples: SampleList) -> bool:
+        if self.dataset is None:
+            self.dataset, self.samples = dataset, samples
+            self._index = {ino: i for i, ino in enumerate(samples.inos) if ino}
+        return self.dataset == dataset
+
+    def opened(self, dataset: str | None, samples: SampleList | None, epoch: int | None,
+               ino: int) -> None:
+        if dataset is None or samples is None or epoch is None or not self._bind(dataset, samples):
+            return
+        i = self._index.get(ino)
+        if i is None:
+            return
+        seen = self._seen.setdefault(epoch, set())
+        if i not in seen:
+            seen.add(i)
+            self.epochs.setdefault(epoch, []).append(i)
+
+    def lost(self, dataset: str, epoch: int, indices: list[int], values: list[float]) -> None:
+        if dataset != self.dataset:
+            return
+        d = self.losses.setdefault(epoch, {})
+        for i, v in zip(indices, values, strict=True):
+            d[i] = v
+
+    def save(self, size_of) -> None:
+        """Write the trace (``size_of(ino)`` gives file sizes); nothing when empty."""
+        if self.samples is None or not self.epochs:
+            return
+        eps = sorted(self.epochs)
+        trace = Trace([size_of(ino) if ino else 0 for ino in self.samples.inos],
+                      list(self.samples.labels), [self.epochs[e] for e in eps],
+                      [self.losses.get(e, {}) for e in eps])
+        try:
+            save_trace(trace, self.path)
+            log.info("trace of %d epochs written to %s", len(eps), self.path)
+        except OSError as e:
+            log.error("could not write the trace to %s: %s", self.path, e)
