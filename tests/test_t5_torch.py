@@ -120,3 +120,44 @@ def test_launcher_is_bit_identical_and_announces_the_sampler(tmp_path, mount):
     ctl = json.loads((m.mnt / ".dlcache" / "control").read_bytes())
     assert ctl["jobs"]["default"]["dataset"] == ""  # the mount root itself
     assert ctl["streams"]["default/0"]["sampler"]["per_epoch"] is True
+
+
+def test_importance_training_with_substitution_keeps_labels_right(tmp_path, mount):
+    """ImportanceSampler + LossReporter + a DataLoader with workers over a mount with
+    icache and --substitute: every image a batch carries is the exact decoding of a
+    source file of the class its label says, substitutes included."""
+    from dlcachefs.torch import ImportanceSampler, LossReporter, with_index
+
+    src = tmp_path / "src"
+    make_images(src, classes=3, per_class=40)
+    total = sum(p.stat().st_size for p in src.rglob("*.jpg"))
+    m = mount(src, "--policy", "icache:package=8K", "--substitute", "--h-fraction", "0.5",
+              "--cache-size", str(total // 3), "--chunk-size", "8K")
+    tf = transforms.Compose([transforms.Resize((32, 32)), transforms.ToTensor()])
+    digest_class: dict[str, int] = {}
+    ref = datasets.ImageFolder(str(src), transform=tf)
+    for i in range(len(ref)):
+        x, y = ref[i]
+        digest_class[hashlib.sha256(x.numpy().tobytes()).hexdigest()] = y
+    ds = with_index(datasets.ImageFolder(str(m.mnt), transform=tf))
+    sampler = ImportanceSampler(ds, seed=3, warmup=1, full_every=0)
+    reporter = LossReporter(str(m.mnt))
+    rnd = random.Random(0)
+    difficulty = [rnd.random() for _ in range(len(ds))]
+    for epoch in range(4):
+        sampler.set_epoch(epoch)
+        dl = torch.utils.data.DataLoader(ds, sampler=sampler, batch_size=8, num_workers=2)
+        for x, y, idx in dl:
+            for xi, yi in zip(x, y, strict=True):
+                d = hashlib.sha256(xi.numpy().tobytes()).hexdigest()
+                assert digest_class[d] == int(yi)  # a source image of the labelled class
+            loss = torch.tensor([difficulty[int(i)] for i in idx])
+            sampler.record(idx, loss)
+            reporter.report(idx, loss)
+        reporter.flush()
+        if epoch >= 1:
+            assert len(sampler) < len(ds)  # importance sampling trains on a subset
+    st = m.stats()
+    assert st["losses"] > 0 and st["importance"]["version"] >= 1
+    assert st["substitutions"] > 0  # and every substitute above carried a right label
+    assert not (m.mnt / ".dlcache" / "errors").read_text()  # every write was accepted
