@@ -3,6 +3,7 @@ bounds for the same order (Belady's farthest-next-use and LRU, from bench.belady
 
     python -m bench.partial [--classes 8 --per-class 250 --mean-kb 20] [--cache-frac 0.3]
                             [--epochs 4] [--out bench/results/partial.json]
+                            [--policies lru,reuse-distance,lcache] [--both-layouts]
 
 A real ImageFolder + DataLoader(DistributedSampler, 2 workers) reads the epochs through
 the mount under `dlcachefs run`; per epoch it records the mount's hits, misses,
@@ -63,6 +64,11 @@ def main() -> int:
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--policies", default="lru",
+                    help="comma-separated --policy values, one fresh mount each (lru)")
+    ap.add_argument("--no-reorder", action="store_true", help="mount with --no-reorder")
+    ap.add_argument("--both-layouts", action="store_true",
+                    help="run each policy with and without LCache log reordering")
     a = ap.parse_args()
     work = a.workdir or tempfile.mkdtemp(prefix="dlc-partial-")
     src = os.path.join(work, "data")
@@ -77,32 +83,41 @@ def main() -> int:
     script = os.path.join(work, "loop.py")
     with open(script, "w") as f:
         f.write(LOOP)
-    m = DlcMount(src, os.path.join(work, "mnt"), os.path.join(work, "cache"),
-                 ["--cache-size", str(cap), "--chunk-size", "256K", "--min-free", "0"])
-    m.mount()
-    try:
-        r = subprocess.run([m.exe, "run", "--", sys.executable, script,
-                            os.path.join(m.mountpoint, "train"), str(a.epochs)],
-                           capture_output=True, text=True, timeout=3600)
-        if r.returncode != 0:
-            sys.exit(f"training loop failed:\n{r.stderr[-3000:]}")
-        epochs = json.loads(r.stdout.strip().splitlines()[-1])
-    finally:
-        m.umount()
     from dlcachefs.sampler import OrderReplayer, SamplerSpec  # noqa: PLC0415
 
     rep = OrderReplayer(SamplerSpec("distributed", seed=7, world=1, rank=0), len(sizes))
     seq = [i for e in range(a.epochs) for i in rep.order(e)]
     bh, _, _ = belady(seq, sizes, cap)
     lh, _, _ = lru(seq, sizes, cap)
-    hits = sum(e["hits"] for e in epochs)
     n = len(seq)
     res = {"files": len(sizes), "dataset_bytes": total, "cache_bytes": cap,
-           "epochs": epochs, "hit_ratio": round(hits / n, 4),
            "belady_hit_ratio": round(bh / n, 4), "lru_hit_ratio": round(lh / n, 4),
-           "vs_belady": round(hits / bh, 3) if bh else None,
-           "vs_lru": round(hits / lh, 2) if lh else None,
-           "max_chunk_bytes_seen": max(e["chunk_bytes"] for e in epochs)}
+           "runs": []}
+    for k, policy in enumerate(p.strip() for p in a.policies.split(",") if p.strip()):
+        for reorder in ([True, False] if a.both_layouts else [not a.no_reorder]):
+            extra = ["--cache-size", str(cap), "--chunk-size", "256K", "--min-free", "0",
+                     "--policy", policy] + ([] if reorder else ["--no-reorder"])
+            tag = f"{k}-{int(reorder)}"
+            m = DlcMount(src, os.path.join(work, f"mnt-{tag}"), os.path.join(work, f"cache-{tag}"),
+                         extra)
+            m.mount()
+            try:
+                r = subprocess.run([m.exe, "run", "--", sys.executable, script,
+                                    os.path.join(m.mountpoint, "train"), str(a.epochs)],
+                                   capture_output=True, text=True, timeout=3600)
+                if r.returncode != 0:
+                    sys.exit(f"training loop failed:\n{r.stderr[-3000:]}")
+                epochs = json.loads(r.stdout.strip().splitlines()[-1])
+            finally:
+                m.umount()
+            hits = sum(e["hits"] for e in epochs)
+            res["runs"].append({
+                "policy": policy, "reorder": reorder, "epochs": epochs,
+                "hit_ratio": round(hits / n, 4),
+                "bytes_from_source": sum(e.get("bytes_from_source", 0) for e in epochs),
+                "vs_belady": round(hits / bh, 3) if bh else None,
+                "vs_lru": round(hits / lh, 2) if lh else None,
+                "max_chunk_bytes_seen": max(e["chunk_bytes"] for e in epochs)})
     text = json.dumps(res, indent=2)
     print(text)
     if a.out:

@@ -176,3 +176,18 @@ def test_trace_recorded_by_the_mount_replays_in_simulate(tmp_path, mount):
     for row in doc["rows"]:
         assert row["lru"]["accesses"] == 2 * n
         assert row["reuse-distance"]["hit_ratio"] <= row["belady"]["hit_ratio"] + 1e-9
+
+
+def test_two_jobs_keep_their_losses_apart(tmp_path, mount):
+    src = tmp_path / "src"
+    files = make_tree(src)
+    n = len(files)
+    m = mount(src)
+    for job in ("a", "b"):
+        write_control(m.mnt, f"job {job}\ndataset train\nsampler sequential\nepoch 0\n")
+    wait_for(m, lambda s: all(s["streams"].get(f"{j}/0", {}).get("samples") == n for j in "ab"))
+    write_control(m.mnt, "job a\nloss " + " ".join(f"{i} {i}" for i in range(10)) + "\n")
+    write_control(m.mnt, "job b\nloss " + " ".join(f"{i} {n - i}" for i in range(n)) + "\n")
+    st = wait_for(m, lambda s: s["losses"] >= 10 + n)
+    jobs = st["importance"]["jobs"]
+    assert jobs["a"]["reported"] == 10 and jobs["b"]["reported"] == n
