@@ -67,16 +67,23 @@ def announce(dataset_root: str, lines: list[str], job: str | None = None) -> boo
     job = job or os.environ.get(ENV_JOB) or "default"
     text = f"job {job}\ndataset {rel}\n" + "".join(line + "\n" for line in lines)
     try:
-        fd = os.open(os.path.join(mount, ".dlcache", "control"), os.O_WRONLY)
-        try:
-            os.write(fd, text.encode())
-        finally:
-            os.close(fd)
+        write_control(mount, [text.encode()])
     except OSError as e:
         _warn_once(f"write:{mount}", f"could not announce to {mount} ({e}); see "
                    f"{mount}/.dlcache/errors. Training goes on without clairvoyance.")
         return False
     return True
+
+
+def write_control(mount: str, writes: list[bytes]) -> None:
+    """Each item of ``writes`` as one ``write()`` to the mount's control file (each is
+    applied whole or refused whole: OSError EINVAL, reason in ``.dlcache/errors``)."""
+    fd = os.open(os.path.join(mount, ".dlcache", "control"), os.O_WRONLY)
+    try:
+        for w in writes:
+            os.write(fd, w)
+    finally:
+        os.close(fd)
 
 
 def _dataset_root(ds) -> str | None:
@@ -512,12 +519,7 @@ class ImportanceSampler:
         buf.append(f"order {self.epoch} end {start}\nepoch {self.epoch}\n")
         writes.append("".join(buf))
         try:
-            fd = os.open(os.path.join(mount, ".dlcache", "control"), os.O_WRONLY)
-            try:
-                for w in writes:
-                    os.write(fd, w.encode())
-            finally:
-                os.close(fd)
+            write_control(mount, [w.encode() for w in writes])
         except OSError as e:
             _warn_once(f"iis:{mount}", f"could not announce the importance order to {mount} "
                        f"({e}); see {mount}/.dlcache/errors. Training goes on.")
