@@ -1,7 +1,7 @@
 """The floor cost of a Python FUSE daemon: a minimal pyfuse3 + trio read-only passthrough
 over a local directory. Whatever dlcachefs costs above this is its own doing.
 
-    python -m bench.passthrough SRC MNT [--direct-io] [--keep-cache]   # foreground daemon
+    python -m bench.passthrough SRC MNT [--direct-io] [--keep-cache] [--delay-ms MS]  # daemon
     python -m bench.passthrough measure [--files 3000] [--threads 1,8] [--modes plain,direct_io]
 
     with passthrough_mount(src, mnt, direct_io=False) as pid:
@@ -14,7 +14,9 @@ too. ``read`` is one ``os.pread`` on the trio loop (cheaper than a thread hop fo
 reads on 2 cores). Inodes are numbered by the daemon and never forgotten (a benchmark
 tree is small). ``--direct-io`` opens files with ``direct_io`` (no page cache on the
 mount); ``--keep-cache`` keeps the mount's page cache across opens (otherwise every open
-drops it, so every read reaches the daemon).
+drops it, so every read reaches the daemon). ``--delay-ms MS`` makes every ``open`` wait
+MS milliseconds (``trio.sleep``, so concurrent opens overlap) before answering: a slow
+source (an object store's per-request latency) over a local directory. 0 (default): none.
 
 ``passthrough_mount`` starts the daemon as a child (``python -m bench.passthrough``),
 waits until it is mounted, and on the way out always unmounts (``fusermount3 -u``) and
@@ -38,8 +40,11 @@ TIMEOUT = 86400.0  # entry / attribute timeout, seconds
 
 # ----- the daemon (imports pyfuse3 and trio only when run) ---------------------------------
 
-def _make_ops(src: str, direct_io: bool, keep_cache: bool):
+def _make_ops(src: str, direct_io: bool, keep_cache: bool, delay_ms: float = 0.0):
     import pyfuse3
+    import trio
+
+    delay_s = max(0.0, delay_ms) / 1000.0
 
     class Passthrough(pyfuse3.Operations):
         supports_dot_lookup = False
@@ -151,6 +156,8 @@ def _make_ops(src: str, direct_io: bool, keep_cache: bool):
                 raise pyfuse3.FUSEError(errno.ENOENT)
             if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
                 raise pyfuse3.FUSEError(errno.EROFS)
+            if delay_s:
+                await trio.sleep(delay_s)
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
             except OSError as e:
@@ -181,7 +188,8 @@ def _make_ops(src: str, direct_io: bool, keep_cache: bool):
     return Passthrough()
 
 
-def serve(src: str, mnt: str, direct_io: bool = False, keep_cache: bool = False) -> int:
+def serve(src: str, mnt: str, direct_io: bool = False, keep_cache: bool = False,
+          delay_ms: float = 0.0) -> int:
     """Mount and serve in the foreground until unmounted (or SIGTERM / SIGINT)."""
     import pyfuse3
     import trio
@@ -191,7 +199,7 @@ def serve(src: str, mnt: str, direct_io: bool = False, keep_cache: bool = False)
     if not os.path.isdir(src):
         print(f"bench.passthrough: not a directory: {src}", file=sys.stderr)
         return 2
-    ops = _make_ops(src, direct_io, keep_cache)
+    ops = _make_ops(src, direct_io, keep_cache, delay_ms)
     opts = set(pyfuse3.default_options)
     opts |= {"ro", "fsname=dlcbench-passthrough", "subtype=dlcbench-passthrough"}
     pyfuse3.init(ops, mnt, opts)
@@ -236,11 +244,11 @@ def set_read_ahead_kb(mnt: str, kb: int) -> bool:
 
 @contextlib.contextmanager
 def passthrough_mount(src: str, mnt: str, direct_io: bool = False, keep_cache: bool = False,
-                      read_ahead_kb: int | None = None, log_path: str | None = None
-                      ) -> Iterator[int]:
+                      read_ahead_kb: int | None = None, log_path: str | None = None,
+                      delay_ms: float = 0.0) -> Iterator[int]:
     """Start the passthrough daemon on ``mnt`` in a child process and yield its pid; on
     the way out (also on failure) unmount with ``fusermount3 -u`` and end the child by
-    its pid if it has not exited by itself."""
+    its pid if it has not exited by itself. ``delay_ms`` > 0: every open waits that long."""
     from .remote import RemoteError, is_mounted, stop_daemon, wait_mounted
 
     src = os.path.abspath(src)
@@ -254,6 +262,8 @@ def passthrough_mount(src: str, mnt: str, direct_io: bool = False, keep_cache: b
         args.append("--direct-io")
     if keep_cache:
         args.append("--keep-cache")
+    if delay_ms > 0:
+        args.append(f"--delay-ms={delay_ms}")
     logf = open(log_path or os.devnull, "ab")  # noqa: SIM115
     try:
         proc = subprocess.Popen(args, cwd=repo, stdin=subprocess.DEVNULL, stdout=logf,
@@ -345,8 +355,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("mnt")
     p.add_argument("--direct-io", action="store_true")
     p.add_argument("--keep-cache", action="store_true")
+    p.add_argument("--delay-ms", type=float, default=0.0,
+                   help="wait this long in every open (a slow source; default 0)")
     a = p.parse_args(argv)
-    return serve(a.src, a.mnt, direct_io=a.direct_io, keep_cache=a.keep_cache)
+    return serve(a.src, a.mnt, direct_io=a.direct_io, keep_cache=a.keep_cache,
+                 delay_ms=a.delay_ms)
 
 
 if __name__ == "__main__":

@@ -427,7 +427,13 @@ class Engine:
             data, e = await self._fetch(e, cache=False)
             self._put_ready(ino, identity(e), None, data, stream.key)
         else:
-            data, _ = await self._fetch(e)
+            data, e = await self._fetch(e)
+            p = self.writer.pending.get(ino)
+            if (p is None or p.ident != identity(e)) and (
+                    self._ready_bytes + len(data) <= self.ready_limit):
+                # the policy did not admit it (or the writer skipped it): hold it in
+                # memory until it is read, rather than fetch it twice
+                self._put_ready(ino, identity(e), None, data, stream.key)
         stream.bytes_from_source += len(data)
         self.counters.prefetched += 1
         return True
