@@ -37,6 +37,7 @@ from . import schema as S
 from .chunkfmt import checksum, verify_chunk
 from .config import Config
 from .errors import (
+    DlcError,
     FormatError,
     InvalidArgument,
     NotFound,
@@ -119,6 +120,9 @@ class Engine:
                                   self.counters)
         self._children: dict[int, tuple[float, list[int]]] = {}  # dir -> (when, files)
         self.trace = TraceRecorder(cfg.trace) if cfg.trace else None
+        self._nursery: trio.Nursery | None = None
+        self._rebuilding = False
+        self._rebuild_due = False
         self.handles: dict[int, Handle] = {}
         self._next_fh = 1
         self._inflight: dict[int, _Inflight] = {}
@@ -175,13 +179,19 @@ class Engine:
             await nursery.start(self.writer.run)
             await nursery.start(self.streams.run)
             nursery.start_soon(self._maintain_policy)
+            self._nursery = nursery
             task_status.started()
 
     async def _maintain_policy(self) -> None:
-        """The policy's background steps (iCACHE's shadow heap), between requests."""
+        """The policy's background steps (iCACHE's shadow heap), between requests. A
+        policy that fails here is logged, never the end of the mount."""
         while True:
-            while self.policy.maintain():
-                await trio.sleep(0)
+            try:
+                while self.policy.maintain():
+                    await trio.sleep(0)
+            except Exception:  # noqa: BLE001 - third-party policies run here too
+                log.exception("policy %s: background step failed", self.cfg.policy)
+                await trio.sleep(10)
             await trio.sleep(0.2)
 
     async def close(self) -> None:
@@ -257,20 +267,21 @@ class Engine:
             if pick is None:
                 return None
             cands.remove(pick)
-            se = self.index.get_entry(pick)
+            try:  # the substitute's current version, by the same freshness rule as an open
+                se = await self.ns.fresh_file(pick)
+            except DlcError:
+                continue
             rec = self.index.get_record(pick)
-            if se is None or rec is None or pick in self.writer.drops or Identity(
+            if rec is None or pick in self.writer.drops or Identity(
                     rec.size, rec.mtime_ns, rec.src_ino) != identity(se):
                 continue
-            data = await self._read_record(pick, rec)
-            if data is None:
-                continue
-            break
+            data = await self._read_record(pick, rec)  # tells the policy it was served
+            if data is not None:
+                break
         self.counters.substitutions += 1  # neither a hit nor a miss: counted apart
         stream.used.update((pick, e.ino))
         stream.substituted[e.ino] = pick
         stream.substitutions[stream.epoch or 0] = stream.substitutions.get(stream.epoch or 0, 0) + 1
-        self._after_use(rec.chunk_id, pick)
         # the kernel knows the requested file's size: direct_io so the substitute's own
         # length is what the reader gets (a short read is its end of file)
         fh = self._new_fh(Handle(e.ino, memoryview(data), True))
@@ -310,9 +321,23 @@ class Engine:
         b = stream.benefit(time.monotonic())
         if b is not None and stream.job in table.jobs:
             table.jobs[stream.job].benefit = b
-        nursery = self.streams._nursery
-        if nursery is not None:
-            nursery.start_soon(trio.to_thread.run_sync, table.rebuild)
+        self._rebuild_due = True
+        if not self._rebuilding and self._nursery is not None:
+            self._nursery.start_soon(self._rebuild_importance, table)
+
+    async def _rebuild_importance(self, table) -> None:
+        """Rebuild the AIV and H-list in a thread, one rebuild at a time (several ranks
+        starting an epoch ask together). Never fatal: an error is logged."""
+        self._rebuilding = True
+        try:
+            while self._rebuild_due:
+                self._rebuild_due = False
+                try:
+                    await trio.to_thread.run_sync(table.rebuild)
+                except Exception:  # noqa: BLE001 - the mount goes on with the old H-list
+                    log.exception("rebuilding the importance table failed")
+        finally:
+            self._rebuilding = False
 
     def dataset_size(self, rel: str) -> int | None:
         """Samples in the ImageFolder at ``rel`` when a stream has listed it (else None)."""
@@ -334,14 +359,17 @@ class Engine:
             indices, values = [i for i, _ in pairs], [v for _, v in pairs]
         imp = self.importance
         imp.bind(dataset, sl.inos, self.cfg.h_fraction)
+        # losses arrive late (the reporter batches): the last epoch's map, then this one's
         subs: dict[int, int] = {}
         for st in self.streams.streams.values():
             if st.job == job:
+                subs.update(st.substituted_before)
                 subs.update(st.substituted)
         if subs:
             idx = imp.index_of
             indices = [idx.get(subs.get(sl.inos[i], -1), i) for i in indices]
-        assert imp.table is not None
+        if imp.table is None:
+            return
         imp.table.update(job, indices, values)
         if self.trace is not None:
             self.trace.lost(dataset, imp.current_epoch, indices, values)
@@ -675,7 +703,8 @@ class Engine:
             # backpressure: a reader faster than the disk waits for the writer rather than
             # leaving files uncached (memory stays bounded by the writer's room)
             await self.writer.wait_room(len(data))
-        self.writer.submit(e.ino, rel, ident, data)
+        if not self.writer.submit(e.ino, rel, ident, data):
+            self.policy.on_dropped(e.ino)
         return data, e
 
     async def source_call(self, fn, *args):

@@ -98,7 +98,7 @@ class Importance:
 
     def weights(self) -> dict[str, float]:
         """Per job weight in the AIV: its benefit when eligible; all 1 when none is."""
-        jobs = {k: j for k, j in self.jobs.items() if j.reported}
+        jobs = {k: j for k, j in list(self.jobs.items()) if j.reported}
         eligible = {k: j.benefit for k, j in jobs.items()
                     if j.benefit is not None and j.benefit > ELIGIBLE}
         if eligible:

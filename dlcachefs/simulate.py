@@ -168,6 +168,11 @@ class _Future:
     def epoch_start(self) -> int:
         return self.starts[self.epoch]
 
+    def next_epoch_end(self) -> int | None:
+        if self.horizon_epochs < 1 or self.epoch + 2 >= len(self.starts):
+            return None
+        return self.starts[self.epoch + 2] - 1
+
 
 class _Importance:
     def __init__(self, imp: Importance) -> None:

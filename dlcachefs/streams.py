@@ -69,6 +69,8 @@ class Stream:
     next_first_order: list[int] = field(default_factory=list)
     used: set[int] = field(default_factory=set)  # inodes served this epoch (substitution)
     substituted: dict[int, int] = field(default_factory=dict)  # requested -> served ino
+    substituted_before: dict[int, int] = field(default_factory=dict)  # the last epoch's
+    epoch_tick: int = 0  # the policy clock's tick when this epoch began
     substitutions: dict[int, int] = field(default_factory=dict)  # epoch -> count
     # open latencies, for the job's measured caching benefit (iCACHE III-D)
     hit_s: float = 0.0
@@ -186,8 +188,8 @@ class StreamManager:
             if samples is None:
                 samples = await trio.to_thread.run_sync(image_folder, self.engine.ns, dataset)
                 self._samplelists = {dataset: samples}  # keep one: they can be large
-            if spec.kind == "explicit":
-                s.replayer = _Explicit(spec, s.explicit or {}, len(samples))
+            if spec.kind == "explicit":  # a copy: control may drop old epochs meanwhile
+                s.replayer = _Explicit(spec, dict(s.explicit or {}), len(samples))
             elif (s.replayer is None or s.replayer.spec != spec or s.samples is not samples
                     or spec.per_epoch):
                 s.replayer = OrderReplayer(spec, len(samples), base_epoch=epoch)
@@ -196,7 +198,7 @@ class StreamManager:
             nxt_first: dict[int, int] | None = None
             if s.replayer.known(epoch + 1):  # the policy's future reaches into it
                 nxt = await trio.to_thread.run_sync(s.replayer.order, epoch + 1)
-                nxt_first = _first_positions(nxt, samples)
+                nxt_first = await trio.to_thread.run_sync(_first_positions, nxt, samples)
             need = await trio.to_thread.run_sync(self._dataset_bytes, samples)
         except (DlcError, ValueError, OSError) as e:
             s.error = str(e)
@@ -223,7 +225,8 @@ class StreamManager:
         s.position = s.prefetched_upto = 0
         self.engine.drop_ready(s.key)
         self.engine.epoch_started(s, samples)
-        s.used, s.substituted = set(), {}
+        s.used, s.substituted_before, s.substituted = set(), s.substituted, {}
+        s.epoch_tick = self.engine.future.tick
         s.hit_s = s.miss_s = 0.0
         s.hit_n = s.miss_n = 0
         s.epoch_t0 = time.monotonic()

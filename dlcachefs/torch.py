@@ -457,6 +457,7 @@ class ImportanceSampler:
         self._target = find_mount(root) if (announce and root) else None
         self._order: list[int] | None = None
         self._announced: int | None = None
+        self._announced_head = False
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -493,7 +494,10 @@ class ImportanceSampler:
     def _announce(self, order: list[int]) -> None:
         assert self._target is not None
         mount, rel = self._target
-        head = f"job {self.job}\ndataset {rel}\nsampler explicit\n"
+        # dataset and sampler once: re-sending them would restart the running epoch's
+        # stream before this epoch's order is complete
+        head = f"job {self.job}\n" if self._announced_head else (
+            f"job {self.job}\ndataset {rel}\nsampler explicit\n")
         writes, buf, start, line, line_start = [], [head], 0, [], 0
         size = len(head)
 
@@ -520,6 +524,7 @@ class ImportanceSampler:
         writes.append("".join(buf))
         try:
             write_control(mount, [w.encode() for w in writes])
+            self._announced_head = True
         except OSError as e:
             _warn_once(f"iis:{mount}", f"could not announce the importance order to {mount} "
                        f"({e}); see {mount}/.dlcache/errors. Training goes on.")

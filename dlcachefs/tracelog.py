@@ -5,7 +5,7 @@ dataset; losses are noted per epoch. At unmount the trace is written in the form
 :func:`dlcachefs.simulate.save_trace`: every epoch's order as read (the first open of
 each sample per epoch), file sizes and classes from the sample list, and the losses.
 One dataset per trace (the first one a stream reads). Runs on the trio loop; memory is
-one int per open.
+one int per first read of a sample in an epoch, and one byte per sample.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ class TraceRecorder:
         self.dataset: str | None = None
         self._index: dict[int, int] = {}
         self.epochs: dict[int, list[int]] = {}
-        self._seen: dict[int, set[int]] = {}
+        self._seen_epoch: int | None = None
+        self._seen = bytearray()  # samples already read in the epoch being recorded
         self.losses: dict[int, dict[int, float]] = {}
 
     def _bind(self, dataset: str, samples: SampleList) -> bool:
@@ -41,9 +42,13 @@ class TraceRecorder:
         i = self._index.get(ino)
         if i is None:
             return
-        seen = self._seen.setdefault(epoch, set())
-        if i not in seen:
-            seen.add(i)
+        if epoch != self._seen_epoch:
+            self._seen_epoch = epoch
+            self._seen = bytearray(len(samples.inos))
+            for j in self.epochs.get(epoch, ()):
+                self._seen[j] = 1
+        if not self._seen[i]:
+            self._seen[i] = 1
             self.epochs.setdefault(epoch, []).append(i)
 
     def lost(self, dataset: str, epoch: int, indices: list[int], values: list[float]) -> None:

@@ -12,6 +12,7 @@ All of it runs on the trio loop, like the policy.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from . import schema as S
@@ -19,6 +20,7 @@ from .importance import Importance
 from .index import Index
 
 NEVER = float("inf")
+log = logging.getLogger(__name__)
 
 
 class IndexCacheView:
@@ -76,7 +78,15 @@ class StreamFuture:
 
     def epoch_start(self) -> int:
         act = self._active()
-        return self.tick - act[0].position if act else 0
+        return act[0].epoch_tick if act else 0
+
+    def next_epoch_end(self) -> int | None:
+        """Last tick of the next epoch of the first stream, when its order is known."""
+        act = self._active()
+        if not act or act[0].next_first is None:
+            return None
+        s = act[0]
+        return s.epoch_tick + len(s.order) + len(s.next_first_order) - 1
 
 
 class InodeImportance:
@@ -91,6 +101,9 @@ class InodeImportance:
     def bind(self, dataset: str, inos: Sequence[int], h_fraction: float) -> None:
         if self.dataset == dataset and self.table is not None and self.table.n == len(inos):
             return
+        if self.table is not None:  # one dataset's importance at a time (see README)
+            log.warning("importance: now for dataset %r; the losses of %r are dropped",
+                        dataset, self.dataset)
         self.dataset = dataset
         self.table = Importance(len(inos), h_fraction)
         self.index_of = {ino: i for i, ino in enumerate(inos) if ino}

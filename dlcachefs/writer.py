@@ -3,9 +3,10 @@
 Order of one seal (the crash-consistency argument):
 
 1. choose victims on the trio loop (policy; pinned chunks excluded) and stop serving them;
-2. in ONE worker thread: append the chunk to the active log and ``fdatasync`` it; then one
-   LMDB write transaction drops the victims' and dropped records and indexes the new
-   records; commit (LMDB fsyncs); then punch the victims' holes.
+2. in ONE worker thread: append the new chunks (the policy's units: one or several) to
+   the active log in one write and ``fdatasync`` it; then one LMDB write transaction drops
+   the victims' and dropped records and indexes the new records and chunks; commit (LMDB
+   fsyncs); then punch the victims' holes.
 
 So the index only ever points at bytes that were already durable, and never at a punched
 range. A crash between the append and the commit leaves an unindexed tail, which
@@ -226,6 +227,8 @@ class ChunkWriter:
                                   WRITE_BACKOFF)
                     self.counters.write_errors += 1
                     self.backoff_until = time.monotonic() + WRITE_BACKOFF
+                    for r in self.open:
+                        self.policy.on_dropped(r.ino)
                     self.open, self.open_bytes = [], 0
                     self._group_bytes, self._full = {}, False
                     self.pending.clear()
@@ -264,10 +267,18 @@ class ChunkWriter:
         records, drops = self._take_batch(force)
         # a record already indexed for the same version (moved by the reorderer meanwhile)
         # would only be a dead copy in a chunk nobody reads
-        records = [r for r in records if not self._indexed(r)]
+        kept = []
+        for r in records:
+            if self._indexed(r):
+                self.policy.on_dropped(r.ino)
+            else:
+                kept.append(r)
+        records = kept
         groups = _units(records)
         new_len = sum(CHUNK_HEADER_SIZE + sum(r.encoded_len for r in g) for g in groups)
-        # superseded chunks go first (release after use); pinned ones wait for a later seal
+        # superseded chunks go first (release after use); pinned ones wait for a later
+        # seal; a next-epoch log chunk is never given up this way
+        self.retire -= self.protected
         retired = [c for c in self.retire if c not in self.pins]
         self.retire.difference_update(retired)
         victims: list[int] = list(retired)
@@ -309,6 +320,9 @@ class ChunkWriter:
         for c in res.evicted:
             self.policy.on_remove(c.chunk_id)
         self.counters.chunks_evicted += len(res.evicted)
+        if res.error is not None or not write:
+            for r in records:
+                self.policy.on_dropped(r.ino)
         if res.error is not None:
             self.counters.write_errors += 1
             self.counters.cache_skipped += len(records)

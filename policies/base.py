@@ -77,6 +77,9 @@ class FutureView(Protocol):
     def epoch_start(self) -> int:
         """Tick at which the current epoch began."""
 
+    def next_epoch_end(self) -> int | None:
+        """Last tick of the next epoch when its order is known, else None."""
+
 
 class ImportanceView(Protocol):
     """Per-sample importance (iCACHE's IV, or the aggregated AIV of several jobs)."""
@@ -109,6 +112,9 @@ class _NoFuture:
 
     def epoch_start(self) -> int:
         return 0
+
+    def next_epoch_end(self) -> int | None:
+        return None
 
 
 class _NoImportance:
@@ -177,6 +183,9 @@ class CachePolicy(ABC):
     def admit(self, sample: int, size: int) -> bool:
         """Cache this sample, just fetched from the source? (It is served either way.)"""
         return True
+
+    def on_dropped(self, sample: int) -> None:  # noqa: B027 - optional hook
+        """An admitted sample will not be inserted after all (the writer could not)."""
 
     # ----- life of a unit ------------------------------------------------------------
 

@@ -69,13 +69,18 @@ class ICachePolicy(CachePolicy):
         self._version = self.ctx.importance.version()
         self._shadow: list[tuple[float, int, int]] | None = None
         self._rebuild: list[int] = []
-        # L-cache: unit -> (members, size); per-epoch served samples
+        # L-cache: unit -> (members, size), oldest first; per-epoch served samples; per
+        # package its members not yet served this epoch, and the used-up ones in order
         self._l: dict[int, tuple[tuple[int, ...], int]] = {}
         self._l_bytes = 0
         self._l_of: dict[int, int] = {}  # sample -> its L unit
         self._served: set[int] = set()
+        self._left: dict[int, int] = {}
+        self._used_up_units: dict[int, None] = {}
         self._epoch = self.ctx.importance.epoch()
-        # pending admissions not yet inserted, per side (so victims knows who needs room)
+        # admitted, not yet inserted: sample -> (side, bytes); so victims knows who needs
+        # room (the writer reports samples it then drops: on_dropped)
+        self._pending: dict[int, tuple[str, int]] = {}
         self._pending_h = 0
         self._pending_l = 0
         self._f_h = 0.0
@@ -111,6 +116,8 @@ class ICachePolicy(CachePolicy):
         if ep != self._epoch:
             self._epoch = ep
             self._served.clear()
+            self._left = {u: len(m) for u, (m, _) in self._l.items()}
+            self._used_up_units.clear()
             self._f_h /= 2
             self._f_l /= 2
         v = self.ctx.importance.version()
@@ -148,14 +155,30 @@ class ICachePolicy(CachePolicy):
                 top = self._valid_top()
                 ok = top is not None and self._iv(sample) > top[0]
             if ok:
-                self._pending_h += size
+                self._add_pending(sample, "h", size)
                 self.h_admitted += 1
             else:
                 self.h_refused += 1
             return ok
         # an L-sample that missed: repacked into the next package
-        self._pending_l += size
+        self._add_pending(sample, "l", size)
         return True
+
+    def _add_pending(self, sample: int, side: str, size: int) -> None:
+        self.on_dropped(sample)  # admitted again: the older admission is void
+        self._pending[sample] = (side, size)
+        if side == "h":
+            self._pending_h += size
+        else:
+            self._pending_l += size
+
+    def on_dropped(self, sample: int) -> None:
+        old = self._pending.pop(sample, None)
+        if old is not None:
+            if old[0] == "h":
+                self._pending_h -= old[1]
+            else:
+                self._pending_l -= old[1]
 
     # ----- life of a unit ------------------------------------------------------------
 
@@ -168,20 +191,32 @@ class ICachePolicy(CachePolicy):
 
     def on_insert(self, unit: int, members: Sequence[int], size: int) -> None:
         self._new_epoch()
+        for m in members:
+            self.on_dropped(m)  # no longer pending
         if len(members) == 1 and self._high(members[0]):
-            self._pending_h = max(0, self._pending_h - size)
             self._h[unit] = (members[0], size)
             self._h_bytes += size
             self._heap_push(unit, members[0])
         else:
-            self._pending_l = max(0, self._pending_l - size)
             self._l[unit] = (tuple(members), size)
             self._l_bytes += size
             for m in members:
                 self._l_of[m] = unit
+            left = sum(1 for m in members if m not in self._served)
+            self._left[unit] = left
+            if left == 0:
+                self._used_up_units[unit] = None
 
     def on_access(self, unit: int, sample: int) -> None:
-        self._served.add(sample)  # the H-cache keeps no recency (line 6)
+        self._new_epoch()
+        if sample in self._served:
+            return  # the H-cache keeps no recency (line 6)
+        self._served.add(sample)
+        u = self._l_of.get(sample)
+        if u is not None and u in self._left:
+            self._left[u] -= 1
+            if self._left[u] <= 0:
+                self._used_up_units[u] = None
 
     def on_remove(self, unit: int) -> None:
         h = self._h.pop(unit, None)
@@ -192,12 +227,14 @@ class ICachePolicy(CachePolicy):
         pkg = self._l.pop(unit, None)
         if pkg is not None:
             self._l_bytes -= pkg[1]
+            self._left.pop(unit, None)
+            self._used_up_units.pop(unit, None)
             for m in pkg[0]:
                 if self._l_of.get(m) == unit:
                     del self._l_of[m]
 
     def _used_up(self, unit: int) -> bool:
-        return all(m in self._served for m in self._l[unit][0])
+        return unit in self._used_up_units
 
     def release_after_use(self, unit: int, sample: int) -> bool:
         # a package served whole this epoch goes when the L-cache needs the room
@@ -224,14 +261,17 @@ class ICachePolicy(CachePolicy):
                     out.append(unit)
                     freed += self._h[unit][1]
                     skipped.append((iv, stamp, unit))  # on_remove invalidates it
-            else:
-                pkgs = [u for u in self._l if u not in exclude]
-                pkgs.sort(key=lambda u: (not self._used_up(u), u))  # used up, then oldest
-                for u in pkgs:
-                    if freed >= need:
-                        break
-                    out.append(u)
-                    freed += self._l[u][1]
+            else:  # packages served whole this epoch, then the oldest
+                chosen = set(out)
+                for pool in (self._used_up_units, self._l):
+                    for u in pool:
+                        if freed >= need:
+                            break
+                        if u in exclude or u in chosen:
+                            continue
+                        out.append(u)
+                        chosen.add(u)
+                        freed += self._l[u][1]
         for e in skipped:
             heapq.heappush(self._heap, e)
         return out
@@ -249,10 +289,9 @@ class ICachePolicy(CachePolicy):
                 if c in self._l_of and c not in self._served and not self._high(c)]
         if not pool:
             return None
-        pick = self._rng.choice(pool)
-        self._served.add(pick)
+        # marked served when the runner serves it (on_access), not here: it may fail
         self.substitutions += 1
-        return pick
+        return self._rng.choice(pool)
 
     # ----- the shadow heap ------------------------------------------------------------
 
@@ -260,7 +299,8 @@ class ICachePolicy(CachePolicy):
         self._new_epoch()
         if self._shadow is None:
             return False
-        step, self._rebuild = self._rebuild[:REBUILD_STEP], self._rebuild[REBUILD_STEP:]
+        step = self._rebuild[-REBUILD_STEP:]
+        del self._rebuild[-REBUILD_STEP:]
         for unit in step:
             h = self._h.get(unit)
             if h is not None:

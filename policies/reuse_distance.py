@@ -78,7 +78,7 @@ class ReuseDistancePolicy(CachePolicy):
             if self._seq.get(unit) != stamp:
                 continue  # stale
             key = self._key(unit)
-            if key < -neg:  # the future got nearer (a new order was announced): re-key
+            if key != -neg:  # the future moved (a new order, reads not seen): re-key
                 heapq.heappush(self._heap, (-key, stamp, unit))
                 continue
             if unit in exclude:
@@ -110,13 +110,11 @@ class ReuseDistancePolicy(CachePolicy):
         if not self.eager or unit not in self._units:
             return False
         fut = self.ctx.future
-        length = fut.epoch_length()
-        if not length:
-            return False
-        now = fut.now()
-        h = now - fut.epoch_start()
-        limit = now + 2 * length - h  # end of the next epoch
-        if fut.horizon() < limit:  # the next epoch's order is not known: rule cannot apply
+        # Lobster's limit: now + 2I - h, the end of the next epoch (with epochs of equal
+        # length I); taken from the next epoch's known order, which also covers epochs of
+        # different lengths (importance sampling). Unknown next epoch: the rules wait.
+        limit = fut.next_epoch_end()
+        if limit is None:
             return False
         # (a) and (b): no member is read again before the end of the next epoch
         if all(fut.next_use(m) > limit for m in self._units[unit][1]):

@@ -62,6 +62,9 @@ class Future:
     def epoch_start(self):
         return 0
 
+    def next_epoch_end(self):
+        return self.h if self.length and self.h >= 2 * self.length - 1 else None
+
 
 class Imp:
     def __init__(self, values: dict[int, float], high: set[int] | None, version: int = 1):
@@ -178,7 +181,7 @@ def test_reuse_distance_release_rules_need_a_known_next_epoch():
         pol.on_insert(u, (u,), 100)
     # the next epoch is not known (horizon = end of this epoch): nothing released
     assert not pol.release_after_use(1, 1)
-    fut.h = 1000  # now it is: limit = 100 + 2*500 - 100 = 1000
+    fut.h = 999  # now it is: limit = end of the next epoch = 100 + 2*500 - 100 - 1
     assert pol.release_after_use(1, 1)      # (a) no further use
     assert not pol.release_after_use(2, 2)  # used in the next epoch
     assert pol.release_after_use(3, 3)      # (b) farther than 2I - h
@@ -234,7 +237,9 @@ def test_icache_substitutes_only_l_samples_from_the_l_cache_not_used_this_epoch(
     assert pol.substitutable(2)
     assert pol.choose_substitute(2, [1, 99]) is None  # candidates not in the L-cache
     first = pol.choose_substitute(2, [10, 11])
+    pol.on_access(7, first)  # the runner served it
     second = pol.choose_substitute(3, [10, 11])
+    pol.on_access(7, second)
     assert {first, second} == {10, 11}
     assert pol.choose_substitute(4, [10, 11]) is None  # both used this epoch
     imp.ep = 1
@@ -340,3 +345,30 @@ def test_writer_packs_records_into_units_by_target(recs):
         t = u[0].target
         if t > 0 and k != last[t]:
             assert sum(r.encoded_len for r in u) >= t
+
+
+def test_icache_pending_bytes_follow_admissions_inserts_and_drops():
+    cache = Cache(10_000)
+    imp = Imp({}, high={1, 2})
+    pol = make_policy("icache:package=100,h_ratio=0.5", PolicyContext(cache, Future({}), imp))
+    assert pol.admit(1, 300) and pol.admit(1, 300)  # admitted twice: counted once
+    assert pol.admit(5, 80)                          # an L-sample
+    assert (pol._pending_h, pol._pending_l) == (300, 80)
+    pol.on_dropped(1)                                # the writer could not cache it
+    pol.on_insert(9, (5,), 120)                      # the package, with its header
+    assert (pol._pending_h, pol._pending_l) == (0, 0)
+
+
+def test_icache_gives_up_used_up_packages_first():
+    cache = Cache(10_000)
+    imp = Imp({}, high=set())
+    pol = make_policy("icache:package=100", PolicyContext(cache, Future({}), imp))
+    pol.on_insert(1, (10, 11), 200)
+    pol.on_insert(2, (20, 21), 200)
+    for s in (20, 21):
+        pol.on_access(2, s)
+    assert pol.victims(100, ()) == [2]  # served whole this epoch, though newer
+    assert pol.victims(300, ()) == [2, 1]
+    imp.ep = 1  # a new epoch: nothing is used up any more
+    pol.on_request(99)
+    assert pol.victims(100, ()) == [1]
