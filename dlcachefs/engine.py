@@ -346,16 +346,17 @@ class Engine:
 
     def on_loss(self, job: str, indices: list[int], values: list[float]) -> None:
         """Losses a job reported (``loss`` control lines): its IVs. A loss reported for a
-        sample that was substituted belongs to the sample actually served."""
+        sample that was substituted belongs to the sample actually served. Losses of a job
+        whose dataset has not been listed by a stream yet are counted and ignored."""
         dataset = self.streams.job_dataset(job)
-        if dataset is None:
-            return
-        sl = self.streams.sample_list(dataset)
-        if sl is None:
+        sl = None if dataset is None else self.streams.sample_list(dataset)
+        if dataset is None or sl is None:
+            self.counters.losses_ignored += len(indices)
             return
         n = len(sl.inos)
         if any(not 0 <= i < n for i in indices):  # sent before the sample list was known
             pairs = [(i, v) for i, v in zip(indices, values, strict=True) if 0 <= i < n]
+            self.counters.losses_ignored += len(indices) - len(pairs)
             indices, values = [i for i, _ in pairs], [v for _, v in pairs]
         imp = self.importance
         imp.bind(dataset, sl.inos, self.cfg.h_fraction)

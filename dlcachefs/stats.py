@@ -33,6 +33,7 @@ class Counters:
     substitutions: int = 0         # misses served with another cached sample (--substitute)
     not_admitted: int = 0          # fetched files the policy chose not to cache
     losses: int = 0                # per-sample losses received (loss control lines)
+    losses_ignored: int = 0        # losses of a job with no listed dataset, or out of range
     released_after_use: int = 0    # chunks the policy released right after a use
     write_errors: int = 0          # failed log appends (ENOSPC, EIO): served from the source instead
 
