@@ -12,7 +12,10 @@ The cache is split in two:
   package is one unit, read and released whole. L-samples that missed are packed into the
   next package (the paper's repacking of missed IDs). A package all of whose samples were
   served this epoch is released when the L-cache needs room ("when all data items in the
-  L-cache have been accessed once, new packages will be read").
+  L-cache have been accessed once, new packages will be read"). When the H-list changes,
+  packages whose samples are now mostly H are marked stale (in steps, by
+  :meth:`maintain`) and go next, so the L-cache is repacked with current L-samples; the
+  paper's topping up of new packages with L-samples taken from old ones is not done.
 
 **Substitution** (Algorithm 1, lines 22-23; only when the mount enables it): a missed
 L-sample may be served with a cached L-sample *from the L-cache* not yet served this
@@ -69,6 +72,9 @@ class ICachePolicy(CachePolicy):
         self._version = self.ctx.importance.version()
         self._shadow: list[tuple[float, int, int]] | None = None
         self._rebuild: list[int] = []
+        # repacking (III-C): packages mostly made of samples that are H now go first
+        self._restale: list[int] = []
+        self._stale: dict[int, None] = {}
         # L-cache: unit -> (members, size), oldest first; per-epoch served samples; per
         # package its members not yet served this epoch, and the used-up ones in order
         self._l: dict[int, tuple[tuple[int, ...], int]] = {}
@@ -125,6 +131,7 @@ class ICachePolicy(CachePolicy):
             self._version = v
             self._shadow = []
             self._rebuild = list(self._h)
+            self._restale = list(self._l)
 
     def on_request(self, sample: int) -> None:
         self._new_epoch()
@@ -229,6 +236,7 @@ class ICachePolicy(CachePolicy):
             self._l_bytes -= pkg[1]
             self._left.pop(unit, None)
             self._used_up_units.pop(unit, None)
+            self._stale.pop(unit, None)
             for m in pkg[0]:
                 if self._l_of.get(m) == unit:
                     del self._l_of[m]
@@ -261,9 +269,9 @@ class ICachePolicy(CachePolicy):
                     out.append(unit)
                     freed += self._h[unit][1]
                     skipped.append((iv, stamp, unit))  # on_remove invalidates it
-            else:  # packages served whole this epoch, then the oldest
+            else:  # packages served whole this epoch, stale ones, then the oldest
                 chosen = set(out)
-                for pool in (self._used_up_units, self._l):
+                for pool in (self._used_up_units, self._stale, self._l):
                     for u in pool:
                         if freed >= need:
                             break
@@ -297,6 +305,14 @@ class ICachePolicy(CachePolicy):
 
     def maintain(self) -> bool:
         self._new_epoch()
+        if self._restale:  # after an H-list change: which packages went stale
+            step = self._restale[-REBUILD_STEP:]
+            del self._restale[-REBUILD_STEP:]
+            for unit in step:
+                pkg = self._l.get(unit)
+                if pkg is not None and 2 * sum(map(self._high, pkg[0])) > len(pkg[0]):
+                    self._stale[unit] = None
+            return True
         if self._shadow is None:
             return False
         step = self._rebuild[-REBUILD_STEP:]
@@ -317,4 +333,5 @@ class ICachePolicy(CachePolicy):
                 "h_capacity": self.h_capacity(), "l_packages": len(self._l),
                 "l_bytes": self._l_bytes, "substitutions": self.substitutions,
                 "h_admitted": self.h_admitted, "h_refused": self.h_refused,
-                "shadow_swaps": self.shadow_swaps, "rebuilding": self._shadow is not None}
+                "shadow_swaps": self.shadow_swaps, "rebuilding": self._shadow is not None,
+                "stale_packages": len(self._stale)}

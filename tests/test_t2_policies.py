@@ -372,3 +372,18 @@ def test_icache_gives_up_used_up_packages_first():
     imp.ep = 1  # a new epoch: nothing is used up any more
     pol.on_request(99)
     assert pol.victims(100, ()) == [1]
+
+
+def test_icache_packages_that_became_mostly_h_are_given_up_after_the_rebuild():
+    cache = Cache(10_000)
+    imp = Imp({}, high=set())
+    pol = make_policy("icache:package=100", PolicyContext(cache, Future({}), imp))
+    pol.on_insert(1, (10, 11), 200)
+    pol.on_insert(2, (20, 21), 200)
+    assert pol.victims(100, ()) == [1]  # the oldest
+    imp.high = {20, 21}  # the H-list changed: package 2 holds H-samples now
+    imp.v += 1
+    while pol.maintain():
+        pass
+    assert pol.stats()["stale_packages"] == 1
+    assert pol.victims(100, ()) == [2]
