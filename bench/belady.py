@@ -19,12 +19,12 @@ Prints JSON. Pure Python; the orders come from dlcachefs.sampler (torch).
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import random
 from collections import OrderedDict
 
 from dlcachefs.sampler import OrderReplayer, SamplerSpec
+from dlcachefs.simulate import belady_counts as belady
 
 
 def trace(n: int, epochs: int, kind: str, seed: int) -> list[list[int]]:
@@ -32,36 +32,6 @@ def trace(n: int, epochs: int, kind: str, seed: int) -> list[list[int]]:
             else SamplerSpec("random", seed=seed))
     r = OrderReplayer(spec, n)
     return [r.order(e) for e in range(epochs)]
-
-
-def belady(seq: list[int], sizes: list[int], cap: int) -> tuple[int, int, int]:
-    """(hits, hit bytes, total bytes) of farthest-next-use eviction."""
-    nxt = [0] * len(seq)
-    last: dict[int, int] = {}
-    for i in range(len(seq) - 1, -1, -1):
-        nxt[i] = last.get(seq[i], 1 << 62)
-        last[seq[i]] = i
-    cached: dict[int, int] = {}  # file -> its next use
-    heap: list[tuple[int, int]] = []  # (-next use, file), lazily invalidated
-    used = hits = hit_bytes = total = 0
-    for i, f in enumerate(seq):
-        total += sizes[f]
-        if f in cached:
-            hits += 1
-            hit_bytes += sizes[f]
-        else:
-            if sizes[f] > cap:
-                continue
-            used += sizes[f]
-        cached[f] = nxt[i]
-        heapq.heappush(heap, (-nxt[i], f))
-        while used > cap:
-            neg, g = heapq.heappop(heap)
-            if cached.get(g) != -neg:
-                continue  # stale heap entry
-            del cached[g]
-            used -= sizes[g]
-    return hits, hit_bytes, total
 
 
 def lru(seq: list[int], sizes: list[int], cap: int) -> tuple[int, int, int]:

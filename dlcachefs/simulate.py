@@ -323,34 +323,43 @@ def run_policy(trace: Trace, spec: str, capacity: int, *, chunk_size: int = 0,
     return res
 
 
-def belady(trace: Trace, capacity: int) -> Result:
-    """Farthest-next-use with bypass and the whole trace known (the offline bound)."""
-    fut = _Future(trace, len(trace.epochs))
-    res = Result("belady", capacity)
+def belady_counts(seq: Sequence[int], sizes: Sequence[int], cap: int) -> tuple[int, int, int]:
+    """(hits, hit bytes, total bytes) of farthest-next-use eviction over ``seq`` with the
+    whole of it known; a sample may be evicted as it arrives (bypass)."""
+    nxt = [0] * len(seq)
+    last: dict[int, int] = {}
+    for i in range(len(seq) - 1, -1, -1):
+        nxt[i] = last.get(seq[i], len(seq))
+        last[seq[i]] = i
     cached: dict[int, int] = {}  # sample -> its next use
-    heap: list[tuple[int, int]] = []
-    used = 0
-    for t, s in enumerate(fut.seq):
-        res.accesses += 1
-        nxt = fut.nxt[t]
-        size = trace.sizes[s]
+    heap: list[tuple[int, int]] = []  # (-next use, sample), lazily invalidated
+    used = hits = hit_bytes = total = 0
+    for i, s in enumerate(seq):
+        total += sizes[s]
         if s in cached:
-            res.hits += 1
+            hits += 1
+            hit_bytes += sizes[s]
         else:
-            res.misses += 1
-            res.bytes_from_source += size
-            if size > capacity:
+            if sizes[s] > cap:
                 continue
-            used += size
-        cached[s] = nxt
-        heapq.heappush(heap, (-nxt, s))
-        while used > capacity:
+            used += sizes[s]
+        cached[s] = nxt[i]
+        heapq.heappush(heap, (-nxt[i], s))
+        while used > cap:
             neg, g = heapq.heappop(heap)
             if cached.get(g) != -neg:
                 continue  # stale entry
             del cached[g]  # farthest next use: possibly s itself (bypass)
-            used -= trace.sizes[g]
-    return res
+            used -= sizes[g]
+    return hits, hit_bytes, total
+
+
+def belady(trace: Trace, capacity: int) -> Result:
+    """Belady's bound for ``trace`` as a :class:`Result` (see :func:`belady_counts`)."""
+    seq = [s for e in trace.epochs for s in e]
+    hits, hit_bytes, total = belady_counts(seq, trace.sizes, capacity)
+    return Result("belady", capacity, hits=hits, misses=len(seq) - hits,
+                  bytes_from_source=total - hit_bytes, accesses=len(seq))
 
 
 def simulate(trace: Trace, policies: Sequence[str], fractions: Sequence[float], *,

@@ -49,9 +49,14 @@ class StreamFuture:
     def __init__(self, streams) -> None:
         self.streams = streams  # StreamManager
         self.tick = 0
+        self._active_at: tuple[int, list] = (-1, [])
 
     def _active(self):
-        return [s for s in self.streams.streams.values() if s.order and s.samples is not None]
+        # asked once per member of a unit per decision: listed once per tick
+        if self._active_at[0] != self.tick:
+            self._active_at = (self.tick, [s for s in self.streams.streams.values()
+                                           if s.order and s.samples is not None])
+        return self._active_at[1]
 
     def now(self) -> int:
         return self.tick
