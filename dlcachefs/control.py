@@ -32,8 +32,10 @@ not (yet), they are only checked to be in ``[0, MAX_INDEX)`` and the receiver of
 ``on_loss`` / ``on_order`` must check them against its sample list. A write may carry at
 most ``MAX_LOSS_PAIRS`` loss pairs; the losses of one job must refer to one dataset per
 write (a ``dataset`` line that changes the job's dataset after its ``loss`` lines is
-refused). Losses are not stored: they go to ``on_loss`` once the write is applied
-(``JobState.losses`` counts them).
+refused). Losses are not stored here: they go to ``on_loss`` once the write is applied
+(``JobState.losses`` counts them). Losses for a dataset whose size is not known yet are
+kept by the receiver until it is, at most ``loss_room()`` pairs: a write with more is
+refused, never silently dropped.
 
 ``order`` lines give a stream (job, rank) an explicit order for an epoch (an importance
 sampler announcing the indices it drew; pair with ``sampler explicit``). The chunks of an
@@ -193,6 +195,10 @@ class ControlState:
       repeat: apply them in order, the later value wins. The indices refer to the job's
       current dataset (``jobs[job_name].dataset``).
 
+    ``loss_room() -> int`` says how many loss pairs of datasets whose size is not known
+    yet the receiver can still keep until it is (they are never dropped); a write with
+    more is refused.
+
     ``dataset_size(relpath) -> int | None`` gives the number of samples of the dataset at
     ``relpath`` (the path of a ``dataset`` line, normalized), or None when it is not known
     (yet); ``loss`` and ``order`` indices are range-checked against it. It is called on
@@ -206,12 +212,14 @@ class ControlState:
                  dataset_size: Callable[[str], int | None] | None = None,
                  on_loss: Callable[[str, list[int], list[float]], None] | None = None,
                  on_order: Callable[[StreamState, JobState, int, Sequence[int], int], None]
-                 | None = None) -> None:
+                 | None = None,
+                 loss_room: Callable[[], int] | None = None) -> None:
         self._resolve_dir = resolve_dir
         self.on_stream = on_stream
         self.dataset_size = dataset_size
         self.on_loss = on_loss
         self.on_order = on_order
+        self.loss_room = loss_room
         self.jobs: dict[str, JobState] = {}
         self.streams: dict[tuple[str, int], StreamState] = {}
         self._pid_job: OrderedDict[int, tuple[str, int]] = OrderedDict()
@@ -335,6 +343,7 @@ class ControlState:
         sizes: dict[str, int | None] = {}
         pending: dict[tuple[str, int], dict[int, int]] = {}  # stream -> epoch -> received
         added = 0
+        unsized_losses = 0  # loss pairs of datasets whose size is not known yet
         for op in ops:
             if op.verb == "job":
                 job, rank = str(op.arg), 0
@@ -378,6 +387,8 @@ class ControlState:
                                    f"(0 <= INDEX < {n})")
             if op.verb == "loss":
                 loss_ds[job] = rel
+                if n is None:
+                    unsized_losses += len(indices)
             else:
                 self._check_order(op, (job, rank), pending)
                 added += len(indices)
@@ -385,6 +396,13 @@ class ControlState:
             raise ControlError(f"too many jobs (at most {MAX_JOBS} per mount)")
         if len(self.streams) + len(new_streams) > MAX_STREAMS:
             raise ControlError(f"too many streams (at most {MAX_STREAMS} per mount)")
+        if unsized_losses and self.loss_room is not None:
+            room = self.loss_room()
+            if unsized_losses > room:
+                raise ControlError(
+                    f"{unsized_losses} losses for a dataset whose sample list is still being "
+                    f"made: only {max(room, 0)} more can wait for it; send them again once "
+                    f"'stats' shows the stream's epoch")
         if self.order_indices + added > MAX_ORDER_TOTAL:
             raise ControlError(f"too many order indices held by the mount (at most "
                                f"{MAX_ORDER_TOTAL}): {self.order_indices} held, "
@@ -565,6 +583,12 @@ class ControlState:
         self.refused_writes += 1
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         self.errors.append(f"{stamp} pid={pid} refused: {reason}")
+
+    def note(self, reason: str) -> None:
+        """Log, next to the refused writes, input that was accepted but could not be used
+        (e.g. loss indices out of range once the dataset's size became known)."""
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.errors.append(f"{stamp} dropped: {reason}")
 
     def errors_text(self) -> bytes:
         return ("\n".join(self.errors) + ("\n" if self.errors else "")).encode()

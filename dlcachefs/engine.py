@@ -62,6 +62,8 @@ log = logging.getLogger(__name__)
 #: errno values of the source worth another try
 TRANSIENT = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ECONNRESET,
                        errno.ENOTCONN, errno.EHOSTUNREACH, errno.ENETUNREACH})
+#: loss pairs that may wait for their dataset's sample list (about 100 MB at most)
+MAX_EARLY_LOSSES = 1 << 22
 
 
 @dataclass(slots=True)
@@ -133,13 +135,17 @@ class Engine:
         self._loads = 0
         self._served = 0
         self._probe = 0
-        self._recent_chunk_reads: deque[int] = deque(maxlen=4)
+        self._recent_chunk_reads: deque[int] = deque(maxlen=64)
         # records read ahead of the reader (record mode); consumed by the next open
         # ino -> (identity, record it came from or None when prefetched from the source,
         # bytes, owning stream key)
         self.ready: dict[int, tuple[Identity, Record | None, bytes | memoryview, str]] = {}
         self._ready_bytes = 0
         self.ready_limit = max(cfg.memory // 4, cfg.chunk_size)
+        self.control = None  # set by attach_control
+        # losses waiting for their dataset's sample list: dataset -> [(job, idx, values)]
+        self._early: dict[str, list[tuple[str, list[int], list[float]]]] = {}
+        self._early_count = 0
 
     # ----- life cycle ----------------------------------------------------------------
 
@@ -344,19 +350,65 @@ class Engine:
         sl = self.streams.sample_list(rel)
         return None if sl is None else len(sl.inos)
 
+    def attach_control(self, control) -> None:
+        """The mount's :class:`~dlcachefs.control.ControlState`: jobs' datasets for
+        :meth:`on_loss`, and its error log for losses that turn out invalid later."""
+        self.control = control
+
+    def early_loss_room(self) -> int:
+        """How many more loss pairs may wait for their dataset's sample list."""
+        return MAX_EARLY_LOSSES - self._early_count
+
     def on_loss(self, job: str, indices: list[int], values: list[float]) -> None:
         """Losses a job reported (``loss`` control lines): its IVs. A loss reported for a
-        sample that was substituted belongs to the sample actually served. Losses of a job
-        whose dataset has not been listed by a stream yet are counted and ignored."""
-        dataset = self.streams.job_dataset(job)
-        sl = None if dataset is None else self.streams.sample_list(dataset)
-        if dataset is None or sl is None:
+        sample that was substituted belongs to the sample actually served.
+
+        Nothing valid is dropped: losses that arrive before their dataset's sample list
+        is known (a script that announces and reports at once) wait, at most
+        ``MAX_EARLY_LOSSES`` pairs (the control file refuses more with EINVAL, see
+        :meth:`early_loss_room`), while the list is made in the background; they are
+        applied in arrival order once it is known."""
+        js = self.control.jobs.get(job) if self.control is not None else None
+        dataset = js.dataset if js is not None else self.streams.job_dataset(job)
+        if dataset is None:  # control refuses losses of a job without a dataset
             self.counters.losses_ignored += len(indices)
             return
+        sl = self.streams.sample_list(dataset)
+        if sl is None or self._early.get(dataset):
+            self._early.setdefault(dataset, []).append((job, indices, values))
+            self._early_count += len(indices)
+            self.streams.list_soon(dataset, self._apply_early_losses)
+            return
+        self._apply_losses(job, dataset, sl, indices, values)
+
+    def _apply_early_losses(self, dataset: str) -> None:
+        """The sample list of ``dataset`` is known: apply the losses that waited for it."""
+        sl = self.streams.sample_list(dataset)
+        queued = self._early.pop(dataset, [])
+        for job, indices, values in queued:
+            self._early_count -= len(indices)
+            if sl is not None:
+                self._apply_losses(job, dataset, sl, indices, values)
+            else:
+                self._note_invalid(f"{len(indices)} losses of job {job!r} dropped: the "
+                                   f"sample list of dataset {dataset or '.'!r} could not be "
+                                   f"made")
+                self.counters.losses_ignored += len(indices)
+
+    def _note_invalid(self, msg: str) -> None:
+        log.warning("%s", msg)
+        if self.control is not None:
+            self.control.note(msg)
+
+    def _apply_losses(self, job: str, dataset: str, sl, indices: list[int],
+                      values: list[float]) -> None:
         n = len(sl.inos)
-        if any(not 0 <= i < n for i in indices):  # sent before the sample list was known
+        if any(not 0 <= i < n for i in indices):  # accepted before the list was known
             pairs = [(i, v) for i, v in zip(indices, values, strict=True) if 0 <= i < n]
-            self.counters.losses_ignored += len(indices) - len(pairs)
+            bad = len(indices) - len(pairs)
+            self.counters.losses_ignored += bad
+            self._note_invalid(f"{bad} losses of job {job!r} dropped: index out of range, "
+                               f"dataset {dataset or '.'!r} has {n} samples")
             indices, values = [i for i, _ in pairs], [v for _, v in pairs]
         imp = self.importance
         imp.bind(dataset, sl.inos, self.cfg.h_fraction)
@@ -603,9 +655,13 @@ class Engine:
             ev.set()
         self.counters.chunk_reads += 1
         log.debug("chunk read %d (log %d, %d bytes)", c.chunk_id, c.log_id, c.length)
-        # sequential: the chunk before it was among the last few read (the reader and the
-        # preloader may interleave two front-to-back scans)
-        if c.chunk_id - 1 in self._recent_chunk_reads:
+        # sequential: a neighbour of it in the log was among the recent chunk reads. Loads
+        # run concurrently (the reader, several preloads under the disk limiter) and finish
+        # in any order, so "the chunk before it was read just before" would depend on
+        # timing; a neighbour on either side does not: a front-to-back scan counts every
+        # chunk but the first of each run, however its loads interleave.
+        recent = self._recent_chunk_reads
+        if c.chunk_id - 1 in recent or c.chunk_id + 1 in recent:
             self.counters.sequential_chunk_reads += 1
         self._recent_chunk_reads.append(c.chunk_id)
         self._loads += 1
@@ -761,6 +817,9 @@ class Engine:
             "pending_bytes": self.writer.open_bytes + self.writer.sealing_bytes,
             "open_files": len(self.handles),
             "revalidate_s": self.cfg.revalidate,
+            # torch loaded (at mount start, in the background): announced samplers replay
+            "sampler_replay_ready": self.streams.replay_ready,
+            "losses_waiting": self._early_count,
         }
         out.update(self.counters.as_dict())
         out["streams"] = self.streams.stats()

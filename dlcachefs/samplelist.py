@@ -23,6 +23,8 @@ import os
 import stat as stat_mod
 from dataclasses import dataclass
 
+import numpy as np
+
 from .errors import NotFound
 from .namespace import ROOT_INO, Namespace
 from .schema import Entry
@@ -42,9 +44,18 @@ class SampleList:
     inos: list[int]
     labels: list[int]
     paths: list[str]  # relative to the dataset root, for diagnostics
+    nbytes: int = 0  # total size of the samples' files (a file listed twice counts twice)
 
     def __len__(self) -> int:
         return len(self.inos)
+
+    def inos_array(self) -> np.ndarray:
+        """``inos`` as an int64 array (made once; used to map orders to inodes fast)."""
+        arr = self.__dict__.get("_inos_array")
+        if arr is None:
+            arr = np.asarray(self.inos, dtype=np.int64)
+            object.__setattr__(self, "_inos_array", arr)
+        return arr
 
 
 def _realpath(ns: Namespace, parts: list[str]) -> Entry | None:
@@ -107,31 +118,43 @@ def image_folder(ns: Namespace, dataset_rel: str, extensions: tuple[str, ...] = 
     if root is None or not stat_mod.S_ISDIR(root.mode):
         raise NotFound(f"dataset {dataset_rel!r} is not a directory")
 
-    def children(d: Entry) -> list[tuple[str, Entry]]:
-        out = []
-        for name, ino in ns.index.list_dir(d.ino):
-            e = ns.index.get_entry(ino)
-            if e is not None:
-                out.append((os.fsdecode(name), e))
-        return out
+    index = ns.index
+    fsdecode = os.fsdecode
+    S_ISLNK, S_ISDIR, S_ISREG = stat_mod.S_ISLNK, stat_mod.S_ISDIR, stat_mod.S_ISREG
 
-    def as_dir(e: Entry) -> Entry | None:
-        t = _follow(ns, e)
-        return t if t is not None and stat_mod.S_ISDIR(t.mode) else None
+    def children(d: Entry) -> list[tuple[str, int, int, int]]:
+        # (name, ino, mode, size): one LMDB transaction per directory, no Entry objects
+        # (a million-file dataset is listed when a stream announces it)
+        return [(fsdecode(name), ino, mode, size)
+                for name, ino, mode, size in index.list_dir_typed(d.ino)]
+
+    def resolved(ino: int, mode: int) -> Entry | None:
+        """What a symlink resolves to (None: dangling, a loop, or out of the tree)."""
+        e = index.get_entry(ino)
+        return None if e is None else _follow(ns, e)
+
+    def as_dir(ino: int, mode: int) -> Entry | None:
+        if S_ISDIR(mode):
+            return index.get_entry(ino)
+        if not S_ISLNK(mode):
+            return None
+        t = resolved(ino, mode)
+        return t if t is not None and S_ISDIR(t.mode) else None
 
     classes: list[tuple[str, Entry]] = []
-    for name, e in children(root):
-        d = as_dir(e)
+    for name, ino, mode, _size in children(root):
+        d = as_dir(ino, mode)
         if d is not None:
             classes.append((name, d))
     classes.sort(key=lambda t: t[0])
     inos: list[int] = []
     labels: list[int] = []
     paths: list[str] = []
+    nbytes = 0
     for label, (cname, cdir) in enumerate(classes):
         # os.walk(top, followlinks=True), then sorted by the root path string. A directory
         # is walked again each time a link reaches it, except inside itself (a loop).
-        walked: list[tuple[str, list[tuple[str, Entry]]]] = []
+        walked: list[tuple[str, list[tuple[str, int, int, int]]]] = []
         stack: list[tuple[str, Entry, frozenset[int]]] = [(cname, cdir, frozenset())]
         while stack:
             shown, d, ancestors = stack.pop()
@@ -139,23 +162,32 @@ def image_folder(ns: Namespace, dataset_rel: str, extensions: tuple[str, ...] = 
                 continue
             inner = ancestors | {d.ino}
             files = []
-            for name, e in children(d):
-                sub = as_dir(e)
+            for child in children(d):
+                mode = child[2]
+                if S_ISREG(mode):
+                    files.append(child)
+                    continue
+                sub = as_dir(child[1], mode)
                 if sub is not None:
-                    stack.append((shown + "/" + name, sub, inner))
+                    stack.append((shown + "/" + child[0], sub, inner))
                 else:
-                    files.append((name, e))
+                    files.append(child)
             walked.append((shown, files))
         walked.sort(key=lambda t: t[0])
         for shown, files in walked:
-            for name, e in sorted(files, key=lambda t: t[0]):
+            files.sort(key=lambda t: t[0])
+            prefix = shown + "/"
+            for name, ino, mode, size in files:
                 if not name.lower().endswith(extensions):
                     continue
-                target = _follow(ns, e)
-                # torchvision keeps a dangling or odd entry (and fails when it opens it): keep
-                # its index too, as inode 0, so that every later index still lines up
-                ok = target is not None and stat_mod.S_ISREG(target.mode)
-                inos.append(target.ino if ok else 0)
+                if not S_ISREG(mode):
+                    # torchvision keeps a dangling or odd entry (and fails when it opens
+                    # it): keep its index too, as inode 0, so every later index lines up
+                    t = resolved(ino, mode) if S_ISLNK(mode) else None
+                    ok = t is not None and S_ISREG(t.mode)
+                    ino, size = (t.ino, t.size) if ok else (0, 0)  # type: ignore[union-attr]
+                inos.append(ino)
                 labels.append(label)
-                paths.append(shown + "/" + name)
-    return SampleList(dataset_rel, [c for c, _ in classes], inos, labels, paths)
+                paths.append(prefix + name)
+                nbytes += size
+    return SampleList(dataset_rel, [c for c, _ in classes], inos, labels, paths, nbytes)

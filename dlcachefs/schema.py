@@ -48,6 +48,8 @@ K_CACHED_BYTES = b"cached_bytes"
 K_CHUNK_BYTES = b"chunk_bytes"
 
 _U64 = struct.Struct(">Q")
+_MODE = struct.Struct("<I")  # Entry: mode at byte 8
+_U64LE = struct.Struct("<Q")  # Entry: size at byte 24
 
 
 def epoch_log_key(stream: str, epoch: int) -> bytes:
@@ -94,6 +96,11 @@ class Entry:
     target: bytes = b""  # symlink target, as stored on the source
 
     _S = struct.Struct("<QIIIIQQQqqqQdII")
+
+    @staticmethod
+    def MODE_SIZE(buf: bytes) -> tuple[int, int]:  # noqa: N802 - a packed-field accessor
+        """(mode, size) straight from a packed entry, without unpacking the rest."""
+        return _MODE.unpack_from(buf, 8)[0], _U64LE.unpack_from(buf, 24)[0]
 
     def pack(self) -> bytes:
         return (

@@ -64,11 +64,13 @@ class StreamFuture:
     def next_use(self, sample: int) -> float:
         best = NEVER
         for s in self._active():
-            ps = s.positions.get(sample)
-            if ps:
-                best = min(best, self.tick + max(0, ps[-1] - s.position))
-            elif s.next_first is not None and sample in s.next_first:
-                best = min(best, self.tick + len(s.order) - s.position + s.next_first[sample])
+            p = s.positions.next(sample)
+            if p is not None:
+                best = min(best, self.tick + max(0, p - s.position))
+            elif s.next_first is not None:
+                q = s.next_first.next(sample)
+                if q is not None:
+                    best = min(best, self.tick + len(s.order) - s.position + q)
         return best
 
     def horizon(self) -> int:

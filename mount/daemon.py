@@ -132,9 +132,12 @@ def run(cfg: Config, report: Reporter) -> int:
                 raise DlcError("not a directory")
             return e.ino
 
-        ops = Operations(engine, ControlState(
+        control = ControlState(
             resolve_dir, engine.streams.on_stream, dataset_size=engine.dataset_size,
-            on_loss=engine.on_loss, on_order=engine.streams.on_order))
+            on_loss=engine.on_loss, on_order=engine.streams.on_order,
+            loss_room=engine.early_loss_room)
+        engine.attach_control(control)
+        ops = Operations(engine, control)
         pyfuse3.init(ops, cfg.mountpoint, fuse_options(cfg))
     except (DlcError, OSError, RuntimeError, ValueError) as e:
         report(f"error {e}")

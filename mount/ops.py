@@ -143,6 +143,7 @@ class Operations(pyfuse3.Operations):
         else:
             e = await self.ns.fresh_dir(inode)
             listing = [(b".", inode), (b"..", e.parent or ROOT_INO), *self.ns.children(inode)]
+            self.engine.streams.note_opendir(e)
         dh = self._next_dh
         self._next_dh += 1
         self._dirs[dh] = listing

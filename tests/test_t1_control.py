@@ -595,3 +595,29 @@ def test_arbitrary_loss_lines(good, tokens, mix, pid):
         assert want is not None, line
         assert rec.losses == [(job, [i for i, _ in want], [v for _, v in want])]
         assert cs.jobs[job].losses == len(want)
+
+
+def test_losses_for_an_unlisted_dataset_wait_within_a_bound():
+    """Losses whose dataset size is unknown yet are passed on (the receiver keeps them);
+    beyond the receiver's room the whole write is refused with a reason, never dropped."""
+    got: list = []
+    room = [5]
+    cs = ControlState(resolve_dir, dataset_size=lambda rel: None,
+                      on_loss=lambda job, i, v: got.append(i), loss_room=lambda: room[0])
+    cs.apply(b"dataset train\nloss 0 1 1 1 2 1\n", 1)
+    assert got == [[0, 1, 2]]
+    room[0] = 2
+    refuse(cs, b"loss 3 1 4 1 5 1\n", match="only 2 more can wait")
+    assert got == [[0, 1, 2]]
+    assert "only 2 more can wait" in cs.errors_text().decode()
+    # a dataset of known size is not limited by the waiting room
+    cs2 = ControlState(resolve_dir, dataset_size=lambda rel: 100,
+                       on_loss=lambda job, i, v: got.append(i), loss_room=lambda: 0)
+    cs2.apply(b"dataset train\nloss 7 1 8 1\n", 1)
+    assert got[-1] == [7, 8]
+
+
+def test_note_goes_to_the_error_log_without_counting_a_refusal(cs):
+    cs.note("3 losses of job 'j' dropped: index out of range")
+    assert "dropped: 3 losses" in cs.errors_text().decode()
+    assert cs.refused_writes == 0

@@ -248,3 +248,23 @@ def test_validate_refuses(spec, n):
 def test_validate_accepts(spec, n):
     spec.validate(n)
     OrderReplayer(spec, n)
+
+
+@given(st.lists(st.integers(0, 12), max_size=60), st.lists(st.integers(0, 80), max_size=80))
+def test_positions_match_a_plain_model(order_inos, pops):
+    """Positions (the stream's inode -> not yet consumed positions) against a dict of
+    lists: smallest pending position first, inode 0 never listed, repeats in order."""
+    from dlcachefs.streams import Positions
+
+    pos = Positions(list(order_inos))
+    model: dict[int, list[int]] = {}
+    for p, ino in enumerate(order_inos):
+        if ino:
+            model.setdefault(ino, []).append(p)
+    for ino in pops:
+        ino %= 14
+        want = model[ino][0] if model.get(ino) else None
+        assert pos.next(ino) == want
+        assert pos.pop(ino) == want
+        if want is not None:
+            model[ino].pop(0)

@@ -191,3 +191,24 @@ def test_two_jobs_keep_their_losses_apart(tmp_path, mount):
     st = wait_for(m, lambda s: s["losses"] >= 10 + n)
     jobs = st["importance"]["jobs"]
     assert jobs["a"]["reported"] == 10 and jobs["b"]["reported"] == n
+
+
+def test_losses_sent_with_the_announcement_are_kept(tmp_path, mount):
+    """A script that announces and reports losses at once: the dataset's sample list is
+    not known when the write arrives, so nothing can be range-checked yet; the losses wait
+    for the list and are applied, and an index that then turns out out of range is dropped
+    with a reason in .dlcache/errors (never silently)."""
+    src = tmp_path / "src"
+    files = make_tree(src)
+    n = len(files)
+    m = mount(src)
+    pairs = " ".join(f"{i} {1.0 + i}" for i in range(n))
+    write_control(m.mnt, f"job j\ndataset train\nsampler sequential\nepoch 0\n"
+                         f"loss {pairs} {n + 5} 1\n")
+    st = wait_for(m, lambda s: s["losses"] + s["losses_ignored"] >= n + 1)
+    assert st["losses"] == n and st["losses_ignored"] == 1
+    assert st["losses_waiting"] == 0
+    assert st["importance"]["jobs"]["j"]["reported"] == n
+    errors = (m.mnt / ".dlcache" / "errors").read_text()
+    assert "1 losses of job 'j' dropped: index out of range" in errors
+    assert "has 72 samples" in errors
