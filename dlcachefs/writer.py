@@ -413,6 +413,7 @@ class ChunkWriter:
         if not self.open and not self.drops and not self.retire and not self.doomed:
             return
         records, drops = self._take_batch(force)
+        charged = sum(r.charge for r in records)
         # a record already indexed for the same version (moved by the reorderer meanwhile)
         # would only be a dead copy in a chunk nobody reads
         kept = []
@@ -451,7 +452,7 @@ class ChunkWriter:
         if write:
             self._next_chunk += len(groups)
         # the charges of these records become the exact length of their chunks
-        self.open_charge -= sum(r.charge for r in records)
+        self.open_charge -= charged
         if write:
             self.sealing_bytes += new_len
         self._space.set()  # charges given back (the cut records, the header estimates)
