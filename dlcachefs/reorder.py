@@ -153,9 +153,12 @@ class NextEpochLog:
     async def plan(self, order_inos: list[int], max_bytes: int | None = None) -> None:
         eng = self.engine
         cfg = eng.cfg
-        # never more than the cache holds beside one unit of the current epoch
+        # never more than the cache holds beside a unit or two of the current epoch, shared
+        # by the streams (ranks) laying out their next epochs (each log holds its own
+        # samples); the reservations keep the limit whatever this estimate says
         w = eng.writer
-        cap = max(cfg.cache_size - 2 * w.chunk_target, w.chunk_target)
+        ranks = max(1, sum(1 for s in eng.streams.streams.values() if s.order))
+        cap = max((cfg.cache_size - 2 * w.chunk_target) // ranks, w.chunk_target)
         max_bytes = cap if max_bytes is None else min(max_bytes, cap)
         self.chunks, self.slots = await trio.to_thread.run_sync(
             plan_layout, eng.index, order_inos, w.chunk_target, cfg.max_cached_file,

@@ -25,7 +25,7 @@ writer is the one owner of the account, for every policy and for the reordered l
   (b) the exact length of the chunks of the seal being committed (``sealing_bytes``);
   (c) reservations of chunks written outside this writer (a next epoch's log, see
   :mod:`dlcachefs.reorder`: a planned chunk's full length from its first claimed slot
-  until it is indexed or given up), :meth:`reserve` / :meth:`unreserve`.
+  until it is indexed or given up), :meth:`try_reserve` / :meth:`unreserve`.
 
 Rule A, at every point of the trio loop: ``used - doomed + pending <= cache_size``. A
 charge that does not fit dooms victims of the policy first (pinned, protected and doomed
