@@ -33,9 +33,9 @@ chunks excluded), all or nothing; if they are not enough the record is not cache
 served all the same). Rule B: every commit runs under the writer's limiter (the
 reorderer's too) and drops every chunk doomed so far, so after each commit the index's
 ``chunk_bytes`` <= ``cache_size`` (the new chunks were in ``pending``, the dropped ones in
-``doomed``). A unit never exceeds :attr:`max_unit` (half the cache): a policy's package or
-``--chunk-size`` larger than that is cut; one record larger than the whole cache is not
-cached. The disk holds a seal's new bytes shortly before its victims' holes are punched
+``doomed``). A unit never exceeds :attr:`max_unit` (half the cache): a policy's package
+larger than that is cut, and ``--chunk-size`` chunks to an eighth of a small cache
+(:attr:`chunk_target`); one record larger than the whole cache is not cached. The disk holds a seal's new bytes shortly before its victims' holes are punched
 (crash order above); the account is of the index.
 
 Concurrency: every attribute is owned by the trio loop. The blocking commit runs in a
@@ -137,8 +137,9 @@ class ChunkWriter:
         self.reserved = 0  # chunks written outside this writer (reorderer), not indexed yet
         #: the largest unit: half the cache, so that evicting one unit makes room for the next
         self.max_unit = max(cfg.cache_size // 2, 1)
-        #: --chunk-size, cut to max_unit when the cache is small
-        self.chunk_target = min(cfg.chunk_size, self.max_unit)
+        #: --chunk-size, cut to an eighth of the cache when the cache is small (at least
+        #: 4K, at most max_unit): evicting one chunk should not empty half the cache
+        self.chunk_target = min(cfg.chunk_size, self.max_unit, max(cfg.cache_size // 8, 4096))
         self.commits = 0  # commits in flight (index counters may be ahead of the mirror)
         #: called on the loop after every commit, under the limiter (--debug-invariants)
         self.after_commit: Callable[[], None] | None = None
@@ -195,8 +196,8 @@ class ChunkWriter:
     def has_room(self, nbytes: int = 0) -> bool:
         """Room for ``nbytes`` more without passing two chunks' worth in memory (and always
         room for one record when nothing is queued, however large it is). Chunks are cut to
-        half the cache when it is small, so a reader waits for a seal rather than find the
-        whole cache reserved by records still in memory."""
+        a fraction of the cache when it is small, so a reader waits for a seal rather than
+        find the whole cache reserved by records still in memory."""
         queued = self.open_bytes + self.sealing_bytes
         return queued == 0 or queued + nbytes <= 2 * self.chunk_target
 
