@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 from dlcachefs.policies import registry
 from fakes import make_config, read_all, run_engine, write_tree
 from hypothesis import HealthCheck, event, given, settings
@@ -155,7 +156,7 @@ def test_cache_size_holds_after_every_step(policy, package, chunk_size, cache_si
                 elif op == "loss":
                     d.losses(n)
                 else:  # let the background tasks (seals, reorder, prefetch) move on
-                    await trio.sleep(0.02)
+                    await trio.testing.wait_all_tasks_blocked()
                 assert_limit(eng, cache_size)
             await eng.writer.flush()
             assert_limit(eng, cache_size)
