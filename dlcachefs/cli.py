@@ -373,7 +373,8 @@ def cmd_stats(mountpoint: str, as_json: bool) -> int:
 
 _IGNORED = {"rw", "ro", "defaults", "auto", "noauto", "user", "nouser", "users", "nofail",
             "_netdev", "exec", "noexec", "suid", "nosuid", "dev", "nodev", "async", "sync"}
-_FLAGS = {"rescan", "allow_other", "ignore_source_inode", "foreground", "substitute"}
+_FLAGS = {"rescan", "allow_other", "ignore_source_inode", "foreground", "substitute",
+          "debug_invariants"}
 
 
 def mount_helper_argv(argv: list[str]) -> list[str]:
