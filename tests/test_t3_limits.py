@@ -234,3 +234,43 @@ def test_remount_with_a_smaller_cache_shrinks_it(tmp_path):
         assert_limit(eng, 20_000)
 
     run_engine(make_config(src, cache, chunk_size=8192, cache_size=20_000), smaller)
+
+
+def test_check_invariants_reports_a_broken_account(tmp_path, caplog):
+    """The checks catch what they claim to: an account over the limit, a mirror that
+    drifted from the index, a pinned chunk doomed; --debug-invariants logs each as an
+    ERROR after the next commit and counts it."""
+    files = dataset(3)
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    write_tree(src, files)
+
+    async def body(eng):
+        for rel in sorted(files)[:6]:
+            await read_all(eng, rel)
+        await eng.writer.flush()
+        assert eng.check_invariants() == []
+        w = eng.writer
+        w.reserved += 50_000  # as if a reservation never went through try_reserve
+        assert any("over --cache-size" in p for p in eng.check_invariants())
+        w.reserved -= 50_000
+        w.used += 1
+        assert any("!= index chunk_bytes" in p for p in eng.check_invariants())
+        w.used -= 1
+        cid = next(eng.index.iter_chunks()).chunk_id
+        w.pins[cid] += 1
+        w.doomed[cid] = 0  # doomed while pinned, and still served
+        problems = eng.check_invariants()
+        assert any("pinned chunks doomed" in p for p in problems)
+        assert any("still served" in p for p in problems)
+        del w.doomed[cid]
+        w.unpin(cid)
+        w.used += 1  # drifted from the index
+        await read_all(eng, sorted(files)[7])
+        await eng.writer.flush()  # a commit: the check runs after it
+        assert eng.counters.invariant_violations > 0
+        w.used -= 1
+        eng.counters.invariant_violations = 0  # for run_engine's own check at the end
+
+    run_engine(make_config(src, cache, cache_size=60_000, chunk_size=8192), body)
+    assert any("invariant violated" in r.getMessage() and r.levelname == "ERROR"
+               for r in caplog.records)
