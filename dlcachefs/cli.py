@@ -66,7 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--allow-other", action="store_true",
                    help="let other users use the mount (with default_permissions)")
     m.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    m.add_argument("--debug-invariants", action="store_true", help=argparse.SUPPRESS)
+    m.add_argument("--debug-invariants", action="store_true",
+                   help="check the cache's invariants (--cache-size account, index, logs) "
+                        "after every commit; a violation is logged as an ERROR and counted "
+                        "in stats (invariant_violations). For tests: it scans the index")
 
     u = sub.add_parser("umount", help="unmount (lazily if files are open) and wait for the commit")
     u.add_argument("mountpoint")
@@ -370,7 +373,8 @@ def cmd_stats(mountpoint: str, as_json: bool) -> int:
 
 _IGNORED = {"rw", "ro", "defaults", "auto", "noauto", "user", "nouser", "users", "nofail",
             "_netdev", "exec", "noexec", "suid", "nosuid", "dev", "nodev", "async", "sync"}
-_FLAGS = {"rescan", "allow_other", "ignore_source_inode", "foreground", "substitute"}
+_FLAGS = {"rescan", "allow_other", "ignore_source_inode", "foreground", "substitute",
+          "debug_invariants"}
 
 
 def mount_helper_argv(argv: list[str]) -> list[str]:

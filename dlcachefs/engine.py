@@ -120,6 +120,8 @@ class Engine:
         self.memtier = MemoryTier(cfg.memory)
         self.writer = ChunkWriter(cfg, self.index, self.logs, self.policy, self.memtier,
                                   self.counters)
+        if cfg.debug_invariants:
+            self.writer.after_commit = self._after_commit
         self._children: dict[int, tuple[float, list[int]]] = {}  # dir -> (when, files)
         self.trace = TraceRecorder(cfg.trace) if cfg.trace else None
         self._nursery: trio.Nursery | None = None
@@ -177,7 +179,73 @@ class Engine:
             problems = self.index.check_invariants()
             if problems:
                 raise RuntimeError("index invariants violated: " + "; ".join(problems[:5]))
+        # the account starts from what recovery left; a cache over a smaller --cache-size
+        # than last time is shrunk by the writer's first commit
+        self.writer.used = self.index.counter(S.K_CHUNK_BYTES)
+        self.writer.shrink_to_limit()
         return info
+
+    # ----- invariants (--debug-invariants) ---------------------------------------------
+
+    def check_invariants(self) -> list[str]:
+        """Violated invariants of the cache, as readable lines (empty when all hold).
+
+        Cheap enough to run after every seal in tests (``--debug-invariants``): the
+        ``--cache-size`` account (rule A always; rule B and the account equal to the
+        index when no commit is in flight, see :mod:`dlcachefs.writer`), the writer's
+        pinned/doomed/protected sets, and, between commits, the index against itself and
+        against the live logs. Runs on the trio loop (LMDB read transactions only).
+        """
+        w = self.writer
+        cap = self.cfg.cache_size
+        out: list[str] = []
+        if w.used - w.doomed_bytes + w.pending_bytes > cap:
+            out.append(f"cache account over --cache-size: used {w.used} - doomed "
+                       f"{w.doomed_bytes} + pending {w.pending_bytes} > {cap}")
+        if min(w.open_charge, w.sealing_bytes, w.reserved, w.doomed_bytes) < 0:
+            out.append(f"negative account: open {w.open_charge} sealing {w.sealing_bytes} "
+                       f"reserved {w.reserved} doomed {w.doomed_bytes}")
+        if w.open_charge != sum(r.charge for r in w.open):
+            out.append(f"open charge {w.open_charge} != the open records' "
+                       f"{sum(r.charge for r in w.open)}")
+        if w.doomed_bytes != sum(w.doomed.values()):
+            out.append("doomed bytes != the doomed chunks' lengths")
+        if any(n <= 0 for n in w.pins.values()):
+            out.append("a pin count is not positive")
+        if set(w.pins) & set(w.doomed):
+            out.append(f"pinned chunks doomed: {sorted(set(w.pins) & set(w.doomed))[:5]}")
+        if w.protected & set(w.doomed):
+            out.append(f"protected chunks doomed: {sorted(w.protected & set(w.doomed))[:5]}")
+        if not set(w.doomed) <= w.evicting:
+            out.append("a doomed chunk is still served (not in evicting)")
+        if any(w.pending.get(r.ino) is not r for r in w.open):
+            out.append("an open record is not readable from pending")
+        if w.commits == 0:  # nothing in flight: the index is the account's truth
+            chunk_bytes = self.index.counter(S.K_CHUNK_BYTES)
+            if chunk_bytes != w.used:
+                out.append(f"account used {w.used} != index chunk_bytes {chunk_bytes}")
+            if chunk_bytes > cap and not w.doomed:
+                out.append(f"index chunk_bytes {chunk_bytes} > --cache-size {cap}")
+            live: dict[int, int] = {}
+            for c in self.index.iter_chunks():
+                live[c.log_id] = live.get(c.log_id, 0) + c.length
+            for lid, n in live.items():
+                if self.logs.live.get(lid) != n:
+                    out.append(f"log {lid}: live bytes {self.logs.live.get(lid)} != its "
+                               f"indexed chunks' {n}")
+            missing = set(w.doomed) - {c.chunk_id for c in self.index.iter_chunks()}
+            if missing:
+                out.append(f"doomed chunks not in the index: {sorted(missing)[:5]}")
+            out.extend(self.index.check_invariants())
+        return out
+
+    def _after_commit(self) -> None:
+        """--debug-invariants: check after every commit; a violation is an ERROR."""
+        problems = self.check_invariants()
+        if problems:
+            self.counters.invariant_violations += len(problems)
+            for p in problems[:10]:
+                log.error("invariant violated: %s", p)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Background tasks (the chunk writer), until cancelled or :meth:`close`."""
@@ -815,6 +883,10 @@ class Engine:
             "memory_bytes": self.memtier.bytes,
             "memory_limit_bytes": self.memtier.limit,
             "pending_bytes": self.writer.open_bytes + self.writer.sealing_bytes,
+            # the --cache-size account: chunk_bytes - evicting_bytes + reserved_bytes
+            # <= cache_limit_bytes (see dlcachefs.writer)
+            "reserved_bytes": self.writer.pending_bytes,
+            "evicting_bytes": self.writer.doomed_bytes,
             "open_files": len(self.handles),
             "revalidate_s": self.cfg.revalidate,
             # torch loaded (at mount start, in the background): announced samplers replay

@@ -219,6 +219,14 @@ class LogStore:
         except OSError:
             log.warning("could not punch a hole in log %d", log_id, exc_info=True)
 
+    def punch(self, log_id: int, offset: int, length: int) -> None:
+        """Free a byte range nothing indexes (a next epoch's chunk given up half written);
+        the log's live bytes do not change."""
+        try:
+            punch_hole(self._fd(log_id), offset, length)
+        except OSError:
+            log.warning("could not punch a hole in log %d", log_id, exc_info=True)
+
     def check_header(self, log_id: int) -> None:
         decode_log_header(self.read(log_id, 0, LOG_HEADER_SIZE))
 

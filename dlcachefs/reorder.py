@@ -20,6 +20,15 @@ Each sample gets one slot (its first position in the next order): the index keep
 location per file. Crash safety is the writer's: only complete, fsynced chunks are
 indexed; after a crash the plan is gone and the records still point at their old chunks.
 
+``--cache-size``: a planned chunk's whole length is reserved in the chunk writer's account
+(:meth:`ChunkWriter.try_reserve`, which evicts by the policy to make room) when its first
+slot is claimed, before any byte of it is written; a slot whose chunk gets no reservation
+is not claimed (the fill at the epoch boundary tries again). The reservation becomes
+chunk bytes when the chunk is indexed, under the writer's limiter
+(:meth:`ChunkWriter.commit_external`), and is given back, with the written range punched
+out, when the plan ends with the chunk unsealed. The plan itself is cut to what the cache
+can hold and its chunks to the writer's unit size.
+
 Concurrency: the plan's state lives on the trio loop; slot writes go to worker threads
 in batches (one thread hop per batch, not per sample) under the disk limiter; chunk
 finalization (read back, checksum, header, fdatasync, one LMDB write transaction) runs in
@@ -76,6 +85,7 @@ class PlannedChunk:
     remaining: int = 0
     sealed: bool = False
     unread: int = 0  # records not yet read in this log's own epoch
+    reserved: bool = False  # its length is reserved in the writer's --cache-size account
 
 
 def plan_layout(index, inos: list[int], chunk_size: int, max_file: int, start_offset: int,
@@ -143,8 +153,15 @@ class NextEpochLog:
     async def plan(self, order_inos: list[int], max_bytes: int | None = None) -> None:
         eng = self.engine
         cfg = eng.cfg
+        # never more than the cache holds beside a unit or two of the current epoch, shared
+        # by the streams (ranks) laying out their next epochs (each log holds its own
+        # samples); the reservations keep the limit whatever this estimate says
+        w = eng.writer
+        ranks = max(1, sum(1 for s in eng.streams.streams.values() if s.order))
+        cap = max((cfg.cache_size - 2 * w.chunk_target) // ranks, w.chunk_target)
+        max_bytes = cap if max_bytes is None else min(max_bytes, cap)
         self.chunks, self.slots = await trio.to_thread.run_sync(
-            plan_layout, eng.index, order_inos, cfg.chunk_size, cfg.max_cached_file,
+            plan_layout, eng.index, order_inos, w.chunk_target, cfg.max_cached_file,
             LOG_HEADER_SIZE, max_bytes)
         first = eng.writer.reserve_chunk_ids(len(self.chunks))
         for i, c in enumerate(self.chunks):
@@ -168,12 +185,21 @@ class NextEpochLog:
             return
         if slot.ident != ident or len(data) != slot.ident.size:
             return  # changed since planning: the fill decides at the epoch boundary
-        if self.queued_bytes + len(data) > MAX_QUEUED:
+        if self.queued_bytes + len(data) > MAX_QUEUED or not self._reserve(slot):
             return
         slot.written = True  # claimed; written by the drain task
         self.queue.append((slot, bytes(data)))
         self.queued_bytes += len(data)
         self._wake.set()
+
+    def _reserve(self, slot: Slot) -> bool:
+        """Room in --cache-size for the slot's chunk, reserved before its first byte."""
+        c = self.chunks[slot.chunk]
+        if not c.reserved:
+            if not self.engine.writer.try_reserve(c.length):
+                return False
+            c.reserved = True
+        return True
 
     def start_reading(self) -> None:
         """This log's epoch has begun: count, per chunk, the records still to be read."""
@@ -227,9 +253,15 @@ class NextEpochLog:
             log.exception("stream %s: reordering epoch %d failed", self.key, self.epoch)
         finally:
             self.engine.logs.filling.discard(self.log_id)
-            if self.sealed == 0:
-                with trio.CancelScope(shield=True):
+            given_up = [c for c in self.chunks if c.reserved and not c.sealed]
+            for c in given_up:  # their bytes will never be indexed
+                c.reserved = False
+                self.engine.writer.unreserve(c.length)
+            with trio.CancelScope(shield=True):
+                if self.sealed == 0:
                     await trio.to_thread.run_sync(self.engine.logs.discard_log, self.log_id)
+                elif given_up:
+                    await trio.to_thread.run_sync(self._punch, given_up)
             log.info("stream %s: epoch %d's log %d: %d of %d chunks sealed", self.key,
                      self.epoch, self.log_id, self.sealed, len(self.chunks))
             self.done.set()
@@ -264,7 +296,7 @@ class NextEpochLog:
                 data = await self.engine.bytes_for(slot.ino, slot.ident)
             except DlcError:  # gone from the source, timed out...: its chunk stays unsealed
                 continue
-            if data is None or slot.written:
+            if data is None or slot.written or not self._reserve(slot):
                 continue
             slot.written = True
             self.queue.append((slot, bytes(data)))
@@ -282,8 +314,8 @@ class NextEpochLog:
                 data = await self.engine.bytes_for(slot.ino, slot.ident)
             except DlcError:
                 data = None
-            if data is None:  # gone or changed: that chunk stays unsealed
-                continue
+            if data is None or not self._reserve(slot):
+                continue  # gone or changed, or no room: that chunk stays unsealed
             slot.written = True
             self.queue.append((slot, bytes(data)))
             self.queued_bytes += len(data)
@@ -325,16 +357,20 @@ class NextEpochLog:
 
     async def _seal(self, c: PlannedChunk) -> None:
         eng = self.engine
-        if not await eng.writer.make_room(c.length):
-            log.debug("stream %s: chunk %d sealed over --cache-size (nothing evictable)",
-                      self.key, c.chunk_id)
-        dead = await trio.to_thread.run_sync(self._seal_thread, c, limiter=eng.disk_limiter)
+        assert c.reserved, "every slot of a chunk is claimed with its reservation"
+        dead = await eng.writer.commit_external(c.length, self._seal_thread, c)
         c.sealed = True
+        c.reserved = False  # the reservation is chunk bytes now
         self.sealed += 1
         eng.policy.on_insert(c.chunk_id, tuple(s.ino for s in c.slots), c.length)
         eng.counters.reorder_chunks += 1
         for old in dead:
             eng.writer.retire_chunk(old)
+
+    def _punch(self, chunks: list[PlannedChunk]) -> None:
+        """Thread: free the written slots of chunks that will never be indexed."""
+        for c in chunks:
+            self.engine.logs.punch(self.log_id, c.offset, c.length)
 
     def _seal_thread(self, c: PlannedChunk) -> list[int]:
         eng = self.engine

@@ -36,6 +36,7 @@ class Counters:
     losses_ignored: int = 0        # losses of a job with no listed dataset, or out of range
     released_after_use: int = 0    # chunks the policy released right after a use
     write_errors: int = 0          # failed log appends (ENOSPC, EIO): served from the source instead
+    invariant_violations: int = 0  # --debug-invariants: problems found after commits
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

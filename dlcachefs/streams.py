@@ -268,6 +268,9 @@ class StreamManager:
     async def _plan_next(self, s: Stream, samples: SampleList, epoch: int) -> None:
         """LCache: when epoch+1's order is known, lay out its log while this epoch runs."""
         assert s.replayer is not None and self._nursery is not None
+        # close() may forget the nursery while the plan is made: its tasks still go there
+        # (cancelled at once then, and nl.run's cleanup runs)
+        nursery = self._nursery
         if not self.engine.cfg.reorder or not s.replayer.known(epoch + 1):
             return
         # LCache: two logs. When the cache cannot hold two copies of the dataset, the next
@@ -289,8 +292,8 @@ class StreamManager:
             s.next_log = nl
             # samples this epoch already served before the plan existed go in from the cache
             done = [samples.inos[s.order[p]] for p in range(len(s.order)) if s.consumed[p]]
-            self._nursery.start_soon(nl.backfill, done)
-        self._nursery.start_soon(nl.run)
+            nursery.start_soon(nl.backfill, done)
+        nursery.start_soon(nl.run)
 
     async def _release_after(self, filling: NextEpochLog, old: NextEpochLog) -> None:
         await filling.done.wait()

@@ -12,6 +12,32 @@ So the index only ever points at bytes that were already durable, and never at a
 range. A crash between the append and the commit leaves an unindexed tail, which
 :meth:`LogStore.recover` cuts off at the next start.
 
+``--cache-size`` (the space account). Bytes are reserved BEFORE they can land, and the
+writer is the one owner of the account, for every policy and for the reordered logs:
+
+* ``used``: bytes of the chunks in the index (a loop-side mirror of the index's
+  ``chunk_bytes`` counter, moved only when a commit has returned);
+* ``doomed``: chunks chosen as victims to make room, no longer served (``evicting``:
+  pins are refused), dropped from the index by the next commit, whichever it is;
+* ``pending``: bytes that will become chunk bytes through work already accepted:
+  (a) each open record, ``encoded_len + CHUNK_HEADER_SIZE`` (a record never costs more
+  than that in its chunk, whatever unit it ends up in), charged at :meth:`submit`;
+  (b) the exact length of the chunks of the seal being committed (``sealing_bytes``);
+  (c) reservations of chunks written outside this writer (a next epoch's log, see
+  :mod:`dlcachefs.reorder`: a planned chunk's full length from its first claimed slot
+  until it is indexed or given up), :meth:`try_reserve` / :meth:`unreserve`.
+
+Rule A, at every point of the trio loop: ``used - doomed + pending <= cache_size``. A
+charge that does not fit dooms victims of the policy first (pinned, protected and doomed
+chunks excluded), all or nothing; if they are not enough the record is not cached (it is
+served all the same). Rule B: every commit runs under the writer's limiter (the
+reorderer's too) and drops every chunk doomed so far, so after each commit the index's
+``chunk_bytes`` <= ``cache_size`` (the new chunks were in ``pending``, the dropped ones in
+``doomed``). A unit never exceeds :attr:`max_unit` (half the cache): a policy's package
+larger than that is cut, and ``--chunk-size`` chunks to an eighth of a small cache
+(:attr:`chunk_target`); one record larger than the whole cache is not cached. The disk holds a seal's new bytes shortly before its victims' holes are punched
+(crash order above); the account is of the index.
+
 Concurrency: every attribute is owned by the trio loop. The blocking commit runs in a
 thread under a limiter of one, so appends to the active log are serial. Records waiting
 to be sealed stay readable from :attr:`pending`.
@@ -23,7 +49,9 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import trio
 
@@ -41,6 +69,8 @@ from .source import Identity
 from .stats import Counters
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: after a failed append (disk full), how long to serve from the source before retrying
 WRITE_BACKOFF = 30.0
@@ -60,6 +90,11 @@ class Pending:
     def encoded_len(self) -> int:
         return RECORD_HEADER_SIZE + len(self.key) + len(self.data)
 
+    @property
+    def charge(self) -> int:
+        """What it may cost in chunk bytes: its record, and a chunk header at most."""
+        return self.encoded_len + CHUNK_HEADER_SIZE
+
 
 @dataclass(slots=True)
 class _Result:
@@ -72,6 +107,9 @@ class _Result:
 
 
 class ChunkWriter:
+    """Packs fetched records into chunks (the policy's units), seals and indexes them, and
+    keeps the ``--cache-size`` account (see the module docstring)."""
+
     def __init__(self, cfg: Config, index: Index, logs: LogStore, policy, memtier: MemoryTier,
                  counters: Counters) -> None:
         self.cfg = cfg
@@ -90,7 +128,21 @@ class ChunkWriter:
         self.retire: set[int] = set()  # chunks to evict once unpinned (fully superseded)
         self.protected: set[int] = set()  # next-epoch log chunks: never the policy's victims
         self.pins: Counter[int] = Counter()  # chunk id -> in-flight reads
-        self.evicting: set[int] = set()
+        self.evicting: set[int] = set()  # not served any more: doomed or being dropped
+        # the --cache-size account (module docstring): all of it on the trio loop
+        self.used = index.counter(S.K_CHUNK_BYTES)
+        self.doomed: dict[int, int] = {}  # chunk id -> length, dropped by the next commit
+        self.doomed_bytes = 0
+        self.open_charge = 0  # sum of Pending.charge over self.open
+        self.reserved = 0  # chunks written outside this writer (reorderer), not indexed yet
+        #: the largest unit: half the cache, so that evicting one unit makes room for the next
+        self.max_unit = max(cfg.cache_size // 2, 1)
+        #: --chunk-size, cut to an eighth of the cache when the cache is small (at least
+        #: 4K, at most max_unit): evicting one chunk should not empty half the cache
+        self.chunk_target = min(cfg.chunk_size, self.max_unit, max(cfg.cache_size // 8, 4096))
+        self.commits = 0  # commits in flight (index counters may be ahead of the mirror)
+        #: called on the loop after every commit, under the limiter (--debug-invariants)
+        self.after_commit: Callable[[], None] | None = None
         self.backoff_until = 0.0
         self.disk_free = _free_bytes(cfg.cache_dir)
         self._limiter = trio.CapacityLimiter(1)
@@ -116,13 +168,19 @@ class ChunkWriter:
             self.counters.cache_skipped += 1
             return False
         target = self.policy.pack(ino, len(data))
-        rec = Pending(ino, key, ident, data,
-                      self.cfg.chunk_size if target == PACK_CHUNK else target)
+        target = self.chunk_target if target == PACK_CHUNK else min(target, self.max_unit)
+        rec = Pending(ino, key, ident, data, target)
         # bounded memory: one chunk filling, one being sealed, and a little slack
         if self.open_bytes + self.sealing_bytes + rec.encoded_len > 3 * self.cfg.chunk_size and (
                 self.open or self.sealing_bytes):
             self.counters.cache_skipped += 1
             return False
+        # bounded disk: its bytes are reserved now, or it is not cached
+        if not self.try_reserve(rec.charge):
+            self.counters.cache_skipped += 1
+            return False
+        self.open_charge += rec.charge
+        self.reserved -= rec.charge  # counted as open_charge from here on
         if not self.open:
             self.open_since = time.monotonic()
         self.open.append(rec)
@@ -130,16 +188,18 @@ class ChunkWriter:
         self.pending[ino] = rec
         group = self._group_bytes.get(rec.target, 0) + rec.encoded_len
         self._group_bytes[rec.target] = group
-        if group >= rec.target or self.open_bytes >= self.cfg.chunk_size:
+        if group >= rec.target or self.open_bytes >= self.chunk_target:
             self._full = True
             self._wake.set()
         return True
 
     def has_room(self, nbytes: int = 0) -> bool:
         """Room for ``nbytes`` more without passing two chunks' worth in memory (and always
-        room for one record when nothing is queued, however large it is)."""
+        room for one record when nothing is queued, however large it is). Chunks are cut to
+        a fraction of the cache when it is small, so a reader waits for a seal rather than
+        find the whole cache reserved by records still in memory."""
         queued = self.open_bytes + self.sealing_bytes
-        return queued == 0 or queued + nbytes <= 2 * self.cfg.chunk_size
+        return queued == 0 or queued + nbytes <= 2 * self.chunk_target
 
     async def wait_room(self, nbytes: int = 0) -> None:
         """Backpressure (prefetch, fast readers): wait until ``nbytes`` more would fit."""
@@ -163,27 +223,115 @@ class ChunkWriter:
         self.retire.add(chunk_id)
         self._wake.set()
 
-    async def make_room(self, nbytes: int) -> bool:
-        """Evict (by the policy) so that ``nbytes`` more chunk bytes fit in --cache-size;
-        for chunks written outside this writer (the reorderer). False if it cannot."""
+    # ----- the --cache-size account (trio loop; see the module docstring) ----------------
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes that will become chunk bytes through work already accepted (rule A)."""
+        return self.open_charge + self.sealing_bytes + self.reserved
+
+    def room(self) -> int:
+        """Bytes that may still be reserved without dooming anything."""
+        return self.cfg.cache_size - (self.used - self.doomed_bytes + self.pending_bytes)
+
+    def try_reserve(self, nbytes: int) -> bool:
+        """Reserve ``nbytes`` of future chunk bytes, dooming victims of the policy when the
+        room is short (all or nothing). False, and nothing doomed, when it cannot be done:
+        more than :attr:`max_unit` for one record is fine, more than the cache is not."""
+        if nbytes > self.cfg.cache_size:
+            return False
+        short = nbytes - self.room()
+        if short > 0:
+            # superseded chunks go first (they were to be evicted at the next seal anyway)
+            chosen = [c for c in self.retire
+                      if c not in self.pins and c not in self.protected and c not in self.doomed]
+            sizes = {c: self._length(c) for c in chosen}
+            freed = sum(sizes.values())
+            if freed < short:
+                more = self.policy.victims(short - freed, exclude=(
+                    set(self.pins) | self.protected | set(self.doomed) | self.evicting
+                    | set(chosen)))
+                more = [c for c in more if c not in sizes]
+                sizes.update((c, self._length(c)) for c in more)
+                chosen += more
+                freed = sum(sizes.values())
+            if freed < short:
+                return False  # everything pinned or protected, or too little to give up
+            for c in chosen:
+                self._doom(c, sizes[c])
+            self.retire.difference_update(chosen)
+            self._wake.set()  # the next commit drops them
+        self.reserved += nbytes
+        return True
+
+    def unreserve(self, nbytes: int) -> None:
+        """Give back a reservation whose bytes will not land (a plan given up)."""
+        self.reserved -= nbytes
+        self._space.set()
+        self._space = trio.Event()
+
+    def _length(self, chunk_id: int) -> int:
+        c = self.index.get_chunk(chunk_id)
+        return c.length if c is not None else 0
+
+    def _doom(self, chunk_id: int, length: int) -> None:
+        self.doomed[chunk_id] = length
+        self.doomed_bytes += length
+        self.evicting.add(chunk_id)
+        self.memtier.discard(chunk_id)
+
+    def _take_doomed(self) -> list[int]:
+        """Every doomed chunk, for the commit about to run (under the limiter)."""
+        return list(self.doomed)
+
+    def _committed(self, res: _Result, victims: list[int], added: int) -> None:
+        """Loop bookkeeping of a commit that returned: the mirror follows the index."""
+        self.used += added - sum(c.length for c in res.evicted)
+        for v in victims:
+            n = self.doomed.pop(v, None)
+            if n is not None:
+                self.doomed_bytes -= n
+            self.evicting.discard(v)
+        for c in res.evicted:
+            self.policy.on_remove(c.chunk_id)
+        self.counters.chunks_evicted += len(res.evicted)
+        self.disk_free = res.disk_free
+
+    def shrink_to_limit(self) -> None:
+        """A cache over ``--cache-size`` (mounted again with a smaller one): doom victims
+        of the policy down to the limit; the writer's first commit drops them."""
+        if self.room() < 0:
+            self.try_reserve(0)
+
+    async def commit_external(self, nbytes: int, fn: Callable[..., T], *args: object) -> T:
+        """Run ``fn(*args)`` in a thread: it indexes ``nbytes`` of chunks written outside
+        this writer (the reorderer's seal), reserved with :meth:`try_reserve`. Serialized
+        with this writer's commits (rule B): the doomed chunks are dropped first, in their
+        own transaction. On return the reservation has become chunk bytes; if ``fn``
+        raises, the caller still holds it (and gives it back with :meth:`unreserve`)."""
         async with self._limiter:
-            need = self.index.counter(S.K_CHUNK_BYTES) + nbytes - self.cfg.cache_size
-            if need <= 0:
-                return True
-            victims = self.policy.victims(need, exclude=set(self.pins) | self.protected)
-            freed = sum(c.length for c in map(self.index.get_chunk, victims) if c)
-            for v in victims:
-                self.evicting.add(v)
-                self.memtier.discard(v)
+            await self._drop_doomed_locked()
+            self.commits += 1
             try:
-                res = await trio.to_thread.run_sync(self._commit, 0, [], victims, set(), None)
+                out = await trio.to_thread.run_sync(fn, *args)
             finally:
-                self.evicting.difference_update(victims)
-            for c in res.evicted:
-                self.policy.on_remove(c.chunk_id)
-            self.counters.chunks_evicted += len(res.evicted)
-            self.disk_free = res.disk_free
-            return freed >= need
+                self.commits -= 1
+            self.reserved -= nbytes
+            self.used += nbytes
+            if self.after_commit is not None:
+                self.after_commit()
+            return out
+
+    async def _drop_doomed_locked(self) -> None:
+        victims = self._take_doomed()
+        if not victims:
+            return
+        self.commits += 1
+        try:  # on an error they stay doomed (not served) for the next commit to drop
+            res = await trio.to_thread.run_sync(self._commit, 0, [], victims, set(), None)
+        finally:
+            self.commits -= 1
+        self._committed(res, victims, 0)
 
     def drop(self, ino: int) -> None:
         """Forget the cached record of ``ino`` at the next commit (stale or corrupt)."""
@@ -219,7 +367,8 @@ class ChunkWriter:
                 await self._wake.wait()
             self._wake = trio.Event()
             aged = self.open and time.monotonic() - self.open_since >= self.cfg.flush_interval
-            if self._closing or self._full or aged or self.drops or self.retire:
+            if (self._closing or self._full or aged or self.drops or self.retire
+                    or self.doomed):
                 try:
                     await self._seal()
                 except Exception:  # noqa: BLE001 - LMDB full, statvfs failing...: keep serving
@@ -229,7 +378,7 @@ class ChunkWriter:
                     self.backoff_until = time.monotonic() + WRITE_BACKOFF
                     for r in self.open:
                         self.policy.on_dropped(r.ino)
-                    self.open, self.open_bytes = [], 0
+                    self.open, self.open_bytes, self.open_charge = [], 0, 0
                     self._group_bytes, self._full = {}, False
                     self.pending.clear()
                     self._space.set()
@@ -249,7 +398,7 @@ class ChunkWriter:
 
     async def flush(self) -> None:
         """Seal and commit everything queued so far (tests and clean shutdown)."""
-        if self.open or self.drops:
+        if self.open or self.drops or self.doomed or self.retire:
             await self._seal(force=True)
         async with self._limiter:  # FIFO: returns once any commit in flight is done
             pass
@@ -262,9 +411,10 @@ class ChunkWriter:
             await self._seal_locked(force)
 
     async def _seal_locked(self, force: bool = False) -> None:
-        if not self.open and not self.drops and not self.retire:
+        if not self.open and not self.drops and not self.retire and not self.doomed:
             return
         records, drops = self._take_batch(force)
+        charged = sum(r.charge for r in records)
         # a record already indexed for the same version (moved by the reorderer meanwhile)
         # would only be a dead copy in a chunk nobody reads
         kept = []
@@ -274,37 +424,43 @@ class ChunkWriter:
             else:
                 kept.append(r)
         records = kept
-        groups = _units(records)
+        groups = _units(records, self.max_unit)
         new_len = sum(CHUNK_HEADER_SIZE + sum(r.encoded_len for r in g) for g in groups)
-        # superseded chunks go first (release after use); pinned ones wait for a later
+        # superseded chunks go now (release after use); pinned ones wait for a later
         # seal; a next-epoch log chunk is never given up this way
         self.retire -= self.protected
-        retired = [c for c in self.retire if c not in self.pins]
-        self.retire.difference_update(retired)
-        victims: list[int] = list(retired)
+        for c in [c for c in self.retire if c not in self.pins]:
+            self.retire.discard(c)
+            if c not in self.doomed:
+                self._doom(c, self._length(c))
         write = bool(records)
-        if records:
-            retired_len = sum(c.length for c in map(self.index.get_chunk, retired) if c)
-            used = self.index.counter(S.K_CHUNK_BYTES) - retired_len
-            need = max(used + new_len - self.cfg.cache_size,
-                       self.cfg.min_free - (self.disk_free + retired_len - new_len), 0)
+        if records and self.cfg.min_free > 0:
+            # the free-space floor on the cache disk (--cache-size was reserved at submit)
+            need = self.cfg.min_free - (self.disk_free + self.doomed_bytes - new_len)
             if need > 0:
-                chosen = self.policy.victims(
-                    need, exclude=set(self.pins) | set(retired) | self.protected)
-                freed = sum(c.length for c in map(self.index.get_chunk, chosen) if c)
+                chosen = self.policy.victims(need, exclude=(
+                    set(self.pins) | self.protected | set(self.doomed) | self.evicting))
+                freed = sum(self._length(c) for c in chosen)
                 if freed < need:
-                    # cannot make room (everything pinned, or one chunk bigger than the cache)
-                    chosen, write = [], False
+                    # cannot make room on the disk (everything pinned): not cached
+                    write = False
                     self.counters.cache_skipped += len(records)
-                victims += chosen
-        for v in victims:
-            self.evicting.add(v)
-            self.memtier.discard(v)
+                else:
+                    for c in chosen:
+                        self._doom(c, self._length(c))
+        victims = self._take_doomed()
         cid = self._next_chunk
         if write:
             self._next_chunk += len(groups)
-        self.sealing_bytes += new_len
+        # the charges of these records become the exact length of their chunks
+        self.open_charge -= charged
+        if write:
+            self.sealing_bytes += new_len
+        self._space.set()  # charges given back (the cut records, the header estimates)
+        self._space = trio.Event()
         self.committing = True
+        self.commits += 1
+        res: _Result | None = None
         try:
             new_log = None
             if write and self.logs.needs_new_log(new_len):  # no commit runs now: safe to read
@@ -313,13 +469,16 @@ class ChunkWriter:
                                                 victims, drops, new_log)
         finally:
             self.committing = False
-            self.sealing_bytes -= new_len
-            self.evicting.difference_update(victims)
+            self.commits -= 1
+            if write:
+                self.sealing_bytes -= new_len
+            if res is None:  # the commit raised: nothing of it happened (doomed stay doomed)
+                for r in records:
+                    if self.pending.get(r.ino) is r:
+                        del self.pending[r.ino]
+                    self.policy.on_dropped(r.ino)
         self.drops -= drops  # committed: the index no longer has those records
-        self.disk_free = res.disk_free
-        for c in res.evicted:
-            self.policy.on_remove(c.chunk_id)
-        self.counters.chunks_evicted += len(res.evicted)
+        self._committed(res, victims, sum(length for _, _, length in res.chunks))
         if res.error is not None or not write:
             for r in records:
                 self.policy.on_dropped(r.ino)
@@ -338,6 +497,8 @@ class ChunkWriter:
                 del self.pending[r.ino]
         self._space.set()
         self._space = trio.Event()
+        if self.after_commit is not None:
+            self.after_commit()
 
     def _indexed(self, r: Pending) -> bool:
         cur = self.index.get_record(r.ino)
@@ -354,8 +515,8 @@ class ChunkWriter:
         at their target size (a package is not sealed short because another filled)."""
         aged = self.open and time.monotonic() - self.open_since >= self.cfg.flush_interval
         # with only chunk-size groups (lru), any seal takes everything open, as it always did
-        if (force or aged or self._closing or self.open_bytes >= self.cfg.chunk_size
-                or set(self._group_bytes) <= {self.cfg.chunk_size}):
+        if (force or aged or self._closing or self.open_bytes >= self.chunk_target
+                or set(self._group_bytes) <= {self.chunk_target}):
             records, self.open, self.open_bytes = self.open, [], 0
             self._group_bytes = {}
         else:
@@ -424,9 +585,11 @@ class ChunkWriter:
         return res
 
 
-def _units(records: list[Pending]) -> list[list[Pending]]:
+def _units(records: list[Pending], max_unit: int | None = None) -> list[list[Pending]]:
     """Records grouped into units: by target, a target-0 record alone, and a group cut
-    where it reaches its target (a seal may take more than one target's worth)."""
+    where it reaches its target (a seal may take more than one target's worth), or before
+    a record that would take its chunk past ``max_unit`` bytes (a record larger than that
+    is a unit of its own)."""
     out: list[list[Pending]] = []
     by_target: dict[int, list[Pending]] = {}
     sizes: dict[int, int] = {}
@@ -435,6 +598,11 @@ def _units(records: list[Pending]) -> list[list[Pending]]:
             out.append([r])
             continue
         g = by_target.setdefault(r.target, [])
+        if g and max_unit is not None and (
+                CHUNK_HEADER_SIZE + sizes[r.target] + r.encoded_len > max_unit):
+            out.append(g)
+            g = by_target[r.target] = []
+            sizes[r.target] = 0
         g.append(r)
         sizes[r.target] = sizes.get(r.target, 0) + r.encoded_len
         if sizes[r.target] >= r.target:

@@ -22,7 +22,9 @@ requires_fuse = pytest.mark.skipif(not _fuse_available(), reason="needs /dev/fus
 @pytest.fixture
 def mount(tmp_path):
     """Factory: mount(source, *extra_args, name='mnt', cache=None) -> started Mount.
-    Every mount made here is unmounted at teardown, even when the test failed."""
+    Every mount made here is unmounted at teardown, even when the test failed. Mounts run
+    with ``--debug-invariants``; after the test (and the unmount, whose final commit is
+    checked too) the test fails if any daemon logged an invariant violation."""
     made: list[Mount] = []
 
     def make(source: Path, *extra: str, name: str = "mnt", cache: Path | None = None) -> Mount:
@@ -33,3 +35,6 @@ def mount(tmp_path):
     yield make
     for m in made:
         m.cleanup()
+    problems = [v for log in dict.fromkeys(m.log for m in made)
+                for v in Mount.violations_in(log)]
+    assert not problems, "--debug-invariants found violations:\n" + "\n".join(problems[:20])

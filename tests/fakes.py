@@ -219,10 +219,11 @@ def read_source(root: Path, rel: bytes) -> bytes:
 
 
 def make_config(source: Path, cache: Path, **kw: Any) -> Config:
-    """A Config for tests: small chunks, quick flushes, no free-space floor."""
+    """A Config for tests: small chunks, quick flushes, no free-space floor, the cache's
+    invariants checked after every commit (``debug_invariants``)."""
     args: dict[str, Any] = dict(chunk_size=64 << 10, flush_interval=0.05, min_free=0,
                                 source_timeout=10.0, source_threads=4, memory=64 << 20,
-                                log_size=1 << 20)
+                                log_size=1 << 20, debug_invariants=True)
     args.update(kw)
     return Config(source=str(source), mountpoint="/nonexistent", cache_dir=str(cache), **args)
 
@@ -249,7 +250,9 @@ async def read_all(engine: Engine, rel: bytes, step: int = 100_000) -> bytes:
 def run_engine(cfg: Config, body: Callable[[Engine], Awaitable[Any]], source=None,
                check_invariants: bool = True) -> tuple[Any, Engine]:
     """Start an Engine (blocking start-up, as the daemon does), run ``body(engine)`` inside
-    trio with the engine's background tasks running, close it, and check the index.
+    trio with the engine's background tasks running, close it, and check the cache's
+    invariants (:meth:`Engine.check_invariants`: the --cache-size account and the index)
+    and that no check after a commit found a violation (``invariant_violations``).
 
     Returns (body's result, engine); the engine's files are closed by then (counters stay).
     """
@@ -268,7 +271,10 @@ def run_engine(cfg: Config, body: Callable[[Engine], Awaitable[Any]], source=Non
 
         result = trio.run(main)
         if check_invariants:
-            problems = eng.index.check_invariants()
+            problems = eng.check_invariants()
+            if eng.counters.invariant_violations:
+                problems.append(f"{eng.counters.invariant_violations} invariant violations "
+                                "after commits (see the ERROR log lines)")
     finally:
         eng.close_files()
     assert problems == [], problems

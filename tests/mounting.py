@@ -20,10 +20,15 @@ def fuse_mounted(path: Path) -> bool:
 
 
 class Mount:
-    """A foreground ``dlcachefs mount`` child process; ``.mnt`` is the mountpoint."""
+    """A foreground ``dlcachefs mount`` child process; ``.mnt`` is the mountpoint.
+
+    Every mount runs with ``--debug-invariants``: the daemon checks the cache's invariants
+    after every commit and logs each violation as an ERROR line; :meth:`violations`
+    reads them back (the ``mount`` fixture fails a test that caused one)."""
 
     def __init__(self, source: Path, mnt: Path, cache: Path, *extra: str) -> None:
-        self.source, self.mnt, self.cache, self.extra = source, mnt, cache, extra
+        self.source, self.mnt, self.cache = source, mnt, cache
+        self.extra = extra if "--debug-invariants" in extra else (*extra, "--debug-invariants")
         self.proc: subprocess.Popen | None = None
         self.log = cache.parent / f"{mnt.name}.daemon.log"
 
@@ -50,6 +55,17 @@ class Mount:
             time.sleep(0.05)
         self.cleanup()
         raise RuntimeError(f"mount not ready after {timeout} s: {self.log.read_text()}")
+
+    def violations(self) -> list[str]:
+        """The invariant violations the daemon logged so far (all its mounts on this log)."""
+        return self.violations_in(self.log)
+
+    @staticmethod
+    def violations_in(log: Path) -> list[str]:
+        if not log.exists():
+            return []
+        return [line for line in log.read_text(errors="replace").splitlines()
+                if "invariant violated" in line]
 
     def stats(self) -> dict:
         with open(self.mnt / ".dlcache" / "stats", "rb") as f:

@@ -1,0 +1,276 @@
+"""Tier 3: ``--cache-size`` holds for every policy, unit size, number of ranks and cache
+size (smaller than ``--chunk-size`` too), the engine driven without a kernel.
+
+The rule checked after every step (see :mod:`dlcachefs.writer`): the space account
+``used - doomed + pending <= cache_size`` (pending: open records' charges, the seal in
+flight, next-epoch log chunks reserved), and, between commits, the index's
+``chunk_bytes`` equal to the account and within the limit; plus every other invariant of
+:meth:`Engine.check_invariants`. Every byte read equals the source (or, with
+``--substitute``, another file of the same class directory).
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+from dlcachefs.policies import registry
+from fakes import make_config, read_all, run_engine, write_tree
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from dlcachefs import schema as S
+from dlcachefs.chunkfmt import CHUNK_HEADER_SIZE
+from dlcachefs.control import ControlState
+from dlcachefs.errors import DlcError
+from dlcachefs.writer import Pending, _units
+
+PID = 9_000_000  # above the kernel's pid_max: never a real process (rank r is PID + r)
+POLICIES = sorted(registry())
+
+
+def dataset(seed: int, big: int = 0) -> dict[bytes, bytes]:
+    """An ImageFolder tree: 3 classes of 8 files (100 B .. 6 KB), and one ``big`` file."""
+    rng = random.Random(seed)
+    files = {b"train/c%d/%02d.jpg" % (c, i): rng.randbytes(rng.randrange(100, 6000))
+             for c in range(3) for i in range(8)}
+    if big:
+        files[b"train/c0/99.jpg"] = rng.randbytes(big)
+    return files
+
+
+def assert_limit(eng, cap: int) -> None:
+    w = eng.writer
+    assert w.used - w.doomed_bytes + w.pending_bytes <= cap
+    if w.commits == 0:
+        assert eng.index.counter(S.K_CHUNK_BYTES) <= cap or w.doomed
+        assert eng.index.counter(S.K_CACHED_BYTES) <= eng.index.counter(S.K_CHUNK_BYTES)
+    problems = eng.check_invariants()
+    assert problems == [], problems
+    assert eng.counters.invariant_violations == 0
+
+
+class Driver:
+    """Ranks of one job reading their DistributedSampler epochs through the engine."""
+
+    def __init__(self, eng, files: dict[bytes, bytes], ranks: int, substitute: bool) -> None:
+        self.eng, self.files, self.ranks, self.substitute = eng, files, ranks, substitute
+
+        def resolve_dir(rel: str) -> int:
+            e = eng.ns.resolve(rel.encode())
+            if e is None:
+                raise DlcError("no such directory")
+            return e.ino
+
+        self.cs = ControlState(resolve_dir, eng.streams.on_stream,
+                               dataset_size=eng.dataset_size, on_loss=eng.on_loss,
+                               on_order=eng.streams.on_order)
+        self.by_ino = {eng.ns.resolve(rel).ino: rel for rel in files}
+        self.epoch = [-1] * ranks
+        self.pos = [0] * ranks
+
+    async def announce(self, r: int) -> None:
+        self.epoch[r] += 1
+        self.pos[r] = 0
+        self.cs.apply(f"job j\ndataset train\nsampler distributed seed=5 world={self.ranks} "
+                      f"rank={r}\nepoch {self.epoch[r]}\n".encode(), PID + r)
+        with trio.fail_after(20):  # the order is replayed in a thread: wait for it
+            while (s := self.eng.streams.streams.get(("j", r))) is None or \
+                    s.epoch != self.epoch[r] or not s.order:
+                await trio.sleep(0.01)
+
+    async def read(self, r: int, n: int) -> None:
+        if self.epoch[r] < 0:
+            await self.announce(r)
+        s = self.eng.streams.streams[("j", r)]
+        for _ in range(n):
+            if self.pos[r] >= len(s.order):
+                return
+            ino = s.samples.inos[s.order[self.pos[r]]]
+            self.pos[r] += 1
+            got = await self._read(ino, PID + r)
+            rel = self.by_ino[ino]
+            if got != self.files[rel]:
+                assert self.substitute, rel
+                parent = rel.rsplit(b"/", 1)[0]
+                assert any(v == got for k, v in self.files.items()
+                           if k != rel and k.rsplit(b"/", 1)[0] == parent), rel
+
+    async def _read(self, ino: int, pid: int) -> bytes:
+        h = await self.eng.open(ino, pid)
+        try:
+            out = bytearray()
+            while piece := await self.eng.read(h.fh, len(out), 1 << 20):
+                out += piece
+            return bytes(out)
+        finally:
+            self.eng.release(h.fh)
+
+    def losses(self, seed: int) -> None:
+        if max(self.epoch) < 0:
+            return  # no dataset announced yet: a loss line would be refused
+        rng = random.Random(seed)
+        n = len(self.files)
+        self.cs.apply(("job j\nloss " + " ".join(f"{i} {rng.random():.3f}" for i in range(n))
+                       + "\n").encode(), PID)
+
+
+STEPS = st.lists(st.tuples(st.sampled_from(["read", "read", "epoch", "flush", "loss", "wait"]),
+                           st.integers(0, 3), st.integers(1, 12)), min_size=1, max_size=25)
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(policy=st.sampled_from(POLICIES), package=st.sampled_from([2048, 12_000, 60_000]),
+       chunk_size=st.sampled_from([4096, 16 << 10, 64 << 10]),
+       cache_size=st.sampled_from([3_000, 12_000, 40_000, 120_000, 1 << 30]),
+       ranks=st.integers(1, 4), reorder=st.booleans(), substitute=st.booleans(),
+       big=st.sampled_from([0, 20_000]), seed=st.integers(0, 2**16), steps=STEPS)
+def test_cache_size_holds_after_every_step(policy, package, chunk_size, cache_size, ranks,
+                                           reorder, substitute, big, seed, steps):
+    files = dataset(seed, big)
+    spec = f"icache:package={package}" if policy == "icache" else policy
+    substitute = substitute and policy == "icache"
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cache = Path(tmp) / "src", Path(tmp) / "cache"
+        write_tree(src, files)
+        cfg = make_config(src, cache, policy=spec, chunk_size=chunk_size,
+                          cache_size=cache_size, reorder=reorder, substitute=substitute,
+                          h_fraction=0.5)
+
+        async def body(eng):
+            d = Driver(eng, files, ranks, substitute)
+            assert_limit(eng, cache_size)
+            for op, rank, n in steps:
+                r = rank % ranks
+                if op == "read":
+                    await d.read(r, n)
+                elif op == "epoch":
+                    await d.announce(r)
+                elif op == "flush":
+                    await eng.writer.flush()
+                elif op == "loss":
+                    d.losses(n)
+                else:  # let the background tasks (seals, reorder, prefetch) move on
+                    await trio.testing.wait_all_tasks_blocked()
+                assert_limit(eng, cache_size)
+            await eng.writer.flush()
+            assert_limit(eng, cache_size)
+            c = eng.counters  # what the example exercised (--hypothesis-show-statistics)
+            event(f"reorder chunks sealed: {c.reorder_chunks > 0}")
+            event(f"chunks evicted: {c.chunks_evicted > 0}")
+            event(f"substitutions: {c.substitutions > 0}")
+            event(f"cache below the chunk size: {cache_size < chunk_size}")
+
+        run_engine(cfg, body)
+
+
+# ----- units larger than the cache -------------------------------------------------------
+
+
+def _rec(ino: int, size: int, target: int) -> Pending:
+    return Pending(ino, b"k", None, b"x" * size, target)  # type: ignore[arg-type]
+
+
+def test_units_are_cut_at_max_unit():
+    recs = [_rec(i, 1000, 10_000) for i in range(8)] + [_rec(99, 5000, 10_000)]
+    units = _units(recs, max_unit=3000)
+    assert [len(u) for u in units] == [2, 2, 2, 2, 1]
+    assert all(CHUNK_HEADER_SIZE + sum(r.encoded_len for r in u) <= 3000 or len(u) == 1
+               for u in units)
+    assert [len(u) for u in _units(recs)] == [9]  # no cap: cut where the target is reached
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_cache_smaller_than_the_chunk_size_cuts_chunks(tmp_path, policy):
+    """A 40 KB cache with 64 KB chunks (and 30 KB packages): chunks of at most half the
+    cache are sealed, the cache fills and evicts within its size; a file larger than the
+    whole cache is served, not cached."""
+    files = dataset(1, big=50_000)
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    write_tree(src, files)
+    cap = 40_000
+    spec = "icache:package=30000" if policy == "icache" else policy
+
+    async def body(eng):
+        for _ in range(2):
+            for rel in sorted(files):
+                assert await read_all(eng, rel) == files[rel]
+                assert_limit(eng, cap)
+            await eng.writer.flush()
+            assert_limit(eng, cap)
+        chunks = list(eng.index.iter_chunks())
+        assert chunks, "something was cached"
+        assert all(c.length <= cap // 2 or len(c.members) == 1 for c in chunks)
+        assert eng.index.get_record(eng.ns.resolve(b"train/c0/99.jpg").ino) is None
+        # full: it evicted, or (icache, no losses yet: a full H-cache) refused admissions
+        assert eng.counters.chunks_evicted > 0 or eng.counters.not_admitted > 0
+
+    run_engine(make_config(src, cache, policy=spec, cache_size=cap, chunk_size=64 << 10),
+               body)
+
+
+def test_remount_with_a_smaller_cache_shrinks_it(tmp_path):
+    files = dataset(2)
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    write_tree(src, files)
+
+    async def fill(eng):
+        for rel in sorted(files):
+            await read_all(eng, rel)
+        await eng.writer.flush()
+        assert eng.index.counter(S.K_CHUNK_BYTES) > 20_000
+
+    run_engine(make_config(src, cache, chunk_size=8192), fill)
+
+    async def smaller(eng):
+        assert_limit(eng, 20_000)
+        await eng.writer.flush()
+        assert eng.index.counter(S.K_CHUNK_BYTES) <= 20_000
+        assert_limit(eng, 20_000)
+
+    run_engine(make_config(src, cache, chunk_size=8192, cache_size=20_000), smaller)
+
+
+def test_check_invariants_reports_a_broken_account(tmp_path, caplog):
+    """The checks catch what they claim to: an account over the limit, a mirror that
+    drifted from the index, a pinned chunk doomed; --debug-invariants logs each as an
+    ERROR after the next commit and counts it."""
+    files = dataset(3)
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    write_tree(src, files)
+
+    async def body(eng):
+        for rel in sorted(files)[:6]:
+            await read_all(eng, rel)
+        await eng.writer.flush()
+        assert eng.check_invariants() == []
+        w = eng.writer
+        w.reserved += 50_000  # as if a reservation never went through try_reserve
+        assert any("over --cache-size" in p for p in eng.check_invariants())
+        w.reserved -= 50_000
+        w.used += 1
+        assert any("!= index chunk_bytes" in p for p in eng.check_invariants())
+        w.used -= 1
+        cid = next(eng.index.iter_chunks()).chunk_id
+        w.pins[cid] += 1
+        w.doomed[cid] = 0  # doomed while pinned, and still served
+        problems = eng.check_invariants()
+        assert any("pinned chunks doomed" in p for p in problems)
+        assert any("still served" in p for p in problems)
+        del w.doomed[cid]
+        w.unpin(cid)
+        w.used += 1  # drifted from the index
+        await read_all(eng, sorted(files)[7])
+        await eng.writer.flush()  # a commit: the check runs after it
+        assert eng.counters.invariant_violations > 0
+        w.used -= 1
+        eng.counters.invariant_violations = 0  # for run_engine's own check at the end
+
+    run_engine(make_config(src, cache, cache_size=60_000, chunk_size=8192), body)
+    assert any("invariant violated" in r.getMessage() and r.levelname == "ERROR"
+               for r in caplog.records)
