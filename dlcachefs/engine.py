@@ -49,6 +49,7 @@ from .index import Index
 from .logstore import LogStore
 from .memtier import ChunkBuf, MemoryTier
 from .namespace import Namespace, identity, is_file
+from .readplan import ReadPlanner
 from .schema import Chunk, Entry, Record
 from .source import Identity, LocalSource, Source, open_for_range_reads, pread_checked
 from .stats import Counters
@@ -140,6 +141,9 @@ class Engine:
         self.ready: dict[int, tuple[Identity, Record | None, bytes | memoryview, str]] = {}
         self._ready_bytes = 0
         self.ready_limit = max(cfg.memory // 4, cfg.chunk_size)
+        # planned reads of known orders (issue 9): half of --memory, taken from the tier
+        self.plans = ReadPlanner(self, min(cfg.memory // 2, self.streams.lead_bytes),
+                                 lead=self.streams.lead)
 
     # ----- life cycle ----------------------------------------------------------------
 
@@ -221,6 +225,7 @@ class Engine:
             raise InvalidArgument("not a regular file")
         if stream is not None:
             self.streams.note_open(stream, ino)
+            self.plans.poke(stream)
             if self.trace is not None:
                 self.trace.opened(stream.dataset, stream.samples, stream.epoch, ino)
         if e.size > self.cfg.max_cached_file:
@@ -232,7 +237,7 @@ class Engine:
             if sub is not None:
                 return sub
         data, cached, waited = await self._load(
-            e, cache=stream is None or not stream.memory_prefetch)
+            e, cache=stream is None or not stream.memory_prefetch, stream=stream)
         if stream is not None and stream.next_log is not None:
             stream.next_log.consumed(ino, data, identity(e))
         if stream is not None:
@@ -444,7 +449,8 @@ class Engine:
         if e.size > self.cfg.max_cached_file or ino in self._inflight or ino in self.ready:
             return False
         if self.is_cached(e):
-            await self._preload(ino, stream.key)
+            if self.plans.plan_for(stream) is None:  # a plan reads it ahead instead
+                await self._preload(ino, stream.key)
             return False
         if self.cfg.substitute and self.policy.substitutable(ino):
             return False  # an L-sample: its open may be served by substitution instead
@@ -520,9 +526,11 @@ class Engine:
         data, e2 = await self._fetch(e)
         return data if identity(e2) == ident else None
 
-    async def _load(self, e: Entry, cache: bool = True) -> tuple[bytes | memoryview, bool, bool]:
+    async def _load(self, e: Entry, cache: bool = True, stream: Stream | None = None
+                    ) -> tuple[bytes | memoryview, bool, bool]:
         """Bytes of the current version of ``e``, whether they came from the cache, and
-        whether the open had to wait for the source."""
+        whether the open had to wait for the source. An open of a ``stream`` whose epoch
+        is read through a plan takes the plan's bytes, or reads the record alone."""
         ident = identity(e)
         rec = self.index.get_record(e.ino)
         early = self.ready.pop(e.ino, None)
@@ -537,7 +545,15 @@ class Engine:
                     self.counters.hits += 1
                     self._after_use(rec.chunk_id, e.ino)
                     return early[2], True, False
-                data = await self._read_record(e.ino, rec)
+                plan = self.plans.plan_for(stream)
+                if plan is not None:
+                    data = await plan.take(e.ino, rec)
+                    if data is not None:
+                        self.counters.hits += 1
+                        self.counters.planned_hits += 1
+                        self._after_use(rec.chunk_id, e.ino)
+                        return data, True, False
+                data = await self._read_record(e.ino, rec, whole=plan is None)
                 if data is not None:
                     self.counters.hits += 1
                     return data, True, False
@@ -557,11 +573,13 @@ class Engine:
         self.counters.misses += 1
         return data, False, True
 
-    async def _read_record(self, ino: int, rec: Record, background: bool = False
-                           ) -> memoryview | None:
+    async def _read_record(self, ino: int, rec: Record, background: bool = False,
+                           whole: bool = True) -> memoryview | None:
         """The record's bytes from memory or the log; None when they cannot be trusted.
         ``background`` reads (filling a reordered log) read the record alone and leave the
-        memory tier and the reader's statistics alone."""
+        memory tier and the reader's statistics alone. ``whole=False`` (an open a read
+        plan covers) never loads the whole chunk: the plan reads the chunk's other records
+        when they are due."""
         buf = self.memtier.get(rec.chunk_id)
         while buf is None and rec.chunk_id in self._loading:
             await self._loading[rec.chunk_id].wait()  # another open is loading this chunk
@@ -573,7 +591,7 @@ class Engine:
                 c = self.index.get_chunk(rec.chunk_id)
                 if c is None:
                     return None
-                if background or not self._whole_chunk(c):
+                if background or not whole or not self._whole_chunk(c):
                     return await self._read_single(ino, rec, background)
                 buf = await self._load_chunk_into_memory(c)
                 if buf is None:
@@ -763,6 +781,8 @@ class Engine:
             "revalidate_s": self.cfg.revalidate,
         }
         out.update(self.counters.as_dict())
+        out["cache_disk_bytes_read"] = self.logs.bytes_read  # every pread of the logs
+        out["read_plans"] = self.plans.stats()
         out["streams"] = self.streams.stats()
         out["policy"] = {"name": self.cfg.policy, **self.policy.stats()}
         t = self.importance.table
