@@ -175,8 +175,9 @@ class ReadPlanner:
         if stream is None:
             return None
         p = self.plans.get(stream.key)
-        if p is None or p.closed or p.order is not stream.order:
-            return None
+        if (p is None or p.closed or p.order is not stream.order
+                or stream.epoch != stream.target_epoch):
+            return None  # no plan, or a new epoch was announced and is not planned yet
         return p
 
     def poke(self, stream) -> None:
