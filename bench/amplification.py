@@ -8,12 +8,15 @@ writer to go idle and drops the page cache (so every read reaches the daemon). P
 it records the daemon's ``rchar`` (``/proc/PID/io``: every byte the daemon read with a
 syscall: cache logs, source files, /dev/fuse, /proc) and the stats counters.
 
-Output (JSON on stdout, progress on stderr), per epoch: ``daemon_rchar``,
-``bytes_served`` (``bytes_from_cache`` + ``bytes_from_source`` delta), ``amplification``
-(rchar / served), ``chunk_reads``, ``record_reads``, ``planned_reads`` and, when the
-daemon counts it, ``cache_disk_bytes_read`` and its own amplification.
+Output (JSON on stdout and ``--out``, progress on stderr), per epoch: ``daemon_rchar``,
+``bytes_served`` (``bytes_from_cache`` + ``bytes_from_source`` delta; in epoch 1 the
+latter also counts files fetched ahead of the reader), ``amplification`` (rchar /
+served), ``chunk_reads``, ``record_reads``, ``planned_reads`` and, when the daemon counts
+it, ``cache_disk_bytes_read`` and ``cache_amplification`` (that / ``bytes_from_cache``:
+the same ratio from the stats alone).
 
     python -m bench.amplification                       # this checkout's code
+    python -m bench.amplification --core-rev c444447    # the daemon of a revision
     python -m bench.amplification --venv /work/main/.venv   # another checkout's code
 
 Every sample's bytes are hashed in the training script and compared with the source's:
@@ -30,9 +33,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from . import make_dataset as md
 from .dlcmount import DlcMount
+from .fidelity import core_from_rev
 
 TRAIN = r'''
 import hashlib, json, os, sys, time, torch
@@ -88,7 +93,7 @@ print(json.dumps(out))
 '''
 
 COUNTERS = ("chunk_reads", "sequential_chunk_reads", "chunk_preloads", "record_reads",
-            "record_preloads", "planned_reads", "planned_records", "planned_bytes",
+            "record_preloads", "planned_reads", "planned_records", "planned_bytes", "planned_hits",
             "cache_disk_bytes_read", "hits", "misses", "bytes_from_source",
             "bytes_from_cache")
 
@@ -116,7 +121,10 @@ def run(a: argparse.Namespace) -> dict:
     py = os.path.join(a.venv, "bin", "python")
     exe = os.path.join(a.venv, "bin", "dlcachefs")
     work = tempfile.mkdtemp(prefix="dlc-amp-")
+    core = {"venv": a.venv}
     try:
+        if a.core_rev:  # the daemon from a revision; the launcher from the venv
+            exe, core = core_from_rev(a.core_rev, Path(work))
         script = os.path.join(work, "train.py")
         with open(script, "w") as f:
             f.write(TRAIN)
@@ -150,7 +158,7 @@ def run(a: argparse.Namespace) -> dict:
         log(f"epoch {i + 1}: rchar {ep['rchar'] / 2**20:.1f} MiB, served {served / 2**20:.1f} "
             f"MiB, x{row['amplification']}, chunk_reads {d['chunk_reads']}, record_reads "
             f"{d['record_reads']}, planned_reads {d.get('planned_reads', '-')}")
-    return {"venv": a.venv, "files": len(truth), "dataset_bytes": total,
+    return {"core": core, "files": len(truth), "dataset_bytes": total,
             "chunk_size": a.chunk_size, "memory": a.memory, "epochs": rows,
             "bytes_equal_source": ok, "final_streams": final.get("streams")}
 
@@ -167,9 +175,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--chunk-size", default="1M")
     p.add_argument("--memory", default="4M")
+    p.add_argument("--core-rev", metavar="REV",
+                   help="run the daemon from this git revision (git archive)")
+    p.add_argument("--out", help="also write the JSON here")
     a = p.parse_args(argv)
     out = run(a)
-    print(json.dumps(out, indent=1))
+    text = json.dumps(out, indent=1)
+    print(text)
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
     return 0 if out["bytes_equal_source"] else 1
 
 

@@ -6,7 +6,8 @@ Read path of one file (``open`` does the work, ``read`` only slices):
 2. the index record, if its source identity equals the entry's: the bytes come from the
    memory tier, or from the log (one read of the whole chunk, payload checksum verified,
    kept in the memory tier; or, when whole chunks are not being reused, one read of the
-   record alone, checked against its own checksum);
+   record alone, checked against its own checksum; or, for an open of a stream whose
+   epoch is read by a plan (:mod:`dlcachefs.readplan`), the bytes the plan read ahead);
 3. a record that is stale or fails its checksum is dropped and counted, never served;
 4. otherwise the file is fetched whole from the source in a worker thread (bounded by the
    source limiter, with a timeout and retries of transient errors), served, and handed to
@@ -15,7 +16,7 @@ Read path of one file (``open`` does the work, ``read`` only slices):
 Concurrency rules: all engine state lives on the trio loop and is touched only there.
 Source reads, log reads and checksums of whole chunks run in worker threads
 (``trio.to_thread.run_sync``): source calls under ``source_limiter``
-(``--source-threads``), log reads under ``disk_limiter``. The chunk writer's commits run
+(``--source-threads``), log reads under ``disk_limiter`` (a read plan's batch: one hop). The chunk writer's commits run
 in its own thread of one (see :mod:`dlcachefs.writer`). LMDB read transactions run on
 the loop (microseconds); LMDB write transactions only in threads.
 """
@@ -143,7 +144,8 @@ class Engine:
         self.ready_limit = max(cfg.memory // 4, cfg.chunk_size)
         # planned reads of known orders (issue 9): half of --memory, taken from the tier
         self.plans = ReadPlanner(self, min(cfg.memory // 2, self.streams.lead_bytes),
-                                 lead=self.streams.lead)
+                                 lead=self.streams.lead,
+                                 max_batch=max(4 << 20, 2 * cfg.chunk_size))
 
     # ----- life cycle ----------------------------------------------------------------
 
@@ -546,6 +548,8 @@ class Engine:
                     self._after_use(rec.chunk_id, e.ino)
                     return early[2], True, False
                 plan = self.plans.plan_for(stream)
+                if plan is not None and not plan.covers(e.ino):
+                    plan = None
                 if plan is not None:
                     data = await plan.take(e.ino, rec)
                     if data is not None:

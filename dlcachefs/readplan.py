@@ -12,8 +12,11 @@ reader, inside a bounded window, and reads exactly the records it will ask for:
   sample bound), holding at most ``budget`` bytes of read data for all plans together
   (half of ``--memory``). That memory is taken from the memory tier
   (:meth:`MemoryTier.reserve`), so chunks + planned reads stay within ``--memory``.
-* **Batches**: a new batch is read once half of the budget is free (so each batch covers
-  many positions, and records of one chunk needed close together land in one batch).
+* **Batches**: a new batch is read once half of the plan's share of the budget (or
+  ``max_batch``, 2 chunks and at least 4 MiB) is free, so each batch covers many
+  positions and records of one chunk needed close together land in one batch, while
+  the first open of an epoch never waits for more than one ``max_batch`` of reads.
+  Several streams split the budget evenly.
 * **Grouping** (:func:`group_reads`, pure): the batch's records are grouped by chunk and
   sorted by offset; a run grows by the next record of the same chunk while its useful
   bytes (record data) stay at least ``MIN_USEFUL`` of the bytes it covers. Each run is
@@ -163,10 +166,12 @@ class ReadPlanner:
     ``disk_limiter`` and ``_bad(ino)``.
     """
 
-    def __init__(self, engine, budget: int, lead: int = 1024) -> None:
+    def __init__(self, engine, budget: int, lead: int = 1024,
+                 max_batch: int = 4 << 20) -> None:
         self.engine = engine
         self.budget = max(budget, 1)
         self.lead = lead
+        self.max_batch = max_batch
         self.held = 0  # bytes reserved by all plans (in flight or waiting to be taken)
         self.plans: dict[str, ReadPlan] = {}
 
@@ -213,11 +218,11 @@ class ReadPlanner:
             if plan.closed and self.plans.get(stream.key) is plan:
                 del self.plans[stream.key]
 
-    def reserve(self, n: int) -> None:
+    def _reserve(self, n: int) -> None:
         self.held += n
         self.engine.memtier.reserve(n)
 
-    def unreserve(self, n: int) -> None:
+    def _unreserve(self, n: int) -> None:
         self.held -= n
         self.engine.memtier.unreserve(n)
 
@@ -234,7 +239,9 @@ class ReadPlan:
         self.order = stream.order  # identity tells a plan of a replaced epoch apart
         self.inos = stream.samples.inos
         self.consumed = stream.consumed
+        self.members: frozenset[int] | None = None  # the dataset's inodes (None: not yet)
         self.next = 0  # first position not yet planned
+        self.held = 0  # bytes this plan reserved
         self.ready: dict[int, _Ready] = {}
         self.inflight: dict[int, trio.Event] = {}
         self.closed = False
@@ -245,7 +252,20 @@ class ReadPlan:
 
     def stats(self) -> dict:
         return {"next": self.next, "ready": len(self.ready), "in_flight": len(self.inflight),
-                "held_bytes": self.planner.held}
+                "held_bytes": self.held}
+
+    def covers(self, ino: int) -> bool:
+        """Whether ``ino`` is a sample of this epoch's dataset (not, say, a validation
+        file the same process reads: that one keeps the ordinary read path)."""
+        return self.members is None or ino in self.members
+
+    def _reserve(self, n: int) -> None:
+        self.held += n
+        self.planner._reserve(n)
+
+    def _unreserve(self, n: int) -> None:
+        self.held -= n
+        self.planner._unreserve(n)
 
     async def take(self, ino: int, rec: Record) -> memoryview | None:
         """The bytes of ``rec`` when the plan read them (waits for a batch in flight);
@@ -274,11 +294,12 @@ class ReadPlan:
     def _release(self, buf: _Buf) -> None:
         buf.remaining -= 1
         if buf.remaining == 0:
-            self.planner.unreserve(buf.length)
+            self._unreserve(buf.length)
 
     # ----- the task -------------------------------------------------------------------
 
     async def run(self) -> None:
+        self.members = await trio.to_thread.run_sync(frozenset, self.inos)
         while not self.closed:
             self._drop_behind()
             batch = self._collect()
@@ -304,9 +325,10 @@ class ReadPlan:
         if s.order is not self.order:
             self.close()
             return []
-        room = pl.budget - pl.held
-        if room < pl.budget // 2 and pl.held > 0:
-            return []  # read in batches of at least half the budget (grouping)
+        share = pl.budget // max(1, len(pl.plans))
+        room = min(pl.budget - pl.held, share - self.held, pl.max_batch)
+        if self.held > 0 and room < min(share // 2, pl.max_batch):
+            return []  # read in batches (grouping), not one record at a time
         self.next = max(self.next, s.position)
         out: list[tuple[int, Want]] = []
         seen: set[int] = set()
@@ -324,7 +346,7 @@ class ReadPlan:
                 self.next += 1  # not cached (yet), or too large to hold: the open's job
                 continue
             # a run covers at most useful / MIN_USEFUL bytes: reserve for that
-            if (size + rec.size) / MIN_USEFUL > room and (out or pl.held):
+            if (size + rec.size) / MIN_USEFUL > room and (out or self.held):
                 break
             out.append((p, Want(ino, rec)))
             seen.add(ino)
@@ -343,7 +365,7 @@ class ReadPlan:
         if not runs:
             return
         total = sum(r.length for r in runs)
-        pl.reserve(total)
+        self._reserve(total)
         ev = trio.Event()
         for r in runs:
             for w in r.wants:
@@ -380,4 +402,4 @@ class ReadPlan:
                     if self.inflight.get(w.ino) is ev:
                         del self.inflight[w.ino]
             ev.set()
-            pl.unreserve(total - kept)
+            self._unreserve(total - kept)
