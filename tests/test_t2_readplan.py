@@ -114,3 +114,19 @@ def test_read_runs_verifies_every_record(tmp_path):
                 assert data[a : a + w.rec.size] == datas[w.ino - 1]
     assert seen == {1: True, 2: True, 3: True, 4: False, 9: True, 17: True}
     logs.close()
+
+
+def test_memory_tier_gives_room_to_planned_reads():
+    from dlcachefs.memtier import ChunkBuf, MemoryTier
+
+    t = MemoryTier(100)
+    for cid in range(4):
+        t.put(ChunkBuf(cid, 0, b"x" * 25, True))
+    assert t.bytes == 100
+    t.reserve(40)  # planned reads take 40 of the 100: the oldest chunks go
+    assert t.bytes + t.reserved <= 100 and 0 not in t and 3 in t
+    t.put(ChunkBuf(9, 0, b"y" * 25, True))
+    assert t.bytes + t.reserved <= 100 and 9 in t
+    t.unreserve(40)
+    t.put(ChunkBuf(10, 0, b"z" * 25, True))
+    assert t.bytes == 75 and t.reserved == 0
