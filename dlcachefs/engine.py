@@ -451,7 +451,7 @@ class Engine:
         if e.size > self.cfg.max_cached_file or ino in self._inflight or ino in self.ready:
             return False
         if self.is_cached(e):
-            if self.plans.plan_for(stream) is None:  # a plan reads it ahead instead
+            if not self.plans.wanted(stream):  # a plan reads it ahead instead
                 await self._preload(ino, stream.key)
             return False
         if self.cfg.substitute and self.policy.substitutable(ino):
@@ -557,7 +557,8 @@ class Engine:
                         self.counters.planned_hits += 1
                         self._after_use(rec.chunk_id, e.ino)
                         return data, True, False
-                data = await self._read_record(e.ino, rec, whole=plan is None)
+                whole = plan is None and not self.plans.pending(stream)
+                data = await self._read_record(e.ino, rec, whole=whole)
                 if data is not None:
                     self.counters.hits += 1
                     return data, True, False

@@ -185,6 +185,17 @@ class ReadPlanner:
             return None  # no plan, or a new epoch was announced and is not planned yet
         return p
 
+    def pending(self, stream) -> bool:
+        """A new epoch was announced and its order is being computed, and no log was laid
+        out for it: it will be read through a plan, so its first opens read single
+        records rather than probe with whole chunks."""
+        if stream is None or stream.target_epoch is None or stream.error is not None:
+            return False
+        if stream.epoch == stream.target_epoch:
+            return False
+        nl = stream.next_log
+        return nl is None or nl.epoch != stream.target_epoch
+
     def poke(self, stream) -> None:
         """The stream's reader moved: its plan may have room or positions to plan."""
         p = self.plans.get(stream.key) if stream is not None else None

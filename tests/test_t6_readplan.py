@@ -83,17 +83,18 @@ def test_shuffled_epoch_reads_what_it_serves(tmp_path, mount):
     def delta(k: str) -> int:
         return e2["after"][k] - e2["before"][k]
 
+    counters = {k: delta(k) for k, v in e2["after"].items()
+                if isinstance(v, int) and k in e2["before"]}
     assert e2["before"]["chunk_bytes"] > memory  # the cache does not fit in memory
     assert delta("bytes_from_source") == 0 and delta("misses") == 0
     served = delta("bytes_from_cache")
     read = delta("cache_disk_bytes_read")
     assert served >= total
-    assert read <= 1.2 * served, (read, served, {k: delta(k) for k in (
-        "chunk_reads", "record_reads", "planned_reads", "planned_records", "planned_hits")})
+    assert read <= 1.2 * served, counters
     # the epoch was read through its plan, ahead of the reader, never whole chunk by chunk
-    assert delta("planned_hits") > len(truth) // 2
+    assert delta("planned_hits") > len(truth) // 2, counters
     assert delta("planned_bytes") <= read
-    assert delta("chunk_reads") == 0
+    assert delta("chunk_reads") == 0, counters
     st = m.stats()
     assert st["memory_bytes"] <= memory
     assert st["checksum_failures"] == 0
