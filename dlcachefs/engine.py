@@ -6,7 +6,8 @@ Read path of one file (``open`` does the work, ``read`` only slices):
 2. the index record, if its source identity equals the entry's: the bytes come from the
    memory tier, or from the log (one read of the whole chunk, payload checksum verified,
    kept in the memory tier; or, when whole chunks are not being reused, one read of the
-   record alone, checked against its own checksum);
+   record alone, checked against its own checksum; or, for an open of a stream whose
+   epoch is read by a plan (:mod:`dlcachefs.readplan`), the bytes the plan read ahead);
 3. a record that is stale or fails its checksum is dropped and counted, never served;
 4. otherwise the file is fetched whole from the source in a worker thread (bounded by the
    source limiter, with a timeout and retries of transient errors), served, and handed to
@@ -15,7 +16,7 @@ Read path of one file (``open`` does the work, ``read`` only slices):
 Concurrency rules: all engine state lives on the trio loop and is touched only there.
 Source reads, log reads and checksums of whole chunks run in worker threads
 (``trio.to_thread.run_sync``): source calls under ``source_limiter``
-(``--source-threads``), log reads under ``disk_limiter``. The chunk writer's commits run
+(``--source-threads``), log reads under ``disk_limiter`` (a read plan's batch: one hop). The chunk writer's commits run
 in its own thread of one (see :mod:`dlcachefs.writer`). LMDB read transactions run on
 the loop (microseconds); LMDB write transactions only in threads.
 """
@@ -49,6 +50,7 @@ from .index import Index
 from .logstore import LogStore
 from .memtier import ChunkBuf, MemoryTier
 from .namespace import Namespace, identity, is_file
+from .readplan import ReadPlanner
 from .schema import Chunk, Entry, Record
 from .source import Identity, LocalSource, Source, open_for_range_reads, pread_checked
 from .stats import Counters
@@ -148,6 +150,10 @@ class Engine:
         # losses waiting for their dataset's sample list: dataset -> [(job, idx, values)]
         self._early: dict[str, list[tuple[str, list[int], list[float]]]] = {}
         self._early_count = 0
+        # planned reads of known orders (issue 9): half of --memory, taken from the tier
+        self.plans = ReadPlanner(self, min(cfg.memory // 2, self.streams.lead_bytes),
+                                 lead=self.streams.lead,
+                                 max_batch=max(4 << 20, 2 * cfg.chunk_size))
 
     # ----- life cycle ----------------------------------------------------------------
 
@@ -295,6 +301,7 @@ class Engine:
             raise InvalidArgument("not a regular file")
         if stream is not None:
             self.streams.note_open(stream, ino)
+            self.plans.poke(stream)
             if self.trace is not None:
                 self.trace.opened(stream.dataset, stream.samples, stream.epoch, ino)
         if e.size > self.cfg.max_cached_file:
@@ -306,7 +313,7 @@ class Engine:
             if sub is not None:
                 return sub
         data, cached, waited = await self._load(
-            e, cache=stream is None or not stream.memory_prefetch)
+            e, cache=stream is None or not stream.memory_prefetch, stream=stream)
         if stream is not None and stream.next_log is not None:
             stream.next_log.consumed(ino, data, identity(e))
         if stream is not None:
@@ -564,7 +571,8 @@ class Engine:
         if e.size > self.cfg.max_cached_file or ino in self._inflight or ino in self.ready:
             return False
         if self.is_cached(e):
-            await self._preload(ino, stream.key)
+            if not self.plans.wanted(stream):  # a plan reads it ahead instead
+                await self._preload(ino, stream.key)
             return False
         if self.cfg.substitute and self.policy.substitutable(ino):
             return False  # an L-sample: its open may be served by substitution instead
@@ -640,9 +648,11 @@ class Engine:
         data, e2 = await self._fetch(e)
         return data if identity(e2) == ident else None
 
-    async def _load(self, e: Entry, cache: bool = True) -> tuple[bytes | memoryview, bool, bool]:
+    async def _load(self, e: Entry, cache: bool = True, stream: Stream | None = None
+                    ) -> tuple[bytes | memoryview, bool, bool]:
         """Bytes of the current version of ``e``, whether they came from the cache, and
-        whether the open had to wait for the source."""
+        whether the open had to wait for the source. An open of a ``stream`` whose epoch
+        is read through a plan takes the plan's bytes, or reads the record alone."""
         ident = identity(e)
         rec = self.index.get_record(e.ino)
         early = self.ready.pop(e.ino, None)
@@ -657,7 +667,18 @@ class Engine:
                     self.counters.hits += 1
                     self._after_use(rec.chunk_id, e.ino)
                     return early[2], True, False
-                data = await self._read_record(e.ino, rec)
+                plan = self.plans.plan_for(stream)
+                if plan is not None and not plan.covers(e.ino):
+                    plan = None
+                if plan is not None:
+                    data = await plan.take(e.ino, rec)
+                    if data is not None:
+                        self.counters.hits += 1
+                        self.counters.planned_hits += 1
+                        self._after_use(rec.chunk_id, e.ino)
+                        return data, True, False
+                whole = plan is None and not self.plans.pending(stream)
+                data = await self._read_record(e.ino, rec, whole=whole)
                 if data is not None:
                     self.counters.hits += 1
                     return data, True, False
@@ -677,11 +698,13 @@ class Engine:
         self.counters.misses += 1
         return data, False, True
 
-    async def _read_record(self, ino: int, rec: Record, background: bool = False
-                           ) -> memoryview | None:
+    async def _read_record(self, ino: int, rec: Record, background: bool = False,
+                           whole: bool = True) -> memoryview | None:
         """The record's bytes from memory or the log; None when they cannot be trusted.
         ``background`` reads (filling a reordered log) read the record alone and leave the
-        memory tier and the reader's statistics alone."""
+        memory tier and the reader's statistics alone. ``whole=False`` (an open a read
+        plan covers) never loads the whole chunk: the plan reads the chunk's other records
+        when they are due."""
         buf = self.memtier.get(rec.chunk_id)
         while buf is None and rec.chunk_id in self._loading:
             await self._loading[rec.chunk_id].wait()  # another open is loading this chunk
@@ -693,7 +716,7 @@ class Engine:
                 c = self.index.get_chunk(rec.chunk_id)
                 if c is None:
                     return None
-                if background or not self._whole_chunk(c):
+                if background or not whole or not self._whole_chunk(c):
                     return await self._read_single(ino, rec, background)
                 buf = await self._load_chunk_into_memory(c)
                 if buf is None:
@@ -894,6 +917,8 @@ class Engine:
             "losses_waiting": self._early_count,
         }
         out.update(self.counters.as_dict())
+        out["cache_disk_bytes_read"] = self.logs.bytes_read  # every pread of the logs
+        out["read_plans"] = self.plans.stats()
         out["streams"] = self.streams.stats()
         out["policy"] = {"name": self.cfg.policy, **self.policy.stats()}
         t = self.importance.table

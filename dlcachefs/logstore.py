@@ -57,6 +57,7 @@ class LogStore:
         self.active_end = 0
         self.live: dict[int, int] = {}  # log id -> live chunk bytes
         self.filling: set[int] = set()  # reorder logs still being written: never deleted
+        self.bytes_read = 0  # bytes read by :meth:`read` since start (under _lock)
 
     def path(self, log_id: int) -> str:
         return os.path.join(self.dir, f"{log_id:08d}.log")
@@ -199,6 +200,8 @@ class LogStore:
             data = os.pread(self._fd(log_id), length, offset)
         except FileNotFoundError as e:
             raise FormatError(f"log {log_id} is missing") from e
+        with self._lock:  # several threads read; += is not atomic
+            self.bytes_read += len(data)
         if len(data) != length:
             raise FormatError(f"log {log_id} is shorter than its index says")
         return data

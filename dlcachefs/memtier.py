@@ -1,6 +1,8 @@
 """The memory tier: whole chunks recently read from the logs, bounded in bytes (LRU).
 
-Runs on the trio loop only (no locks). A chunk here may be only partly trusted: when its
+Runs on the trio loop only (no locks). Planned reads (:mod:`dlcachefs.readplan`) hold their
+bytes outside the tier but within the same ``--memory``: they ``reserve`` room, which
+evicts chunks, and the tier then keeps ``bytes + reserved <= limit``. A chunk here may be only partly trusted: when its
 payload checksum failed on load, ``verified`` is False and every slice taken from it is
 checked against the record's own checksum before it is served.
 """
@@ -23,6 +25,7 @@ class MemoryTier:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.bytes = 0
+        self.reserved = 0  # bytes held by planned reads, out of the same limit
         self._d: OrderedDict[int, ChunkBuf] = OrderedDict()
 
     def __len__(self) -> int:
@@ -44,11 +47,22 @@ class MemoryTier:
         if not self.can_hold(len(buf.data)):
             return
         self.discard(buf.chunk_id)
-        while self._d and self.bytes + len(buf.data) > self.limit:
-            _, old = self._d.popitem(last=False)
-            self.bytes -= len(old.data)
+        self._evict(len(buf.data))
         self._d[buf.chunk_id] = buf
         self.bytes += len(buf.data)
+
+    def reserve(self, n: int) -> None:
+        """``n`` bytes of the limit are used elsewhere (planned reads): evict to fit."""
+        self.reserved += n
+        self._evict(0)
+
+    def unreserve(self, n: int) -> None:
+        self.reserved -= n
+
+    def _evict(self, extra: int) -> None:
+        while self._d and self.bytes + self.reserved + extra > self.limit:
+            _, old = self._d.popitem(last=False)
+            self.bytes -= len(old.data)
 
     def discard(self, chunk_id: int) -> None:
         old = self._d.pop(chunk_id, None)

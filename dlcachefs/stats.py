@@ -35,6 +35,10 @@ class Counters:
     losses: int = 0                # per-sample losses received (loss control lines)
     losses_ignored: int = 0        # losses of a job with no listed dataset, or out of range
     released_after_use: int = 0    # chunks the policy released right after a use
+    planned_reads: int = 0         # preads of planned reads (a known order read ahead)
+    planned_records: int = 0       # records those reads delivered (checksum verified)
+    planned_bytes: int = 0         # bytes those reads read from the logs
+    planned_hits: int = 0          # opens served with a record read by a plan
     write_errors: int = 0          # failed log appends (ENOSPC, EIO): served from the source instead
     invariant_violations: int = 0  # --debug-invariants: problems found after commits
 

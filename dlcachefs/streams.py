@@ -263,6 +263,8 @@ class StreamManager:
                 prev.abandon()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._prefetch, s)
+            # this epoch's reads from the logs, in its order (dlcachefs.readplan)
+            nursery.start_soon(self.engine.plans.run, s)
             await self._plan_next(s, samples, epoch)
 
     async def _plan_next(self, s: Stream, samples: SampleList, epoch: int) -> None:

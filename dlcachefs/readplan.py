@@ -1,0 +1,416 @@
+"""Planned reads: when an epoch's order is known, read the local log in that order.
+
+A stream whose order is known (``sampler`` announced, :mod:`dlcachefs.streams`) but whose
+log was not laid out for this epoch (a ``RandomSampler`` without a generator: each epoch's
+seed is drawn at its start, so the next order is never known and LCache cannot reorder)
+reads its samples from chunks in a shuffled order. Whole-chunk reads then mostly serve
+one or two records each before the chunk leaves the memory tier (issue 9: 9x read
+amplification). Instead, a :class:`ReadPlan` walks the epoch's order ahead of the
+reader, inside a bounded window, and reads exactly the records it will ask for:
+
+* **Window**: positions ``[reader position, reader position + lead)`` (the prefetcher's
+  sample bound), holding at most ``budget`` bytes of read data for all plans together
+  (half of ``--memory``). That memory is taken from the memory tier
+  (:meth:`MemoryTier.reserve`), so chunks + planned reads stay within ``--memory``.
+* **Batches**: a new batch is read once half of the plan's share of the budget (or
+  ``max_batch``, 2 chunks and at least 4 MiB) is free, so each batch covers many
+  positions and records of one chunk needed close together land in one batch, while
+  the first open of an epoch never waits for more than one ``max_batch`` of reads.
+  Several streams split the budget evenly.
+* **Grouping** (:func:`group_reads`, pure): the batch's records are grouped by chunk and
+  sorted by offset; a run grows by the next record of the same chunk while its useful
+  bytes (record data) stay at least ``MIN_USEFUL`` of the bytes it covers. Each run is
+  one ``pread``: a run of one record reads exactly that record. So every planned read has
+  an amplification of at most ``1 / MIN_USEFUL``, and each record is read once.
+* **Verification**: every record is checked against its own xxh3 checksum (the index's
+  ``data_xxh``) in the worker thread; a mismatch is a checksum failure (the record is
+  dropped and refetched from the source by its open), never served.
+* **Hand-off**: an open of a sample the plan holds takes its bytes
+  (:meth:`ReadPlan.take`); one in flight waits for its batch; one the plan has not read
+  (the reader got ahead, or the record was not indexed when the window passed it) is read
+  as a single record, never with a whole-chunk probe.
+
+Streams reading a log laid out for their epoch (LCache, ``current_log``) get no plan:
+they keep sequential whole-chunk reads. Opens not attributed to a stream with a plan
+work as before.
+
+Concurrency: all plan state lives on the trio loop and is changed only there. File I/O
+and checksums of one batch run in ONE worker thread hop (:func:`read_runs`, under the
+engine's ``disk_limiter``); the thread gets immutable inputs (the runs) and returns new
+objects, touching no shared state except ``LogStore.read`` (thread-safe). Chunks of a
+batch are pinned (``writer.pin``) for the duration of the hop so they are not evicted
+(hole-punched) under the read. Each plan is a task in the stream's epoch nursery: a new
+epoch (or sampler) cancels it; cancellation releases everything it held.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import trio
+
+from .chunkfmt import checksum
+from .errors import FormatError
+from .schema import Record
+
+log = logging.getLogger(__name__)
+
+#: a covering read is made only while at least this fraction of its bytes is wanted
+MIN_USEFUL = 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class Want:
+    """One record the plan will read: the sample's inode and where its bytes live."""
+
+    ino: int
+    rec: Record
+
+
+@dataclass(slots=True)
+class Run:
+    """One ``pread``: ``[offset, offset + length)`` of one chunk in one log, covering the
+    data of ``wants`` (sorted by offset)."""
+
+    log_id: int
+    chunk_id: int
+    offset: int
+    length: int
+    wants: list[Want] = field(default_factory=list)
+
+    @property
+    def useful(self) -> int:
+        return sum(w.rec.size for w in self.wants)
+
+
+def group_reads(wants: Iterable[Want], min_useful: float = MIN_USEFUL) -> list[Run]:
+    """Which records are read together (pure).
+
+    Records are grouped per chunk and sorted by offset; a run takes the next record of its
+    chunk while ``useful bytes >= min_useful * covered bytes`` still holds, else a new
+    run starts at that record. Every want is in exactly one run (a second want of the same
+    inode is ignored); every run has a useful fraction of at least ``min_useful`` (a run
+    of one record reads exactly its data). Runs come out per chunk, in offset order.
+    """
+    by_chunk: dict[int, list[Want]] = {}
+    seen: set[int] = set()
+    for w in wants:
+        if w.ino in seen:
+            continue
+        seen.add(w.ino)
+        by_chunk.setdefault(w.rec.chunk_id, []).append(w)
+    runs: list[Run] = []
+    for chunk_id, ws in by_chunk.items():
+        ws.sort(key=lambda w: w.rec.offset)
+        cur: Run | None = None
+        useful = 0
+        for w in ws:
+            r = w.rec
+            if cur is not None and r.log_id == cur.log_id:
+                end = max(cur.offset + cur.length, r.offset + r.size)
+                if useful + r.size >= min_useful * (end - cur.offset):
+                    cur.wants.append(w)
+                    cur.length = end - cur.offset
+                    useful += r.size
+                    continue
+            cur = Run(r.log_id, chunk_id, r.offset, r.size, [w])
+            useful = r.size
+            runs.append(cur)
+    return runs
+
+
+def read_runs(logs, runs: Sequence[Run]) -> list[tuple[bytes | None, list[bool]]]:
+    """Thread: one ``pread`` per run, and each of its records checked against its xxh3.
+    Returns, per run, its bytes (None when the log could not be read) and, per want,
+    whether the checksum held."""
+    out: list[tuple[bytes | None, list[bool]]] = []
+    for run in runs:
+        try:
+            data = logs.read(run.log_id, run.offset, run.length)
+        except (FormatError, OSError) as e:
+            log.warning("planned read of chunk %d failed: %s", run.chunk_id, e)
+            out.append((None, []))
+            continue
+        mv = memoryview(data)
+        oks = []
+        for w in run.wants:
+            a = w.rec.offset - run.offset
+            oks.append(checksum(mv[a : a + w.rec.size]) == w.rec.data_xxh)
+        out.append((data, oks))
+    return out
+
+
+@dataclass(slots=True)
+class _Buf:
+    """The bytes of one run, accounted against the budget until every record read from
+    it was taken or dropped."""
+
+    length: int
+    remaining: int
+
+
+@dataclass(slots=True)
+class _Ready:
+    rec: Record
+    data: memoryview
+    buf: _Buf
+    pos: int
+
+
+class ReadPlanner:
+    """Engine-wide: the read plans of all streams and their shared memory budget.
+
+    ``engine`` provides ``index``, ``logs``, ``writer``, ``memtier``, ``counters``,
+    ``disk_limiter`` and ``_bad(ino)``.
+    """
+
+    def __init__(self, engine, budget: int, lead: int = 1024,
+                 max_batch: int = 4 << 20) -> None:
+        self.engine = engine
+        self.budget = max(budget, 1)
+        self.lead = lead
+        self.max_batch = max_batch
+        self.held = 0  # bytes reserved by all plans (in flight or waiting to be taken)
+        self.plans: dict[str, ReadPlan] = {}
+
+    def plan_for(self, stream) -> ReadPlan | None:
+        """The active plan of a stream's current epoch, or None."""
+        if stream is None:
+            return None
+        p = self.plans.get(stream.key)
+        if (p is None or p.closed or p.order is not stream.order
+                or stream.epoch != stream.target_epoch):
+            return None  # no plan, or a new epoch was announced and is not planned yet
+        return p
+
+    def pending(self, stream) -> bool:
+        """A new epoch was announced and its order is being computed, and no log was laid
+        out for it: it will be read through a plan, so its first opens read single
+        records rather than probe with whole chunks."""
+        if stream is None or stream.target_epoch is None or stream.error is not None:
+            return False
+        if stream.epoch == stream.target_epoch:
+            return False
+        nl = stream.next_log
+        return nl is None or nl.epoch != stream.target_epoch
+
+    def poke(self, stream) -> None:
+        """The stream's reader moved: its plan may have room or positions to plan."""
+        p = self.plans.get(stream.key) if stream is not None else None
+        if p is not None:
+            p.poke()
+
+    def wanted(self, stream) -> bool:
+        """Whether this stream's epoch should be read through a plan: its order is known
+        and its log was not laid out for it (that one is read whole chunk by chunk)."""
+        return (stream.samples is not None and bool(stream.order)
+                and stream.current_log is None)
+
+    async def run(self, stream) -> None:
+        """The plan of the stream's epoch that starts now (a task of its epoch nursery);
+        replaces its previous plan. Never raises, except cancellation."""
+        old = self.plans.pop(stream.key, None)
+        if old is not None:
+            old.close()
+        if not self.wanted(stream):
+            return
+        plan = self.plans[stream.key] = ReadPlan(self, stream)
+        try:
+            await plan.run()
+        except Exception:  # noqa: BLE001 - a background task must never end the daemon
+            log.exception("stream %s: read plan stopped", stream.key)
+            plan.close()
+        except BaseException:
+            plan.close()
+            raise
+        finally:
+            if plan.closed and self.plans.get(stream.key) is plan:
+                del self.plans[stream.key]
+
+    def _reserve(self, n: int) -> None:
+        self.held += n
+        self.engine.memtier.reserve(n)
+
+    def _unreserve(self, n: int) -> None:
+        self.held -= n
+        self.engine.memtier.unreserve(n)
+
+    def stats(self) -> dict:
+        return {k: p.stats() for k, p in self.plans.items()}
+
+
+class ReadPlan:
+    """One stream's epoch, read in its order ahead of the reader (see the module doc)."""
+
+    def __init__(self, planner: ReadPlanner, stream) -> None:
+        self.planner = planner
+        self.stream = stream
+        self.order = stream.order  # identity tells a plan of a replaced epoch apart
+        self.inos = stream.samples.inos
+        self.consumed = stream.consumed
+        self.members: frozenset[int] | None = None  # the dataset's inodes (None: not yet)
+        self.next = 0  # first position not yet planned
+        self.held = 0  # bytes this plan reserved
+        self.ready: dict[int, _Ready] = {}
+        self.inflight: dict[int, trio.Event] = {}
+        self.closed = False
+        self._changed = trio.Event()
+
+    def poke(self) -> None:
+        self._changed.set()
+
+    def stats(self) -> dict:
+        return {"next": self.next, "ready": len(self.ready), "in_flight": len(self.inflight),
+                "held_bytes": self.held}
+
+    def covers(self, ino: int) -> bool:
+        """Whether ``ino`` is a sample of this epoch's dataset (not, say, a validation
+        file the same process reads: that one keeps the ordinary read path)."""
+        return self.members is None or ino in self.members
+
+    def _reserve(self, n: int) -> None:
+        self.held += n
+        self.planner._reserve(n)
+
+    def _unreserve(self, n: int) -> None:
+        self.held -= n
+        self.planner._unreserve(n)
+
+    async def take(self, ino: int, rec: Record) -> memoryview | None:
+        """The bytes of ``rec`` when the plan read them (waits for a batch in flight);
+        None when it did not (the open reads the record itself)."""
+        while (ev := self.inflight.get(ino)) is not None:
+            await ev.wait()
+        r = self.ready.pop(ino, None)
+        self.poke()
+        if r is None:
+            return None
+        self._release(r.buf)
+        if r.rec != rec:  # moved or replaced since it was read
+            return None
+        return r.data
+
+    def close(self) -> None:
+        """Give back everything held; later takes find nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        for r in self.ready.values():
+            self._release(r.buf)
+        self.ready.clear()
+        self.poke()
+
+    def _release(self, buf: _Buf) -> None:
+        buf.remaining -= 1
+        if buf.remaining == 0:
+            self._unreserve(buf.length)
+
+    # ----- the task -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self.members = await trio.to_thread.run_sync(frozenset, self.inos)
+        while not self.closed:
+            self._drop_behind()
+            batch = self._collect()
+            if batch:
+                await self._read(batch)
+                continue
+            if self.next >= len(self.order) and not self.ready and not self.inflight:
+                return  # the whole epoch was planned and everything handed out
+            await self._changed.wait()
+            self._changed = trio.Event()
+
+    def _drop_behind(self) -> None:
+        """Records at positions the reader has passed were served some other way."""
+        pos = self.stream.position
+        for ino in [i for i, r in self.ready.items() if r.pos < pos]:
+            self._release(self.ready.pop(ino).buf)
+
+    def _collect(self) -> list[tuple[int, Want]]:
+        """The next positions to read: within the lead, within the free budget."""
+        pl = self.planner
+        s = self.stream
+        eng = pl.engine
+        if s.order is not self.order:
+            self.close()
+            return []
+        share = pl.budget // max(1, len(pl.plans))
+        room = min(pl.budget - pl.held, share - self.held, pl.max_batch)
+        if self.held > 0 and room < min(share // 2, pl.max_batch):
+            return []  # read in batches (grouping), not one record at a time
+        self.next = max(self.next, s.position)
+        out: list[tuple[int, Want]] = []
+        seen: set[int] = set()
+        size = 0
+        n = len(self.order)
+        while self.next < n and self.next - s.position < pl.lead:
+            p = self.next
+            ino = self.inos[self.order[p]]
+            if (not ino or self.consumed[p] or ino in self.ready or ino in self.inflight
+                    or ino in seen):
+                self.next += 1
+                continue
+            rec = eng.index.get_record(ino)
+            if rec is None or ino in eng.writer.drops or rec.size > pl.budget * MIN_USEFUL:
+                self.next += 1  # not cached (yet), or too large to hold: the open's job
+                continue
+            # a run covers at most useful / MIN_USEFUL bytes: reserve for that
+            if (size + rec.size) / MIN_USEFUL > room and (out or self.held):
+                break
+            out.append((p, Want(ino, rec)))
+            seen.add(ino)
+            size += rec.size
+            self.next += 1
+        return out
+
+    async def _read(self, batch: list[tuple[int, Want]]) -> None:
+        pl = self.planner
+        eng = pl.engine
+        pos = {w.ino: p for p, w in batch}
+        runs = []
+        for r in group_reads(w for _, w in batch):
+            if eng.writer.pin(r.chunk_id):  # False: being evicted right now
+                runs.append(r)
+        if not runs:
+            return
+        total = sum(r.length for r in runs)
+        self._reserve(total)
+        ev = trio.Event()
+        for r in runs:
+            for w in r.wants:
+                self.inflight[w.ino] = ev
+        kept = 0
+        try:
+            results = await trio.to_thread.run_sync(read_runs, eng.logs, runs,
+                                                    limiter=eng.disk_limiter)
+            c = eng.counters
+            for r, (data, oks) in zip(runs, results, strict=True):
+                if data is None:
+                    continue
+                c.planned_reads += 1
+                c.planned_bytes += r.length
+                mv = memoryview(data)
+                buf = _Buf(r.length, 0)
+                for w, ok in zip(r.wants, oks, strict=True):
+                    if not ok:
+                        if eng.index.get_record(w.ino) == w.rec:  # pinned: real damage
+                            eng._bad(w.ino)
+                        continue
+                    a = w.rec.offset - r.offset
+                    if not self.closed:
+                        self.ready[w.ino] = _Ready(w.rec, mv[a : a + w.rec.size], buf,
+                                                   pos[w.ino])
+                        buf.remaining += 1
+                        c.planned_records += 1
+                if buf.remaining:
+                    kept += r.length
+        finally:
+            for r in runs:
+                eng.writer.unpin(r.chunk_id)
+                for w in r.wants:
+                    if self.inflight.get(w.ino) is ev:
+                        del self.inflight[w.ino]
+            ev.set()
+            self._unreserve(total - kept)

@@ -1,0 +1,132 @@
+"""Planned reads: which records are read together (dlcachefs.readplan.group_reads), and
+the worker-thread half that reads and verifies them (read_runs), without a mount."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dlcachefs.chunkfmt import RecordIn, encode_chunk
+from dlcachefs.logstore import LogStore
+from dlcachefs.readplan import MIN_USEFUL, Want, group_reads, read_runs
+from dlcachefs.schema import Record
+
+
+def _layout(chunks: list[list[tuple[int, int]]]) -> dict[int, Record]:
+    """Records from (size, gap before it) per chunk; chunks back to back in logs 1 and 2."""
+    recs: dict[int, Record] = {}
+    ino = 1
+    off = 40
+    for cid, chunk in enumerate(chunks):
+        off += 48
+        for size, gap in chunk:
+            off += gap
+            recs[ino] = Record(cid, 1 + cid % 2, off, size, ino * 7, 0, 0)
+            off += size
+            ino += 1
+    return recs
+
+
+layouts = st.lists(st.lists(st.tuples(st.integers(1, 5000), st.integers(0, 3000)),
+                            min_size=1, max_size=12), min_size=1, max_size=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts, st.randoms(use_true_random=False), st.floats(0.3, 1.0))
+def test_grouping_covers_each_record_once_within_the_useful_fraction(chunks, rnd, frac):
+    recs = _layout(chunks)
+    inos = list(recs)
+    picked = rnd.sample(inos, rnd.randint(1, len(inos)))
+    picked += rnd.sample(picked, min(2, len(picked)))  # a sample twice in the window
+    rnd.shuffle(picked)
+    runs = group_reads([Want(i, recs[i]) for i in picked], frac)
+
+    got = [w.ino for r in runs for w in r.wants]
+    assert sorted(got) == sorted(set(picked))  # every record exactly once
+    useful_total = read_total = 0
+    by_chunk: dict[int, list] = {}
+    for r in runs:
+        assert r.wants
+        offs = [w.rec.offset for w in r.wants]
+        assert offs == sorted(offs)
+        for w in r.wants:
+            assert w.rec.chunk_id == r.chunk_id and w.rec.log_id == r.log_id
+            assert r.offset <= w.rec.offset and w.rec.offset + w.rec.size <= r.offset + r.length
+        # tight: starts at its first record, ends at its last record's end
+        assert r.offset == r.wants[0].rec.offset
+        assert r.offset + r.length == max(w.rec.offset + w.rec.size for w in r.wants)
+        assert r.useful >= frac * r.length - 1e-9  # the amplification bound, per read
+        useful_total += r.useful
+        read_total += r.length
+        by_chunk.setdefault(r.chunk_id, []).append(r)
+    assert read_total <= useful_total / frac + 1e-6
+    for rs in by_chunk.values():
+        for a, b in zip(rs, rs[1:], strict=False):
+            assert a.offset + a.length <= b.offset  # no byte read twice
+            # greedy: b was split off only because a + b's first record fell below frac
+            nxt = b.wants[0].rec
+            assert a.useful + nxt.size < frac * (nxt.offset + nxt.size - a.offset)
+
+
+@given(layouts, st.randoms(use_true_random=False))
+def test_records_needed_together_and_adjacent_are_one_read_per_chunk(chunks, rnd):
+    recs = _layout([[(size, 0) for size, _ in c] for c in chunks])  # no gaps
+    inos = list(recs)
+    rnd.shuffle(inos)
+    runs = group_reads([Want(i, recs[i]) for i in inos], MIN_USEFUL)
+    assert len(runs) == len(chunks)  # whole chunks' records, each one pread
+    assert all(r.useful == r.length for r in runs)
+
+
+def test_far_apart_records_are_read_alone():
+    recs = _layout([[(1000, 0), (1000, 50_000), (1000, 50_000)]])
+    runs = group_reads([Want(i, recs[i]) for i in (3, 1, 2)])
+    assert [len(r.wants) for r in runs] == [1, 1, 1]
+    assert [r.length for r in runs] == [1000, 1000, 1000]
+
+
+def test_read_runs_verifies_every_record(tmp_path):
+    logs = LogStore(str(tmp_path / "logs"), 1 << 30)
+    logs.start_log(1)
+    rnd = random.Random(1)
+    datas = [rnd.randbytes(rnd.randint(10, 3000)) for _ in range(20)]
+    blob, metas = encode_chunk(5, [RecordIn(i + 1, f"f{i}".encode(), 0, 0, d)
+                                   for i, d in enumerate(datas)])
+    _, off = logs.append(blob)
+    recs = {m.ino: Record(5, 1, off + m.data_offset, m.size, m.data_xxh, 0, 0) for m in metas}
+    # damage record 4 on disk
+    bad = recs[4]
+    logs.pwrite(1, b"\xff" * 4, bad.offset)
+    wanted = [1, 2, 3, 4, 9, 17]
+    runs = group_reads([Want(i, recs[i]) for i in wanted])
+    before = logs.bytes_read
+    res = read_runs(logs, runs)
+    assert logs.bytes_read - before == sum(r.length for r in runs)
+    seen = {}
+    for r, (data, oks) in zip(runs, res, strict=True):
+        assert data is not None and len(data) == r.length
+        for w, ok in zip(r.wants, oks, strict=True):
+            a = w.rec.offset - r.offset
+            seen[w.ino] = ok
+            if ok:
+                assert data[a : a + w.rec.size] == datas[w.ino - 1]
+    assert seen == {1: True, 2: True, 3: True, 4: False, 9: True, 17: True}
+    logs.close()
+
+
+def test_memory_tier_gives_room_to_planned_reads():
+    from dlcachefs.memtier import ChunkBuf, MemoryTier
+
+    t = MemoryTier(100)
+    for cid in range(4):
+        t.put(ChunkBuf(cid, 0, b"x" * 25, True))
+    assert t.bytes == 100
+    t.reserve(40)  # planned reads take 40 of the 100: the oldest chunks go
+    assert t.bytes + t.reserved <= 100 and 0 not in t and 3 in t
+    t.put(ChunkBuf(9, 0, b"y" * 25, True))
+    assert t.bytes + t.reserved <= 100 and 9 in t
+    t.unreserve(40)
+    t.put(ChunkBuf(10, 0, b"z" * 25, True))
+    assert t.bytes == 75 and t.reserved == 0

@@ -1,0 +1,138 @@
+"""Planned reads through a real mount (issue 9): an ordinary shuffled DataLoader
+(``shuffle=True``, no generator: each epoch's seed is drawn at its start, so only the
+current epoch's order is known) under ``dlcachefs run``, over a cache larger than
+``--memory``. Epoch 2 must read about what it serves from the cache disk, and serve
+every sample's exact bytes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import requires_fuse
+from test_t5_torch import make_images
+
+pytest.importorskip("torchvision")
+pytestmark = [requires_fuse, pytest.mark.skipif(os.geteuid() != 0,
+                                                reason="drops the page cache between epochs")]
+
+TRAIN = r'''
+import hashlib, json, os, sys, time, torch
+from torchvision import datasets
+root, mnt, epochs, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+
+def digest(path):  # an ImageFolder loader: the sample is the hash of the file's bytes
+    with open(path, "rb") as f:
+        return os.path.relpath(path, root) + ":" + hashlib.sha256(f.read()).hexdigest()
+
+ds = datasets.ImageFolder(root, loader=digest)
+torch.manual_seed(5)
+dl = torch.utils.data.DataLoader(ds, batch_size=16, shuffle=True, num_workers=2)
+
+def stats():
+    with open(os.path.join(mnt, ".dlcache", "stats")) as f:
+        return json.load(f)
+
+out = []
+for epoch in range(epochs):
+    # the chunk writer has indexed everything (polled with a deadline, nothing timed),
+    # and the kernel holds no page of the files: every read reaches the daemon
+    deadline = time.monotonic() + 120
+    while epoch and time.monotonic() < deadline:
+        s = stats()
+        if s["cached_files"] >= n and s["pending_bytes"] == 0:
+            break
+        time.sleep(0.1)
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+    before = stats()
+    samples = [d for x, _ in dl for d in x]
+    out.append({"samples": samples, "before": before, "after": stats()})
+print(json.dumps(out))
+'''
+
+
+def test_shuffled_epoch_reads_what_it_serves(tmp_path, mount):
+    src = tmp_path / "src"
+    make_images(src, classes=4, per_class=150)  # 600 files, ~1.4 MiB
+    truth = {str(p.relative_to(src)): hashlib.sha256(p.read_bytes()).hexdigest()
+             for p in src.rglob("*.jpg")}
+    total = sum(p.stat().st_size for p in src.rglob("*.jpg"))
+    memory = 256 << 10
+    assert total > 4 * memory
+    m = mount(src, "--chunk-size", "64K", "--memory", str(memory))
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    r = subprocess.run([sys.executable, "-m", "dlcachefs.cli", "run", "--", sys.executable,
+                        str(script), str(m.mnt), str(m.mnt), "2", str(len(truth))],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    epochs = json.loads(r.stdout.strip().splitlines()[-1])
+
+    for ep in epochs:  # every sample, its exact bytes, once per epoch
+        got = dict(s.split(":") for s in ep["samples"])
+        assert len(ep["samples"]) == len(truth) and got == truth
+
+    e2 = epochs[1]
+
+    def delta(k: str) -> int:
+        return e2["after"][k] - e2["before"][k]
+
+    counters = {k: delta(k) for k, v in e2["after"].items()
+                if isinstance(v, int) and k in e2["before"]}
+    assert e2["before"]["chunk_bytes"] > memory  # the cache does not fit in memory
+    assert delta("bytes_from_source") == 0 and delta("misses") == 0
+    served = delta("bytes_from_cache")
+    read = delta("cache_disk_bytes_read")
+    assert served >= total
+    assert read <= 1.2 * served, counters
+    # the epoch was read through its plan, ahead of the reader, never whole chunk by chunk
+    assert delta("planned_hits") > len(truth) // 2, counters
+    assert delta("planned_bytes") <= read
+    assert delta("chunk_reads") == 0, counters
+    st = m.stats()
+    assert st["memory_bytes"] <= memory
+    assert st["checksum_failures"] == 0
+
+
+def test_planned_reads_never_serve_damaged_bytes(tmp_path, mount):
+    """Records damaged on disk are caught by their checksums in the planned reads: the
+    opens get the source's bytes, and the failures are counted."""
+    src = tmp_path / "src"
+    make_images(src, classes=2, per_class=60)
+    truth = {str(p.relative_to(src)): hashlib.sha256(p.read_bytes()).hexdigest()
+             for p in src.rglob("*.jpg")}
+    cache = tmp_path / "cache"
+    m = mount(src, "--chunk-size", "64K", "--memory", "256K", cache=cache)
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    cmd = [sys.executable, "-m", "dlcachefs.cli", "run", "--", sys.executable, str(script),
+           str(m.mnt), str(m.mnt), "1", str(len(truth))]
+
+    def epoch() -> dict:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])[0]
+
+    epoch()  # fills the cache from the source
+    m.wait_cached(len(truth))
+    # flip bytes in the middle of every log, in place: some records' data is damaged
+    for log in (cache / "logs").glob("*.log"):
+        with open(log, "r+b") as f:
+            data = bytearray(f.read())
+            for off in range(len(data) // 3, 2 * len(data) // 3, 4099):
+                data[off] ^= 0xFF
+            f.seek(0)
+            f.write(data)
+    before = m.stats()
+    ep = epoch()
+    assert dict(s.split(":") for s in ep["samples"]) == truth
+    st = m.stats()
+    assert st["checksum_failures"] > before["checksum_failures"]
+    assert st["planned_hits"] > before["planned_hits"], json.dumps(st)
+    assert st["bytes_from_source"] > before["bytes_from_source"]  # refetched, not served
