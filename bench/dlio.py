@@ -95,7 +95,7 @@ def _venv_ok(py: str) -> bool:
 
 def _pip(py: str, *args: str) -> None:
     cmd = [py, "-m", "pip", "--disable-pip-version-check", "-q", "install", *args]
-    log(" ".join(cmd[3:]))
+    log("pip install " + " ".join(args))
     r = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
     if r.returncode != 0:
         raise DlioError(f"pip {' '.join(args)} failed ({r.returncode}): {r.stderr.strip()[-2000:]}")
@@ -199,6 +199,9 @@ def run_dlio(py: str, ranks: int, yaml_text: str, rundir: str, launcher: list[st
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     env.setdefault("OMPI_MCA_btl", "self,vader")  # one machine: no network transports
+    # pydftracer traces every read by default (DFTRACER_ENABLE unset counts as 1): off,
+    # unless the caller asks for it
+    env.setdefault("DFTRACER_ENABLE", "0")
     logpath = os.path.join(rundir, "dlio.out")
     t0 = time.perf_counter()
     with open(logpath, "wb") as logf:
