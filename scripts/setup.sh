@@ -6,8 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PKGS=(fuse3 libfuse3-dev pkg-config python3-venv python3-dev gcc)
-# Used by bench/ only (a slow remote over sshfs, rclone as a peer).
-BENCH_PKGS=(sshfs openssh-server openssh-client rclone iproute2 procps)
+# Used by bench/ only (a slow remote over sshfs, rclone as a peer, MPI for DLIO).
+BENCH_PKGS=(sshfs openssh-server openssh-client rclone iproute2 procps openmpi-bin libopenmpi-dev)
 
 missing=()
 for p in "${APT_PKGS[@]}" ${DLCACHEFS_BENCH:+"${BENCH_PKGS[@]}"}; do
@@ -35,4 +35,10 @@ if ! .venv/bin/python -c "import torch, torchvision" >/dev/null 2>&1; then
   "${VPIP[@]}" install $TORCH_PIN
 fi
 "${VPIP[@]}" install -e ".[test,bench,torch]"
+if [ -n "${DLCACHEFS_BENCH:-}" ]; then
+  # DLIO (bench/dlio.py) in its own venv, never in .venv: bench/out/dlio-venv
+  # (mpi4py is built from source against Open MPI: a few minutes the first time)
+  echo "setup: DLIO venv for bench.dlio"
+  .venv/bin/python -m bench.dlio --setup-only >/dev/null
+fi
 echo "setup: ready (.venv/bin/dlcachefs)"
