@@ -99,9 +99,11 @@ def _follow(ns: Namespace, e: Entry) -> Entry | None:
     return _realpath(ns, [*base, os.fsdecode(e.name)])
 
 
-def image_folder(ns: Namespace, dataset_rel: str, extensions: tuple[str, ...] = IMG_EXTENSIONS
-                 ) -> SampleList:
-    """The ImageFolder sample list of the directory ``dataset_rel`` inside the mount."""
+def image_folder(ns: Namespace, dataset_rel: str,
+                 extensions: tuple[str, ...] | None = IMG_EXTENSIONS) -> SampleList:
+    """The ImageFolder sample list of the directory ``dataset_rel`` inside the mount (a
+    ``DatasetFolder`` with these ``extensions``; None keeps every file, for a custom
+    ``is_valid_file`` whose result the caller checks by the training's digest)."""
     dataset_rel = dataset_rel.strip("/")
     root = _realpath(ns, dataset_rel.split("/")) if dataset_rel else ns.get(ROOT_INO)
     if root is None or not stat_mod.S_ISDIR(root.mode):
@@ -149,7 +151,7 @@ def image_folder(ns: Namespace, dataset_rel: str, extensions: tuple[str, ...] = 
         walked.sort(key=lambda t: t[0])
         for shown, files in walked:
             for name, e in sorted(files, key=lambda t: t[0]):
-                if not name.lower().endswith(extensions):
+                if extensions is not None and not name.lower().endswith(extensions):
                     continue
                 target = _follow(ns, e)
                 # torchvision keeps a dangling or odd entry (and fails when it opens it): keep

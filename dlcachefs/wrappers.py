@@ -60,10 +60,14 @@ class Root:
 
     @property
     def ext_token(self) -> str:
-        """The ``ext=`` field: percent-encoded extensions joined by ``,``; ``any`` for none."""
-        if self.extensions is None:
-            return "any"
-        return ",".join(quote(e, safe="") for e in self.extensions)
+        return ext_token(self.extensions)
+
+
+def ext_token(extensions: Sequence[str] | None) -> str:
+    """The ``ext=`` field: percent-encoded extensions joined by ``,``; ``any`` for none."""
+    if extensions is None:
+        return "any"
+    return ",".join(quote(e, safe="") for e in extensions)
 
 
 @dataclass(frozen=True)
@@ -116,10 +120,11 @@ def normalize_rel(rel: str) -> str:
     return "/".join(p for p in rel.split("/") if p not in ("", "."))
 
 
-def view_id(rels: Sequence[str], roots: Sequence[Root], lid: str | None) -> str:
-    """Content id of a view: its roots (mount-relative, normalized), counts, digests,
-    extensions, and index-list id. The mount recomputes it to check a definition."""
-    text = "".join(f"{rel}\t{r.count}\t{r.sha}\t{r.ext_token}\n"
+def view_id(rels: Sequence[str], roots: Sequence, lid: str | None) -> str:
+    """Content id of a view: its roots (mount-relative, normalized; objects with
+    ``count``, ``sha``, ``extensions``), and index-list id. The mount recomputes it to
+    check a definition."""
+    text = "".join(f"{rel}\t{r.count}\t{r.sha}\t{ext_token(r.extensions)}\n"
                    for rel, r in zip(rels, roots, strict=True))
     text += f"index={lid or '-'}\n"
     return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:ID_HEX]
