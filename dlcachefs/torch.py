@@ -490,7 +490,12 @@ class LossReporter:
             ...
         reporter.close()
 
-    ``indices`` are indices into the dataset's sample list (ImageFolder order). Pairs are
+    ``indices`` are indices of the dataset the DataLoader sees (what :func:`with_index`
+    around that dataset yields): the ImageFolder's own indices when the loader reads the
+    ImageFolder, the wrapper's when it reads a ``Subset``/``ConcatDataset``/user wrapper
+    (the hook announces such a dataset as a view, and the mount maps the indices through
+    it). ``dataset_root`` may be that dataset itself instead of a path: then a refused
+    first write is retried with the view's ``dataset`` line (and definition). Pairs are
     buffered and written once ``max_pairs_per_write`` of them are pending, and by
     :meth:`flush` / :meth:`close` (also the end of a ``with`` block). Each write holds at
     most ``max_pairs_per_write`` pairs and 64 KiB, in lines of at most 4096 characters;
@@ -507,8 +512,16 @@ class LossReporter:
     reason is in ``<mount>/.dlcache/errors``).
     """
 
-    def __init__(self, dataset_root: str | os.PathLike, job: str | None = None,
+    def __init__(self, dataset_root, job: str | None = None,
                  max_pairs_per_write: int = 3000) -> None:
+        self._view: Target | None = None
+        if not isinstance(dataset_root, (str, os.PathLike)):  # the loader's dataset
+            t = target_of(dataset_root)
+            if isinstance(t, Target):
+                self._view = t
+                dataset_root = os.path.join(t.mount, t.rel)
+            else:
+                dataset_root = _dataset_root(dataset_root) or "/nonexistent-dataset"
         self.dataset_root = os.fspath(dataset_root)
         self.job = job or os.environ.get(ENV_JOB) or None
         self.max_pairs = max(1, int(max_pairs_per_write))
@@ -577,6 +590,12 @@ class LossReporter:
                         # maybe the job has no dataset yet: name it and try once more
                         self._dataset_sent = True
                         try:
+                            if self._view is not None:  # its definition, if not sent yet
+                                for key, defs in [(self._view.vid, self._view.definition())]:
+                                    if (self._view.mount, key) not in _sent:
+                                        write_control(self._view.mount,
+                                                      [d.encode() for d in defs])
+                                        _sent.add((self._view.mount, key))
                             os.write(fd, self._head(with_dataset=True) + data[len(self._head()):])
                         except OSError as e2:
                             self._failed(n, e2)
@@ -608,7 +627,8 @@ class LossReporter:
     def _head(self, with_dataset: bool = False) -> bytes:
         head = f"job {self.job}\n" if self.job else ""
         if with_dataset:
-            head += f"dataset {self.rel}\n"
+            head += self._view.dataset_line() if self._view is not None \
+                else f"dataset {self.rel}\n"
         return head.encode()
 
     def _encode(self, idx: list[int], vals: list[float]) -> list[tuple[bytes, int]]:
@@ -665,8 +685,9 @@ def with_index(dataset):
     the sampler hook still finds the dataset's root. Returns a
     ``torch.utils.data.Dataset`` (torch is imported here, not with this module).
 
-    With a ``Subset`` the index is the subset's, not the dataset's: wrap the dataset and
-    take the subset of the wrapper."""
+    Wrap the dataset the DataLoader reads (``with_index(Subset(...))``, not
+    ``Subset(with_index(...))``): its indices are the ones the mount knows (the sampler
+    hook announces that dataset, wrappers included)."""
     return _with_index_class()(dataset)
 
 
@@ -736,7 +757,11 @@ class ImportanceSampler:
         self.epoch = 0
         self.job = job or os.environ.get(ENV_JOB) or "default"
         root = _dataset_root(dataset)
-        self._target = find_mount(root) if (announce and root) else None
+        view = target_of(dataset) if announce else None
+        # a wrapped dataset (Subset, ...) is announced as a view: its indices are ours
+        self._view: Target | None = view if isinstance(view, Target) else None
+        self._target = (view.mount, view.rel) if self._view is not None else \
+            find_mount(root) if (announce and root) else None
         self._order: list[int] | None = None
         self._announced: int | None = None
         self._announced_head = False
@@ -778,8 +803,9 @@ class ImportanceSampler:
         mount, rel = self._target
         # dataset and sampler once: re-sending them would restart the running epoch's
         # stream before this epoch's order is complete
+        ds_line = self._view.dataset_line() if self._view is not None else f"dataset {rel}\n"
         head = f"job {self.job}\n" if self._announced_head else (
-            f"job {self.job}\ndataset {rel}\nsampler explicit\n")
+            f"job {self.job}\n{ds_line}sampler explicit\n")
         writes, buf, start, line, line_start = [], [head], 0, [], 0
         size = len(head)
 
@@ -804,6 +830,8 @@ class ImportanceSampler:
         end_line()
         buf.append(f"order {self.epoch} end {start}\nepoch {self.epoch}\n")
         writes.append("".join(buf))
+        if self._view is not None and not self._announced_head:
+            writes = self._view.definition() + writes
         try:
             write_control(mount, [w.encode() for w in writes])
             self._announced_head = True
