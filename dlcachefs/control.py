@@ -625,8 +625,8 @@ class ControlState:
             vid = args[1][len("view="):]
             if not _ID_RE.match(vid):
                 raise ControlError(f"line {n}: view id must be 24 hex digits, got {vid[:40]!r}")
-            op = self._parse_line(n, f"dataset {args[0]}")
-            return _Op("dataset", op.arg, (*op.extra, vid))
+            rel, ino = self._rel_dir(n, args[0], "dataset")
+            return _Op("dataset", rel, (ino, vid))
         if len(args) != 1:
             raise ControlError(f"line {n}: '{verb}' takes exactly one argument, got {len(args)}")
         arg = args[0]
@@ -719,17 +719,22 @@ class ControlState:
             ext = tuple(unquote(e) for e in kv["ext"].split(","))
             if not all(ext):
                 raise ControlError(f"line {n}: empty extension in ext=")
-        raw = unquote(args[1])
+        rel, ino = self._rel_dir(n, args[1], "root")
+        return _Op("root", args[0], (RootDef(rel, ino, count, kv["sha"], ext),), n)
+
+    def _rel_dir(self, n: int, token: str, what: str) -> tuple[str, int]:
+        """A percent-encoded directory path relative to the mount: (normalized, inode)."""
+        raw = unquote(token)
         parts = [p for p in raw.split("/") if p not in ("", ".")]
         if raw.startswith("/") or ".." in parts:
-            raise ControlError(f"line {n}: root must be relative to the mount, without '..'")
+            raise ControlError(f"line {n}: {what} must be relative to the mount, without '..'")
         rel = "/".join(parts)
         try:
             ino = self._resolve_dir(rel)
         except DlcError as e:
-            raise ControlError(f"line {n}: root {rel[:80]!r} is not a directory in the mount "
-                               f"({e})") from None
-        return _Op("root", args[0], (RootDef(rel, ino, count, kv["sha"], ext),), n)
+            raise ControlError(f"line {n}: {what} {rel[:80]!r} is not a directory in the "
+                               f"mount ({e})") from None
+        return rel, ino
 
     def _parse_sampler(self, n: int, args: list[str]) -> SamplerSpec:
         if not args:

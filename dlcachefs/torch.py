@@ -42,6 +42,7 @@ import os
 import sys
 import warnings
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from urllib.parse import quote
@@ -175,20 +176,21 @@ def _target_now(ds) -> Target | str | None:
 
 
 def _send(t: Target, lines: list[str], job: str | None = None,
-          extra_defs: list[tuple[str, list[str]]] = ()) -> bool:
+          extra_defs: Sequence[tuple[str, Callable[[], list[str]]]] = ()) -> bool:
     """``job`` + the view's ``dataset`` line + ``lines`` as one write, after the view's
-    definition (and ``extra_defs``: (id, writes)) unless this process sent them already.
+    definition (and ``extra_defs``: (id, a function returning its writes)) unless this
+    process sent them already (they are only encoded when they are sent).
     A refusal that may come from a new daemon (it lost the definitions) is retried once
     with them. Never raises: False and a warning once."""
     job = job or os.environ.get(ENV_JOB) or "default"
     text = f"job {job}\n" + t.dataset_line() + "".join(line + "\n" for line in lines)
-    defs = [(t.vid, t.definition()), *extra_defs]
+    defs = [(t.vid, t.definition), *extra_defs]
     for attempt in range(2):
         had_all = all((t.mount, key) in _sent for key, _ in defs)
         try:
-            for key, writes in defs:
+            for key, make in defs:
                 if (t.mount, key) not in _sent:
-                    write_control(t.mount, [w.encode() for w in writes])
+                    write_control(t.mount, [w.encode() for w in make()])
                     _sent.add((t.mount, key))
             write_control(t.mount, [text.encode()])
             return True
@@ -362,7 +364,7 @@ def _patch(data_module) -> None:
                              f"generator", epoch)
                 if fields is not None:
                     _send(t, [f"sampler subset_random index={lid} {fields}", f"epoch {epoch}"],
-                          extra_defs=[(lid, _w.index_lines(lid, idx))])
+                          extra_defs=[(lid, lambda: _w.index_lines(lid, idx))])
         except Exception as e:  # noqa: BLE001 - never break the training
             _warn_once("hook", f"sampler hook failed: {e}")
         yield from orig_subset_iter(self)

@@ -313,12 +313,16 @@ def spec_of(line: str):
 def loader_orders(make, epochs: int) -> tuple[list[list[int]], float]:
     torch.manual_seed(11)
     dl = make()
-    out = [[int(i) for b in dl for i in b] for _ in range(epochs)]
+    out = []
+    for e in range(epochs):
+        if hasattr(dl.sampler, "set_epoch"):
+            dl.sampler.set_epoch(e)
+        out.append([int(i) for b in dl for i in b])
     return out, float(torch.rand(()))  # what the global RNG continues with
 
 
 CASES = ["shuffle_gen", "sampler_gen", "sampler_gen_shared", "subset_gen", "subset_global",
-         "random_global"]
+         "random_global", "distributed"]
 
 
 def make_loader(case: str, n: int, seed: int, pre: int, batch: int):
@@ -340,6 +344,9 @@ def make_loader(case: str, n: int, seed: int, pre: int, batch: int):
                                sampler=data.SubsetRandomSampler(sub, generator=g))
     if case == "subset_global":
         return data.DataLoader(ds, batch_size=batch, sampler=data.SubsetRandomSampler(sub))
+    if case == "distributed":
+        return data.DataLoader(ds, batch_size=batch, sampler=data.DistributedSampler(
+            ds, num_replicas=3, rank=2, seed=seed % 2**31, drop_last=pre % 2 == 1))
     return data.DataLoader(ds, batch_size=batch, shuffle=True)
 
 
@@ -356,12 +363,10 @@ def test_hook_announces_replayable_orders_and_changes_nothing(hooked, case, n, s
     # without the hook: the same orders and the same global RNG stream
     import dlcachefs.torch as hook  # noqa: F401
 
-    saved = {c: c.__dict__["__iter__"] for c in (data.RandomSampler, data.SubsetRandomSampler,
-                                                   data.DataLoader)}
+    saved = {c: c.__dict__["__iter__"] for c in _ORIG}
     try:
-        data.RandomSampler.__iter__ = _ORIG[data.RandomSampler]
-        data.SubsetRandomSampler.__iter__ = _ORIG[data.SubsetRandomSampler]
-        data.DataLoader.__iter__ = _ORIG[data.DataLoader]
+        for c, it in _ORIG.items():
+            c.__iter__ = it
         plain = loader_orders(lambda: make_loader(case, n, seed, pre, batch), 3)
     finally:
         for c, it in saved.items():
@@ -382,7 +387,7 @@ def test_hook_announces_replayable_orders_and_changes_nothing(hooked, case, n, s
 
 
 _ORIG = {c: c.__dict__["__iter__"] for c in (data.RandomSampler, data.SubsetRandomSampler,
-                                              data.DataLoader)}
+                                              data.DistributedSampler, data.DataLoader)}
 
 
 def test_persistent_workers_draw_first_only(hooked):
