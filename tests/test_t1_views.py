@@ -440,3 +440,61 @@ def test_state_base64_is_the_generator_state():
     h = torch.Generator()
     h.set_state(decode_state(s))
     assert torch.randperm(50, generator=h).tolist() == torch.randperm(50, generator=g).tolist()
+
+
+# ----- the client's writes, applied by the mount's parser ----------------------------------
+
+
+def test_client_view_writes_are_accepted(tmp_path, monkeypatch):
+    """What the hook writes for a wrapped dataset (definition, large index list over
+    several writes, announcement) is accepted; a new daemon gets the definition again."""
+    import errno
+
+    import dlcachefs.torch as hook
+
+    folder = pytest.importorskip("torchvision.datasets.folder")
+    mnt = tmp_path / "m"
+    (mnt / ".dlcache").mkdir(parents=True)
+    (mnt / ".dlcache" / "control").touch()
+    for rel in ("train/a/1.jpg", "train/b/2.png", "train/b/3.jpg", "val/x/4.jpg"):
+        (mnt / rel).parent.mkdir(parents=True, exist_ok=True)
+        (mnt / rel).write_bytes(b"x")
+    tr = folder.ImageFolder(str(mnt / "train"), loader=lambda p: p)
+    va = folder.ImageFolder(str(mnt / "val"), loader=lambda p: p)
+    import random
+
+    idx = [random.Random(0).randrange(4) for _ in range(60_000)]
+    ds = UserWrap(data.Subset(data.ConcatDataset([tr, va]), idx))
+    state = {"cs": ControlState(resolve_dir)}
+
+    def write_control(mount, writes):
+        assert mount == str(mnt)
+        for w_ in writes:
+            try:
+                state["cs"].apply(w_, 42)
+            except ControlError as e:
+                raise OSError(errno.EINVAL, str(e)) from None
+
+    monkeypatch.setattr(hook, "write_control", write_control)
+    monkeypatch.setattr(hook, "_sent", set())
+    t = hook.target_of(ds)
+    assert isinstance(t, hook.Target) and t.rels == ("train", "val")
+    assert hook._send(t, ["sampler random seed=3 per_epoch=true", "epoch 0"])
+    cs = state["cs"]
+    js = cs.jobs["default"]
+    assert js.dataset == "train" and js.view.vid == t.vid
+    assert list(js.view.index) == idx and len(js.view) == len(ds)
+    assert cs.accepted_writes > 3  # the index list took several writes
+    n = cs.accepted_writes
+    assert hook._send(t, ["epoch 1"])
+    assert cs.accepted_writes == n + 1  # named, not sent again
+    state["cs"] = ControlState(resolve_dir)  # a new daemon: the view is unknown to it
+    assert hook._send(t, ["epoch 2"])
+    assert state["cs"].jobs["default"].view.vid == t.vid
+    assert state["cs"].refused_writes == 1  # the first try, before the definition
+    # the importance sampler names the same view for the dataset the loader reads
+    state["cs"] = ControlState(resolve_dir)
+    sampler = hook.ImportanceSampler(hook.with_index(ds), seed=1)
+    list(iter(sampler))
+    js = state["cs"].jobs["default"]
+    assert js.view.vid == t.vid and len(state["cs"].streams[("default", 0)].orders[0]) == len(ds)
