@@ -53,6 +53,9 @@ MAX_UNANNOUNCED = 8  # stats entries for processes that read without announcing
 MAX_LEARNED = 1 << 22  # opens remembered per epoch of a learned stream
 NOTHING_ANNOUNCED = ("nothing announced: run the script under `dlcachefs run` or call "
                      "dlcachefs.torch.install()")
+HOOKED_SILENT = ("nothing announced although the torch hook is installed (`dlcachefs run`): "
+                 "the hook found no DataLoader over an ImageFolder on this mount; see the "
+                 "training's dlcachefs warnings")
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +107,7 @@ class Stream:
     learn_cur: list[int] | None = None  # inodes opened this epoch, in order
     learn_prev: list[int] | None = None  # the last complete epoch's opens
     learn_stable: bool = False  # the last two epochs opened in the same order
+    learn_compared: bool = False  # two complete epochs were compared
 
     def note_latency(self, cached: bool, seconds: float) -> None:
         if cached:
@@ -181,6 +185,8 @@ class StreamManager:
             s = self.streams[(st.job, st.rank)] = Stream(st.job, st.rank)
         s.pids.add(pid)
         self._pid_stream.clear()  # attribution may have changed
+        if self.unannounced:  # its process group has announced now
+            self.unannounced.pop(_pgid(_tgid(pid)), None)
         learned = st.sampler is not None and st.sampler.kind == "unknown"
         if (js.dataset is None and not learned) or st.sampler is None or st.epoch is None:
             return
@@ -212,6 +218,7 @@ class StreamManager:
             return
         if s.learn_cur:
             prev, s.learn_prev = s.learn_prev, s.learn_cur
+            s.learn_compared = prev is not None
             s.learn_stable = prev is not None and _similar(s.learn_cur, prev)
         s.learn_cur, s.learn_epoch = [], epoch
 
@@ -469,8 +476,9 @@ class StreamManager:
                 self._pid_group.popitem(last=False)
         e = self.unannounced.get(pg)
         if e is None:
-            e = {"mode": "none", "reason": NOTHING_ANNOUNCED, "opens": 0,
-                 "command": _comm(tgid or _tgid(pid))}
+            tgid = tgid or _tgid(pid)
+            e = {"mode": "none", "opens": 0, "command": _comm(tgid),
+                 "reason": HOOKED_SILENT if _hooked(tgid) else NOTHING_ANNOUNCED}
             self.unannounced[pg] = e
             while len(self.unannounced) > MAX_UNANNOUNCED:
                 self.unannounced.popitem(last=False)
@@ -562,6 +570,9 @@ def _mode(spec: SamplerSpec, replayer, epoch: int, n: int, s: Stream) -> tuple[s
             return "learned", f"{why}; the order of opens repeats: prefetched ({n} samples)"
         if s.learn_prev is None:
             return "learned", f"{why}; learning the order of opens (first epoch)"
+        if not s.learn_compared:
+            return "learned", f"{why}; one epoch's order of opens known: prefetched from the " \
+                              f"next epoch on if the next repeats it"
         return "learned", f"{why}; the order of opens changed since the last epoch: not " \
                           f"prefetched"
     what = {"random": "RandomSampler", "subset_random": "SubsetRandomSampler",
@@ -639,3 +650,16 @@ def _comm(pid: int) -> str:
             return f.read().decode(errors="replace").strip()
     except OSError:
         return ""
+
+
+def _hooked(pid: int) -> bool:
+    """Whether the process runs with the torch hook of ``dlcachefs run`` on its path."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
+    except OSError:
+        return False
+    for var in env.split(b"\0"):
+        if var.startswith(b"PYTHONPATH="):
+            return b"dlcachefs/_boot" in var
+    return False

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -55,6 +56,13 @@ class Train(torch.utils.data.Dataset):
         return x, y, digest, self.base.samples[i][0][len(self.base.root) + 1:]
 
 
+class Shorter(Train):
+    """A wrapper the hook cannot map (it hides the last sample)."""
+
+    def __len__(self):
+        return len(self.base) - 1
+
+
 class Reversed(torch.utils.data.Sampler):
     def __init__(self, n):
         self.n = n
@@ -67,7 +75,7 @@ class Reversed(torch.utils.data.Sampler):
 
 
 torch.manual_seed(0)
-full = Train(root)
+full = Shorter(root) if mode == "filtered" else Train(root)
 keep = sorted(random.Random(1).sample(range(len(full)), k=len(full) * 3 // 4))
 ds = torch.utils.data.Subset(full, keep)
 if mode == "gen":
@@ -97,8 +105,9 @@ print(json.dumps({"epochs": out, "digest": h.hexdigest()}))
 '''
 
 
-def _run(cmd: list[str]) -> dict:
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+def _run(cmd: list[str], env: dict | None = None) -> dict:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                       env=None if env is None else {**os.environ, **env})
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -191,3 +200,12 @@ def test_custom_sampler_is_learned(dataset, mount, tmp_path):
     assert s0["mode"] == "learned", s0
     assert "Reversed is not replayable" in s0["reason"]
     assert "repeats: prefetched" in s0["reason"] and s0["samples"] == n
+    # a wrapper the hook cannot map: learned too, and the reason says why
+    direct = _run([sys.executable, str(script), str(dataset), "3", "filtered"])
+    hooked = _run(_launch(script, m.mnt, 3, "filtered"), env={"DLCACHEFS_JOB": "filtered"})
+    assert hooked == direct
+    st = _poll(m, lambda s: s["streams"].get("filtered/0", {}).get("epoch") == 2,
+               "the filtered job never reached epoch 2")
+    s1 = st["streams"]["filtered/0"]
+    assert s1["mode"] == "learned" and "cannot be mapped" in s1["reason"], s1
+    assert "changed since the last epoch" in s1["reason"]  # shuffled: nothing to prefetch
