@@ -175,14 +175,33 @@ def _target_now(ds) -> Target | str | None:
     return Target(mounts.pop(), rels[0], _w.view_id(rels, view.roots, lid), view, rels, lid)
 
 
+_claims: dict[str, str] = {}  # job -> the dataset (view id) whose loader owns its stream
+
+
+def _claim(job: str, key: str, weak: bool) -> bool:
+    """Whether a loader over dataset ``key`` may announce for ``job`` in this process.
+    A replayable sampler (strong) always may, and takes the job's stream; a sequential
+    or unknown one (weak: typically a validation loader) only while no other dataset
+    took it, so it does not keep replacing the training loader's stream."""
+    owner = _claims.get(job)
+    if weak and owner is not None and owner != key:
+        return False
+    if owner is None or not weak:
+        _claims[job] = key
+    return True
+
+
 def _send(t: Target, lines: list[str], job: str | None = None,
-          extra_defs: Sequence[tuple[str, Callable[[], list[str]]]] = ()) -> bool:
+          extra_defs: Sequence[tuple[str, Callable[[], list[str]]]] = (),
+          weak: bool = False) -> bool:
     """``job`` + the view's ``dataset`` line + ``lines`` as one write, after the view's
     definition (and ``extra_defs``: (id, a function returning its writes)) unless this
     process sent them already (they are only encoded when they are sent).
     A refusal that may come from a new daemon (it lost the definitions) is retried once
-    with them. Never raises: False and a warning once."""
+    with them. ``weak``: see :func:`_claim`. Never raises: False and a warning once."""
     job = job or os.environ.get(ENV_JOB) or "default"
+    if not _claim(job, t.vid, weak):
+        return False
     text = f"job {job}\n" + t.dataset_line() + "".join(line + "\n" for line in lines)
     defs = [(t.vid, t.definition), *extra_defs]
     for attempt in range(2):
@@ -240,9 +259,11 @@ def _unknown(ds, reason: str, epoch: int) -> None:
     mount = t.mount if isinstance(t, Target) else _mount_hint(ds)
     if mount is None:
         return  # not reading from a dlcachefs mount (that we can tell)
+    job = os.environ.get(ENV_JOB) or "default"
+    if not _claim(job, t.vid if isinstance(t, Target) else f"unknown:{id(ds)}", weak=True):
+        return
     _warn_once(f"unknown:{reason}", f"the mount cannot replay this training's order "
                f"({reason}); it learns it from the files read")
-    job = os.environ.get(ENV_JOB) or "default"
     line = f"job {job}\nsampler unknown reason={quote(reason[:200], safe='')}\nepoch {epoch}\n"
     try:
         write_control(mount, [line.encode()])
@@ -405,7 +426,7 @@ def _patch(data_module) -> None:
         elif type(inner).__iter__ is SequentialSampler.__iter__:
             t = usable(ds, loader)
             if t is not None:
-                _send(t, ["sampler sequential", f"epoch {_next_epoch(loader)}"])
+                _send(t, ["sampler sequential", f"epoch {_next_epoch(loader)}"], weak=True)
             return
         else:
             reason = f"sampler {type(inner).__name__} is not replayable"

@@ -294,8 +294,8 @@ def hooked(monkeypatch):
     saved = {c: c.__dict__["__iter__"] for c in classes}
     sent: list[list[str]] = []
     monkeypatch.setattr(hook, "target_of", lambda ds: object())
-    monkeypatch.setattr(hook, "_send", lambda t, lines, job=None, extra_defs=(): sent.append(
-        lines) or True)
+    monkeypatch.setattr(hook, "_send", lambda t, lines, job=None, extra_defs=(), weak=False:
+                        sent.append(lines) or True)
     hook._patch(data)
     try:
         yield sent
@@ -498,3 +498,16 @@ def test_client_view_writes_are_accepted(tmp_path, monkeypatch):
     list(iter(sampler))
     js = state["cs"].jobs["default"]
     assert js.view.vid == t.vid and len(state["cs"].streams[("default", 0)].orders[0]) == len(ds)
+
+
+def test_validation_loader_does_not_take_the_training_stream(monkeypatch):
+    """A sequential (or unknown) loader announces only while no other dataset's loader
+    owns the job's stream; a replayable one always does and takes it."""
+    import dlcachefs.torch as hook
+
+    monkeypatch.setattr(hook, "_claims", {})
+    assert hook._claim("j", "val", weak=True)  # a sanity validation before training
+    assert hook._claim("j", "train", weak=False)  # the training loader takes the stream
+    assert not hook._claim("j", "val", weak=True)  # validation no longer replaces it
+    assert hook._claim("j", "train", weak=True) and hook._claim("k", "val", weak=True)
+    assert hook._claim("j", "other", weak=False)  # a second shuffled loader: as before
