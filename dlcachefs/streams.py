@@ -207,7 +207,7 @@ class StreamManager:
             s.learn_cur = s.learn_prev = None
             s.learn_epoch = None
         key = None if learned else js.dataset if js.view is None \
-            else f"{js.dataset}@{js.view.vid}"
+            else f"{js.dataset or '.'}@{js.view.vid}"
         self._nursery.start_soon(self._configure, s, s.cancel, key, st.sampler, st.epoch,
                                  js.view, st.sampler_index)
 
