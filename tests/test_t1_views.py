@@ -511,3 +511,31 @@ def test_validation_loader_does_not_take_the_training_stream(monkeypatch):
     assert not hook._claim("j", "val", weak=True)  # validation no longer replaces it
     assert hook._claim("j", "train", weak=True) and hook._claim("k", "val", weak=True)
     assert hook._claim("j", "other", weak=False)  # a second shuffled loader: as before
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(100, 3000), st.integers(0, 2**32), st.integers(1, 40))
+def test_learned_order_similarity(n, seed, jitter):
+    """A repeated order with loader-like local reordering is the same order; a reshuffle
+    is not."""
+    import random
+
+    from dlcachefs.streams import _similar
+
+    rnd = random.Random(seed)
+    base = rnd.sample(range(10**6), n)
+    jitter = min(jitter, n // 16)  # blocks up to 1/16 of the epoch reordered
+
+    def jittered(xs):
+        xs = list(xs)
+        for i in range(0, len(xs), jitter):
+            seg = xs[i:i + jitter]
+            rnd.shuffle(seg)
+            xs[i:i + jitter] = seg
+        return xs
+
+    assert _similar(jittered(base), jittered(base))
+    assert _similar(jittered(base)[:-1], base)  # a missed open is tolerated
+    other = base[:]
+    rnd.shuffle(other)
+    assert not _similar(other, base)
