@@ -16,6 +16,11 @@ lines and ``#`` comments are ignored. The lines::
     loss I V [I V ...]       # per-sample training losses: dataset index I, finite float V
     order E START I1 I2 ...  # a chunk of epoch E's explicit sample order, from position START
     order E end COUNT        # epoch E's order is complete and has COUNT indices
+    index LID START T1 T2 ...  # a chunk of index list LID (tokens: I, or A:B for A..B-1)
+    index LID end COUNT      # index list LID is complete (COUNT indices; LID = its digest)
+    root VID REL count=N sha=HEX [ext=E1,E2|any]   # root K of view VID (in order)
+    view VID roots=R [index=LID]   # closes the R ``root`` lines of VID just before it
+    dataset RELPATH view=VID # the job's dataset is view VID (RELPATH: its first root)
 
 See :mod:`dlcachefs.sampler` for what the sampler fields mean. Each (job, rank) is one
 stream: a ``distributed`` sampler line binds the writing process to its rank, other
@@ -47,6 +52,27 @@ is dropped), each at most ``MAX_ORDER_LEN`` indices, and the mount at most
 ``MAX_ORDER_TOTAL`` indices in all. A ``dataset`` line that changes a job's dataset drops
 its streams' orders (their indices named samples of the old one).
 
+Views (wrapped datasets, :mod:`dlcachefs.wrappers`): the dataset a DataLoader sees is
+the concatenation of the sample lists of one or more ImageFolder roots (``root`` lines,
+REL percent-encoded, ``.`` for the mount's root; ``count``/``sha`` are the training's
+digest of each root's list, checked by the mount when it lists the root; ``ext`` the
+DatasetFolder's extensions, percent-encoded, ``any`` for a custom ``is_valid_file``),
+optionally seen through an index list (``Subset``: dataset index ``i`` is base index
+``index[i]``). Index lists and views are content-addressed: ``LID`` is the first 24 hex
+digits of the SHA-256 of the indices as int64 little-endian, ``VID`` that of the view's
+definition (:func:`dlcachefs.wrappers.view_id`); both are checked, so a client sends each
+once per process and mount and names it afterwards. A ``dataset ... view=VID`` line
+naming a view the mount does not hold (a new daemon) is refused: send it again. An index
+list is received in chunks like an ``order``; at most ``MAX_LISTS`` complete lists,
+``MAX_VIEWS`` views and ``MAX_LIST_TOTAL`` indices are kept (the oldest go first).
+``loss``/``order`` indices of a job whose dataset is a view are checked against the
+view's length. ``sampler random state=B64`` gives the generator's state (base64 of
+``Generator.get_state()``) at this epoch's first draw of the sampler instead of a seed;
+``sampler subset_random index=LID state=B64`` is a ``SubsetRandomSampler`` over list
+LID; ``sampler unknown [reason=TEXT]`` says the order cannot be replayed (the mount
+learns it from the opens). A ``sampler`` line may be up to ``MAX_SAMPLER_LINE``
+characters (a generator state is 6.7 KB of base64).
+
 State is bounded: at most ``MAX_JOBS`` jobs, ``MAX_STREAMS`` streams and ``MAX_WRITE``
 bytes per write; the error log keeps the last ``MAX_ERRORS`` refusals. Runs on the trio
 loop (parsing plus dictionary updates); no I/O.
@@ -54,6 +80,8 @@ loop (parsing plus dictionary updates); no I/O.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import re
@@ -62,9 +90,11 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from urllib.parse import unquote
 
 from .errors import ControlError, DlcError
 from .sampler import SamplerSpec
+from .wrappers import index_list_id, view_id
 
 MAX_WRITE = 64 * 1024
 MAX_LINE = 4096
@@ -78,19 +108,54 @@ MAX_LOSS_PAIRS = 100_000  # per write
 MAX_ORDER_LEN = 1 << 26  # indices of one epoch's order
 MAX_ORDER_EPOCHS = 2  # completed orders kept per stream (and as many in progress)
 MAX_ORDER_TOTAL = 1 << 28  # order indices held by the mount, completed and in progress
+MAX_SAMPLER_LINE = 16384  # a "sampler ... state=B64" line carries a 5056-byte state
+MAX_LISTS = 16  # complete index lists kept (and as many in progress)
+MAX_VIEWS = 64
+MAX_LIST_TOTAL = 1 << 28  # indices held in index lists, complete and in progress
+MAX_ROOTS = 1024  # roots of one view
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _INT_RE = re.compile(r"^-?\d{1,20}$")
-COMMANDS = ("job", "dataset", "sampler", "batch", "epoch", "loss", "order")
+COMMANDS = ("job", "dataset", "sampler", "batch", "epoch", "loss", "order", "index", "root",
+            "view")
+_ID_RE = re.compile(r"^[0-9a-f]{24}$")
+_HEX_RE = re.compile(r"^[0-9a-f]{64}$")
+_STATE_RE = re.compile(r"^[A-Za-z0-9+/]{1,12000}={0,2}$")
 
 _SAMPLER_KEYS = {
-    "random": {"seed", "num_samples", "replacement", "per_epoch", "loader_draws"},
+    "random": {"seed", "num_samples", "replacement", "per_epoch", "loader_draws", "state"},
     "distributed": {"seed", "world", "rank", "shuffle", "drop_last"},
     "sequential": set(),
     "explicit": set(),
+    "subset_random": {"index", "state", "per_epoch", "loader_draws"},
+    "unknown": {"reason"},
 }
-_REQUIRED = {"random": {"seed"}, "distributed": {"world", "rank"}, "sequential": set(),
-             "explicit": set()}
+_REQUIRED = {"random": set(), "distributed": {"world", "rank"}, "sequential": set(),
+             "explicit": set(), "subset_random": {"index", "state"}, "unknown": set()}
+
+
+@dataclass(frozen=True)
+class RootDef:
+    """One ImageFolder root of a view, as the training process listed it."""
+
+    rel: str
+    ino: int
+    count: int
+    sha: str
+    extensions: tuple[str, ...] | None  # None: any file (a custom is_valid_file)
+
+
+@dataclass(frozen=True)
+class ViewDef:
+    """A dataset as the DataLoader sees it: roots concatenated, optionally indexed."""
+
+    vid: str
+    roots: tuple[RootDef, ...]
+    lid: str | None = None
+    index: array | None = None  # base index of each dataset index (do not modify)
+
+    def __len__(self) -> int:
+        return sum(r.count for r in self.roots) if self.index is None else len(self.index)
 
 
 @dataclass
@@ -108,6 +173,8 @@ class StreamState:
     orders: dict[int, array] = field(default_factory=dict)
     #: orders still being received: epoch -> the indices so far, oldest first
     pending_orders: dict[int, array] = field(default_factory=dict)
+    #: the index list of a ``subset_random`` sampler (``index=LID``)
+    sampler_index: array | None = None
     updated: float = field(default_factory=time.time)
 
 
@@ -117,6 +184,7 @@ class JobState:
     dataset: str | None = None
     dataset_ino: int | None = None
     losses: int = 0  # loss pairs accepted for this job
+    view: ViewDef | None = None  # the dataset is a view (``dataset REL view=VID``)
     updated: float = field(default_factory=time.time)
 
 
@@ -227,6 +295,10 @@ class ControlState:
         self.accepted_writes = 0
         self.refused_writes = 0
         self.order_indices = 0  # held in all streams' orders, completed and in progress
+        self.index_lists: OrderedDict[str, array] = OrderedDict()  # complete, oldest first
+        self.pending_lists: OrderedDict[str, array] = OrderedDict()
+        self.views: OrderedDict[str, ViewDef] = OrderedDict()
+        self.list_indices = 0  # held in index lists, complete and in progress
 
     def binding_of(self, pid: int) -> tuple[str, int]:
         """(job, rank) a process writes for; ("default", 0) for one that never said."""
@@ -248,6 +320,9 @@ class ControlState:
         completed: list[tuple[StreamState, int, array]] = []
         losses: dict[str, tuple[list[int], list[float]]] = {}
         for op in ops:  # validated: applying cannot fail half way
+            if op.verb in ("index", "view"):  # mount-wide, not a job's
+                self._apply_list_or_view(op)
+                continue
             if op.verb == "job":
                 job, rank = str(op.arg), 0
             elif op.verb == "sampler":
@@ -256,9 +331,11 @@ class ControlState:
             js = self.jobs.setdefault(job, JobState(job))
             js.updated = time.time()
             if op.verb == "dataset":
-                if js.dataset != op.arg:
+                view = self.views.get(op.extra[1]) if len(op.extra) > 1 else None
+                if js.dataset != op.arg or js.view != view:
                     self._drop_orders(job)
                 js.dataset, js.dataset_ino = str(op.arg), int(op.extra[0])
+                js.view = view
                 for (j, _r), st in self.streams.items():
                     if j == job:
                         touched[(j, _r)] = st
@@ -278,6 +355,8 @@ class ControlState:
                 continue
             if op.verb == "sampler":
                 st.sampler = op.arg  # type: ignore[assignment]
+                lid = st.sampler.index if st.sampler is not None else None
+                st.sampler_index = self.index_lists.get(lid) if lid else None
             elif op.verb == "epoch":
                 st.epoch = int(op.arg)  # type: ignore[call-overload]
             elif op.verb == "batch":
@@ -299,6 +378,39 @@ class ControlState:
             for name, (idx, vals) in losses.items():
                 self.on_loss(name, idx, vals)
         return len(data)
+
+    def _apply_list_or_view(self, op: _Op) -> None:
+        """``index`` chunks and ends, ``view`` definitions (validated by :meth:`_check`)."""
+        if op.verb == "view":
+            vid, roots, lid = str(op.arg), op.extra[0], op.extra[1]
+            self.views.pop(vid, None)
+            self.views[vid] = ViewDef(vid, roots, lid,
+                                      self.index_lists[lid] if lid else None)
+            while len(self.views) > MAX_VIEWS:
+                self.views.popitem(last=False)
+            return
+        lid = str(op.arg)
+        if op.extra[0] == "chunk":
+            start, indices = op.extra[1], op.extra[2]
+            if start == 0:
+                old = self.pending_lists.pop(lid, None)
+                if old is not None:
+                    self.list_indices -= len(old)
+                while len(self.pending_lists) >= MAX_LISTS:
+                    self.list_indices -= len(self.pending_lists.popitem(last=False)[1])
+                self.pending_lists[lid] = array("q")
+            self.pending_lists[lid].extend(indices)
+            self.list_indices += len(indices)
+            return
+        done = self.pending_lists.pop(lid, None)
+        if done is None:
+            done = array("q")
+        old = self.index_lists.pop(lid, None)
+        if old is not None:
+            self.list_indices -= len(old)
+        self.index_lists[lid] = done
+        while len(self.index_lists) > MAX_LISTS:
+            self.list_indices -= len(self.index_lists.popitem(last=False)[1])
 
     def _drop_orders(self, job: str) -> None:
         for (j, _r), st in self.streams.items():
@@ -344,7 +456,19 @@ class ControlState:
         pending: dict[tuple[str, int], dict[int, int]] = {}  # stream -> epoch -> received
         added = 0
         unsized_losses = 0  # loss pairs of datasets whose size is not known yet
+        lists = _ListReplay(self)
+        dviews: dict[str, str | None] = {}  # job -> the view of its dataset at this point
         for op in ops:
+            if op.verb == "index":
+                lists.index(op)
+                continue
+            if op.verb == "view":
+                lists.view(op)
+                continue
+            if op.verb == "sampler" and isinstance(op.arg, SamplerSpec) and op.arg.index \
+                    and not lists.complete(op.arg.index):
+                raise ControlError(f"line {op.line}: unknown index list {op.arg.index}: send "
+                                   f"its 'index' lines first")
             if op.verb == "job":
                 job, rank = str(op.arg), 0
             elif op.verb == "sampler":
@@ -357,9 +481,15 @@ class ControlState:
                 new_streams.add((job, rank))
             if job not in datasets:
                 datasets[job] = self.jobs[job].dataset if job in self.jobs else None
+                v = self.jobs[job].view if job in self.jobs else None
+                dviews[job] = v.vid if v is not None else None
             if op.verb == "dataset":
                 rel = str(op.arg)
-                if datasets[job] != rel:
+                vid = op.extra[1] if len(op.extra) > 1 else None
+                if vid is not None and not lists.has_view(vid):
+                    raise ControlError(f"line {op.line}: unknown view {vid}: send its 'root' "
+                                       f"and 'view' lines first")
+                if (datasets[job], dviews[job]) != (rel, vid):
                     if job in loss_ds:
                         raise ControlError(
                             f"line {op.line}: dataset of job {job!r} changes after its loss "
@@ -367,6 +497,7 @@ class ControlState:
                     for key in [k for k in (*self.streams, *pending) if k[0] == job]:
                         pending[key] = {}  # its orders are dropped
                 datasets[job] = rel
+                dviews[job] = vid
             if op.verb not in ("loss", "order"):
                 continue
             rel = datasets[job]
@@ -377,9 +508,12 @@ class ControlState:
                 self._check_order(op, (job, rank), pending)
                 continue
             indices: list[int] = op.arg if op.verb == "loss" else op.extra[2]  # type: ignore[assignment]
-            if rel not in sizes:
-                sizes[rel] = self._size_of(rel)
-            n = sizes[rel]
+            if dviews.get(job) is not None:
+                n: int | None = lists.view_len(str(dviews[job]))
+            else:
+                if rel not in sizes:
+                    sizes[rel] = self._size_of(rel)
+                n = sizes[rel]
             if n is not None and indices and max(indices) >= n:
                 bad = next(i for i in indices if i >= n)
                 raise ControlError(f"line {op.line}: index {bad} out of range: dataset "
@@ -403,6 +537,9 @@ class ControlState:
                     f"{unsized_losses} losses for a dataset whose sample list is still being "
                     f"made: only {max(room, 0)} more can wait for it; send them again once "
                     f"'stats' shows the stream's epoch")
+        if self.list_indices + lists.added > MAX_LIST_TOTAL:
+            raise ControlError(f"too many index-list indices held by the mount (at most "
+                               f"{MAX_LIST_TOTAL})")
         if self.order_indices + added > MAX_ORDER_TOTAL:
             raise ControlError(f"too many order indices held by the mount (at most "
                                f"{MAX_ORDER_TOTAL}): {self.order_indices} held, "
@@ -460,8 +597,9 @@ class ControlState:
             line = raw.rstrip("\r").strip()
             if not line or line.startswith("#"):
                 continue
-            if len(line) > MAX_LINE:
-                raise ControlError(f"line {n}: longer than {MAX_LINE} characters")
+            limit = MAX_SAMPLER_LINE if line.startswith("sampler") else MAX_LINE
+            if len(line) > limit:
+                raise ControlError(f"line {n}: longer than {limit} characters")
             if "\x00" in line:
                 raise ControlError(f"line {n}: contains a NUL character")
             op = self._parse_line(n, line)
@@ -471,6 +609,7 @@ class ControlState:
                     raise ControlError(f"line {n}: more than {MAX_LOSS_PAIRS} loss pairs in "
                                        f"one write")
             ops.append(op if op.line == n else replace(op, line=n))
+        ops = _fold_roots(ops)
         if not ops:
             raise ControlError("empty write: no command")
         return ops
@@ -494,6 +633,18 @@ class ControlState:
             return self._parse_loss(n, args)
         if verb == "order":
             return self._parse_order(n, args)
+        if verb == "index":
+            return self._parse_index(n, args)
+        if verb == "root":
+            return self._parse_root(n, args)
+        if verb == "view":
+            return _parse_view(n, args)
+        if verb == "dataset" and len(args) == 2 and args[1].startswith("view="):
+            vid = args[1][len("view="):]
+            if not _ID_RE.match(vid):
+                raise ControlError(f"line {n}: view id must be 24 hex digits, got {vid[:40]!r}")
+            rel, ino = self._rel_dir(n, args[0], "dataset")
+            return _Op("dataset", rel, (ino, vid))
         if len(args) != 1:
             raise ControlError(f"line {n}: '{verb}' takes exactly one argument, got {len(args)}")
         arg = args[0]
@@ -548,6 +699,61 @@ class ControlState:
         start = _int(n, "start", args[1], 0, MAX_ORDER_LEN)
         return _Op("order", epoch, ("chunk", start, _indices(n, args[2:])), n)
 
+    @staticmethod
+    def _parse_index(n: int, args: list[str]) -> _Op:
+        if len(args) < 2 or not _ID_RE.match(args[0]):
+            raise ControlError(f"line {n}: 'index' needs LID (24 hex digits) START TOKEN... or "
+                               f"LID end COUNT")
+        lid = args[0]
+        if args[1] == "end":
+            if len(args) != 3:
+                raise ControlError(f"line {n}: 'index LID end' takes exactly one COUNT")
+            return _Op("index", lid, ("end", _int(n, "count", args[2], 0, MAX_ORDER_LEN)), n)
+        start = _int(n, "start", args[1], 0, MAX_ORDER_LEN)
+        out: list[int] = []
+        for t in args[2:]:
+            a, colon, b = t.partition(":")
+            if not colon:
+                out.extend(_indices(n, [t]))
+                continue
+            lo, hi = _indices(n, [a])[0], _int(n, "range end", b, 0, MAX_INDEX)
+            if hi <= lo or hi - lo > MAX_ORDER_LEN - len(out):
+                raise ControlError(f"line {n}: bad index range {t[:40]!r} (A:B with A < B)")
+            out.extend(range(lo, hi))
+        return _Op("index", lid, ("chunk", start, out), n)
+
+    def _parse_root(self, n: int, args: list[str]) -> _Op:
+        if len(args) < 2 or not _ID_RE.match(args[0]):
+            raise ControlError(f"line {n}: 'root' needs VID (24 hex digits) REL count=N sha=HEX "
+                               f"[ext=...]")
+        kv = _kv(n, args[2:], {"count", "sha", "ext"})
+        if "count" not in kv or "sha" not in kv:
+            raise ControlError(f"line {n}: 'root' needs count= and sha=")
+        count = _int(n, "count", kv["count"], 0, MAX_INDEX)
+        if not _HEX_RE.match(kv["sha"]):
+            raise ControlError(f"line {n}: sha must be 64 hex digits")
+        ext: tuple[str, ...] | None = None
+        if kv.get("ext", "any") != "any":
+            ext = tuple(unquote(e) for e in kv["ext"].split(","))
+            if not all(ext):
+                raise ControlError(f"line {n}: empty extension in ext=")
+        rel, ino = self._rel_dir(n, args[1], "root")
+        return _Op("root", args[0], (RootDef(rel, ino, count, kv["sha"], ext),), n)
+
+    def _rel_dir(self, n: int, token: str, what: str) -> tuple[str, int]:
+        """A percent-encoded directory path relative to the mount: (normalized, inode)."""
+        raw = unquote(token)
+        parts = [p for p in raw.split("/") if p not in ("", ".")]
+        if raw.startswith("/") or ".." in parts:
+            raise ControlError(f"line {n}: {what} must be relative to the mount, without '..'")
+        rel = "/".join(parts)
+        try:
+            ino = self._resolve_dir(rel)
+        except DlcError as e:
+            raise ControlError(f"line {n}: {what} {rel[:80]!r} is not a directory in the "
+                               f"mount ({e})") from None
+        return rel, ino
+
     def _parse_sampler(self, n: int, args: list[str]) -> SamplerSpec:
         if not args:
             raise ControlError(f"line {n}: 'sampler' needs a kind ({', '.join(_SAMPLER_KEYS)})")
@@ -560,6 +766,23 @@ class ControlState:
         if missing:
             raise ControlError(f"line {n}: sampler {kind} needs {', '.join(sorted(missing))}=")
         spec = SamplerSpec(kind)
+        if kind == "random" and ("seed" in kv) == ("state" in kv):
+            raise ControlError(f"line {n}: sampler random needs seed= or state= (one of them)")
+        if "state" in kv:
+            st = kv["state"]
+            try:
+                ok = bool(_STATE_RE.match(st)) and len(base64.b64decode(st, validate=True)) > 0
+            except (binascii.Error, ValueError):
+                ok = False
+            if not ok:
+                raise ControlError(f"line {n}: state must be a generator state in base64")
+            spec = replace(spec, state=st)
+        if "index" in kv:
+            if not _ID_RE.match(kv["index"]):
+                raise ControlError(f"line {n}: index must be a list id (24 hex digits)")
+            spec = replace(spec, index=kv["index"])
+        if "reason" in kv:
+            spec = replace(spec, reason=unquote(kv["reason"])[:300])
         if "seed" in kv:
             spec = replace(spec, seed=_int(n, "seed", kv["seed"], -(1 << 63), (1 << 64) - 1))
         if "num_samples" in kv:
@@ -605,3 +828,139 @@ class ControlState:
         return (json.dumps({"jobs": jobs, "streams": streams,
                             "accepted_writes": self.accepted_writes,
                             "refused_writes": self.refused_writes}, indent=2) + "\n").encode()
+
+
+def _parse_view(n: int, args: list[str]) -> _Op:
+    if not args or not _ID_RE.match(args[0]):
+        raise ControlError(f"line {n}: 'view' needs VID (24 hex digits) roots=R [index=LID]")
+    kv = _kv(n, args[1:], {"roots", "index"})
+    if "roots" not in kv:
+        raise ControlError(f"line {n}: 'view' needs roots=R")
+    r = _int(n, "roots", kv["roots"], 1, MAX_ROOTS)
+    lid = kv.get("index")
+    if lid is not None and not _ID_RE.match(lid):
+        raise ControlError(f"line {n}: index must be a list id (24 hex digits)")
+    return _Op("view", args[0], ((), lid, r), n)
+
+
+def _fold_roots(ops: list[_Op]) -> list[_Op]:
+    """``root`` lines go into the ``view`` line that closes them (same write, same VID,
+    the number it says); the view's id is checked against its content."""
+    out: list[_Op] = []
+    roots: list[_Op] = []
+    for op in ops:
+        if op.verb == "root":
+            if roots and roots[0].arg != op.arg:
+                raise ControlError(f"line {op.line}: root of view {op.arg} while view "
+                                   f"{roots[0].arg} is not closed")
+            roots.append(op)
+            continue
+        if op.verb == "view":
+            vid, (_, lid, r) = str(op.arg), op.extra
+            if len(roots) != r or (roots and roots[0].arg != vid):
+                raise ControlError(f"line {op.line}: view {vid} says roots={r} but "
+                                   f"{len(roots)} 'root' lines of it precede it in this write")
+            defs = tuple(o.extra[0] for o in roots)
+            if view_id([d.rel for d in defs], defs, lid) != vid:
+                raise ControlError(f"line {op.line}: view {vid} does not match its definition "
+                                   f"(see dlcachefs.wrappers.view_id)")
+            out.append(_Op("view", vid, (defs, lid), op.line))
+            roots = []
+            continue
+        if roots:
+            raise ControlError(f"line {roots[0].line}: 'root' lines must be closed by their "
+                               f"'view' line before other commands")
+        out.append(op)
+    if roots:
+        raise ControlError(f"line {roots[0].line}: 'root' lines without their 'view' line")
+    return out
+
+
+class _ListReplay:
+    """Replays a write's ``index`` and ``view`` lines on the received counts (for
+    :meth:`ControlState._check`), as :meth:`ControlState._apply_list_or_view` applies them."""
+
+    def __init__(self, cs: ControlState) -> None:
+        self.cs = cs
+        self.parts: dict[str, list] = {}  # lid -> received segments (this write's view)
+        self.pending_order = list(cs.pending_lists)  # oldest first, as apply evicts
+        self.evicted: set[str] = set()
+        self.done: dict[str, tuple[int, int]] = {}  # lid -> (count, max + 1) completed here
+        self.views: dict[str, int] = {}  # vid -> length, defined here
+        self.added = 0
+
+    def _segments(self, lid: str) -> list:
+        if lid not in self.parts:
+            old = self.cs.pending_lists.get(lid) if lid not in self.evicted else None
+            self.parts[lid] = [old] if old is not None else []
+        return self.parts[lid]
+
+    def index(self, op: _Op) -> None:
+        lid = str(op.arg)
+        segs = self._segments(lid)
+        have = sum(len(x) for x in segs)
+        if op.extra[0] == "end":
+            if op.extra[1] != have:
+                raise ControlError(f"line {op.line}: index list {lid} has {have} indices, 'end' "
+                                   f"says {op.extra[1]}")
+            content = array("q")
+            for x in segs:
+                content.extend(x)
+            if index_list_id(content) != lid:
+                raise ControlError(f"line {op.line}: index list {lid} does not match its id "
+                                   f"(sha256 of the int64 little-endian indices)")
+            self.done[lid] = (have, max(content) + 1 if content else 0)
+            self.parts.pop(lid, None)
+            if lid in self.pending_order:
+                self.pending_order.remove(lid)
+            return
+        start, indices = op.extra[1], op.extra[2]
+        if start == 0:
+            segs.clear()
+            have = 0
+            if lid in self.pending_order:
+                self.pending_order.remove(lid)
+            while len(self.pending_order) >= MAX_LISTS:
+                gone = self.pending_order.pop(0)
+                self.evicted.add(gone)
+                self.parts[gone] = []
+            self.pending_order.append(lid)
+        elif start != have:
+            raise ControlError(f"line {op.line}: index list {lid} continues at {have}, got "
+                               f"{start}")
+        if have + len(indices) > MAX_ORDER_LEN:
+            raise ControlError(f"line {op.line}: index list {lid} longer than {MAX_ORDER_LEN}")
+        segs.append(indices)
+        self.added += len(indices)
+
+    def complete(self, lid: str) -> bool:
+        return lid in self.done or lid in self.cs.index_lists
+
+    def _list_info(self, lid: str) -> tuple[int, int]:
+        if lid in self.done:
+            return self.done[lid]
+        a = self.cs.index_lists[lid]
+        return len(a), (max(a) + 1 if len(a) else 0)
+
+    def view(self, op: _Op) -> None:
+        vid, (roots, lid) = str(op.arg), op.extra
+        base = sum(r.count for r in roots)
+        if lid is None:
+            self.views[vid] = base
+            return
+        if not self.complete(lid):
+            raise ControlError(f"line {op.line}: view {vid} names index list {lid}, which the "
+                               f"mount does not hold: send its 'index' lines first")
+        count, top = self._list_info(lid)
+        if top > base:
+            raise ControlError(f"line {op.line}: index list {lid} reaches index {top - 1}, but "
+                               f"the roots of view {vid} hold {base} samples")
+        self.views[vid] = count
+
+    def has_view(self, vid: str) -> bool:
+        return vid in self.views or vid in self.cs.views
+
+    def view_len(self, vid: str) -> int:
+        if vid in self.views:
+            return self.views[vid]
+        return len(self.cs.views[vid])

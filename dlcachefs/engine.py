@@ -54,7 +54,7 @@ from .readplan import ReadPlanner
 from .schema import Chunk, Entry, Record
 from .source import Identity, LocalSource, Source, open_for_range_reads, pread_checked
 from .stats import Counters
-from .streams import Stream, StreamManager
+from .streams import Stream, StreamManager, dataset_key
 from .tracelog import TraceRecorder
 from .views import IndexCacheView, InodeImportance, StreamFuture
 from .writer import ChunkWriter
@@ -444,7 +444,7 @@ class Engine:
         :meth:`early_loss_room`), while the list is made in the background; they are
         applied in arrival order once it is known."""
         js = self.control.jobs.get(job) if self.control is not None else None
-        dataset = js.dataset if js is not None else self.streams.job_dataset(job)
+        dataset = dataset_key(js) if js is not None else self.streams.job_dataset(job)
         if dataset is None:  # control refuses losses of a job without a dataset
             self.counters.losses_ignored += len(indices)
             return
@@ -452,7 +452,8 @@ class Engine:
         if sl is None or self._early.get(dataset):
             self._early.setdefault(dataset, []).append((job, indices, values))
             self._early_count += len(indices)
-            self.streams.list_soon(dataset, self._apply_early_losses)
+            self.streams.list_soon(dataset, self._apply_early_losses,
+                                   js.view if js is not None else None)
             return
         self._apply_losses(job, dataset, sl, indices, values)
 

@@ -110,9 +110,11 @@ def _follow(ns: Namespace, e: Entry) -> Entry | None:
     return _realpath(ns, [*base, os.fsdecode(e.name)])
 
 
-def image_folder(ns: Namespace, dataset_rel: str, extensions: tuple[str, ...] = IMG_EXTENSIONS
-                 ) -> SampleList:
-    """The ImageFolder sample list of the directory ``dataset_rel`` inside the mount."""
+def image_folder(ns: Namespace, dataset_rel: str,
+                 extensions: tuple[str, ...] | None = IMG_EXTENSIONS) -> SampleList:
+    """The ImageFolder sample list of the directory ``dataset_rel`` inside the mount (a
+    ``DatasetFolder`` with these ``extensions``; None keeps every file, for a custom
+    ``is_valid_file`` whose result the caller checks by the training's digest)."""
     dataset_rel = dataset_rel.strip("/")
     root = _realpath(ns, dataset_rel.split("/")) if dataset_rel else ns.get(ROOT_INO)
     if root is None or not stat_mod.S_ISDIR(root.mode):
@@ -178,7 +180,7 @@ def image_folder(ns: Namespace, dataset_rel: str, extensions: tuple[str, ...] = 
             files.sort(key=lambda t: t[0])
             prefix = shown + "/"
             for name, ino, mode, size in files:
-                if not name.lower().endswith(extensions):
+                if extensions is not None and not name.lower().endswith(extensions):
                     continue
                 if not S_ISREG(mode):
                     # torchvision keeps a dangling or odd entry (and fails when it opens

@@ -17,6 +17,14 @@ Supported (the ``sampler`` control line):
 * ``distributed``: ``torch.utils.data.DistributedSampler`` with ``seed``, ``world``
   (num_replicas), ``rank``, ``shuffle``, ``drop_last``; epoch ``E`` uses ``seed + E``.
 * ``sequential``: indices in order.
+* ``random`` or ``subset_random`` with ``state=B64`` (the hook of a sampler that owns a
+  generator): the generator's state (``get_state()``, base64) at the *base epoch*'s first
+  draw of the sampler, i.e. after the DataLoader's own draw of that epoch. Later epochs
+  continue from it (``loader_draws=each``: the loader draws once before each later
+  epoch; ``first``/``none``: never again), so the next epoch is known too; with
+  ``per_epoch=true`` the state is the global generator's and only the base epoch is known.
+  ``subset_random`` is ``SubsetRandomSampler(indices)``: one ``randperm(len(indices))``
+  per epoch, mapped through the indices (``OrderReplayer.subset``).
 
 Orders are cached per (sampler, epoch); the state of a ``random`` generator is kept after
 each replayed epoch so that going from epoch E to E+1 costs one permutation.
@@ -48,10 +56,15 @@ class SamplerSpec:
     rank: int = 0
     shuffle: bool = True
     drop_last: bool = False
+    #: base64 of ``Generator.get_state()`` at the base epoch's first draw of the sampler
+    #: (``random``, ``subset_random``), in place of ``seed``
+    state: str | None = None
+    index: str | None = None  # ``subset_random``: the id of its index list
+    reason: str | None = None  # ``unknown``: why the training could not say its order
 
     def validate(self, n: int) -> None:
         """Raise ValueError when the spec cannot describe a sampler over ``n`` samples."""
-        if self.kind not in ("random", "distributed", "sequential"):
+        if self.kind not in ("random", "distributed", "sequential", "subset_random"):
             raise ValueError(f"unknown sampler kind {self.kind!r}")
         if self.kind == "distributed":
             if self.world < 1:
@@ -72,6 +85,22 @@ def _int64_draw(g: torch.Generator) -> None:
     import torch
 
     torch.empty((), dtype=torch.int64).random_(generator=g)
+
+
+def decode_state(b64: str) -> torch.Tensor:
+    """A generator state from its base64 text (``torch.ByteTensor``)."""
+    import base64
+
+    import torch
+
+    return torch.frombuffer(bytearray(base64.b64decode(b64)), dtype=torch.uint8).clone()
+
+
+def encode_state(state: torch.Tensor) -> str:
+    """The base64 text of ``Generator.get_state()``."""
+    import base64
+
+    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
 
 
 def _manual(seed: int) -> torch.Generator:
@@ -130,13 +159,19 @@ class OrderReplayer:
 
     spec: SamplerSpec
     n: int
-    base_epoch: int = 0  # for per_epoch seeds: the epoch the seed belongs to
+    base_epoch: int = 0  # for per_epoch seeds and states: the epoch they belong to
+    subset: object | None = None  # subset_random: the sampler's indices (a sequence)
     _states: dict[int, torch.Tensor] = field(default_factory=dict)  # epoch -> state before it
     _cache: dict[int, list[int]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)  # order() runs in threads
 
     def __post_init__(self) -> None:
         self.spec.validate(self.n)
+        if self.spec.kind == "subset_random":
+            if self.subset is None:
+                raise ValueError("subset_random needs its index list")
+            if any(not 0 <= i < self.n for i in self.subset):  # type: ignore[attr-defined]
+                raise ValueError(f"the sampler's indices reach outside 0..{self.n - 1}")
 
     @property
     def num_samples(self) -> int:
@@ -144,8 +179,10 @@ class OrderReplayer:
 
     def known(self, epoch: int) -> bool:
         """Whether the order of ``epoch`` can be computed (per-epoch seeds only know theirs)."""
-        if self.spec.kind == "random" and self.spec.per_epoch:
+        if self.spec.kind in ("random", "subset_random") and self.spec.per_epoch:
             return epoch == self.base_epoch
+        if self.spec.state is not None:
+            return epoch >= self.base_epoch
         return epoch >= 0
 
     def order(self, epoch: int) -> list[int]:
@@ -164,7 +201,7 @@ class OrderReplayer:
             out = list(range(self.n))
         elif s.kind == "distributed":
             out = distributed_epoch(s, self.n, epoch)
-        elif s.per_epoch:
+        elif s.per_epoch and s.state is None:
             out = random_epoch(_manual(s.seed), self.n, self.num_samples, s.replacement)
         else:
             out = self._random_from_state(epoch)
@@ -179,7 +216,10 @@ class OrderReplayer:
         s = self.spec
         g = torch.Generator()
         start = max((e for e in self._states if e <= epoch), default=None)
-        if start is None:
+        if start is None and s.state is not None:
+            g.set_state(decode_state(s.state))
+            start = self.base_epoch
+        elif start is None:
             g.manual_seed(s.seed)
             start = 0
         else:
@@ -187,9 +227,18 @@ class OrderReplayer:
         out: list[int] = []
         for e in range(start, epoch + 1):
             self._states[e] = g.get_state()
-            if s.loader_draws == "each" or (s.loader_draws == "first" and e == 0):
+            if s.state is not None:  # the state is after the loader's draw of base_epoch
+                draw = s.loader_draws == "each" and e > self.base_epoch
+            else:
+                draw = s.loader_draws == "each" or (s.loader_draws == "first" and e == 0)
+            if draw:
                 _int64_draw(g)
-            out = random_epoch(g, self.n, self.num_samples, s.replacement)
+            if s.kind == "subset_random":
+                sub = self.subset
+                out = [int(sub[i]) for i in  # type: ignore[index]
+                       torch.randperm(len(sub), generator=g).tolist()]  # type: ignore[arg-type]
+            else:
+                out = random_epoch(g, self.n, self.num_samples, s.replacement)
         self._states[epoch + 1] = g.get_state()
         while len(self._states) > 8:
             self._states.pop(min(self._states))

@@ -15,6 +15,20 @@ slightly out of order; that only leaves a few holes behind ``position`` for a mo
 Bounds: at most ``lead`` samples (and ``lead_bytes``) ahead of the reader, at most
 ``concurrency`` fetches in flight, and never faster than the chunk writer takes them.
 
+Modes (``mode`` and ``reason`` of each stream in stats):
+
+* ``replayed``: the order is the sampler's, replayed (:mod:`dlcachefs.sampler`) over the
+  job's dataset; a dataset that is a *view* (wrapped ImageFolders,
+  :mod:`dlcachefs.wrappers`) is the concatenation of its roots' ImageFolder lists seen
+  through its index list, each root's list checked against the training's digest first.
+* ``learned``: the training said its order cannot be replayed (``sampler unknown``); the
+  stream is formed from the opens of the process tree, epoch by epoch (``epoch`` lines).
+  When the order of opens of an epoch repeats the previous epoch's (up to the small
+  reordering of loader workers), that order is prefetched for the next epoch.
+* ``none``: nothing is prefetched, with the reason: a digest mismatch, an error, or (for
+  processes that never announced, ``unannounced/PGID`` entries, at most
+  ``MAX_UNANNOUNCED``) nothing was announced.
+
 Concurrency: all state on the trio loop; each stream's prefetcher is a task in the
 engine's nursery, cancelled and replaced when the stream's epoch or sampler changes.
 """
@@ -25,23 +39,32 @@ import logging
 import os
 import stat
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import trio
 
-from .control import JobState, StreamState
+from .control import JobState, StreamState, ViewDef
 from .errors import DlcError
 from .reorder import NextEpochLog
-from .samplelist import SampleList, image_folder
+from .samplelist import IMG_EXTENSIONS, SampleList, image_folder
 from .sampler import OrderReplayer, SamplerSpec
 from .schema import Entry
+from .wrappers import paths_digest
+
+MAX_UNANNOUNCED = 8  # stats entries for processes that read without announcing
+MAX_LEARNED = 1 << 22  # opens remembered per epoch of a learned stream
+NOTHING_ANNOUNCED = ("nothing announced: run the script under `dlcachefs run` or call "
+                     "dlcachefs.torch.install()")
+HOOKED_SILENT = ("nothing announced although the torch hook is installed (`dlcachefs run`): "
+                 "the hook found no DataLoader over an ImageFolder on this mount; see the "
+                 "training's dlcachefs warnings")
 
 log = logging.getLogger(__name__)
 
-MAX_SAMPLE_LISTS = 2  # sample lists kept (the datasets of the running jobs, a guess)
+MAX_SAMPLE_LISTS = 4  # sample lists kept (train and val views of the jobs, a guess)
 MAX_GUESSES = 8  # directories listed ahead of an announcement, per mount
 
 
@@ -86,6 +109,13 @@ class Stream:
     miss_s: float = 0.0
     miss_n: int = 0
     epoch_t0: float = 0.0
+    mode: str = "none"  # replayed | learned | none
+    reason: str = "waiting for the dataset, sampler and epoch"
+    learn_epoch: int | None = None  # learned streams: the epoch whose opens are recorded
+    learn_cur: list[int] | None = None  # inodes opened this epoch, in order
+    learn_prev: list[int] | None = None  # the last complete epoch's opens
+    learn_stable: bool = False  # the last two epochs opened in the same order
+    learn_compared: bool = False  # two complete epochs were compared
 
     def note_latency(self, cached: bool, seconds: float) -> None:
         if cached:
@@ -113,7 +143,8 @@ class Stream:
     def stats(self) -> dict:
         hi = min(self.prefetched_upto, len(self.order))
         lead = sum(1 for p in range(self.position, hi) if self.ready[p])
-        return {"epoch": self.epoch, "position": self.position, "samples": len(self.order),
+        return {"mode": self.mode, "reason": self.reason,
+                "epoch": self.epoch, "position": self.position, "samples": len(self.order),
                 "prefetch_lead": lead, "prefetched": self.prefetched,
                 "stall_seconds": round(self.stall_seconds, 3),
                 "bytes_from_source": self.bytes_from_source, "dataset": self.dataset,
@@ -143,6 +174,9 @@ class StreamManager:
         self._guessed: set[int] = set()  # directories listed ahead of an announcement
         self._listing: dict[str, trio.Event] = {}  # dataset -> its list is being made
         self.replay_ready = False  # torch imported: orders can be replayed without waiting
+        self._roots: dict[tuple, SampleList] = {}  # (rel, extensions) -> verified root list
+        self.unannounced: OrderedDict[int, dict] = OrderedDict()  # pgid -> stats entry
+        self._pid_group: OrderedDict[int, int] = OrderedDict()  # reader pid -> pgid
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Owns the prefetch tasks, until :meth:`close` or cancellation."""
@@ -171,10 +205,15 @@ class StreamManager:
             s = self.streams[(st.job, st.rank)] = Stream(st.job, st.rank)
         s.pids.add(pid)
         self._pid_stream.clear()  # attribution may have changed
-        if js.dataset is None or st.sampler is None or st.epoch is None:
+        if self.unannounced:  # its process group has announced now
+            self.unannounced.pop(_pgid(_tgid(pid)), None)
+        learned = st.sampler is not None and st.sampler.kind == "unknown"
+        if (js.dataset is None and not learned) or st.sampler is None or st.epoch is None:
             return
         if self._nursery is None:
             return
+        if learned:
+            self._learn_epoch(s, st.epoch)
         # the previous epoch's prefetch stops now, even if its task has not started yet
         if s.cancel is not None:
             s.cancel.cancel()
@@ -182,7 +221,25 @@ class StreamManager:
         s.target_epoch = st.epoch
         s.early = []
         s.explicit = st.orders if st.sampler.kind == "explicit" else None
-        self._nursery.start_soon(self._configure, s, s.cancel, js.dataset, st.sampler, st.epoch)
+        if learned:
+            s.learn_cur = s.learn_cur if s.learn_cur is not None else []
+        else:
+            s.learn_cur = s.learn_prev = None
+            s.learn_epoch = None
+        key = None if learned else dataset_key(js)
+        self._nursery.start_soon(self._configure, s, s.cancel, key, st.sampler, st.epoch,
+                                 js.view, st.sampler_index)
+
+    def _learn_epoch(self, s: Stream, epoch: int) -> None:
+        """A learned stream's epoch begins: the opens recorded so far were the last
+        epoch's; its order is stable when they repeat the epoch before."""
+        if s.learn_epoch == epoch:
+            return
+        if s.learn_cur:
+            prev, s.learn_prev = s.learn_prev, s.learn_cur
+            s.learn_compared = prev is not None
+            s.learn_stable = prev is not None and _similar(s.learn_cur, prev)
+        s.learn_cur, s.learn_epoch = [], epoch
 
     def on_order(self, st: StreamState, js: JobState, epoch: int, order, pid: int) -> None:
         """An explicit order (``order`` lines, the importance sampler) was completed."""
@@ -190,26 +247,76 @@ class StreamManager:
         if s is not None and s.target_epoch == epoch and s.epoch != epoch:
             self.on_stream(st, js, pid)  # its epoch was announced first: start it now
 
-    async def _configure(self, s: Stream, cs: trio.CancelScope, dataset: str, spec: SamplerSpec,
-                         epoch: int) -> None:
+    async def _configure(self, s: Stream, cs: trio.CancelScope, dataset: str | None,
+                         spec: SamplerSpec, epoch: int, view: ViewDef | None = None,
+                         subset=None) -> None:
         """Replay the epoch's order, then prefetch it. Never raises: a background task's
         error is the stream's error, shown in stats, not the daemon's end."""
         with cs:
             try:
-                await self._configure_now(s, dataset, spec, epoch)
+                await self._configure_now(s, dataset, spec, epoch, view, subset)
             except Exception as e:  # noqa: BLE001
                 s.error = f"{type(e).__name__}: {e}"
+                s.mode, s.reason = "none", f"prefetch stopped: {s.error}"
                 log.exception("stream %s: prefetch stopped", s.key)
 
-    async def _configure_now(self, s: Stream, dataset: str, spec: SamplerSpec, epoch: int
-                             ) -> None:
+    async def _samples_for(self, s: Stream, dataset: str | None, view: ViewDef | None
+                           ) -> SampleList:
+        """The stream's sample list: the job's ImageFolder, the view's composite list (its
+        roots checked against the training's digests), or a learned order of opens."""
+        if dataset is None:  # learned: the last epoch's opens, when they repeat
+            seq = list(s.learn_prev or []) if s.learn_stable else []
+            return SampleList("", [], seq, [0] * len(seq), [])
+        return await self.ensure_sample_list(dataset, view)
+
+    def _view_samples(self, key: str, view: ViewDef) -> SampleList:
+        """Thread: the view's sample list; ValueError when a root's listing differs from
+        the training's (never a silently wrong order)."""
+        inos: list[int] = []
+        labels: list[int] = []
+        paths: list[str] = []
+        nbytes = 0
+        for r in view.roots:
+            rk = (r.rel, r.extensions)
+            sl = self._roots.get(rk)
+            if sl is None:
+                sl = self._samplelists.get(r.rel) if r.extensions == IMG_EXTENSIONS else None
+                if sl is None:
+                    sl = image_folder(self.engine.ns, r.rel, r.extensions)
+                if len(sl) != r.count or paths_digest(sl.paths) != r.sha:
+                    hint = " (a custom is_valid_file?)" if r.extensions is None else ""
+                    raise ValueError(
+                        f"sample list mismatch under {r.rel or '.'!r}: the mount lists "
+                        f"{len(sl)} files, the training {r.count}"
+                        + (" (same count, other files or order)" if len(sl) == r.count
+                           else "") + f"{hint}; the order is not replayed")
+                if len(self._roots) > 16:
+                    self._roots.clear()
+                self._roots[rk] = sl
+            inos += sl.inos
+            labels += sl.labels
+            nbytes += sl.nbytes
+            prefix = f"{r.rel}/" if r.rel else ""
+            paths += [prefix + p for p in sl.paths]
+        if view.index is not None:
+            idx = view.index
+            inos = [inos[j] for j in idx]
+            labels = [labels[j] for j in idx]
+            paths = [paths[j] for j in idx]
+            nbytes = sum(self.engine.size_of(i) for i in inos if i)
+        return SampleList(key, [], inos, labels, paths, nbytes)
+
+    async def _configure_now(self, s: Stream, dataset: str | None, spec: SamplerSpec,
+                             epoch: int, view: ViewDef | None = None, subset=None) -> None:
         try:
-            samples = await self.ensure_sample_list(dataset)
+            samples = await self._samples_for(s, dataset, view)
             if spec.kind == "explicit":  # a copy: control may drop old epochs meanwhile
                 s.replayer = _Explicit(spec, dict(s.explicit or {}), len(samples))
+            elif spec.kind == "unknown":
+                s.replayer = _Learned(spec, len(samples), epoch, s.learn_stable)
             elif (s.replayer is None or s.replayer.spec != spec or s.samples is not samples
                     or spec.per_epoch):
-                s.replayer = OrderReplayer(spec, len(samples), base_epoch=epoch)
+                s.replayer = OrderReplayer(spec, len(samples), base_epoch=epoch, subset=subset)
             order = await trio.to_thread.run_sync(s.replayer.order, epoch)
             nxt: list[int] = []
             nxt_first: dict[int, int] | None = None
@@ -220,12 +327,14 @@ class StreamManager:
             positions, consumed = await trio.to_thread.run_sync(_positions, order, samples)
         except (DlcError, ValueError, OSError) as e:
             s.error = str(e)
+            s.mode, s.reason = "none", str(e)
             log.warning("stream %s: cannot replay its order: %s", s.key, e)
             return
         if s.target_epoch != epoch or trio.current_effective_deadline() == -float("inf"):
             return  # a newer announcement replaced this one while the order was computed
         # no await from here on: the stream switches epochs atomically
         s.error = None
+        s.mode, s.reason = _mode(spec, s.replayer, epoch, len(samples), s)
         # partial caching the LCache way needs the next epoch's log; without a known next
         # order the cache is filled the ordinary way, by the policy's admission
         s.memory_prefetch = (2 * need > self.engine.cfg.cache_size and self.engine.cfg.reorder
@@ -235,7 +344,8 @@ class StreamManager:
         s.ready = bytearray(len(order))
         s.position = s.prefetched_upto = 0
         self.engine.drop_ready(s.key)
-        self.engine.epoch_started(s, samples)
+        if spec.kind != "unknown":  # a learned order has no dataset (importance, losses)
+            self.engine.epoch_started(s, samples)
         s.used, s.substituted_before, s.substituted = set(), s.substituted, {}
         s.epoch_tick = self.engine.future.tick
         s.hit_s = s.miss_s = 0.0
@@ -337,9 +447,11 @@ class StreamManager:
                      rel or ".")
             self.list_soon(rel, lambda _d: None)
 
-    async def ensure_sample_list(self, dataset: str) -> SampleList:
-        """The sample list of ``dataset``, made in a thread from the snapshot on first use
-        (once, however many callers wait for it). Raises what listing raises."""
+    async def ensure_sample_list(self, dataset: str, view: ViewDef | None = None
+                                 ) -> SampleList:
+        """The sample list of ``dataset`` (an ImageFolder root, or a view's key with its
+        ``view``), made in a thread from the snapshot on first use (once, however many
+        callers wait for it). Raises what listing raises."""
         while True:
             samples = self._samplelists.get(dataset)
             if samples is not None:
@@ -352,7 +464,10 @@ class StreamManager:
                 break
         done = self._listing[dataset] = trio.Event()
         try:
-            samples = await trio.to_thread.run_sync(image_folder, self.engine.ns, dataset)
+            if view is None:
+                samples = await trio.to_thread.run_sync(image_folder, self.engine.ns, dataset)
+            else:
+                samples = await trio.to_thread.run_sync(self._view_samples, dataset, view)
             self._samplelists[dataset] = samples
             while len(self._samplelists) > MAX_SAMPLE_LISTS:
                 self._samplelists.popitem(last=False)
@@ -361,16 +476,18 @@ class StreamManager:
             del self._listing[dataset]
             done.set()
 
-    def list_soon(self, dataset: str, then: Callable[[str], None]) -> None:
-        """Make the sample list of ``dataset`` in the background, then call
-        ``then(dataset)`` on the loop (also when listing failed: the list is then None)."""
+    def list_soon(self, dataset: str, then: Callable[[str], None],
+                  view: ViewDef | None = None) -> None:
+        """Make the sample list of ``dataset`` (with its ``view``, see
+        :meth:`ensure_sample_list`) in the background, then call ``then(dataset)`` on the
+        loop (also when listing failed: the list is then None)."""
         if self._nursery is None:
             then(dataset)
             return
 
         async def task() -> None:
             try:
-                await self.ensure_sample_list(dataset)
+                await self.ensure_sample_list(dataset, view)
             except Exception as e:  # noqa: BLE001 - reported through then()
                 log.warning("dataset %r: cannot make its sample list: %s", dataset, e)
             then(dataset)
@@ -431,6 +548,34 @@ class StreamManager:
     # ----- reader attribution ---------------------------------------------------------
 
     def stream_of(self, pid: int) -> Stream | None:
+        """The stream an open by ``pid`` belongs to (None: counted as unannounced)."""
+        found = self._stream_of(pid)
+        if found is None:
+            self._unannounced_open(pid)
+        return found
+
+    def _unannounced_open(self, pid: int) -> None:
+        """An open by a process tree that announced nothing: a bounded ``none`` entry per
+        process group (a training and its loader workers share one)."""
+        pg = self._pid_group.get(pid)
+        tgid = 0
+        if pg is None:
+            tgid = _tgid(pid)
+            pg = _pgid(tgid)
+            self._pid_group[pid] = pg
+            while len(self._pid_group) > 4096:
+                self._pid_group.popitem(last=False)
+        e = self.unannounced.get(pg)
+        if e is None:
+            tgid = tgid or _tgid(pid)
+            e = {"mode": "none", "opens": 0, "command": _comm(tgid),
+                 "reason": HOOKED_SILENT if _hooked(tgid) else NOTHING_ANNOUNCED}
+            self.unannounced[pg] = e
+            while len(self.unannounced) > MAX_UNANNOUNCED:
+                self.unannounced.popitem(last=False)
+        e["opens"] += 1
+
+    def _stream_of(self, pid: int) -> Stream | None:
         if not self.streams:
             return None
         if pid in self._pid_stream:
@@ -451,6 +596,8 @@ class StreamManager:
 
     def note_open(self, s: Stream, ino: int) -> None:
         """Mark the sample consumed and move the stream's position."""
+        if s.learn_cur is not None and len(s.learn_cur) < MAX_LEARNED:
+            s.learn_cur.append(ino)
         if s.epoch != s.target_epoch:
             if len(s.early) < 1 << 20:
                 s.early.append(ino)
@@ -472,7 +619,68 @@ class StreamManager:
             s.moved = trio.Event()
 
     def stats(self) -> dict:
-        return {s.key: s.stats() for s in self.streams.values()}
+        out: dict = {s.key: s.stats() for s in self.streams.values()}
+        for pg, e in self.unannounced.items():
+            out[f"unannounced/{pg}"] = dict(e)
+        return out
+
+
+class _Learned:
+    """A learned order: the last epoch's opens, predicted to repeat when they repeated
+    the epoch before (``stable``); else nothing is known."""
+
+    def __init__(self, spec: SamplerSpec, n: int, epoch: int, stable: bool) -> None:
+        self.spec, self.n, self.epoch, self.stable = spec, n, epoch, stable
+
+    def known(self, epoch: int) -> bool:
+        return self.stable and epoch >= self.epoch
+
+    def order(self, epoch: int) -> list[int]:
+        return list(range(self.n))
+
+
+def _similar(a: list[int], b: list[int], share: float = 0.9) -> bool:
+    """Whether two epochs opened nearly the same files in nearly the same order: at least
+    98% of the opens in common, and at least ``share`` of them within a window of where
+    they were. Loader workers reorder by up to workers x prefetch_factor x batch under
+    load; the window, 1/8 of the epoch, is far below what a reshuffle moves (a random
+    permutation keeps about 2 x window / n = 25% of the files that near)."""
+    if not a or not b:
+        return False
+    common = sum((Counter(a) & Counter(b)).values())
+    if common < 0.98 * max(len(a), len(b)):
+        log.info("learned order: %d of %d opens in common: a different set", common, len(a))
+        return False
+    window = max(16, len(a) // 8)
+    where: dict[int, int] = {}
+    for p, ino in enumerate(b):
+        where.setdefault(ino, p)
+    near = sum(1 for p, ino in enumerate(a) if ino in where and abs(where[ino] - p) <= window)
+    log.info("learned order: %d of %d opens within %d positions of the last epoch's",
+             near, len(a), window)
+    return near >= share * len(a)
+
+
+def _mode(spec: SamplerSpec, replayer, epoch: int, n: int, s: Stream) -> tuple[str, str]:
+    """(mode, reason) of a stream whose epoch was just configured."""
+    if spec.kind == "unknown":
+        why = spec.reason or "the sampler is not replayable"
+        if s.learn_stable:
+            return "learned", f"{why}; the order of opens repeats: prefetched ({n} samples)"
+        if s.learn_prev is None:
+            return "learned", f"{why}; learning the order of opens (first epoch)"
+        if not s.learn_compared:
+            return "learned", f"{why}; one epoch's order of opens known: prefetched from the " \
+                              f"next epoch on if the next repeats it"
+        return "learned", f"{why}; the order of opens changed since the last epoch: not " \
+                          f"prefetched"
+    what = {"random": "RandomSampler", "subset_random": "SubsetRandomSampler",
+            "distributed": "DistributedSampler", "sequential": "SequentialSampler",
+            "explicit": "explicit order"}.get(spec.kind, spec.kind)
+    how = " from the generator's state" if spec.state else ""
+    nxt = "the next epoch is known" if replayer.known(epoch + 1) else \
+        "the next epoch is not known (its seed is drawn when it starts)"
+    return "replayed", f"{what}{how} over {n} samples; {nxt}"
 
 
 class _Explicit:
@@ -581,6 +789,14 @@ def _positions(order: list[int], samples: SampleList) -> tuple[Positions, bytear
     return Positions(oi), bytearray((oi == 0).astype(np.uint8).tobytes())
 
 
+def dataset_key(js: JobState) -> str | None:
+    """The key of a job's sample list: its ImageFolder root, or ``ROOT@VID`` for a view
+    (a wrapped dataset: several roots and/or an index list, see :mod:`dlcachefs.wrappers`)."""
+    if js.dataset is None or js.view is None:
+        return js.dataset
+    return f"{js.dataset or '.'}@{js.view.vid}"
+
+
 def _preload_torch() -> None:
     """Thread: import torch ahead of the first announcement (a no-op without torch)."""
     try:
@@ -615,3 +831,34 @@ def _parent(pid: int) -> int:
     # the command name may contain spaces and parentheses: split after the last ')'
     return int(data[data.rindex(b")") + 2 :].split()[1])
 
+
+
+def _pgid(pid: int) -> int:
+    """The process group of ``pid`` (itself when unknown)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        return int(data[data.rindex(b")") + 2 :].split()[2])
+    except (OSError, ValueError, IndexError):
+        return pid
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            return f.read().decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _hooked(pid: int) -> bool:
+    """Whether the process runs with the torch hook of ``dlcachefs run`` on its path."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
+    except OSError:
+        return False
+    for var in env.split(b"\0"):
+        if var.startswith(b"PYTHONPATH="):
+            return b"dlcachefs/_boot" in var
+    return False

@@ -1,18 +1,30 @@
 """Tell a dlcachefs mount how a PyTorch training samples its dataset.
 
-``install()`` patches ``RandomSampler`` and ``DistributedSampler`` so that, at the start
-of every epoch, they write their sampler and epoch into ``<mount>/.dlcache/control`` of
-the mount that holds their dataset (an ImageFolder-like dataset with a ``root``). The
-training itself is unchanged, bit for bit:
+``install()`` patches ``RandomSampler``, ``SubsetRandomSampler``, ``DistributedSampler``
+and ``DataLoader.__iter__`` so that, at the start of every epoch, the sampler and epoch
+are written into ``<mount>/.dlcache/control`` of the mount that holds the dataset. The
+dataset may be an ImageFolder (any torchvision ``DatasetFolder``) or wrap some:
+``Subset``, ``ConcatDataset``, a user class holding one in an attribute (see
+:mod:`dlcachefs.wrappers`); it is announced as a *view* (``root``/``view``/``index`` lines,
+sent once per process and mount, then named by its id). The training itself is
+unchanged, bit for bit:
 
 * ``RandomSampler`` without a generator draws its per-epoch seed from the global RNG with
   ``torch.empty((), dtype=torch.int64).random_()``; the patch makes exactly that draw, at
   the same moment (the first ``next()``), builds the same generator from it, lets torch's
   own ``__iter__`` run with it, and announces the seed (``per_epoch=true``).
+* ``RandomSampler`` / ``SubsetRandomSampler`` with their own generator: at the first
+  ``next()`` of the epoch the patch reads ``generator.get_state()`` (which does not
+  advance it) and announces it (``state=``, base64), with ``loader_draws=each`` when the
+  DataLoader draws its base seed from the same generator (``first`` with persistent
+  workers), so the mount knows the next epoch's order too. A ``SubsetRandomSampler``
+  without a generator announces the global generator's state (this epoch only).
 * ``DistributedSampler`` orders by ``seed + epoch``: the patch announces them and calls
   torch's own ``__iter__``.
-* A ``RandomSampler`` with its own generator is left alone (its state cannot be written
-  as a seed); call :func:`announce` for it, or let it run without clairvoyance.
+* ``DataLoader.__iter__`` binds the loader (its dataset and generator) to its sampler and
+  batch sampler (a ``SubsetRandomSampler`` has no dataset of its own), announces
+  ``sampler sequential`` for a ``SequentialSampler``, and ``sampler unknown reason=...``
+  for a sampler it cannot replay (the mount then learns the order from the opens).
 
 ``dlcachefs run -- python train.py`` installs this without editing the script (through
 a ``sitecustomize`` on ``PYTHONPATH`` that patches torch when ``torch.utils.data`` is
@@ -29,7 +41,13 @@ import math
 import os
 import sys
 import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
+from urllib.parse import quote
+
+from . import wrappers as _w
 
 ENV_JOB = "DLCACHEFS_JOB"
 _installed = False
@@ -86,6 +104,173 @@ def write_control(mount: str, writes: list[bytes]) -> None:
         os.close(fd)
 
 
+def dlcachefs_mounts() -> list[str]:
+    """Mountpoints of the dlcachefs mounts this process sees (``/proc/self/mounts``)."""
+    out = []
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 2 and parts[2] == "fuse.dlcachefs":
+                    out.append(parts[1].encode().decode("unicode_escape"))
+    except OSError:
+        pass
+    return out
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where and as what a dataset is announced: its mount, its view's id and lines."""
+
+    mount: str
+    rel: str  # the first root, relative to the mount ("" for the mount's root)
+    vid: str
+    view: _w.View
+    rels: tuple[str, ...]
+    lid: str | None
+
+    def dataset_line(self) -> str:
+        return f"dataset {quote(self.rel, safe='/') or '.'} view={self.vid}\n"
+
+    def definition(self) -> list[str]:
+        """The writes that define the view (its index list first)."""
+        writes = []
+        if self.lid is not None and self.view.index is not None:
+            writes += _w.index_lines(self.lid, self.view.index)
+        writes.append("\n".join(_w.view_lines(self.vid, self.rels, self.view.roots,
+                                              self.lid)) + "\n")
+        return writes
+
+
+_targets: dict[int, tuple[object, Target | str | None]] = {}
+_sent: set[tuple[str, str]] = set()  # (mount, view or list id) this process has sent
+
+
+def target_of(ds) -> Target | str | None:
+    """The :class:`Target` of the dataset ``ds``; a reason (str) when it lies on a mount
+    but cannot be named index by index; None when it is not on a dlcachefs mount."""
+    hit = _targets.get(id(ds))
+    if hit is not None and hit[0] is ds:
+        return hit[1]
+    out = _target_now(ds)
+    if len(_targets) > 64:
+        _targets.clear()
+    _targets[id(ds)] = (ds, out)
+    return out
+
+
+def _target_now(ds) -> Target | str | None:
+    try:
+        view = _w.resolve(ds)
+    except _w.Unresolved as e:
+        return f"{type(ds).__name__}: {e}"
+    found = [find_mount(r.path) for r in view.roots]
+    if all(f is None for f in found):
+        return None
+    mounts = {f[0] for f in found if f is not None}
+    if None in found or len(mounts) > 1:
+        return f"{view.how}: its ImageFolders are not all on one dlcachefs mount"
+    rels = tuple(_w.normalize_rel(f[1]) for f in found if f is not None)
+    lid = _w.index_list_id(view.index) if view.index is not None else None
+    return Target(mounts.pop(), rels[0], _w.view_id(rels, view.roots, lid), view, rels, lid)
+
+
+_claims: dict[str, str] = {}  # job -> the dataset (view id) whose loader owns its stream
+
+
+def _claim(job: str, key: str, weak: bool) -> bool:
+    """Whether a loader over dataset ``key`` may announce for ``job`` in this process.
+    A replayable sampler (strong) always may, and takes the job's stream; a sequential
+    or unknown one (weak: typically a validation loader) only while no other dataset
+    took it, so it does not keep replacing the training loader's stream."""
+    owner = _claims.get(job)
+    if weak and owner is not None and owner != key:
+        return False
+    if owner is None or not weak:
+        _claims[job] = key
+    return True
+
+
+def _send(t: Target, lines: list[str], job: str | None = None,
+          extra_defs: Sequence[tuple[str, Callable[[], list[str]]]] = (),
+          weak: bool = False) -> bool:
+    """``job`` + the view's ``dataset`` line + ``lines`` as one write, after the view's
+    definition (and ``extra_defs``: (id, a function returning its writes)) unless this
+    process sent them already (they are only encoded when they are sent).
+    A refusal that may come from a new daemon (it lost the definitions) is retried once
+    with them. ``weak``: see :func:`_claim`. Never raises: False and a warning once."""
+    job = job or os.environ.get(ENV_JOB) or "default"
+    if not _claim(job, t.vid, weak):
+        return False
+    text = f"job {job}\n" + t.dataset_line() + "".join(line + "\n" for line in lines)
+    defs = [(t.vid, t.definition), *extra_defs]
+    for attempt in range(2):
+        had_all = all((t.mount, key) in _sent for key, _ in defs)
+        try:
+            for key, make in defs:
+                if (t.mount, key) not in _sent:
+                    write_control(t.mount, [w.encode() for w in make()])
+                    _sent.add((t.mount, key))
+            write_control(t.mount, [text.encode()])
+            return True
+        except OSError as e:
+            if e.errno == errno.EINVAL and attempt == 0 and had_all:
+                for key, _ in defs:
+                    _sent.discard((t.mount, key))
+                continue
+            _warn_once(f"write:{t.mount}", f"could not announce to {t.mount} ({e}); see "
+                       f"{t.mount}/.dlcache/errors. Training goes on without clairvoyance.")
+            return False
+    return False
+
+
+def _mount_hint(ds) -> str | None:
+    """The mount a dataset that cannot be resolved reads from: an absolute path among its
+    attributes (or the first item of a list/tuple attribute), two levels deep."""
+    seen: set[int] = set()
+    todo = [(ds, 0)]
+    while todo:
+        obj, depth = todo.pop(0)
+        if id(obj) in seen or depth > 2:
+            continue
+        seen.add(id(obj))
+        attrs = getattr(obj, "__dict__", None)
+        if not isinstance(attrs, dict):
+            continue
+        for v in list(attrs.values())[:64]:
+            if isinstance(v, (list, tuple)) and v:
+                v = v[0][0] if isinstance(v[0], tuple) and v[0] else v[0]
+            if isinstance(v, (str, os.PathLike)):
+                try:
+                    hit = find_mount(os.fspath(v)) if os.path.isabs(os.fspath(v)) else None
+                except (TypeError, ValueError):
+                    hit = None
+                if hit is not None:
+                    return hit[0]
+            elif hasattr(v, "__dict__") and not isinstance(v, type):
+                todo.append((v, depth + 1))
+    return None
+
+
+def _unknown(ds, reason: str, epoch: int) -> None:
+    """Tell the mount that this process reads in an order it cannot replay (it learns the
+    order from the opens); warns once with the reason."""
+    t = target_of(ds)
+    mount = t.mount if isinstance(t, Target) else _mount_hint(ds)
+    if mount is None:
+        return  # not reading from a dlcachefs mount (that we can tell)
+    job = os.environ.get(ENV_JOB) or "default"
+    if not _claim(job, t.vid if isinstance(t, Target) else f"unknown:{id(ds)}", weak=True):
+        return
+    _warn_once(f"unknown:{reason}", f"the mount cannot replay this training's order "
+               f"({reason}); it learns it from the files read")
+    line = f"job {job}\nsampler unknown reason={quote(reason[:200], safe='')}\nepoch {epoch}\n"
+    try:
+        write_control(mount, [line.encode()])
+    except OSError as e:
+        _warn_once(f"write:{mount}", f"could not announce to {mount} ({e})")
+
+
 def _dataset_root(ds) -> str | None:
     root = getattr(ds, "root", None)
     if isinstance(root, (str, os.PathLike)) and hasattr(ds, "samples"):
@@ -93,51 +278,171 @@ def _dataset_root(ds) -> str | None:
     return None
 
 
+def _loader_of(sampler):
+    """The DataLoader iterating ``sampler`` (bound by the DataLoader patch), or None."""
+    ref = sampler.__dict__.get("_dlcachefs_loader")
+    return ref() if ref is not None else None
+
+
+def _draws(loader, g) -> str:
+    """How the DataLoader draws from the sampler's generator ``g`` (its base seed)."""
+    if loader is None or g is None or getattr(loader, "generator", None) is not g:
+        return "none"
+    return "first" if loader.persistent_workers and loader.num_workers > 0 else "each"
+
+
+def _next_epoch(obj) -> int:
+    epoch = obj.__dict__.get("_dlcachefs_epoch", 0)
+    obj._dlcachefs_epoch = epoch + 1
+    return epoch
+
+
 def _patch(data_module) -> None:
     import torch
 
+    from .sampler import encode_state
+
     RandomSampler = data_module.RandomSampler
     DistributedSampler = data_module.DistributedSampler
+    SubsetRandomSampler = data_module.SubsetRandomSampler
+    SequentialSampler = data_module.SequentialSampler
+    BatchSampler = data_module.BatchSampler
+    DataLoader = data_module.DataLoader
     if getattr(RandomSampler, "_dlcachefs_patched", False):
         return
     orig_random_iter = RandomSampler.__iter__
     orig_dist_iter = DistributedSampler.__iter__
+    orig_subset_iter = SubsetRandomSampler.__iter__
+    orig_loader_iter = DataLoader.__iter__
+
+    def dataset_of(sampler, own):
+        loader = _loader_of(sampler)
+        return loader.dataset if loader is not None else own
+
+    def usable(ds, owner) -> Target | None:
+        """The dataset's target; None (after telling the mount why, if it can be found)
+        when it cannot be announced. ``owner`` counts the epochs of unknown orders."""
+        t = target_of(ds)
+        if isinstance(t, str):
+            _unknown(ds, t, _next_epoch(owner))
+            return None
+        return t
 
     def random_iter(self):
-        root = _dataset_root(self.data_source)
-        if root is None or find_mount(root) is None:
+        try:
+            t = usable(dataset_of(self, self.data_source), self)
+        except Exception as e:  # noqa: BLE001 - never break the training
+            _warn_once("hook", f"sampler hook failed: {e}")
+            t = None
+        if t is None:
             yield from orig_random_iter(self)
             return
-        if self.generator is not None:
-            _warn_once("gen", "a RandomSampler with its own generator is not announced; "
-                       "use dlcachefs.torch.announce() to give the mount its order")
-            yield from orig_random_iter(self)
+        tail = (f"num_samples={self.num_samples} "
+                f"replacement={str(bool(self.replacement)).lower()}")
+        epoch = _next_epoch(self)
+        if self.generator is None:
+            # exactly torch's own draw, at the same moment: the RNG stream is unchanged
+            seed = int(torch.empty((), dtype=torch.int64).random_().item())
+            g = torch.Generator()
+            g.manual_seed(seed)
+            _send(t, [f"sampler random seed={seed} per_epoch=true {tail}", f"epoch {epoch}"])
+            proxy = copy.copy(self)
+            proxy.generator = g
+            yield from orig_random_iter(proxy)
             return
-        # exactly torch's own draw, at the same moment: the RNG stream is unchanged
-        seed = int(torch.empty((), dtype=torch.int64).random_().item())
-        g = torch.Generator()
-        g.manual_seed(seed)
-        epoch = self.__dict__.get("_dlcachefs_epoch", 0)
-        self._dlcachefs_epoch = epoch + 1
-        announce(root, [f"sampler random seed={seed} per_epoch=true "
-                        f"num_samples={self.num_samples} "
-                        f"replacement={str(bool(self.replacement)).lower()}",
-                        f"epoch {epoch}"])
-        proxy = copy.copy(self)
-        proxy.generator = g
-        yield from orig_random_iter(proxy)
+        g = self.generator
+        try:  # get_state() does not advance the generator
+            if g.device.type == "cpu":
+                state = encode_state(g.get_state())
+                _send(t, [f"sampler random state={state} {tail} "
+                          f"loader_draws={_draws(_loader_of(self), g)}", f"epoch {epoch}"])
+            else:
+                _unknown(dataset_of(self, self.data_source),
+                         f"RandomSampler with a {g.device.type} generator", epoch)
+        except Exception as e:  # noqa: BLE001
+            _warn_once("hook", f"sampler hook failed: {e}")
+        yield from orig_random_iter(self)
+
+    def subset_iter(self):
+        try:
+            loader = _loader_of(self)
+            t = usable(loader.dataset, self) if loader is not None else None
+            if t is not None:
+                idx = self.indices.tolist() if hasattr(self.indices, "tolist") \
+                    else [int(i) for i in self.indices]
+                lid = _w.index_list_id(idx)
+                g = self.generator
+                epoch = _next_epoch(self)
+                if g is None:  # torch.randperm(generator=None): the global generator
+                    fields = (f"state={encode_state(torch.default_generator.get_state())} "
+                              f"per_epoch=true")
+                elif g.device.type == "cpu":
+                    fields = f"state={encode_state(g.get_state())} loader_draws=" \
+                             f"{_draws(loader, g)}"
+                else:
+                    fields = None
+                    _unknown(loader.dataset, f"SubsetRandomSampler with a {g.device.type} "
+                             f"generator", epoch)
+                if fields is not None:
+                    _send(t, [f"sampler subset_random index={lid} {fields}", f"epoch {epoch}"],
+                          extra_defs=[(lid, lambda: _w.index_lines(lid, idx))])
+        except Exception as e:  # noqa: BLE001 - never break the training
+            _warn_once("hook", f"sampler hook failed: {e}")
+        yield from orig_subset_iter(self)
 
     def dist_iter(self):
-        root = _dataset_root(self.dataset)
-        if root is not None and find_mount(root) is not None:
-            announce(root, [f"sampler distributed seed={self.seed} world={self.num_replicas} "
-                            f"rank={self.rank} shuffle={str(bool(self.shuffle)).lower()} "
-                            f"drop_last={str(bool(self.drop_last)).lower()}",
-                            f"epoch {self.epoch}"])
+        try:
+            t = usable(dataset_of(self, self.dataset), self)
+            if t is not None:
+                _send(t, [f"sampler distributed seed={self.seed} world={self.num_replicas} "
+                          f"rank={self.rank} shuffle={str(bool(self.shuffle)).lower()} "
+                          f"drop_last={str(bool(self.drop_last)).lower()}",
+                          f"epoch {self.epoch}"])
+        except Exception as e:  # noqa: BLE001
+            _warn_once("hook", f"sampler hook failed: {e}")
         return orig_dist_iter(self)
+
+    replayable = {RandomSampler: random_iter, DistributedSampler: dist_iter,
+                  SubsetRandomSampler: subset_iter}
+
+    def bind(loader) -> None:
+        """Bind the loader to its samplers; announce what the sampler hooks cannot."""
+        ref = weakref.ref(loader)
+        bs = loader.batch_sampler
+        inner = getattr(bs, "sampler", None) if bs is not None else loader.sampler
+        for obj in (loader.sampler, bs, inner):
+            if obj is not None and hasattr(obj, "__dict__"):
+                obj.__dict__["_dlcachefs_loader"] = ref
+        ds = loader.dataset
+        if isinstance(ds, data_module.IterableDataset):
+            _unknown(ds, f"{type(ds).__name__} is an IterableDataset", _next_epoch(loader))
+            return
+        if bs is not None and type(bs) is not BatchSampler:
+            reason = f"batch sampler {type(bs).__name__} is not replayable"
+        elif inner is None:
+            reason = f"batch sampler {type(bs).__name__} has no sampler attribute"
+        elif type(inner).__iter__ in replayable.values():
+            return  # its own hook announces it
+        elif type(inner).__iter__ is SequentialSampler.__iter__:
+            t = usable(ds, loader)
+            if t is not None:
+                _send(t, ["sampler sequential", f"epoch {_next_epoch(loader)}"], weak=True)
+            return
+        else:
+            reason = f"sampler {type(inner).__name__} is not replayable"
+        _unknown(ds, reason, _next_epoch(loader))
+
+    def loader_iter(self):
+        try:
+            bind(self)
+        except Exception as e:  # noqa: BLE001 - never break the training
+            _warn_once("bind", f"DataLoader hook failed: {e}")
+        return orig_loader_iter(self)
 
     RandomSampler.__iter__ = random_iter
     DistributedSampler.__iter__ = dist_iter
+    SubsetRandomSampler.__iter__ = subset_iter
+    DataLoader.__iter__ = loader_iter
     RandomSampler._dlcachefs_patched = True
 
 
@@ -208,7 +513,12 @@ class LossReporter:
             ...
         reporter.close()
 
-    ``indices`` are indices into the dataset's sample list (ImageFolder order). Pairs are
+    ``indices`` are indices of the dataset the DataLoader sees (what :func:`with_index`
+    around that dataset yields): the ImageFolder's own indices when the loader reads the
+    ImageFolder, the wrapper's when it reads a ``Subset``/``ConcatDataset``/user wrapper
+    (the hook announces such a dataset as a view, and the mount maps the indices through
+    it). ``dataset_root`` may be that dataset itself instead of a path: then a refused
+    first write is retried with the view's ``dataset`` line (and definition). Pairs are
     buffered and written once ``max_pairs_per_write`` of them are pending, and by
     :meth:`flush` / :meth:`close` (also the end of a ``with`` block). Each write holds at
     most ``max_pairs_per_write`` pairs and 64 KiB, in lines of at most 4096 characters;
@@ -225,8 +535,16 @@ class LossReporter:
     reason is in ``<mount>/.dlcache/errors``).
     """
 
-    def __init__(self, dataset_root: str | os.PathLike, job: str | None = None,
+    def __init__(self, dataset_root, job: str | None = None,
                  max_pairs_per_write: int = 3000) -> None:
+        self._view: Target | None = None
+        if not isinstance(dataset_root, (str, os.PathLike)):  # the loader's dataset
+            t = target_of(dataset_root)
+            if isinstance(t, Target):
+                self._view = t
+                dataset_root = os.path.join(t.mount, t.rel)
+            else:
+                dataset_root = _dataset_root(dataset_root) or "/nonexistent-dataset"
         self.dataset_root = os.fspath(dataset_root)
         self.job = job or os.environ.get(ENV_JOB) or None
         self.max_pairs = max(1, int(max_pairs_per_write))
@@ -295,6 +613,12 @@ class LossReporter:
                         # maybe the job has no dataset yet: name it and try once more
                         self._dataset_sent = True
                         try:
+                            if self._view is not None:  # its definition, if not sent yet
+                                for key, defs in [(self._view.vid, self._view.definition())]:
+                                    if (self._view.mount, key) not in _sent:
+                                        write_control(self._view.mount,
+                                                      [d.encode() for d in defs])
+                                        _sent.add((self._view.mount, key))
                             os.write(fd, self._head(with_dataset=True) + data[len(self._head()):])
                         except OSError as e2:
                             self._failed(n, e2)
@@ -326,7 +650,8 @@ class LossReporter:
     def _head(self, with_dataset: bool = False) -> bytes:
         head = f"job {self.job}\n" if self.job else ""
         if with_dataset:
-            head += f"dataset {self.rel}\n"
+            head += self._view.dataset_line() if self._view is not None \
+                else f"dataset {self.rel}\n"
         return head.encode()
 
     def _encode(self, idx: list[int], vals: list[float]) -> list[tuple[bytes, int]]:
@@ -383,8 +708,9 @@ def with_index(dataset):
     the sampler hook still finds the dataset's root. Returns a
     ``torch.utils.data.Dataset`` (torch is imported here, not with this module).
 
-    With a ``Subset`` the index is the subset's, not the dataset's: wrap the dataset and
-    take the subset of the wrapper."""
+    Wrap the dataset the DataLoader reads (``with_index(Subset(...))``, not
+    ``Subset(with_index(...))``): its indices are the ones the mount knows (the sampler
+    hook announces that dataset, wrappers included)."""
     return _with_index_class()(dataset)
 
 
@@ -454,7 +780,11 @@ class ImportanceSampler:
         self.epoch = 0
         self.job = job or os.environ.get(ENV_JOB) or "default"
         root = _dataset_root(dataset)
-        self._target = find_mount(root) if (announce and root) else None
+        view = target_of(dataset) if announce else None
+        # a wrapped dataset (Subset, ...) is announced as a view: its indices are ours
+        self._view: Target | None = view if isinstance(view, Target) else None
+        self._target = (view.mount, view.rel) if self._view is not None else \
+            find_mount(root) if (announce and root) else None
         self._order: list[int] | None = None
         self._announced: int | None = None
         self._announced_head = False
@@ -496,8 +826,9 @@ class ImportanceSampler:
         mount, rel = self._target
         # dataset and sampler once: re-sending them would restart the running epoch's
         # stream before this epoch's order is complete
+        ds_line = self._view.dataset_line() if self._view is not None else f"dataset {rel}\n"
         head = f"job {self.job}\n" if self._announced_head else (
-            f"job {self.job}\ndataset {rel}\nsampler explicit\n")
+            f"job {self.job}\n{ds_line}sampler explicit\n")
         writes, buf, start, line, line_start = [], [head], 0, [], 0
         size = len(head)
 
@@ -522,6 +853,8 @@ class ImportanceSampler:
         end_line()
         buf.append(f"order {self.epoch} end {start}\nepoch {self.epoch}\n")
         writes.append("".join(buf))
+        if self._view is not None and not self._announced_head:
+            writes = self._view.definition() + writes
         try:
             write_control(mount, [w.encode() for w in writes])
             self._announced_head = True

@@ -106,7 +106,10 @@ def test_launcher_is_bit_identical_and_announces_the_sampler(tmp_path, mount):
         return r.stdout.strip()
 
     plain = run([*py, str(m.mnt)])
-    assert m.stats()["streams"] == {}  # an unannounced script works and says nothing
+    # an unannounced script works; the mount shows its opens, with no stream of its own
+    streams = m.stats()["streams"]
+    assert streams and all(k.startswith("unannounced/") and v["mode"] == "none"
+                           for k, v in streams.items())
     hooked = run([sys.executable, "-m", "dlcachefs.cli", "run", "--", *py, str(m.mnt)])
     assert hooked == plain  # same samples in the same order, same weights
     assert run([*py, str(src)]) == plain

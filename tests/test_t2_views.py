@@ -1,0 +1,76 @@
+"""Tier 2: the mount's composite sample list of a view (wrapped DatasetFolders) over a
+scanned namespace names, index for index, the file torch reads; a list that differs from
+the training's (custom is_valid_file) is refused with the reason, never replayed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from test_t2_samplelist import scanned, touch
+
+folder = pytest.importorskip("torchvision.datasets.folder")
+data = pytest.importorskip("torch.utils.data")
+
+from dlcachefs import wrappers as w  # noqa: E402
+from dlcachefs.control import ControlState  # noqa: E402
+from dlcachefs.streams import StreamManager  # noqa: E402
+
+
+class _Mgr:
+    """The part of a StreamManager that lists views (no trio, no prefetch)."""
+
+    def __init__(self, eng) -> None:
+        self.engine = eng
+        self._roots: dict = {}
+
+    def view_samples(self, key, view):
+        return StreamManager._view_samples(self, key, view)  # type: ignore[arg-type]
+
+
+def announce_view(eng, src: Path, ds) -> tuple[ControlState, str]:
+    """The view lines the hook would send for ``ds`` (roots under ``src``), applied."""
+    view = w.resolve(ds)
+    rels = [os.path.relpath(r.path, src) for r in view.roots]
+    rels = [w.normalize_rel(r) for r in rels]
+    lid = w.index_list_id(view.index) if view.index is not None else None
+    vid = w.view_id(rels, view.roots, lid)
+    cs = ControlState(lambda rel: eng.ns.resolve(os.fsencode(rel)).ino)
+    writes = w.index_lines(lid, view.index) if lid else []
+    writes.append("\n".join(w.view_lines(vid, rels, view.roots, lid)) + "\n")
+    for text in writes:
+        cs.apply(text.encode(), 1)
+    return cs, vid
+
+
+def test_composite_list_matches_torch(tmp_path):
+    src = tmp_path / "src"
+    touch(src, "train/b/1.txt", "train/b/2.dat", "train/a/3.TXT", "train/a/skip.jpg",
+          "train/a/sub/4.dat", "val/x/5.png", "val/y/6.jpg", "val/y/7.txt")
+    tr = folder.DatasetFolder(str(src / "train"), loader=lambda p: p,
+                              extensions=(".txt", ".dat"))
+    va = folder.ImageFolder(str(src / "val"), loader=lambda p: p)
+    ds = data.Subset(data.ConcatDataset([tr, data.Subset(va, [1, 0])]), [5, 0, 4, 2, 2])
+    with scanned(src, tmp_path / "cache") as eng:
+        cs, vid = announce_view(eng, src, ds)
+        sl = _Mgr(eng).view_samples("k", cs.views[vid])
+        assert len(sl) == len(ds)
+        for i in range(len(ds)):
+            path, _label = ds[i]
+            assert sl.paths[i] == os.path.relpath(path, src)
+            assert eng.ns.path_of(eng.ns.get(sl.inos[i])) == os.fsencode(os.path.relpath(path, src))
+
+
+def test_custom_is_valid_file_mismatch_is_refused(tmp_path):
+    src = tmp_path / "src"
+    touch(src, "a/1.jpg", "a/2.jpg", "b/3.jpg", "b/notes.txt")
+    ok = folder.DatasetFolder(str(src), loader=lambda p: p, is_valid_file=lambda p: True)
+    odd = folder.DatasetFolder(str(src), loader=lambda p: p,
+                               is_valid_file=lambda p: not p.endswith("2.jpg"))
+    with scanned(src, tmp_path / "cache") as eng:
+        cs, vid = announce_view(eng, src, ok)  # accepts every file: the listing agrees
+        assert len(_Mgr(eng).view_samples("k", cs.views[vid])) == 4
+        cs, vid = announce_view(eng, src, odd)
+        with pytest.raises(ValueError, match="sample list mismatch.*3.*is_valid_file"):
+            _Mgr(eng).view_samples("k", cs.views[vid])
