@@ -49,6 +49,7 @@ from .index import Index
 from .logstore import LogStore
 from .memtier import ChunkBuf, MemoryTier
 from .namespace import Namespace, identity, is_file
+from .packer import Packer
 from .schema import Chunk, Entry, Record
 from .source import Identity, LocalSource, Source, open_for_range_reads, pread_checked
 from .stats import Counters
@@ -118,6 +119,8 @@ class Engine:
         self.memtier = MemoryTier(cfg.memory)
         self.writer = ChunkWriter(cfg, self.index, self.logs, self.policy, self.memtier,
                                   self.counters)
+        # iCACHE's dynamic packaging fills the L-cache when substitution is on
+        self.packer = Packer(self) if cfg.substitute else None
         self._children: dict[int, tuple[float, list[int]]] = {}  # dir -> (when, files)
         self.trace = TraceRecorder(cfg.trace) if cfg.trace else None
         self._nursery: trio.Nursery | None = None
@@ -179,6 +182,8 @@ class Engine:
             await nursery.start(self.writer.run)
             await nursery.start(self.streams.run)
             nursery.start_soon(self._maintain_policy)
+            if self.packer is not None:
+                await nursery.start(self.packer.run)
             self._nursery = nursery
             task_status.started()
 
@@ -262,6 +267,8 @@ class Engine:
             return None
         files = await self._files_in(e.parent)
         cands = [i for i in files if i != e.ino and i not in stream.used]
+        if self.packer is not None:
+            self.packer.wake()  # a miss is recorded and a cached L-sample used up
         while True:
             pick = self.policy.choose_substitute(e.ino, cands)
             if pick is None:
@@ -765,6 +772,7 @@ class Engine:
         out.update(self.counters.as_dict())
         out["streams"] = self.streams.stats()
         out["policy"] = {"name": self.cfg.policy, **self.policy.stats()}
+        out["packer"] = None if self.packer is None else self.packer.as_dict()
         t = self.importance.table
         out["importance"] = None if t is None else {
             "dataset": self.importance.dataset, "samples": t.n, "version": t.version(),
