@@ -288,7 +288,9 @@ class Engine:
         self.counters.substitutions += 1  # neither a hit nor a miss: counted apart
         stream.used.update((pick, e.ino))
         stream.substituted[e.ino] = pick
-        stream.substitutions[stream.epoch or 0] = stream.substitutions.get(stream.epoch or 0, 0) + 1
+        # the announced epoch (its order may still be being replayed)
+        ep = stream.target_epoch if stream.target_epoch is not None else stream.epoch or 0
+        stream.substitutions[ep] = stream.substitutions.get(ep, 0) + 1
         # the kernel knows the requested file's size: direct_io so the substitute's own
         # length is what the reader gets (a short read is its end of file)
         fh = self._new_fh(Handle(e.ino, memoryview(data), True))

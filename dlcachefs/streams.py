@@ -188,6 +188,14 @@ class StreamManager:
             if samples is None:
                 samples = await trio.to_thread.run_sync(image_folder, self.engine.ns, dataset)
                 self._samplelists = {dataset: samples}  # keep one: they can be large
+            if s.target_epoch == epoch and trio.current_effective_deadline() != -float("inf"):
+                # the epoch begins for importance and substitution once its dataset is
+                # listed, not once its order is replayed (a torch sampler's replay first
+                # imports torch: seconds on a busy machine, a whole epoch of a small
+                # dataset): from here the job's losses count and the H-list is rebuilt
+                s.dataset = dataset
+                self.engine.epoch_started(s, samples)
+                s.used, s.substituted_before, s.substituted = set(), s.substituted, {}
             if spec.kind == "explicit":  # a copy: control may drop old epochs meanwhile
                 s.replayer = _Explicit(spec, dict(s.explicit or {}), len(samples))
             elif (s.replayer is None or s.replayer.spec != spec or s.samples is not samples
@@ -224,8 +232,6 @@ class StreamManager:
         s.ready = bytearray(len(order))
         s.position = s.prefetched_upto = 0
         self.engine.drop_ready(s.key)
-        self.engine.epoch_started(s, samples)
-        s.used, s.substituted_before, s.substituted = set(), s.substituted, {}
         s.epoch_tick = self.engine.future.tick
         s.hit_s = s.miss_s = 0.0
         s.hit_n = s.miss_n = 0

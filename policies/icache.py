@@ -193,7 +193,7 @@ class ICachePolicy(CachePolicy):
     # ----- placement and admission (Algorithm 1) ---------------------------------------
 
     def pack(self, sample: int, size: int) -> int:
-        return PACK_ALONE if self._high(sample) else self.package
+        return PACK_ALONE if self._high(sample) else self.package_size()
 
     def _valid_top(self) -> tuple[float, int] | None:
         while self._heap:
