@@ -227,7 +227,7 @@ class CachePolicy(ABC):
     def plan_package(self, pool: Sequence[int], size_of: Callable[[int], int | None],
                      unit_overhead: int = 0) -> list[int]:
         """Background packaging (iCACHE III-C; the runner asks only when substitution is
-        on): samples of ``pool`` (the dataset; 0 = not a file) to read from the source
+        on): samples of ``pool`` (the dataset's) to read from the source
         together and insert as ONE unit, or ``[]`` for nothing now. ``size_of(s)`` is the
         bytes ``s`` takes inside a unit (None if gone); ``unit_overhead`` the unit's own
         header. The answer's members count as admitted: each ends in :meth:`on_insert`

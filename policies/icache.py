@@ -381,7 +381,7 @@ class ICachePolicy(CachePolicy):
         return self.l_capacity() - live - self._pending_l
 
     def _packable(self, sample: int) -> bool:
-        return (sample > 0 and not self._high(sample) and sample not in self._l_of
+        return (not self._high(sample) and sample not in self._l_of
                 and sample not in self._h_samples and sample not in self._pending
                 and sample not in self._planned)
 
@@ -406,7 +406,7 @@ class ICachePolicy(CachePolicy):
     def plan_package(self, pool: Sequence[int], size_of: Callable[[int], int | None],
                      unit_overhead: int = 0) -> list[int]:
         """The next package to build, or ``[]`` (no room, nothing to pack, or the choice
-        is not finished: call again). ``pool``: the dataset's samples (0 = not a file);
+        is not finished: call again). ``pool``: the dataset's samples;
         ``size_of(s)``: the bytes ``s`` takes inside a unit, None if it is gone (an index
         lookup, no I/O); ``unit_overhead``: a unit's own header. The members are pending
         from now on: the runner inserts them as one unit (:meth:`on_insert`) or reports
@@ -417,9 +417,9 @@ class ICachePolicy(CachePolicy):
         it reaches :meth:`package_size` and never exceeds the L-cache's room."""
         self._new_epoch()
         self.packaging = True
-        want = self.package_size() - unit_overhead
-        limit = self._l_room() - unit_overhead
-        if want <= 0 or limit < want:
+        want = max(1, self.package_size() - unit_overhead)  # payload bytes to reach
+        limit = self._l_room() - unit_overhead  # payload bytes that fit
+        if limit < want:
             return []
         checked = 0
         # the repack queue first (missed IDs), then the walk
