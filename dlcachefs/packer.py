@@ -146,7 +146,11 @@ class Packer:
         nbytes = sum(len(r[3]) for r in recs)
         eng.counters.bytes_from_source += nbytes
         await eng.writer.wait_room(nbytes)
-        if not eng.writer.submit_package(recs):
+        # room in --cache-size first (the policy's victims: used-up packages, or the side
+        # over its share), so the package never makes a seal fail for the records
+        # sealed with it; a package that cannot get room is not cached
+        unit = CHUNK_HEADER_SIZE + sum(RECORD_HEADER_SIZE + len(r[1]) + len(r[3]) for r in recs)
+        if not await eng.writer.make_room(unit) or not eng.writer.submit_package(recs):
             self.stats.refused += 1
             for r in recs:
                 eng.policy.on_dropped(r[0])

@@ -19,8 +19,9 @@ The cache is split in two:
 :meth:`ICachePolicy.plan_package`): the runner's background packer asks for the next
 package whenever the L-cache has room for one (its share minus live packages, used-up
 and stale packages counting as room). The policy answers with the members: first the
-L-samples that *missed* before the last H-list change (their IDs are recorded at every
-L miss, substituted or not, and "re-packed" after the H-list update), then L-samples
+L-samples that *missed* before the current epoch or H-list (their IDs are recorded at
+every L miss, substituted or not, and "re-packed" after the H-list update: a sample the
+reader asked for this epoch is no substitute for it until the next), then L-samples
 picked at random from the dataset (a walk with a random start and a random stride
 coprime to its length: each sample once per epoch, no shuffled copy of the dataset)
 that are not cached, not pending and not yet requested this epoch, so that every new
@@ -170,6 +171,8 @@ class ICachePolicy(CachePolicy):
             self._f_l /= 2
             self._requested.clear()
             self._walk = None  # a new walk: every L-sample is fresh again
+            self._repack.update(self._missed)  # III-C: the missed IDs are loaded now
+            self._missed.clear()
         v = self.ctx.importance.version()
         if v != self._version:  # the H-list was rebuilt: start a shadow heap
             self._version = v
