@@ -102,6 +102,9 @@ class ICachePolicy(CachePolicy):
         self._served: set[int] = set()
         self._left: dict[int, int] = {}
         self._used_up_units: dict[int, None] = {}
+        # packages that go first (used up or stale) and their bytes: room for the packer
+        self._going: set[int] = set()
+        self._going_bytes = 0
         self._epoch = self.ctx.importance.epoch()
         # admitted, not yet inserted: sample -> (side, bytes); so victims knows who needs
         # room (the writer reports samples it then drops: on_dropped)
@@ -167,6 +170,8 @@ class ICachePolicy(CachePolicy):
             self._served.clear()
             self._left = {u: len(m) for u, (m, _) in self._l.items()}
             self._used_up_units.clear()
+            self._going = {u for u in self._stale if u in self._l}
+            self._going_bytes = sum(self._l[u][1] for u in self._going)
             self._f_h /= 2
             self._f_l /= 2
             self._requested.clear()
@@ -282,6 +287,7 @@ class ICachePolicy(CachePolicy):
             self._left[unit] = left
             if left == 0:
                 self._used_up_units[unit] = None
+                self._mark_going(unit)
 
     def on_access(self, unit: int, sample: int) -> None:
         self._new_epoch()
@@ -293,6 +299,7 @@ class ICachePolicy(CachePolicy):
             self._left[u] -= 1
             if self._left[u] <= 0:
                 self._used_up_units[u] = None
+                self._mark_going(u)
 
     def on_remove(self, unit: int) -> None:
         h = self._h.pop(unit, None)
@@ -307,6 +314,9 @@ class ICachePolicy(CachePolicy):
             self._left.pop(unit, None)
             self._used_up_units.pop(unit, None)
             self._stale.pop(unit, None)
+            if unit in self._going:
+                self._going.discard(unit)
+                self._going_bytes -= pkg[1]
             for m in pkg[0]:
                 if self._l_of.get(m) == unit:
                     del self._l_of[m]
@@ -379,9 +389,14 @@ class ICachePolicy(CachePolicy):
     def _l_room(self) -> int:
         """Bytes of the L-share not held by live packages or planned ones; packages
         served whole this epoch and stale ones count as room (they go first)."""
-        gone = set(self._used_up_units) | set(self._stale)
-        live = self._l_bytes - sum(self._l[u][1] for u in gone if u in self._l)
+        live = self._l_bytes - self._going_bytes
         return self.l_capacity() - live - self._pending_l
+
+    def _mark_going(self, unit: int) -> None:
+        pkg = self._l.get(unit)
+        if pkg is not None and unit not in self._going:
+            self._going.add(unit)
+            self._going_bytes += pkg[1]
 
     def _packable(self, sample: int) -> bool:
         return (not self._high(sample) and sample not in self._l_of
@@ -473,6 +488,7 @@ class ICachePolicy(CachePolicy):
                 pkg = self._l.get(unit)
                 if pkg is not None and 2 * sum(map(self._high, pkg[0])) > len(pkg[0]):
                     self._stale[unit] = None
+                    self._mark_going(unit)
             return True
         if self._shadow is None:
             return False
