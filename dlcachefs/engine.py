@@ -97,7 +97,11 @@ class Engine:
     """Owns the index, the logs, the namespace, the memory tier and the chunk writer."""
 
     def __init__(self, cfg: Config, source: Source | None = None) -> None:
-        from dlcachefs.policies import PolicyContext, make_policy  # noqa: PLC0415 (layer import)
+        from dlcachefs.policies import (  # noqa: PLC0415 (layer import)
+            CachePolicy,
+            PolicyContext,
+            make_policy,
+        )
 
         self.cfg = cfg
         self.source = source if source is not None else LocalSource(cfg.source)
@@ -119,8 +123,10 @@ class Engine:
         self.memtier = MemoryTier(cfg.memory)
         self.writer = ChunkWriter(cfg, self.index, self.logs, self.policy, self.memtier,
                                   self.counters)
-        # iCACHE's dynamic packaging fills the L-cache when substitution is on
-        self.packer = Packer(self) if cfg.substitute else None
+        # iCACHE's dynamic packaging fills the L-cache when substitution is on (and the
+        # policy plans packages at all)
+        plans = type(self.policy).plan_package is not CachePolicy.plan_package
+        self.packer = Packer(self) if cfg.substitute and plans else None
         self._children: dict[int, tuple[float, list[int]]] = {}  # dir -> (when, files)
         self.trace = TraceRecorder(cfg.trace) if cfg.trace else None
         self._nursery: trio.Nursery | None = None
