@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 POLL = 0.2
 #: source reads of one package in flight at once (at most; also half the source threads)
 READ_CONCURRENCY = 8
+#: after a package that could not be stored, wait this long (doubling up to BACKOFF_MAX)
+#: before the next one: its members would only be read from the source again
+BACKOFF = 1.0
+BACKOFF_MAX = 30.0
 
 
 @dataclass
@@ -62,6 +66,7 @@ class Packer:
         self.engine = engine
         self.stats = PackerStats()
         self._wake = trio.Event()
+        self._backoff = BACKOFF
 
     def wake(self) -> None:
         """Look at the policy now (e.g. a substitution used a cached L-sample up)."""
@@ -75,8 +80,12 @@ class Packer:
                 await self._wake.wait()
             self._wake = trio.Event()
             try:
-                while await self.step():
+                while (done := await self.step()) is True:
+                    self._backoff = BACKOFF
                     await trio.sleep(0)
+                if done is None:  # planned, but not stored: do not read it all again now
+                    await trio.sleep(self._backoff)
+                    self._backoff = min(2 * self._backoff, BACKOFF_MAX)
             except Exception:  # noqa: BLE001 - third-party policies plan here too
                 log.exception("packer: building a package failed")
                 await trio.sleep(10)
@@ -96,8 +105,10 @@ class Packer:
             return None
         return RECORD_HEADER_SIZE + len(self.engine.ns.path_of(e)) + e.size
 
-    async def step(self) -> bool:
-        """Plan one package and build it; True when one was built (try the next one)."""
+    async def step(self) -> bool | None:
+        """Plan one package and build it: True when one was handed to the writer (try
+        the next one), False when there is nothing to pack now, None when a package was
+        planned but could not be stored."""
         pool = self._pool()
         if pool is None:
             return False
@@ -105,8 +116,7 @@ class Packer:
         if not plan:
             return False
         self.stats.last_plan = len(plan)
-        await self.build(plan)
-        return True
+        return True if await self.build(plan) else None
 
     async def build(self, plan: list[int]) -> bool:
         """Read ``plan`` from the source (each file once, ``READ_CONCURRENCY`` at a time)
