@@ -71,6 +71,9 @@ class Stream:
     substituted: dict[int, int] = field(default_factory=dict)  # requested -> served ino
     substituted_before: dict[int, int] = field(default_factory=dict)  # the last epoch's
     epoch_tick: int = 0  # the policy clock's tick when this epoch began
+    # the announced epoch already begun for importance while its order is being replayed
+    # (a replay restarted by ``on_order`` must not begin it twice)
+    begun: int | None = None
     substitutions: dict[int, int] = field(default_factory=dict)  # epoch -> count
     # open latencies, for the job's measured caching benefit (iCACHE III-D)
     hit_s: float = 0.0
@@ -188,12 +191,13 @@ class StreamManager:
             if samples is None:
                 samples = await trio.to_thread.run_sync(image_folder, self.engine.ns, dataset)
                 self._samplelists = {dataset: samples}  # keep one: they can be large
-            if s.target_epoch == epoch and trio.current_effective_deadline() != -float("inf"):
+            if (s.target_epoch == epoch and s.begun != epoch
+                    and trio.current_effective_deadline() != -float("inf")):
                 # the epoch begins for importance and substitution once its dataset is
                 # listed, not once its order is replayed (a torch sampler's replay first
                 # imports torch: seconds on a busy machine, a whole epoch of a small
                 # dataset): from here the job's losses count and the H-list is rebuilt
-                s.dataset = dataset
+                s.dataset, s.begun = dataset, epoch
                 self.engine.epoch_started(s, samples)
                 s.used, s.substituted_before, s.substituted = set(), s.substituted, {}
             if spec.kind == "explicit":  # a copy: control may drop old epochs meanwhile
@@ -232,6 +236,7 @@ class StreamManager:
         s.ready = bytearray(len(order))
         s.position = s.prefetched_upto = 0
         self.engine.drop_ready(s.key)
+        s.begun = None  # switched: announcing this epoch again begins it again
         s.epoch_tick = self.engine.future.tick
         s.hit_s = s.miss_s = 0.0
         s.hit_n = s.miss_n = 0
