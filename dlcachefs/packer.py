@@ -90,13 +90,15 @@ class Packer:
                 log.exception("packer: building a package failed")
                 await trio.sleep(10)
 
-    def _pool(self) -> list[int] | None:
-        """The inodes of the dataset whose losses make the H-list (None: none yet)."""
+    def _pool(self) -> list[int]:
+        """The inodes of the dataset whose losses make the H-list (none listed yet: [];
+        the policy is asked all the same, so that it packs from the start on: an L miss
+        is never cached on its own once substitution is on)."""
         imp = self.engine.importance
         if imp.table is None or imp.dataset is None:
-            return None
+            return []
         sl = self.engine.streams.sample_list(imp.dataset)
-        return None if sl is None else sl.inos
+        return [] if sl is None else sl.inos
 
     def _size_of(self, ino: int) -> int | None:
         """Bytes the file takes as a record of a unit (index lookup; None if not a file)."""
@@ -109,10 +111,7 @@ class Packer:
         """Plan one package and build it: True when one was handed to the writer (try
         the next one), False when there is nothing to pack now, None when a package was
         planned but could not be stored."""
-        pool = self._pool()
-        if pool is None:
-            return False
-        plan = self.engine.policy.plan_package(pool, self._size_of, CHUNK_HEADER_SIZE)
+        plan = self.engine.policy.plan_package(self._pool(), self._size_of, CHUNK_HEADER_SIZE)
         if not plan:
             return False
         self.stats.last_plan = len(plan)

@@ -44,8 +44,9 @@ rebuild go to both; once complete the shadow heap replaces the heap.
 **H/L split** (III-A): ``Size_H = Size_cache * F_H / (F_H + F_L)`` with ``F_H``/``F_L``
 the numbers of requests for H-/L-samples (halved at every epoch so the split follows the
 current sampling), starting from ``h_ratio`` (9:1) and keeping at least one package for
-the L-cache (at most half the cache: ``min(package, capacity // 2)``). Before the first H-list exists every sample counts as H and, with no
-importance known, the H-cache only fills while it has room (the paper's warm-up epochs).
+the L-cache (at most half the cache: ``min(package, capacity // 2)``). Before the first
+H-list exists every sample counts as H and, with no importance known, the H-cache only
+fills while it has room (the paper's warm-up epochs).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ REBUILD_STEP = 4096
 #: requests seen before the measured H/L frequencies replace the initial ratio
 MIN_REQUESTS = 256
 #: dataset samples looked at per :meth:`ICachePolicy.plan_package` call (bounded work on
-#: the read path's thread; a draft carries over to the next call)
+#: the runner's loop, which also serves reads; a draft carries over to the next call)
 PLAN_STEP = 16384
 
 
@@ -116,8 +117,10 @@ class ICachePolicy(CachePolicy):
         self._h_samples: set[int] = set()
         # dynamic packaging (III-C), on once the runner asks for packages
         self.packaging = False
-        self._missed: dict[int, None] = {}  # L-samples missed since the last H-list change
-        self._repack: dict[int, None] = {}  # missed before it: go first into packages
+        # L-samples missed this epoch (since the last H-list change), and those missed
+        # before: the latter go first into the next packages
+        self._missed: dict[int, None] = {}
+        self._repack: dict[int, None] = {}
         self._requested: set[int] = set()  # asked for this epoch (packaging mode only)
         self._planned: set[int] = set()  # members of packages planned, not yet inserted
         self._draft: dict[int, int] = {}  # the package being chosen: sample -> bytes
@@ -430,7 +433,7 @@ class ICachePolicy(CachePolicy):
         from now on: the runner inserts them as one unit (:meth:`on_insert`) or reports
         each it could not read (:meth:`on_dropped`).
 
-        First the L-samples missed before the last H-list change, then a random walk
+        First the L-samples missed in earlier epochs or H-lists, then a random walk
         over L-samples not cached and not requested this epoch; the package stops once
         it reaches :meth:`package_size` and never exceeds the L-cache's room."""
         self._new_epoch()
@@ -446,7 +449,7 @@ class ICachePolicy(CachePolicy):
             del self._repack[s]
             checked += 1
             if not self._try_draft(s, size_of, limit) and self._packable(s):
-                self._missed[s] = None  # does not fit now: after the next H-list change
+                self._missed[s] = None  # does not fit now: at the next epoch or H-list
         ended = False
         while self._draft_bytes < want and checked < PLAN_STEP:
             s = self._next_random(pool)
