@@ -8,6 +8,8 @@ import random
 
 import trio
 from fakes import CountingSource, make_config, run_engine, write_tree
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dlcachefs.samplelist import image_folder
 
@@ -103,3 +105,27 @@ def test_substitution_serves_packed_samples_of_the_same_directory(tmp_path):
         assert rel not in high and other not in high  # never for an H-sample, nor one
     assert subs > 0 and eng.counters.substitutions == subs
     assert len({by_bytes[g] for r, g in served.items() if g != files[r]}) == subs  # once each
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([0, 3000, 10_000]), st.integers(1, 5000),
+                          st.integers(0, 3)), max_size=60))
+def test_writer_keeps_each_package_whole_in_one_unit(recs):
+    """The chunk writer's grouping with packages: every record in exactly one unit, the
+    records of a package (unit tag) together and alone in theirs, never cut however
+    large; the other records grouped by target as before."""
+    from dlcachefs.source import Identity
+    from dlcachefs.writer import Pending, _units
+
+    pend = [Pending(i, b"k", Identity(n, 0, 0), b"x" * n, t, tag)
+            for i, (t, n, tag) in enumerate(recs)]
+    units = _units(pend)
+    assert sorted(r.ino for u in units for r in u) == list(range(len(pend)))
+    for tag in {r.unit for r in pend if r.unit}:
+        holding = [u for u in units if any(r.unit == tag for r in u)]
+        assert len(holding) == 1
+        assert {r.ino for r in holding[0]} == {r.ino for r in pend if r.unit == tag}
+    for u in units:
+        assert len({r.unit for r in u}) == 1
+        if not u[0].unit:
+            assert len({r.target for r in u}) == 1
