@@ -20,8 +20,9 @@ The cache is split in two:
 package whenever the L-cache has room for one (its share minus live packages, used-up
 and stale packages counting as room). The policy answers with the members: first the
 L-samples that *missed* before the current epoch or H-list (their IDs are recorded at
-every L miss, substituted or not, and "re-packed" after the H-list update: a sample the
-reader asked for this epoch is no substitute for it until the next), then L-samples
+every L miss, substituted or not, and "re-packed" after the H-list update; one the reader
+asked for this epoch already waits for the next, being neither a hit nor a substitute
+for it before then), then L-samples
 picked at random from the dataset (a walk with a random start and a random stride
 coprime to its length: each sample once per epoch, no shuffled copy of the dataset)
 that are not cached, not pending and not yet requested this epoch, so that every new
@@ -448,8 +449,10 @@ class ICachePolicy(CachePolicy):
             s = next(iter(self._repack))
             del self._repack[s]
             checked += 1
-            if not self._try_draft(s, size_of, limit) and self._packable(s):
-                self._missed[s] = None  # does not fit now: at the next epoch or H-list
+            # asked for this epoch already: no substitute now, and its hit has passed
+            if (s in self._requested or not self._try_draft(s, size_of, limit)) \
+                    and self._packable(s):
+                self._missed[s] = None  # at the next epoch or H-list, then
         ended = False
         while self._draft_bytes < want and checked < PLAN_STEP:
             s = self._next_random(pool)

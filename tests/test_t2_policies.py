@@ -537,3 +537,21 @@ def test_simulated_substitution_with_packaging_stays_in_the_class_and_spares_h_s
     assert res.substituted > 0 and res.policy_stats["packages"] > 0
     assert all(tr.classes[s] == tr.classes[p] and not h for s, p, h in seen)
     assert sum(res.policy_stats["substitutions_by_epoch"].values()) == res.substituted
+
+
+def test_icache_repacks_a_missed_id_only_while_it_can_still_be_read_this_epoch():
+    n = 60
+    pol, _, imp = _packaging_policy(40_000, 10_000, n, set(range(30, 60)), h_ratio=0.5)
+    pool = list(range(n))
+    pol.plan_package([], lambda s: 1000, 0)  # the packer's first look: packaging on
+    for s in (1, 2, 3):
+        pol.on_request(s)
+        assert not pol.admit(s, 1000)  # an L miss: recorded, not cached alone
+    imp.ep = 1  # the next epoch: the missed IDs go first...
+    pol.on_request(2)  # ...except one already asked for again
+    plan = pol.plan_package(pool, lambda s: 1000, 0)
+    assert plan[:2] == [1, 3] and 2 not in plan
+    assert pol.stats()["missed_l"] == 1  # 2 waits for the epoch after
+    pol.on_dropped(1)
+    imp.ep = 2
+    assert pol.plan_package(pool, lambda s: 1000, 0)[0] == 2
