@@ -229,13 +229,15 @@ with open(out, "w") as f:
 '''
 
 
+@pytest.mark.parametrize("cache", ["2M", "1M"])  # 1M: packages shrink to the L-share
 def test_training_with_defaults_and_a_small_cache_gets_substitutes_from_packages(
-        tmp_path, mount):
+        tmp_path, mount, cache):
     """Issue 9, item 5: icache with its defaults (1 MiB packages), --substitute and a 2 MiB
     cache under a shuffled ImageFolder training that reports every sample's loss with
     LossReporter. The packer fills the L-cache once the H-list exists, so substitutions
     happen within two epochs of the first H-list; every byte served is a source file of
-    the requested file's class directory, and an H-sample is always served itself."""
+    the requested file's class directory, and an H-sample is always served itself. A
+    cache of one package gets packages of half of it."""
     import hashlib
     import json
     import subprocess
@@ -249,7 +251,7 @@ def test_training_with_defaults_and_a_small_cache_gets_substitutes_from_packages
         d.mkdir(parents=True)
         for i in range(50):
             (d / f"{i:03d}.jpg").write_bytes(rnd.randbytes(rnd.randint(15_000, 25_000)))
-    m = mount(src, "--policy", "icache", "--substitute", "--cache-size", "2M")
+    m = mount(src, "--policy", "icache", "--substitute", "--cache-size", cache)
     files = sorted(src.rglob("*.jpg"))  # ImageFolder order: classes sorted, files sorted
     n = len(files)
     sha = [hashlib.sha256(p.read_bytes()).hexdigest() for p in files]
@@ -285,6 +287,10 @@ def test_training_with_defaults_and_a_small_cache_gets_substitutes_from_packages
     st = m.stats()
     assert st["substitutions"] == sum(subs_by_epoch)
     assert st["packer"]["packages"] >= 1 and st["policy"]["packages"] >= 1
-    assert st["policy"]["l_capacity"] <= 2 << 20
+    limit = 2 << 20 if cache == "2M" else 1 << 20
+    pol = st["policy"]
+    assert pol["l_capacity"] >= min(1 << 20, limit // 2)  # one package, or half the cache
+    assert pol["package_size"] == min(1 << 20, pol["l_capacity"])
+    assert st["chunk_bytes"] <= limit
     assert sum(int(v) for v in st["policy"]["substitutions_by_epoch"].values()) == sum(
         subs_by_epoch)
