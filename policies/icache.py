@@ -134,6 +134,9 @@ class ICachePolicy(CachePolicy):
         self.packages_by_epoch: dict[int, int] = {}
         self.substitutions_by_epoch: dict[int, int] = {}
         self.l_not_admitted = 0
+        # substitutes chosen and not yet served: counted when the runner serves them (it
+        # may give a pick up, e.g. a package being evicted, and ask again)
+        self._picks: set[int] = set()
         self.substitutions = 0
         self.h_admitted = 0
         self.h_refused = 0
@@ -179,6 +182,7 @@ class ICachePolicy(CachePolicy):
             self._f_h /= 2
             self._f_l /= 2
             self._requested.clear()
+            self._picks.clear()
             self._walk = None  # a new walk: every L-sample is fresh again
             self._repack.update(self._missed)  # III-C: the missed IDs are loaded now
             self._missed.clear()
@@ -295,6 +299,11 @@ class ICachePolicy(CachePolicy):
 
     def on_access(self, unit: int, sample: int) -> None:
         self._new_epoch()
+        if sample in self._picks:  # served as a substitute
+            self._picks.discard(sample)
+            self.substitutions += 1
+            ep = self._epoch
+            self.substitutions_by_epoch[ep] = self.substitutions_by_epoch.get(ep, 0) + 1
         if sample in self._served:
             return  # the H-cache keeps no recency (line 6)
         self._served.add(sample)
@@ -378,15 +387,15 @@ class ICachePolicy(CachePolicy):
         if not self.substitutable(sample):
             return None
         self._note_miss(sample)  # III-C: loaded later by the packer, substituted or not
-        pool = [c for c in candidates
-                if c in self._l_of and c not in self._served and not self._high(c)]
+        # a pick in flight is out too: two concurrent misses must not get the same one
+        pool = [c for c in candidates if c in self._l_of and c not in self._served
+                and c not in self._picks and not self._high(c)]
         if not pool:
             return None
-        # marked served when the runner serves it (on_access), not here: it may fail
-        self.substitutions += 1
-        ep = self._epoch
-        self.substitutions_by_epoch[ep] = self.substitutions_by_epoch.get(ep, 0) + 1
-        return self._rng.choice(pool)
+        # marked served and counted when the runner serves it (on_access): it may fail
+        pick = self._rng.choice(pool)
+        self._picks.add(pick)
+        return pick
 
     # ----- dynamic packaging (III-C) ------------------------------------------------
 

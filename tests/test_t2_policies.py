@@ -555,3 +555,18 @@ def test_icache_repacks_a_missed_id_only_while_it_can_still_be_read_this_epoch()
     pol.on_dropped(1)
     imp.ep = 2
     assert pol.plan_package(pool, lambda s: 1000, 0)[0] == 2
+
+
+def test_icache_counts_a_substitute_when_served_and_never_picks_one_twice_at_once():
+    cache = Cache(10_000)
+    imp = Imp({}, high=set())
+    pol = make_policy("icache:package=200", PolicyContext(cache, Future({}), imp))
+    pol.on_insert(7, (10, 11), 220)
+    a = pol.choose_substitute(2, [10, 11])  # two misses in flight at once
+    b = pol.choose_substitute(3, [10, 11])
+    assert {a, b} == {10, 11}
+    assert pol.choose_substitute(4, [10, 11]) is None  # both taken, though not served yet
+    assert pol.stats()["substitutions"] == 0  # chosen, not served
+    pol.on_access(7, a)
+    assert pol.stats()["substitutions"] == 1
+    assert pol.stats()["substitutions_by_epoch"] == {"0": 1}

@@ -272,6 +272,8 @@ def test_training_with_defaults_and_a_small_cache_gets_substitutes_from_packages
     subs_by_epoch = [0] * epochs
     for row in rows:
         assert sorted(i for i, _, _ in row["items"]) == list(range(n))
+        subs = [h for i, _, h in row["items"] if h != sha[i]]
+        assert len(set(subs)) == len(subs)  # a substitute serves one miss an epoch
         for i, y, h in row["items"]:
             cls = files[i].parent.name
             assert y == int(cls[-1])  # ImageFolder's label of the requested path
