@@ -45,17 +45,20 @@ READ_CONCURRENCY = 8
 #: before the next one: its members would only be read from the source again
 BACKOFF = 1.0
 BACKOFF_MAX = 30.0
+#: at most this long waiting for a package's seal (the writer seals a package at once)
+SEAL_WAIT = 60.0
 
 
 @dataclass
 class PackerStats:
     """What the packer did since the mount (``.dlcache/stats`` -> ``packer``)."""
 
-    packages: int = 0  # handed to the writer
+    packages: int = 0  # stored in the cache
     samples: int = 0
     bytes: int = 0  # payload bytes read from the source for packages
     read_failures: int = 0  # members left out: gone, changed or unreadable
-    refused: int = 0  # packages the writer would not take (caching paused, memory)
+    refused: int = 0  # packages the writer would not take (caching paused, memory, room)
+    skipped: int = 0  # packages taken but not stored (their seal could not make room)
     last_plan: int = 0  # members of the last package planned
 
 
@@ -164,6 +167,14 @@ class Packer:
             for r in recs:
                 eng.policy.on_dropped(r[0])
             return False
+        # wait for its seal: a seal that cannot make room (chunks pinned by reads) skips
+        # its records, and then the next package should not be read right away
+        with trio.move_on_after(SEAL_WAIT):
+            while any(eng.writer.pending.get(r[0]) is not None for r in recs):
+                await eng.writer.sealed()
+        if not any(eng.index.get_record(r[0]) is not None for r in recs):
+            self.stats.skipped += 1
+            return False
         self.stats.packages += 1
         self.stats.samples += len(recs)
         self.stats.bytes += nbytes
@@ -172,4 +183,5 @@ class Packer:
     def as_dict(self) -> dict:
         return {"packages": self.stats.packages, "samples": self.stats.samples,
                 "bytes": self.stats.bytes, "read_failures": self.stats.read_failures,
-                "refused": self.stats.refused, "last_plan": self.stats.last_plan}
+                "refused": self.stats.refused, "skipped": self.stats.skipped,
+                "last_plan": self.stats.last_plan}

@@ -167,6 +167,10 @@ class ChunkWriter:
         self._wake.set()
         return True
 
+    async def sealed(self) -> None:
+        """Wait for the next seal to finish (its records indexed, skipped or dropped)."""
+        await self._space.wait()
+
     def has_room(self, nbytes: int = 0) -> bool:
         """Room for ``nbytes`` more without passing two chunks' worth in memory (and always
         room for one record when nothing is queued, however large it is)."""
