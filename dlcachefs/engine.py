@@ -50,6 +50,7 @@ from .index import Index
 from .logstore import LogStore
 from .memtier import ChunkBuf, MemoryTier
 from .namespace import Namespace, identity, is_file
+from .packer import Packer
 from .readplan import ReadPlanner
 from .schema import Chunk, Entry, Record
 from .source import Identity, LocalSource, Source, open_for_range_reads, pread_checked
@@ -100,7 +101,11 @@ class Engine:
     """Owns the index, the logs, the namespace, the memory tier and the chunk writer."""
 
     def __init__(self, cfg: Config, source: Source | None = None) -> None:
-        from dlcachefs.policies import PolicyContext, make_policy  # noqa: PLC0415 (layer import)
+        from dlcachefs.policies import (  # noqa: PLC0415 (layer import)
+            CachePolicy,
+            PolicyContext,
+            make_policy,
+        )
 
         self.cfg = cfg
         self.source = source if source is not None else LocalSource(cfg.source)
@@ -124,6 +129,10 @@ class Engine:
                                   self.counters)
         if cfg.debug_invariants:
             self.writer.after_commit = self._after_commit
+        # iCACHE's dynamic packaging fills the L-cache when substitution is on (and the
+        # policy plans packages at all)
+        plans = type(self.policy).plan_package is not CachePolicy.plan_package
+        self.packer = Packer(self) if cfg.substitute and plans else None
         self._children: dict[int, tuple[float, list[int]]] = {}  # dir -> (when, files)
         self.trace = TraceRecorder(cfg.trace) if cfg.trace else None
         self._nursery: trio.Nursery | None = None
@@ -259,6 +268,8 @@ class Engine:
             await nursery.start(self.writer.run)
             await nursery.start(self.streams.run)
             nursery.start_soon(self._maintain_policy)
+            if self.packer is not None:
+                await nursery.start(self.packer.run)
             self._nursery = nursery
             task_status.started()
 
@@ -343,6 +354,8 @@ class Engine:
             return None
         files = await self._files_in(e.parent)
         cands = [i for i in files if i != e.ino and i not in stream.used]
+        if self.packer is not None:
+            self.packer.wake()  # a miss is recorded and a cached L-sample used up
         while True:
             pick = self.policy.choose_substitute(e.ino, cands)
             if pick is None:
@@ -362,7 +375,9 @@ class Engine:
         self.counters.substitutions += 1  # neither a hit nor a miss: counted apart
         stream.used.update((pick, e.ino))
         stream.substituted[e.ino] = pick
-        stream.substitutions[stream.epoch or 0] = stream.substitutions.get(stream.epoch or 0, 0) + 1
+        # the announced epoch (its order may still be being replayed)
+        ep = stream.target_epoch if stream.target_epoch is not None else stream.epoch or 0
+        stream.substitutions[ep] = stream.substitutions.get(ep, 0) + 1
         # the kernel knows the requested file's size: direct_io so the substitute's own
         # length is what the reader gets (a short read is its end of file)
         fh = self._new_fh(Handle(e.ino, memoryview(data), True))
@@ -922,6 +937,7 @@ class Engine:
         out["read_plans"] = self.plans.stats()
         out["streams"] = self.streams.stats()
         out["policy"] = {"name": self.cfg.policy, **self.policy.stats()}
+        out["packer"] = None if self.packer is None else self.packer.as_dict()
         t = self.importance.table
         out["importance"] = None if t is None else {
             "dataset": self.importance.dataset, "samples": t.n, "version": t.version(),

@@ -254,7 +254,9 @@ def run_policy(trace: Trace, spec: str, capacity: int, *, chunk_size: int = 0,
             for v in pol.victims(need, ()):
                 remove(v)
         if cache.bytes + size > capacity:
-            return  # cannot make room: not cached (the writer's cache_skipped)
+            for m in members:  # cannot make room: not cached (the writer's cache_skipped)
+                pol.on_dropped(m)
+            return
         uid = next_unit[0]
         next_unit[0] += 1
         cache.units[uid] = (members, size)
@@ -271,6 +273,19 @@ def run_policy(trace: Trace, spec: str, capacity: int, *, chunk_size: int = 0,
                 remove(unit)
 
     rng = random.Random(0)
+    pool = list(range(trace.n))
+
+    def package() -> None:
+        """iCACHE III-C, as the mount's packer: the policy's next package, read from the
+        source (counted) and inserted as one unit, at once."""
+        plan = pol.plan_package(pool, trace.sizes.__getitem__, 0)
+        if plan:
+            key = -next_unit[0]  # a group of its own (targets are >= 0)
+            open_units[key] = list(plan)
+            open_bytes[key] = sum(trace.sizes[m] for m in plan)
+            res.bytes_from_source += open_bytes[key]
+            seal(key)
+
     t = 0
     for e, order in enumerate(trace.epochs):
         iview.ep = e
@@ -280,6 +295,8 @@ def run_policy(trace: Trace, spec: str, capacity: int, *, chunk_size: int = 0,
         for s in order:
             fut.advance(t, e)
             t += 1
+            if substitute:
+                package()
             res.accesses += 1
             pol.on_request(s)
             served.add(s)

@@ -102,6 +102,9 @@ class Stream:
     substituted: dict[int, int] = field(default_factory=dict)  # requested -> served ino
     substituted_before: dict[int, int] = field(default_factory=dict)  # the last epoch's
     epoch_tick: int = 0  # the policy clock's tick when this epoch began
+    # the announced epoch already begun for importance while its order is being replayed
+    # (a replay restarted by ``on_order`` must not begin it twice)
+    begun: int | None = None
     substitutions: dict[int, int] = field(default_factory=dict)  # epoch -> count
     # open latencies, for the job's measured caching benefit (iCACHE III-D)
     hit_s: float = 0.0
@@ -310,6 +313,15 @@ class StreamManager:
                              epoch: int, view: ViewDef | None = None, subset=None) -> None:
         try:
             samples = await self._samples_for(s, dataset, view)
+            if (spec.kind != "unknown" and s.target_epoch == epoch and s.begun != epoch
+                    and trio.current_effective_deadline() != -float("inf")):
+                # the epoch begins for importance and substitution once its dataset is
+                # listed, not once its order is replayed (a torch sampler's replay may
+                # first wait for torch): from here the job's losses count and the H-list
+                # is rebuilt. A learned order has no dataset (no importance, no losses).
+                s.dataset, s.begun = dataset, epoch
+                self.engine.epoch_started(s, samples)
+                s.used, s.substituted_before, s.substituted = set(), s.substituted, {}
             if spec.kind == "explicit":  # a copy: control may drop old epochs meanwhile
                 s.replayer = _Explicit(spec, dict(s.explicit or {}), len(samples))
             elif spec.kind == "unknown":
@@ -344,9 +356,9 @@ class StreamManager:
         s.ready = bytearray(len(order))
         s.position = s.prefetched_upto = 0
         self.engine.drop_ready(s.key)
-        if spec.kind != "unknown":  # a learned order has no dataset (importance, losses)
-            self.engine.epoch_started(s, samples)
-        s.used, s.substituted_before, s.substituted = set(), s.substituted, {}
+        if spec.kind == "unknown":
+            s.used, s.substituted_before, s.substituted = set(), s.substituted, {}
+        s.begun = None  # switched: announcing this epoch again begins it again
         s.epoch_tick = self.engine.future.tick
         s.hit_s = s.miss_s = 0.0
         s.hit_n = s.miss_n = 0

@@ -85,6 +85,7 @@ class Pending:
     ident: Identity
     data: bytes
     target: int = 0  # bytes of the unit it goes into (the policy's pack answer)
+    unit: int = 0  # nonzero: member of a package submitted whole (one unit per tag)
 
     @property
     def encoded_len(self) -> int:
@@ -154,6 +155,7 @@ class ChunkWriter:
         # open records by unit target size; a group at its target makes a seal due
         self._group_bytes: dict[int, int] = {}
         self._full = False
+        self._package_tag = 0
         self._next_chunk = max(1, _meta_u64(index, S.K_NEXT_CHUNK))
         self._next_log = max(1, _meta_u64(index, S.K_NEXT_LOG), max(logs.log_ids(), default=0) + 1)
 
@@ -192,6 +194,56 @@ class ChunkWriter:
             self._full = True
             self._wake.set()
         return True
+
+    def submit_package(self, recs: list[tuple[int, bytes, Identity, bytes]]) -> bool:
+        """Queue ``(ino, key, identity, data)`` records to be sealed at once as ONE unit
+        (a package the core built; iCACHE III-C). All or nothing: False (counted) when
+        caching pauses or too much is queued already."""
+        recs = [r for r in recs if (p := self.pending.get(r[0])) is None or p.ident != r[2]]
+        if not recs:
+            return False
+        if self._closing or time.monotonic() < self.backoff_until:
+            self.counters.cache_skipped += len(recs)
+            return False
+        self._package_tag += 1
+        tag = self._package_tag
+        pend = [Pending(ino, key, ident, data, 0, tag) for ino, key, ident, data in recs]
+        total = sum(r.encoded_len for r in pend)
+        # bounded memory as in submit, with room for one package larger than the chunks
+        if self.open_bytes + self.sealing_bytes + total > 3 * max(self.cfg.chunk_size, total) \
+                and (self.open or self.sealing_bytes):
+            self.counters.cache_skipped += len(recs)
+            return False
+        # bounded disk: the whole package's bytes are reserved now (one unit, one chunk
+        # header), dooming the policy's victims if needed, or it is not cached
+        charge = CHUNK_HEADER_SIZE + total
+        if charge > self.max_unit or not self.try_reserve(charge):
+            self.counters.cache_skipped += len(recs)
+            return False
+        # the account charges each open record its own header: the package's one header
+        # is carried by its first member (open_charge == sum of the open records' charge)
+        extra = sum(r.charge for r in pend) - charge
+        if extra > 0 and not self.try_reserve(extra):
+            self.unreserve(charge)
+            self.counters.cache_skipped += len(recs)
+            return False
+        charge += max(extra, 0)
+        self.open_charge += charge
+        self.reserved -= charge  # counted as open_charge from here on
+        if not self.open:
+            self.open_since = time.monotonic()
+        for r in pend:
+            r.target = total
+            self.open.append(r)
+            self.pending[r.ino] = r
+        self.open_bytes += total
+        self._full = True  # complete on arrival: seal it now
+        self._wake.set()
+        return True
+
+    async def sealed(self) -> None:
+        """Wait for the next seal to finish (its records indexed, skipped or dropped)."""
+        await self._space.wait()
 
     def has_room(self, nbytes: int = 0) -> bool:
         """Room for ``nbytes`` more without passing two chunks' worth in memory (and always
@@ -521,8 +573,9 @@ class ChunkWriter:
             self._group_bytes = {}
         else:
             full = {t for t, b in self._group_bytes.items() if b >= t}
-            records = [r for r in self.open if r.target in full]
-            self.open = [r for r in self.open if r.target not in full]
+            # a package (unit tag) is complete on arrival: always taken
+            records = [r for r in self.open if r.unit or r.target in full]
+            self.open = [r for r in self.open if not r.unit and r.target not in full]
             self.open_bytes = sum(r.encoded_len for r in self.open)
             for t in full:
                 del self._group_bytes[t]
@@ -586,14 +639,18 @@ class ChunkWriter:
 
 
 def _units(records: list[Pending], max_unit: int | None = None) -> list[list[Pending]]:
-    """Records grouped into units: by target, a target-0 record alone, and a group cut
-    where it reaches its target (a seal may take more than one target's worth), or before
-    a record that would take its chunk past ``max_unit`` bytes (a record larger than that
-    is a unit of its own)."""
+    """Records grouped into units: a package (unit tag) whole; else by target, a
+    target-0 record alone, and a group cut where it reaches its target (a seal may take
+    more than one target's worth), or before a record that would take its chunk past
+    ``max_unit`` bytes (a record larger than that is a unit of its own)."""
     out: list[list[Pending]] = []
     by_target: dict[int, list[Pending]] = {}
     sizes: dict[int, int] = {}
+    packages: dict[int, list[Pending]] = {}
     for r in records:
+        if r.unit:  # a package submitted whole: one unit, never cut
+            packages.setdefault(r.unit, []).append(r)
+            continue
         if r.target <= 0:
             out.append([r])
             continue
@@ -609,6 +666,7 @@ def _units(records: list[Pending], max_unit: int | None = None) -> list[list[Pen
             out.append(g)
             by_target[r.target], sizes[r.target] = [], 0
     out.extend(g for g in by_target.values() if g)
+    out.extend(packages.values())
     return out
 
 

@@ -13,7 +13,9 @@ what to do:
   unit go right away (Lobster's reuse rules, LCache's release after use)?
 * :meth:`CachePolicy.victims`: which units to give up for ``need`` bytes;
 * :meth:`CachePolicy.substitutable` / :meth:`choose_substitute`: iCACHE's substitution
-  of a missed sample by a cached one (the runner finds the candidates).
+  of a missed sample by a cached one (the runner finds the candidates);
+* :meth:`CachePolicy.plan_package`: iCACHE's dynamic packaging, which samples the
+  runner's background packer reads from the source together into one unit.
 
 What a policy may look at is a :class:`PolicyContext`: the cache (:class:`CacheView`),
 the known future (:class:`FutureView`: clairvoyance from the announced sampler) and the
@@ -28,7 +30,7 @@ cut into steps done by :meth:`CachePolicy.maintain`, which the runner calls when
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
@@ -221,6 +223,16 @@ class CachePolicy(ABC):
     def choose_substitute(self, sample: int, candidates: Sequence[int]) -> int | None:
         """Pick one of ``candidates`` (cached, not yet used this epoch, same class)."""
         return None
+
+    def plan_package(self, pool: Sequence[int], size_of: Callable[[int], int | None],
+                     unit_overhead: int = 0) -> list[int]:
+        """Background packaging (iCACHE III-C; the runner asks only when substitution is
+        on): samples of ``pool`` (the dataset's) to read from the source
+        together and insert as ONE unit, or ``[]`` for nothing now. ``size_of(s)`` is the
+        bytes ``s`` takes inside a unit (None if gone); ``unit_overhead`` the unit's own
+        header. The answer's members count as admitted: each ends in :meth:`on_insert`
+        or :meth:`on_dropped`."""
+        return []
 
     # ----- background ----------------------------------------------------------------
 

@@ -387,3 +387,186 @@ def test_icache_packages_that_became_mostly_h_are_given_up_after_the_rebuild():
         pass
     assert pol.stats()["stale_packages"] == 1
     assert pol.victims(100, ()) == [2]
+
+
+# ----- iCACHE dynamic packaging (III-C): the packer's choices ------------------------------
+
+
+def _packaging_policy(cap: int, package: int, n: int, high: set[int] | None, **opts):
+    cache = Cache(cap)
+    imp = Imp({}, high=high)
+    spec = f"icache:package={package}" + "".join(f",{k}={v}" for k, v in opts.items())
+    return make_policy(spec, PolicyContext(cache, Future({}), imp)), cache, imp
+
+
+def _insert(pol, cache: Cache, uid: int, members, size: int) -> None:
+    cache.units[uid] = (tuple(members), size)
+    cache.bytes += size
+    pol.on_insert(uid, tuple(members), size)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=200),
+       classes=st.integers(1, 6),
+       h_share=st.floats(0.0, 1.0),
+       cap=st.integers(0, 400_000),
+       package=st.integers(1, 200_000),
+       overhead=st.integers(0, 64),
+       seed=st.integers(0, 3))
+def test_icache_packages_hold_only_uncached_l_samples_within_the_l_share(
+        sizes, classes, h_share, cap, package, overhead, seed):
+    """Whatever the sizes, classes and H/L split: a package holds distinct L-samples of
+    the dataset, none cached or pending; the packages never take more than the L-share;
+    each reaches the package size unless no other L-sample would fit; and packing stops
+    only when there is no room for a package or nothing left to pack."""
+    n = len(sizes)
+    rnd = random.Random(seed)
+    high = {s for s in range(n) if rnd.random() < h_share}
+    pol, cache, _ = _packaging_policy(cap, package, n, high, seed=seed)
+    cls = [s % classes for s in range(n)]
+    # some H-samples cached already (the H-cache), as a mount would have them
+    uid = 1
+    for s in sorted(high)[: n // 4]:
+        if cache.bytes + sizes[s] <= pol.h_capacity():
+            _insert(pol, cache, uid, (s,), sizes[s])
+            uid += 1
+    pool = list(range(n))
+    packed: set[int] = set()
+    l_bytes = 0
+    assert pol.package_size() <= pol.l_capacity() <= max(cap, 0)
+    assert pol.l_capacity() >= min(package, cap // 2)
+    for _ in range(n + 1):
+        room = pol._l_room()
+        plan = pol.plan_package(pool, sizes.__getitem__, overhead)
+        if not plan:
+            break
+        assert len(set(plan)) == len(plan) and set(plan) <= set(pool)
+        assert not (set(plan) & high) and not (set(plan) & packed)
+        size = overhead + sum(sizes[s] for s in plan)
+        assert size <= room
+        assert {cls[s] for s in plan} <= set(range(classes))
+        if size < pol.package_size():  # short: no other L-sample fits what was left
+            left = [s for s in range(n) if s not in high and s not in packed and s not in plan]
+            assert all(size + sizes[s] > room for s in left)
+        packed.update(plan)
+        _insert(pol, cache, uid, plan, size)
+        uid += 1
+        l_bytes += size
+    else:
+        raise AssertionError("the packer never stopped")
+    assert l_bytes <= pol.l_capacity()
+    unpacked = [s for s in range(n) if s not in high and s not in packed]
+    room = pol.l_capacity() - l_bytes
+    # stopped: no room for a package, or no L-sample left that fits the room
+    assert room < pol.package_size() or all(overhead + sizes[s] > room for s in unpacked)
+
+
+def test_icache_packs_nothing_before_the_h_list_and_caps_packages_by_the_l_share():
+    pol, _, imp = _packaging_policy(1 << 20, 1 << 20, 100, None)
+    assert pol.plan_package(list(range(100)), lambda s: 1000, 0) == []  # all H: no H-list
+    assert pol.l_capacity() == 1 << 19  # a cache of one package: half of it for L
+    assert pol.package_size() == 1 << 19
+    imp.high = set()
+    plan = pol.plan_package(list(range(1000)), lambda s: 1000, 0)
+    assert 1000 * len(plan) >= (1 << 19) - 1000 and 1000 * len(plan) <= 1 << 19
+
+
+def test_icache_turns_the_l_cache_over_and_repacks_missed_ids_first():
+    n = 100
+    pol, cache, imp = _packaging_policy(40_000, 10_000, n, set(range(50, 100)), h_ratio=0.5)
+    pool = list(range(n))
+    assert pol.l_capacity() == 20_000
+    p1 = pol.plan_package(pool, lambda s: 1000, 0)
+    p2 = pol.plan_package(pool, lambda s: 1000, 0)
+    assert len(p1) == len(p2) == 10 and not set(p1) & set(p2)
+    assert pol.plan_package(pool, lambda s: 1000, 0) == []  # the L-share is full
+    _insert(pol, cache, 1, p1, 10_000)
+    _insert(pol, cache, 2, p2, 10_000)
+    assert pol.stats()["packages"] == 2
+    # the reader: every sample of package 1 is served this epoch (hits or substitutes),
+    # and some uncached L-samples miss (substituted: their IDs are recorded)
+    missed = [s for s in range(50) if s not in p1 and s not in p2][:5]
+    for s in p1:
+        pol.on_request(s)
+        pol.on_access(1, s)
+    for s in missed:
+        pol.on_request(s)
+        assert pol.choose_substitute(s, p2) in p2
+    assert not pol.admit(missed[0], 1000)  # packaging: L misses are not admitted alone
+    p3 = pol.plan_package(pool, lambda s: 1000, 0)  # package 1 used up: room again
+    assert len(p3) == 10
+    assert not set(p3) & set(missed)  # requested this epoch: useless as substitutes now
+    assert not set(p3) & (set(p1) | set(p2))
+    assert pol.victims(10_000, ()) == [1]  # the used-up package makes the room
+    pol.on_remove(1)
+    _insert(pol, cache, 3, p3, 10_000)
+    # the H-list changes at the next epoch: the missed IDs are repacked first
+    imp.v += 1
+    imp.ep = 1
+    pol.on_request(99)
+    for u in (2, 3):
+        pol.on_remove(u)
+    p4 = pol.plan_package(pool, lambda s: 1000, 0)
+    assert p4[: len(missed)] == missed
+    assert pol.stats()["repack_queue"] == 0
+
+
+def test_simulated_substitution_with_packaging_stays_in_the_class_and_spares_h_samples():
+    rnd = random.Random(4)
+    n, classes = 400, 5
+    sizes = [rnd.randint(1000, 3000) for _ in range(n)]
+    orders = [rnd.sample(range(n), n) for _ in range(4)]
+    losses = [{s: rnd.random() for s in range(n)} for _ in range(4)]
+    tr = Trace(sizes, [s % classes for s in range(n)], orders, losses)
+    from dlcachefs.policies.icache import ICachePolicy
+
+    seen: list[tuple[int, int, bool]] = []
+    orig = ICachePolicy.choose_substitute
+
+    def spy(self, sample, candidates):
+        pick = orig(self, sample, candidates)
+        if pick is not None:
+            seen.append((sample, pick, self._high(pick) or self._high(sample)))
+        return pick
+
+    ICachePolicy.choose_substitute = spy
+    try:
+        res = run_policy(tr, "icache:package=20000", sum(sizes) // 5, substitute=True)
+    finally:
+        ICachePolicy.choose_substitute = orig
+    assert res.substituted > 0 and res.policy_stats["packages"] > 0
+    assert all(tr.classes[s] == tr.classes[p] and not h for s, p, h in seen)
+    assert sum(res.policy_stats["substitutions_by_epoch"].values()) == res.substituted
+
+
+def test_icache_repacks_a_missed_id_only_while_it_can_still_be_read_this_epoch():
+    n = 60
+    pol, _, imp = _packaging_policy(40_000, 10_000, n, set(range(30, 60)), h_ratio=0.5)
+    pool = list(range(n))
+    pol.plan_package([], lambda s: 1000, 0)  # the packer's first look: packaging on
+    for s in (1, 2, 3):
+        pol.on_request(s)
+        assert not pol.admit(s, 1000)  # an L miss: recorded, not cached alone
+    imp.ep = 1  # the next epoch: the missed IDs go first...
+    pol.on_request(2)  # ...except one already asked for again
+    plan = pol.plan_package(pool, lambda s: 1000, 0)
+    assert plan[:2] == [1, 3] and 2 not in plan
+    assert pol.stats()["missed_l"] == 1  # 2 waits for the epoch after
+    pol.on_dropped(1)
+    imp.ep = 2
+    assert pol.plan_package(pool, lambda s: 1000, 0)[0] == 2
+
+
+def test_icache_counts_a_substitute_when_served_and_never_picks_one_twice_at_once():
+    cache = Cache(10_000)
+    imp = Imp({}, high=set())
+    pol = make_policy("icache:package=200", PolicyContext(cache, Future({}), imp))
+    pol.on_insert(7, (10, 11), 220)
+    a = pol.choose_substitute(2, [10, 11])  # two misses in flight at once
+    b = pol.choose_substitute(3, [10, 11])
+    assert {a, b} == {10, 11}
+    assert pol.choose_substitute(4, [10, 11]) is None  # both taken, though not served yet
+    assert pol.stats()["substitutions"] == 0  # chosen, not served
+    pol.on_access(7, a)
+    assert pol.stats()["substitutions"] == 1
+    assert pol.stats()["substitutions_by_epoch"] == {"0": 1}

@@ -24,6 +24,7 @@ class _Mgr:
     def __init__(self, eng) -> None:
         self.engine = eng
         self._roots: dict = {}
+        self._samplelists: dict = {}
 
     def view_samples(self, key, view):
         return StreamManager._view_samples(self, key, view)  # type: ignore[arg-type]

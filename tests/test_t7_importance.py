@@ -273,3 +273,108 @@ def test_cache_size_holds_with_substitution_and_units_larger_than_the_cache(tmp_
     within(st)
     assert st["chunks_written"] + st["reorder_chunks"] > 0  # something was cached
     m.umount()  # the last commits are checked too (the fixture reads the daemon's log)
+
+
+TRAIN_WITH_LOSSES = r'''
+import hashlib, json, os, sys
+import torch
+from torchvision import datasets
+from dlcachefs.torch import LossReporter, install, with_index
+
+install()  # the sampler hook: each shuffled epoch is announced to the mount
+root, mnt, out, epochs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+torch.manual_seed(0)
+ds = with_index(datasets.ImageFolder(root, loader=lambda p: open(p, "rb").read()))
+n = len(ds)
+
+
+def collate(batch):
+    return batch
+
+
+dl = torch.utils.data.DataLoader(ds, batch_size=16, shuffle=True, num_workers=2,
+                                 collate_fn=collate)
+reporter = LossReporter(root)
+with open(out, "w") as f:
+    for epoch in range(epochs):
+        items = []
+        for batch in dl:
+            idx = [i for _, _, i in batch]
+            items += [(i, y, hashlib.sha256(x).hexdigest()) for x, y, i in batch]
+            # a fixed loss per sample (a permutation of the indices): a known H-list
+            reporter.report(idx, [((i * 37) % n) / n for i in idx])
+        reporter.flush()
+        with open(os.path.join(mnt, ".dlcache", "stats"), "rb") as s:
+            st = json.loads(s.read())
+        f.write(json.dumps({"epoch": epoch, "items": items,
+                            "version": (st["importance"] or {}).get("version", 0)}) + "\n")
+'''
+
+
+@pytest.mark.parametrize("cache", ["2M", "1M"])  # 1M: packages shrink to the L-share
+def test_training_with_defaults_and_a_small_cache_gets_substitutes_from_packages(
+        tmp_path, mount, cache):
+    """Issue 9, item 5: icache with its defaults (1 MiB packages), --substitute and a 2 MiB
+    cache under a shuffled ImageFolder training that reports every sample's loss with
+    LossReporter. The packer fills the L-cache once the H-list exists, so substitutions
+    happen within two epochs of the first H-list; every byte served is a source file of
+    the requested file's class directory, and an H-sample is always served itself. A
+    cache of one package gets packages of half of it."""
+    import hashlib
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchvision")
+    src = tmp_path / "src"
+    rnd = random.Random(3)
+    for c in range(5):
+        d = src / f"class{c}"
+        d.mkdir(parents=True)
+        for i in range(50):
+            (d / f"{i:03d}.jpg").write_bytes(rnd.randbytes(rnd.randint(15_000, 25_000)))
+    m = mount(src, "--policy", "icache", "--substitute", "--cache-size", cache)
+    files = sorted(src.rglob("*.jpg"))  # ImageFolder order: classes sorted, files sorted
+    n = len(files)
+    sha = [hashlib.sha256(p.read_bytes()).hexdigest() for p in files]
+    by_class: dict[str, set[str]] = {}
+    for p, h in zip(files, sha, strict=True):
+        by_class.setdefault(p.parent.name, set()).add(h)
+    k = round(0.7 * n)  # --h-fraction 0.7 of the fixed losses (i * 37 % n) / n
+    high = set(sorted(range(n), key=lambda i: (i * 37) % n, reverse=True)[:k])
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_WITH_LOSSES)
+    out = tmp_path / "served.jsonl"
+    epochs = 4
+    r = subprocess.run([sys.executable, str(script), str(m.mnt), str(m.mnt), str(out),
+                        str(epochs)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == epochs
+    subs_by_epoch = [0] * epochs
+    for row in rows:
+        assert sorted(i for i, _, _ in row["items"]) == list(range(n))
+        subs = [h for i, _, h in row["items"] if h != sha[i]]
+        assert len(set(subs)) == len(subs)  # a substitute serves one miss an epoch
+        for i, y, h in row["items"]:
+            cls = files[i].parent.name
+            assert y == int(cls[-1])  # ImageFolder's label of the requested path
+            if h == sha[i]:
+                continue
+            assert i not in high, f"H-sample {files[i]} was substituted"
+            assert h in by_class[cls], f"{files[i]} served bytes from outside its class"
+            subs_by_epoch[row["epoch"]] += 1
+    # the first H-list is built from epoch 0's losses when epoch 1 starts
+    first = next(e for e, row in enumerate(rows) if row["version"] >= 1)
+    assert first <= 1, [row["version"] for row in rows]
+    assert sum(subs_by_epoch[first : first + 3]) > 0, subs_by_epoch
+    st = m.stats()
+    assert st["substitutions"] == sum(subs_by_epoch)
+    assert st["packer"]["packages"] >= 1 and st["policy"]["packages"] >= 1
+    limit = 2 << 20 if cache == "2M" else 1 << 20
+    pol = st["policy"]
+    assert pol["l_capacity"] >= min(1 << 20, limit // 2)  # one package, or half the cache
+    assert pol["package_size"] == min(1 << 20, pol["l_capacity"])
+    assert st["chunk_bytes"] <= limit
+    assert sum(int(v) for v in st["policy"]["substitutions_by_epoch"].values()) == sum(
+        subs_by_epoch)
