@@ -829,30 +829,10 @@ class ImportanceSampler:
         ds_line = self._view.dataset_line() if self._view is not None else f"dataset {rel}\n"
         head = f"job {self.job}\n" if self._announced_head else (
             f"job {self.job}\n{ds_line}sampler explicit\n")
-        writes, buf, start, line, line_start = [], [head], 0, [], 0
-        size = len(head)
-
-        def end_line() -> None:
-            nonlocal size, line, line_start
-            if line:
-                text = f"order {self.epoch} {line_start} " + " ".join(line) + "\n"
-                buf.append(text)
-                size += len(text)
-                line = []
-
-        for p, i in enumerate(order):
-            if not line:
-                line_start = p
-            line.append(str(i))
-            if len(line) >= 400:
-                end_line()
-                if size > 48 * 1024:
-                    writes.append("".join(buf))
-                    buf, size = [f"job {self.job}\n"], 0
-            start = p + 1
-        end_line()
-        buf.append(f"order {self.epoch} end {start}\nepoch {self.epoch}\n")
-        writes.append("".join(buf))
+        epoch = self.epoch
+        writes = _w.chunked_writes(f"order {epoch}", [str(i) for i in order],
+                                lambda n: f"order {epoch} end {n}\nepoch {epoch}\n",
+                                head, next_head=f"job {self.job}\n")
         if self._view is not None and not self._announced_head:
             writes = self._view.definition() + writes
         try:

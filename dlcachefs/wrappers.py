@@ -35,7 +35,7 @@ import hashlib
 import os
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import quote
 
@@ -320,10 +320,15 @@ def _expanded(token: str) -> int:
     return int(b) - int(a) if b else 1
 
 
-def index_lines(lid: str, indices: Sequence[int], head: str = "") -> list[str]:
-    """Writes (each at most 64 KiB, lines at most 4096 characters, each starting with
-    ``head``) that define index list ``lid``: ``index LID START TOKENS...`` chunks, then
-    ``index LID end COUNT``."""
+def chunked_writes(prefix: str, tokens: Sequence[str], tail: Callable[[int], str],
+                   head: str = "", next_head: str | None = None,
+                   expand: Callable[[str], int] = lambda _t: 1) -> list[str]:
+    """The one encoder of long index lists for the control file: writes of at most
+    ``MAX_WRITE`` bytes whose lines (at most ``MAX_LINE`` characters) read
+    ``PREFIX START TOKEN...`` (``START``: the position of the line's first index), then
+    ``tail(count)``. The first write starts with ``head``, later ones with ``next_head``
+    (default ``head``). ``expand(token)`` is how many indices a token stands for."""
+    cont = head if next_head is None else next_head
     writes: list[str] = []
     buf: list[str] = [head]
     size = len(head)
@@ -335,32 +340,39 @@ def index_lines(lid: str, indices: Sequence[int], head: str = "") -> list[str]:
     def end_line() -> None:
         nonlocal size, line, line_len
         if line:
-            text = f"index {lid} {line_start} " + " ".join(line) + "\n"
+            text = f"{prefix} {line_start} " + " ".join(line) + "\n"
             buf.append(text)
             size += len(text)
             line, line_len = [], 0
 
-    prefix = len(f"index {lid} {MAX_WRITE} \n") + 8
-    for tok in _tokens(indices):
+    room = len(f"{prefix} {MAX_WRITE} \n") + 8
+    for tok in tokens:
         if not line:
             line_start = pos
-        elif prefix + line_len + 1 + len(tok) > MAX_LINE:
+        elif room + line_len + 1 + len(tok) > MAX_LINE:
             end_line()
             line_start = pos
             if size > MAX_WRITE - 2 * MAX_LINE:
                 writes.append("".join(buf))
-                buf, size = [head], len(head)
+                buf, size = [cont], len(cont)
         line.append(tok)
         line_len += 1 + len(tok)
-        pos += _expanded(tok)
+        pos += expand(tok)
     end_line()
-    tail = f"index {lid} end {pos}\n"
-    if size + len(tail) > MAX_WRITE:
+    last = tail(pos)
+    if size + len(last) > MAX_WRITE:
         writes.append("".join(buf))
-        buf = [head]
-    buf.append(tail)
+        buf = [cont]
+    buf.append(last)
     writes.append("".join(buf))
     return writes
+
+
+def index_lines(lid: str, indices: Sequence[int], head: str = "") -> list[str]:
+    """Writes (each starting with ``head``) that define index list ``lid``: ``index LID
+    START TOKENS...`` chunks, then ``index LID end COUNT``."""
+    return chunked_writes(f"index {lid}", _tokens(indices), lambda n: f"index {lid} end {n}\n",
+                          head, expand=_expanded)
 
 
 def view_lines(vid: str, rels: Sequence[str], roots: Sequence[Root], lid: str | None
