@@ -933,7 +933,9 @@ class Engine:
             "losses_waiting": self._early_count,
         }
         out.update(self.counters.as_dict())
-        out["cache_disk_bytes_read"] = self.logs.bytes_read  # every pread of the logs
+        out["cache_disk_bytes_read"] = self.logs.bytes_read  # every pread that serves
+        # reordered logs' chunks read back (just written) to checksum them before a seal
+        out["cache_disk_bytes_read_back"] = self.logs.bytes_read_back
         out["read_plans"] = self.plans.stats()
         out["streams"] = self.streams.stats()
         out["policy"] = {"name": self.cfg.policy, **self.policy.stats()}

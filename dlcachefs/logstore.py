@@ -58,6 +58,7 @@ class LogStore:
         self.live: dict[int, int] = {}  # log id -> live chunk bytes
         self.filling: set[int] = set()  # reorder logs still being written: never deleted
         self.bytes_read = 0  # bytes read by :meth:`read` since start (under _lock)
+        self.bytes_read_back = 0  # of those, read back before a seal (not serving reads)
 
     def path(self, log_id: int) -> str:
         return os.path.join(self.dir, f"{log_id:08d}.log")
@@ -194,14 +195,19 @@ class LogStore:
         self.add_live(self.active_id, len(data))
         return self.active_id, off
 
-    def read(self, log_id: int, offset: int, length: int) -> bytes:
-        """One pread of ``length`` bytes; short reads (a truncated log) raise FormatError."""
+    def read(self, log_id: int, offset: int, length: int, *, read_back: bool = False) -> bytes:
+        """One pread of ``length`` bytes; short reads (a truncated log) raise FormatError.
+        ``read_back``: bytes just written, read again to checksum them before they are
+        indexed (a reordered log's chunk): counted apart from the reads that serve."""
         try:
             data = os.pread(self._fd(log_id), length, offset)
         except FileNotFoundError as e:
             raise FormatError(f"log {log_id} is missing") from e
         with self._lock:  # several threads read; += is not atomic
-            self.bytes_read += len(data)
+            if read_back:
+                self.bytes_read_back += len(data)
+            else:
+                self.bytes_read += len(data)
         if len(data) != length:
             raise FormatError(f"log {log_id} is shorter than its index says")
         return data

@@ -375,7 +375,8 @@ class NextEpochLog:
     def _seal_thread(self, c: PlannedChunk) -> list[int]:
         eng = self.engine
         payload_len = c.length - CHUNK_HEADER_SIZE
-        payload = eng.logs.read(self.log_id, c.offset + CHUNK_HEADER_SIZE, payload_len)
+        payload = eng.logs.read(self.log_id, c.offset + CHUNK_HEADER_SIZE, payload_len,
+                                read_back=True)
         head = encode_chunk_header(c.chunk_id, len(c.slots), payload_len, checksum(payload))
         eng.logs.pwrite(self.log_id, head, c.offset)
         eng.logs.datasync(self.log_id)
