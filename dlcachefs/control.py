@@ -92,6 +92,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from urllib.parse import unquote
 
+import numpy as np
+
 from .errors import ControlError, DlcError
 from .sampler import SamplerSpec
 from .wrappers import index_list_id, view_id
@@ -296,7 +298,7 @@ class ControlState:
         self.refused_writes = 0
         self.order_indices = 0  # held in all streams' orders, completed and in progress
         self.index_lists: OrderedDict[str, array] = OrderedDict()  # complete, oldest first
-        self.pending_lists: OrderedDict[str, array] = OrderedDict()
+        self.pending_lists: OrderedDict[str, array] = OrderedDict()  # "PID/LID" -> received
         self.views: OrderedDict[str, ViewDef] = OrderedDict()
         self.list_indices = 0  # held in index lists, complete and in progress
 
@@ -321,7 +323,7 @@ class ControlState:
         losses: dict[str, tuple[list[int], list[float]]] = {}
         for op in ops:  # validated: applying cannot fail half way
             if op.verb in ("index", "view"):  # mount-wide, not a job's
-                self._apply_list_or_view(op)
+                self._apply_list_or_view(op, pid)
                 continue
             if op.verb == "job":
                 job, rank = str(op.arg), 0
@@ -379,8 +381,10 @@ class ControlState:
                 self.on_loss(name, idx, vals)
         return len(data)
 
-    def _apply_list_or_view(self, op: _Op) -> None:
-        """``index`` chunks and ends, ``view`` definitions (validated by :meth:`_check`)."""
+    def _apply_list_or_view(self, op: _Op, pid: int) -> None:
+        """``index`` chunks and ends, ``view`` definitions (validated by :meth:`_check`).
+        A list in transit is the writing process's own (``PID/LID``): two processes (DDP
+        ranks of one ``Subset``) may send the same content-addressed list at once."""
         if op.verb == "view":
             vid, roots, lid = str(op.arg), op.extra[0], op.extra[1]
             self.views.pop(vid, None)
@@ -390,19 +394,20 @@ class ControlState:
                 self.views.popitem(last=False)
             return
         lid = str(op.arg)
+        key = f"{pid}/{lid}"
         if op.extra[0] == "chunk":
             start, indices = op.extra[1], op.extra[2]
             if start == 0:
-                old = self.pending_lists.pop(lid, None)
+                old = self.pending_lists.pop(key, None)
                 if old is not None:
                     self.list_indices -= len(old)
                 while len(self.pending_lists) >= MAX_LISTS:
                     self.list_indices -= len(self.pending_lists.popitem(last=False)[1])
-                self.pending_lists[lid] = array("q")
-            self.pending_lists[lid].extend(indices)
+                self.pending_lists[key] = array("q")
+            self.pending_lists[key].extend(indices)
             self.list_indices += len(indices)
             return
-        done = self.pending_lists.pop(lid, None)
+        done = self.pending_lists.pop(key, None)
         if done is None:
             done = array("q")
         old = self.index_lists.pop(lid, None)
@@ -456,7 +461,7 @@ class ControlState:
         pending: dict[tuple[str, int], dict[int, int]] = {}  # stream -> epoch -> received
         added = 0
         unsized_losses = 0  # loss pairs of datasets whose size is not known yet
-        lists = _ListReplay(self)
+        lists = _ListReplay(self, pid)
         dviews: dict[str, str | None] = {}  # job -> the view of its dataset at this point
         for op in ops:
             if op.verb == "index":
@@ -880,8 +885,9 @@ class _ListReplay:
     """Replays a write's ``index`` and ``view`` lines on the received counts (for
     :meth:`ControlState._check`), as :meth:`ControlState._apply_list_or_view` applies them."""
 
-    def __init__(self, cs: ControlState) -> None:
+    def __init__(self, cs: ControlState, pid: int) -> None:
         self.cs = cs
+        self.pid = pid  # lists in transit are per writing process ("PID/LID")
         self.parts: dict[str, list] = {}  # lid -> received segments (this write's view)
         self.pending_order = list(cs.pending_lists)  # oldest first, as apply evicts
         self.evicted: set[str] = set()
@@ -889,15 +895,16 @@ class _ListReplay:
         self.views: dict[str, int] = {}  # vid -> length, defined here
         self.added = 0
 
-    def _segments(self, lid: str) -> list:
-        if lid not in self.parts:
-            old = self.cs.pending_lists.get(lid) if lid not in self.evicted else None
-            self.parts[lid] = [old] if old is not None else []
-        return self.parts[lid]
+    def _segments(self, key: str) -> list:
+        if key not in self.parts:
+            old = self.cs.pending_lists.get(key) if key not in self.evicted else None
+            self.parts[key] = [old] if old is not None else []
+        return self.parts[key]
 
     def index(self, op: _Op) -> None:
         lid = str(op.arg)
-        segs = self._segments(lid)
+        key = f"{self.pid}/{lid}"
+        segs = self._segments(key)
         have = sum(len(x) for x in segs)
         if op.extra[0] == "end":
             if op.extra[1] != have:
@@ -910,21 +917,21 @@ class _ListReplay:
                 raise ControlError(f"line {op.line}: index list {lid} does not match its id "
                                    f"(sha256 of the int64 little-endian indices)")
             self.done[lid] = (have, max(content) + 1 if content else 0)
-            self.parts.pop(lid, None)
-            if lid in self.pending_order:
-                self.pending_order.remove(lid)
+            self.parts.pop(key, None)
+            if key in self.pending_order:
+                self.pending_order.remove(key)
             return
         start, indices = op.extra[1], op.extra[2]
         if start == 0:
             segs.clear()
             have = 0
-            if lid in self.pending_order:
-                self.pending_order.remove(lid)
+            if key in self.pending_order:
+                self.pending_order.remove(key)
             while len(self.pending_order) >= MAX_LISTS:
                 gone = self.pending_order.pop(0)
                 self.evicted.add(gone)
                 self.parts[gone] = []
-            self.pending_order.append(lid)
+            self.pending_order.append(key)
         elif start != have:
             raise ControlError(f"line {op.line}: index list {lid} continues at {have}, got "
                                f"{start}")
@@ -939,8 +946,8 @@ class _ListReplay:
     def _list_info(self, lid: str) -> tuple[int, int]:
         if lid in self.done:
             return self.done[lid]
-        a = self.cs.index_lists[lid]
-        return len(a), (max(a) + 1 if len(a) else 0)
+        a = self.cs.index_lists[lid]  # up to MAX_ORDER_LEN indices: not a Python loop
+        return len(a), (int(np.frombuffer(a, dtype=np.int64).max()) + 1 if len(a) else 0)
 
     def view(self, op: _Op) -> None:
         vid, (roots, lid) = str(op.arg), op.extra

@@ -37,6 +37,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     import torch
 
@@ -170,7 +172,8 @@ class OrderReplayer:
         if self.spec.kind == "subset_random":
             if self.subset is None:
                 raise ValueError("subset_random needs its index list")
-            if any(not 0 <= i < self.n for i in self.subset):  # type: ignore[attr-defined]
+            a = np.asarray(self.subset, dtype=np.int64)  # an array('q') is not copied
+            if a.size and (int(a.min()) < 0 or int(a.max()) >= self.n):
                 raise ValueError(f"the sampler's indices reach outside 0..{self.n - 1}")
 
     @property

@@ -66,6 +66,7 @@ log = logging.getLogger(__name__)
 
 MAX_SAMPLE_LISTS = 4  # sample lists kept (train and val views of the jobs, a guess)
 MAX_GUESSES = 8  # directories listed ahead of an announcement, per mount
+LIST_RETRY_S = 30.0  # a dataset whose listing failed is not listed again before this
 
 
 @dataclass
@@ -119,6 +120,7 @@ class Stream:
     learn_prev: list[int] | None = None  # the last complete epoch's opens
     learn_stable: bool = False  # the last two epochs opened in the same order
     learn_compared: bool = False  # two complete epochs were compared
+    learn_pair: tuple[list[int], list[int]] | None = None  # epochs still to compare
 
     def note_latency(self, cached: bool, seconds: float) -> None:
         if cached:
@@ -176,6 +178,7 @@ class StreamManager:
         self._last_opendir = 0
         self._guessed: set[int] = set()  # directories listed ahead of an announcement
         self._listing: dict[str, trio.Event] = {}  # dataset -> its list is being made
+        self._list_failed: dict[str, tuple[float, str]] = {}  # dataset -> (when, why)
         self.replay_ready = False  # torch imported: orders can be replayed without waiting
         self._roots: dict[tuple, SampleList] = {}  # (rel, extensions) -> verified root list
         self.unannounced: OrderedDict[int, dict] = OrderedDict()  # pgid -> stats entry
@@ -241,7 +244,9 @@ class StreamManager:
         if s.learn_cur:
             prev, s.learn_prev = s.learn_prev, s.learn_cur
             s.learn_compared = prev is not None
-            s.learn_stable = prev is not None and _similar(s.learn_cur, prev)
+            s.learn_stable = False
+            # compared in the configure task, in a thread: up to MAX_LEARNED opens each
+            s.learn_pair = (s.learn_cur, prev) if prev is not None else None
         s.learn_cur, s.learn_epoch = [], epoch
 
     def on_order(self, st: StreamState, js: JobState, epoch: int, order, pid: int) -> None:
@@ -268,6 +273,9 @@ class StreamManager:
         """The stream's sample list: the job's ImageFolder, the view's composite list (its
         roots checked against the training's digests), or a learned order of opens."""
         if dataset is None:  # learned: the last epoch's opens, when they repeat
+            pair, s.learn_pair = s.learn_pair, None
+            if pair is not None:
+                s.learn_stable = await trio.to_thread.run_sync(_similar, *pair)
             seq = list(s.learn_prev or []) if s.learn_stable else []
             return SampleList("", [], seq, [0] * len(seq), [])
         return await self.ensure_sample_list(dataset, view)
@@ -430,7 +438,13 @@ class StreamManager:
         sl = self._samplelists.get(dataset)
         if sl is not None:
             self._samplelists.move_to_end(dataset)
-        return sl
+            return sl
+        # a list evicted from the few kept (guesses ahead of announcements) is still the
+        # one a stream reads by
+        for st in self.streams.values():
+            if st.dataset == dataset and st.samples is not None:
+                return st.samples
+        return None
 
     def note_opendir(self, d: Entry) -> None:
         """A directory of the mirror was opened. A training script builds its ImageFolder
@@ -440,6 +454,12 @@ class StreamManager:
         so that the announcement that follows finds it ready (listing 1.28M samples takes
         seconds). Bounded: one guess in flight, each directory once, ``MAX_GUESSES`` per
         mount. Trio loop."""
+        try:
+            self._guess(d)
+        except Exception:  # noqa: BLE001 - a guess must never fail the opendir
+            log.exception("listing ahead of an announcement failed")
+
+    def _guess(self, d: Entry) -> None:
         parent, self._last_opendir = self._last_opendir, d.ino
         if (d.parent != parent or parent in self._guessed or self._listing
                 or len(self._guessed) >= MAX_GUESSES or self._nursery is None):
@@ -465,28 +485,36 @@ class StreamManager:
         ``view``), made in a thread from the snapshot on first use (once, however many
         callers wait for it). Raises what listing raises."""
         while True:
-            samples = self._samplelists.get(dataset)
+            samples = self.sample_list(dataset)
             if samples is not None:
                 return samples
             busy = self._listing.get(dataset)
             if busy is None:
                 break
-            await busy.wait()
-            if dataset not in self._samplelists:  # that attempt failed: try ourselves
-                break
+            await busy.wait()  # then look again: made, or failed (and maybe retried)
+        failed = self._list_failed.get(dataset)
+        if failed is not None and time.monotonic() - failed[0] < LIST_RETRY_S:
+            raise DlcError(failed[1])  # a listing that just failed is not redone at once
         done = self._listing[dataset] = trio.Event()
         try:
             if view is None:
                 samples = await trio.to_thread.run_sync(image_folder, self.engine.ns, dataset)
             else:
                 samples = await trio.to_thread.run_sync(self._view_samples, dataset, view)
-            self._samplelists[dataset] = samples
-            while len(self._samplelists) > MAX_SAMPLE_LISTS:
-                self._samplelists.popitem(last=False)
-            return samples
+        except (DlcError, ValueError, OSError) as e:
+            self._list_failed[dataset] = (time.monotonic(), str(e))
+            while len(self._list_failed) > 64:
+                self._list_failed.pop(next(iter(self._list_failed)))
+            raise
         finally:
-            del self._listing[dataset]
+            if self._listing.get(dataset) is done:
+                del self._listing[dataset]
             done.set()
+        self._list_failed.pop(dataset, None)
+        self._samplelists[dataset] = samples
+        while len(self._samplelists) > MAX_SAMPLE_LISTS:
+            self._samplelists.popitem(last=False)
+        return samples
 
     def list_soon(self, dataset: str, then: Callable[[str], None],
                   view: ViewDef | None = None) -> None:
@@ -502,7 +530,11 @@ class StreamManager:
                 await self.ensure_sample_list(dataset, view)
             except Exception as e:  # noqa: BLE001 - reported through then()
                 log.warning("dataset %r: cannot make its sample list: %s", dataset, e)
-            then(dataset)
+            try:
+                then(dataset)
+            except Exception:  # noqa: BLE001 - a background task must not end the mount
+                log.exception("dataset %r: applying what waited for its list failed",
+                              dataset)
 
         self._nursery.start_soon(task)
 
@@ -815,6 +847,8 @@ def _preload_torch() -> None:
         import torch  # noqa: F401, PLC0415
     except ImportError:
         log.info("torch is not installed: announced samplers cannot be replayed")
+    except Exception as e:  # noqa: BLE001 - a broken torch must not end the mount
+        log.warning("torch cannot be imported (%s): announced samplers cannot be replayed", e)
 
 
 def _first_positions(order: list[int], samples: SampleList) -> Positions:

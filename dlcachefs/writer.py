@@ -199,7 +199,9 @@ class ChunkWriter:
         """Queue ``(ino, key, identity, data)`` records to be sealed at once as ONE unit
         (a package the core built; iCACHE III-C). All or nothing: False (counted) when
         caching pauses or too much is queued already."""
-        recs = [r for r in recs if (p := self.pending.get(r[0])) is None or p.ident != r[2]]
+        # a member already waiting here (this version or another one, which would leave
+        # two open records for one inode) stays out of the package
+        recs = [r for r in recs if r[0] not in self.pending]
         if not recs:
             return False
         if self._closing or time.monotonic() < self.backoff_until:

@@ -165,6 +165,21 @@ def apply_all(cs: ControlState, writes: list[str], pid: int = 7) -> None:
         cs.apply(text.encode(), pid)
 
 
+def test_two_processes_send_the_same_list_at_once():
+    """DDP ranks of one Subset define the same (content-addressed) list at the same time:
+    their writes interleave, and each is accepted (a list in transit is per process)."""
+    indices = list(range(0, 60000, 3)) + list(range(7, 30000, 7))
+    lid = w.index_list_id(indices)
+    writes = w.index_lines(lid, indices)
+    assert len(writes) >= 2
+    cs = ControlState(resolve_dir)
+    for a, b in zip(writes, writes, strict=True):
+        cs.apply(a.encode(), 11)
+        cs.apply(b.encode(), 12)
+    assert list(cs.index_lists[lid]) == indices
+    assert not cs.pending_lists
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.one_of(st.integers(0, 2000), st.integers(0, 1 << 39)), max_size=3000),
        st.booleans())
