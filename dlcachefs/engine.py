@@ -750,7 +750,19 @@ class Engine:
         return view
 
     async def _load_chunk_into_memory(self, c: Chunk) -> ChunkBuf | None:
+        # sequential: a neighbour of it in the log was among the last chunk reads *asked
+        # for* (issued, finished or still in flight). Decided here, before the read, in the
+        # order the daemon asks the disk: loads run concurrently (the reader, several
+        # preloads under the disk limiter) and their tasks resume in any order (trio runs a
+        # batch of woken tasks in reverse half of the time: three preloads of a scan issued
+        # as 2, 3, 4 and finishing together resumed as 4, 3, 2), so deciding on completion
+        # counted 4 as a jump (neither 3 nor 5 done yet) in a log read front to back. Issued
+        # in log order, every chunk but the first of a run counts, whatever the finish order.
+        recent = self._recent_chunk_reads
+        sequential = c.chunk_id - 1 in recent or c.chunk_id + 1 in recent
+        recent.append(c.chunk_id)
         ev = self._loading[c.chunk_id] = trio.Event()
+        data = None
         try:
             data, verified = await trio.to_thread.run_sync(
                 self._load_chunk, c, limiter=self.disk_limiter)
@@ -760,17 +772,13 @@ class Engine:
         finally:
             del self._loading[c.chunk_id]
             ev.set()
+            if data is None and c.chunk_id in recent:  # not read after all (or cancelled)
+                recent.remove(c.chunk_id)
         self.counters.chunk_reads += 1
-        log.debug("chunk read %d (log %d, %d bytes)", c.chunk_id, c.log_id, c.length)
-        # sequential: a neighbour of it in the log was among the recent chunk reads. Loads
-        # run concurrently (the reader, several preloads under the disk limiter) and finish
-        # in any order, so "the chunk before it was read just before" would depend on
-        # timing; a neighbour on either side does not: a front-to-back scan counts every
-        # chunk but the first of each run, however its loads interleave.
-        recent = self._recent_chunk_reads
-        if c.chunk_id - 1 in recent or c.chunk_id + 1 in recent:
+        if sequential:
             self.counters.sequential_chunk_reads += 1
-        self._recent_chunk_reads.append(c.chunk_id)
+        log.debug("chunk read %d (log %d, %d bytes%s)", c.chunk_id, c.log_id, c.length,
+                  ", sequential" if sequential else "")
         self._loads += 1
         buf = ChunkBuf(c.chunk_id, c.offset, data, verified)
         self.memtier.put(buf)

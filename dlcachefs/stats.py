@@ -16,7 +16,7 @@ class Counters:
     bytes_from_source: int = 0
     bytes_from_cache: int = 0      # bytes returned to readers from cached data
     chunk_reads: int = 0           # whole-chunk reads from the logs
-    sequential_chunk_reads: int = 0  # chunk reads of the chunk right after the previous one
+    sequential_chunk_reads: int = 0  # chunk reads asked for next to one (id +-1) of the last 64
     record_reads: int = 0          # single-record reads from the logs
     checksum_failures: int = 0     # cached records that failed their checksum (then refetched)
     stale_refetches: int = 0       # cached records whose source changed (then refetched)
