@@ -26,9 +26,11 @@ reader, inside a bounded window, and reads exactly the records it will ask for:
   ``data_xxh``) in the worker thread; a mismatch is a checksum failure (the record is
   dropped and refetched from the source by its open), never served.
 * **Hand-off**: an open of a sample the plan holds takes its bytes
-  (:meth:`ReadPlan.take`); one in flight waits for its batch; one the plan has not read
-  (the reader got ahead, or the record was not indexed when the window passed it) is read
-  as a single record, never with a whole-chunk probe.
+  (:meth:`ReadPlan.take`); one in flight waits for its batch (records at positions the
+  reader has passed are dropped, never one an open waits for: its open moved the position
+  before it took); one the plan has not read (the reader got ahead, or the record was not
+  indexed when the window passed it) is read as a single record, never with a whole-chunk
+  probe.
 
 Streams reading a log laid out for their epoch (LCache, ``current_log``) get no plan:
 they keep sequential whole-chunk reads. Opens not attributed to a stream with a plan
@@ -255,6 +257,10 @@ class ReadPlan:
         self.held = 0  # bytes this plan reserved
         self.ready: dict[int, _Ready] = {}
         self.inflight: dict[int, trio.Event] = {}
+        # inodes whose open waits in take() for their batch: the reader's position already
+        # moved past them (note_open runs before the open loads), so _drop_behind must
+        # leave their records for the open
+        self.taking: dict[int, int] = {}
         self.closed = False
         self._changed = trio.Event()
 
@@ -281,8 +287,15 @@ class ReadPlan:
     async def take(self, ino: int, rec: Record) -> memoryview | None:
         """The bytes of ``rec`` when the plan read them (waits for a batch in flight);
         None when it did not (the open reads the record itself)."""
-        while (ev := self.inflight.get(ino)) is not None:
-            await ev.wait()
+        self.taking[ino] = self.taking.get(ino, 0) + 1
+        try:
+            while (ev := self.inflight.get(ino)) is not None:
+                await ev.wait()
+        finally:
+            if self.taking[ino] == 1:
+                del self.taking[ino]
+            else:
+                self.taking[ino] -= 1
         r = self.ready.pop(ino, None)
         self.poke()
         if r is None:
@@ -323,9 +336,10 @@ class ReadPlan:
             self._changed = trio.Event()
 
     def _drop_behind(self) -> None:
-        """Records at positions the reader has passed were served some other way."""
+        """Records at positions the reader has passed were served some other way, except
+        those whose open is waiting in :meth:`take` (it moved the position itself)."""
         pos = self.stream.position
-        for ino in [i for i, r in self.ready.items() if r.pos < pos]:
+        for ino in [i for i, r in self.ready.items() if r.pos < pos and i not in self.taking]:
             self._release(self.ready.pop(ino).buf)
 
     def _collect(self) -> list[tuple[int, Want]]:
