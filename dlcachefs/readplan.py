@@ -30,7 +30,7 @@ reader, inside a bounded window, and reads exactly the records it will ask for:
   reader has passed are dropped, never one an open waits for: its open moved the position
   before it took); one the plan has not read (the reader got ahead, or the record was not
   indexed when the window passed it) is read as a single record, never with a whole-chunk
-  probe.
+  probe. A plan that has handed out its whole epoch is closed.
 
 Streams reading a log laid out for their epoch (LCache, ``current_log``) get no plan:
 they keep sequential whole-chunk reads. Opens not attributed to a stream with a plan
@@ -221,6 +221,7 @@ class ReadPlanner:
         plan = self.plans[stream.key] = ReadPlan(self, stream)
         try:
             await plan.run()
+            plan.close()  # done: the epoch's later opens read as if it had no plan
         except Exception:  # noqa: BLE001 - a background task must never end the daemon
             log.exception("stream %s: read plan stopped", stream.key)
             plan.close()

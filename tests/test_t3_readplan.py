@@ -131,3 +131,22 @@ def test_open_waiting_for_its_batch_takes_the_planned_bytes(setup, monkeypatch):
 
     run_engine(cfg, body)
 
+
+def test_finished_plan_is_closed_and_unregistered(setup):
+    """Regression (review): a plan that handed out its whole epoch stayed registered, so
+    plan_for kept returning a plan that serves nothing."""
+    cfg, files = setup
+
+    async def body(eng):
+        r = Reader(eng, files)
+        await r.fill()
+        s = await r.announce()
+        plan = await r.plan()
+        await r.read_rest()
+        with trio.fail_after(20):
+            while s.key in eng.plans.plans:
+                await trio.sleep(0.01)
+        assert plan.closed and eng.plans.plan_for(s) is None
+        assert eng.plans.held == 0 and eng.memtier.reserved == 0
+
+    run_engine(cfg, body)
