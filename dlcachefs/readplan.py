@@ -31,6 +31,11 @@ reader, inside a bounded window, and reads exactly the records it will ask for:
   before it took); one the plan has not read (the reader got ahead, or the record was not
   indexed when the window passed it) is read as a single record, never with a whole-chunk
   probe. A plan that has handed out its whole epoch is closed.
+* **Idle**: a plan holding memory whose reader made no progress (its position did not
+  move and no open took from the plan) for ``IDLE`` seconds (the job ended, crashed or
+  hangs mid-epoch) gives back everything it holds (its reservation in the memory tier)
+  and reads nothing more until the reader moves again; it then reads its window again
+  from the reader's position. So a job that stops mid-epoch never keeps memory reserved.
 
 Streams reading a log laid out for their epoch (LCache, ``current_log``) get no plan:
 they keep sequential whole-chunk reads. Opens not attributed to a stream with a plan
@@ -61,6 +66,9 @@ log = logging.getLogger(__name__)
 
 #: a covering read is made only while at least this fraction of its bytes is wanted
 MIN_USEFUL = 0.9
+
+#: seconds without progress of its reader after which a plan gives back what it holds
+IDLE = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,8 +177,9 @@ class ReadPlanner:
     """
 
     def __init__(self, engine, budget: int, lead: int = 1024,
-                 max_batch: int = 4 << 20) -> None:
+                 max_batch: int = 4 << 20, idle: float = IDLE) -> None:
         self.engine = engine
+        self.idle = idle
         self.budget = max(budget, 1)
         self.lead = lead
         self.max_batch = max_batch
@@ -263,6 +272,10 @@ class ReadPlan:
         # leave their records for the open
         self.taking: dict[int, int] = {}
         self.closed = False
+        self.idle = False  # gave back what it held: reads nothing until the reader moves
+        self._seen = (-1, -1)  # (reader's position, takes) when progress was last noted
+        self._takes = 0
+        self._progress_at = 0.0
         self._changed = trio.Event()
 
     def poke(self) -> None:
@@ -270,7 +283,7 @@ class ReadPlan:
 
     def stats(self) -> dict:
         return {"next": self.next, "ready": len(self.ready), "in_flight": len(self.inflight),
-                "held_bytes": self.held}
+                "held_bytes": self.held, "idle": self.idle}
 
     def covers(self, ino: int) -> bool:
         """Whether ``ino`` is a sample of this epoch's dataset (not, say, a validation
@@ -288,6 +301,7 @@ class ReadPlan:
     async def take(self, ino: int, rec: Record) -> memoryview | None:
         """The bytes of ``rec`` when the plan read them (waits for a batch in flight);
         None when it did not (the open reads the record itself)."""
+        self._takes += 1
         self.taking[ino] = self.taking.get(ino, 0) + 1
         try:
             while (ev := self.inflight.get(ino)) is not None:
@@ -325,16 +339,47 @@ class ReadPlan:
 
     async def run(self) -> None:
         self.members = await trio.to_thread.run_sync(frozenset, self.inos)
+        self._progressed()
         while not self.closed:
+            if self._progressed():
+                self.idle = False
             self._drop_behind()
-            batch = self._collect()
+            batch = [] if self.idle else self._collect()
             if batch:
                 await self._read(batch)
                 continue
             if self.next >= len(self.order) and not self.ready and not self.inflight:
                 return  # the whole epoch was planned and everything handed out
-            await self._changed.wait()
+            if self.idle or not self.held:
+                await self._changed.wait()  # nothing held: wait for the reader as long
+            else:
+                with trio.move_on_at(self._progress_at + self.planner.idle):
+                    await self._changed.wait()
+                if not self._progressed() and not self._changed.is_set() and \
+                        trio.current_time() >= self._progress_at + self.planner.idle:
+                    self._go_idle()
             self._changed = trio.Event()
+
+    def _progressed(self) -> bool:
+        """Whether the reader moved or took since the last call (then notes the time)."""
+        mark = (self.stream.position, self._takes)
+        if mark == self._seen:
+            return False
+        self._seen = mark
+        self._progress_at = trio.current_time()
+        return True
+
+    def _go_idle(self) -> None:
+        """The reader stopped (the job ended or hangs mid-epoch): give back the memory
+        held and read nothing until it moves again; then the window is read again from
+        its position."""
+        log.info("stream %s: no reads for %.0f s: the read plan gives back %d bytes",
+                 self.stream.key, self.planner.idle, self.held)
+        for r in self.ready.values():
+            self._release(r.buf)
+        self.ready.clear()
+        self.next = self.stream.position
+        self.idle = True
 
     def _drop_behind(self) -> None:
         """Records at positions the reader has passed were served some other way, except

@@ -150,3 +150,38 @@ def test_finished_plan_is_closed_and_unregistered(setup):
         assert eng.plans.held == 0 and eng.memtier.reserved == 0
 
     run_engine(cfg, body)
+
+
+def test_plan_of_a_stopped_reader_gives_its_memory_back(setup):
+    """Regression (review): a job that stopped mid-epoch kept the plan's reservation of
+    the memory tier for good. Without progress for ``idle`` seconds the plan gives back
+    what it holds, and reads ahead again once the reader moves."""
+    cfg, files = setup
+
+    async def body(eng):
+        eng.plans.idle = 0.3
+        r = Reader(eng, files)
+        await r.fill()
+        await r.announce()
+        plan = await r.plan()
+        for _ in range(3):
+            await r.read_next()
+        with trio.fail_after(20):  # the plan read ahead of the reader, then it stops
+            while not plan.ready:
+                await trio.sleep(0.01)
+        assert eng.memtier.reserved > 0
+        with trio.fail_after(20):
+            while eng.memtier.reserved or eng.plans.held:
+                await trio.sleep(0.01)
+        assert plan.idle and not plan.ready and plan.held == 0
+        assert eng.plans.plan_for(r.stream) is plan  # still this epoch's plan
+        hits = eng.counters.planned_hits
+        await r.read_next()  # the reader moves again: so does the plan
+        with trio.fail_after(20):
+            while not plan.ready:
+                await trio.sleep(0.01)
+        assert not plan.idle
+        await r.read_rest()
+        assert eng.counters.planned_hits > hits
+
+    run_engine(cfg, body)
