@@ -185,6 +185,8 @@ class ReadPlanner:
         self.max_batch = max_batch
         self.held = 0  # bytes reserved by all plans (in flight or waiting to be taken)
         self.plans: dict[str, ReadPlan] = {}
+        # per stream, the order whose plan task has begun (its plan may be over since)
+        self._begun: dict[str, list[int]] = {}
 
     def plan_for(self, stream) -> ReadPlan | None:
         """The active plan of a stream's current epoch, or None."""
@@ -197,13 +199,14 @@ class ReadPlanner:
         return p
 
     def pending(self, stream) -> bool:
-        """A new epoch was announced and its order is being computed, and no log was laid
-        out for it: it will be read through a plan, so its first opens read single
-        records rather than probe with whole chunks."""
+        """A new epoch was announced and its order is being computed (or it was just
+        configured and its plan's task has not begun yet), and no log was laid out for it:
+        it will be read through a plan, so its first opens read single records rather
+        than probe with whole chunks."""
         if stream is None or stream.target_epoch is None or stream.error is not None:
             return False
         if stream.epoch == stream.target_epoch:
-            return False
+            return self.wanted(stream) and self._begun.get(stream.key) is not stream.order
         nl = stream.next_log
         return nl is None or nl.epoch != stream.target_epoch
 
@@ -222,6 +225,7 @@ class ReadPlanner:
     async def run(self, stream) -> None:
         """The plan of the stream's epoch that starts now (a task of its epoch nursery);
         replaces its previous plan. Never raises, except cancellation."""
+        self._begun[stream.key] = stream.order
         old = self.plans.pop(stream.key, None)
         if old is not None:
             old.close()
