@@ -622,7 +622,8 @@ class Engine:
         if c is None or not self.writer.pin(c.chunk_id):
             return
         try:
-            if c.length <= self.memtier.limit // 3 and self._reuse >= 2.0:
+            if (c.length <= self.memtier.limit // 3 and self.memtier.can_hold(c.length)
+                    and self._reuse >= 2.0):
                 if await self._load_chunk_into_memory(c) is not None:
                     self.counters.chunk_preloads += 1
             elif ino not in self.ready and self._ready_bytes + rec.size <= self.ready_limit:
@@ -817,6 +818,8 @@ class Engine:
         and probe with a whole chunk every 16th miss to notice when that changes.
         """
         if c.length > self.memtier.limit // 3:  # chunks end a little past --chunk-size
+            return False
+        if not self.memtier.can_hold(c.length):  # planned reads hold the room: records
             return False
         if self._loads >= 32:
             self._reuse = 0.5 * self._reuse + 0.5 * (1 + self._served / self._loads)

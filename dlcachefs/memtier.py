@@ -41,7 +41,8 @@ class MemoryTier:
         return buf
 
     def can_hold(self, length: int) -> bool:
-        return length <= self.limit
+        """Whether a chunk of ``length`` bytes fits beside what planned reads reserved."""
+        return length + self.reserved <= self.limit
 
     def put(self, buf: ChunkBuf) -> None:
         if not self.can_hold(len(buf.data)):

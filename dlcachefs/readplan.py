@@ -26,9 +26,16 @@ reader, inside a bounded window, and reads exactly the records it will ask for:
   ``data_xxh``) in the worker thread; a mismatch is a checksum failure (the record is
   dropped and refetched from the source by its open), never served.
 * **Hand-off**: an open of a sample the plan holds takes its bytes
-  (:meth:`ReadPlan.take`); one in flight waits for its batch; one the plan has not read
-  (the reader got ahead, or the record was not indexed when the window passed it) is read
-  as a single record, never with a whole-chunk probe.
+  (:meth:`ReadPlan.take`); one in flight waits for its batch (records at positions the
+  reader has passed are dropped, never one an open waits for: its open moved the position
+  before it took); one the plan has not read (the reader got ahead, or the record was not
+  indexed when the window passed it) is read as a single record, never with a whole-chunk
+  probe. A plan that has handed out its whole epoch is closed.
+* **Idle**: a plan holding memory whose reader made no progress (its position did not
+  move and no open took from the plan) for ``IDLE`` seconds (the job ended, crashed or
+  hangs mid-epoch) gives back everything it holds (its reservation in the memory tier)
+  and reads nothing more until the reader moves again; it then reads its window again
+  from the reader's position. So a job that stops mid-epoch never keeps memory reserved.
 
 Streams reading a log laid out for their epoch (LCache, ``current_log``) get no plan:
 they keep sequential whole-chunk reads. Opens not attributed to a stream with a plan
@@ -59,6 +66,9 @@ log = logging.getLogger(__name__)
 
 #: a covering read is made only while at least this fraction of its bytes is wanted
 MIN_USEFUL = 0.9
+
+#: seconds without progress of its reader after which a plan gives back what it holds
+IDLE = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,13 +177,16 @@ class ReadPlanner:
     """
 
     def __init__(self, engine, budget: int, lead: int = 1024,
-                 max_batch: int = 4 << 20) -> None:
+                 max_batch: int = 4 << 20, idle: float = IDLE) -> None:
         self.engine = engine
+        self.idle = idle
         self.budget = max(budget, 1)
         self.lead = lead
         self.max_batch = max_batch
         self.held = 0  # bytes reserved by all plans (in flight or waiting to be taken)
         self.plans: dict[str, ReadPlan] = {}
+        # per stream, the order whose plan task has begun (its plan may be over since)
+        self._begun: dict[str, list[int]] = {}
 
     def plan_for(self, stream) -> ReadPlan | None:
         """The active plan of a stream's current epoch, or None."""
@@ -186,13 +199,14 @@ class ReadPlanner:
         return p
 
     def pending(self, stream) -> bool:
-        """A new epoch was announced and its order is being computed, and no log was laid
-        out for it: it will be read through a plan, so its first opens read single
-        records rather than probe with whole chunks."""
+        """A new epoch was announced and its order is being computed (or it was just
+        configured and its plan's task has not begun yet), and no log was laid out for it:
+        it will be read through a plan, so its first opens read single records rather
+        than probe with whole chunks."""
         if stream is None or stream.target_epoch is None or stream.error is not None:
             return False
         if stream.epoch == stream.target_epoch:
-            return False
+            return self.wanted(stream) and self._begun.get(stream.key) is not stream.order
         nl = stream.next_log
         return nl is None or nl.epoch != stream.target_epoch
 
@@ -211,6 +225,7 @@ class ReadPlanner:
     async def run(self, stream) -> None:
         """The plan of the stream's epoch that starts now (a task of its epoch nursery);
         replaces its previous plan. Never raises, except cancellation."""
+        self._begun[stream.key] = stream.order
         old = self.plans.pop(stream.key, None)
         if old is not None:
             old.close()
@@ -219,6 +234,7 @@ class ReadPlanner:
         plan = self.plans[stream.key] = ReadPlan(self, stream)
         try:
             await plan.run()
+            plan.close()  # done: the epoch's later opens read as if it had no plan
         except Exception:  # noqa: BLE001 - a background task must never end the daemon
             log.exception("stream %s: read plan stopped", stream.key)
             plan.close()
@@ -255,7 +271,15 @@ class ReadPlan:
         self.held = 0  # bytes this plan reserved
         self.ready: dict[int, _Ready] = {}
         self.inflight: dict[int, trio.Event] = {}
+        # inodes whose open waits in take() for their batch: the reader's position already
+        # moved past them (note_open runs before the open loads), so _drop_behind must
+        # leave their records for the open
+        self.taking: dict[int, int] = {}
         self.closed = False
+        self.idle = False  # gave back what it held: reads nothing until the reader moves
+        self._seen = (-1, -1)  # (reader's position, takes) when progress was last noted
+        self._takes = 0
+        self._progress_at = 0.0
         self._changed = trio.Event()
 
     def poke(self) -> None:
@@ -263,7 +287,7 @@ class ReadPlan:
 
     def stats(self) -> dict:
         return {"next": self.next, "ready": len(self.ready), "in_flight": len(self.inflight),
-                "held_bytes": self.held}
+                "held_bytes": self.held, "idle": self.idle}
 
     def covers(self, ino: int) -> bool:
         """Whether ``ino`` is a sample of this epoch's dataset (not, say, a validation
@@ -281,8 +305,16 @@ class ReadPlan:
     async def take(self, ino: int, rec: Record) -> memoryview | None:
         """The bytes of ``rec`` when the plan read them (waits for a batch in flight);
         None when it did not (the open reads the record itself)."""
-        while (ev := self.inflight.get(ino)) is not None:
-            await ev.wait()
+        self._takes += 1
+        self.taking[ino] = self.taking.get(ino, 0) + 1
+        try:
+            while (ev := self.inflight.get(ino)) is not None:
+                await ev.wait()
+        finally:
+            if self.taking[ino] == 1:
+                del self.taking[ino]
+            else:
+                self.taking[ino] -= 1
         r = self.ready.pop(ino, None)
         self.poke()
         if r is None:
@@ -311,21 +343,53 @@ class ReadPlan:
 
     async def run(self) -> None:
         self.members = await trio.to_thread.run_sync(frozenset, self.inos)
+        self._progressed()
         while not self.closed:
+            if self._progressed():
+                self.idle = False
             self._drop_behind()
-            batch = self._collect()
+            batch = [] if self.idle else self._collect()
             if batch:
                 await self._read(batch)
                 continue
             if self.next >= len(self.order) and not self.ready and not self.inflight:
                 return  # the whole epoch was planned and everything handed out
-            await self._changed.wait()
+            if self.idle or not self.held:
+                await self._changed.wait()  # nothing held: wait for the reader as long
+            else:
+                with trio.move_on_at(self._progress_at + self.planner.idle):
+                    await self._changed.wait()
+                if not self._progressed() and not self._changed.is_set() and \
+                        trio.current_time() >= self._progress_at + self.planner.idle:
+                    self._go_idle()
             self._changed = trio.Event()
 
+    def _progressed(self) -> bool:
+        """Whether the reader moved or took since the last call (then notes the time)."""
+        mark = (self.stream.position, self._takes)
+        if mark == self._seen:
+            return False
+        self._seen = mark
+        self._progress_at = trio.current_time()
+        return True
+
+    def _go_idle(self) -> None:
+        """The reader stopped (the job ended or hangs mid-epoch): give back the memory
+        held and read nothing until it moves again; then the window is read again from
+        its position."""
+        log.info("stream %s: no reads for %.0f s: the read plan gives back %d bytes",
+                 self.stream.key, self.planner.idle, self.held)
+        for r in self.ready.values():
+            self._release(r.buf)
+        self.ready.clear()
+        self.next = self.stream.position
+        self.idle = True
+
     def _drop_behind(self) -> None:
-        """Records at positions the reader has passed were served some other way."""
+        """Records at positions the reader has passed were served some other way, except
+        those whose open is waiting in :meth:`take` (it moved the position itself)."""
         pos = self.stream.position
-        for ino in [i for i, r in self.ready.items() if r.pos < pos]:
+        for ino in [i for i, r in self.ready.items() if r.pos < pos and i not in self.taking]:
             self._release(self.ready.pop(ino).buf)
 
     def _collect(self) -> list[tuple[int, Want]]:

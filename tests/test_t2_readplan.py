@@ -130,3 +130,19 @@ def test_memory_tier_gives_room_to_planned_reads():
     t.unreserve(40)
     t.put(ChunkBuf(10, 0, b"z" * 25, True))
     assert t.bytes == 75 and t.reserved == 0
+
+
+def test_memory_tier_stores_no_chunk_larger_than_the_room_reservations_leave():
+    """Regression (review): with planned reads holding part of the tier, a chunk bigger
+    than what is left was stored anyway (emptying the tier) and exceeded the limit."""
+    from dlcachefs.memtier import ChunkBuf, MemoryTier
+
+    t = MemoryTier(100)
+    t.put(ChunkBuf(1, 0, b"x" * 20, True))
+    t.reserve(60)
+    assert not t.can_hold(50) and t.can_hold(40)
+    t.put(ChunkBuf(2, 0, b"y" * 50, True))  # cannot be held: not stored, nothing evicted
+    assert 2 not in t and 1 in t
+    assert t.bytes + t.reserved <= t.limit
+    t.put(ChunkBuf(3, 0, b"z" * 40, True))  # fits once the older chunk goes
+    assert 3 in t and t.bytes + t.reserved <= t.limit

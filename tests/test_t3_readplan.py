@@ -1,0 +1,187 @@
+"""Tier 3: planned reads (dlcachefs.readplan) with the engine driven directly under trio,
+no kernel: a stream announced with a known order and no next-epoch log (``reorder``
+off), over a cache filled beforehand."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import trio
+from fakes import make_config, read_all, run_engine, write_tree
+
+import dlcachefs.readplan as readplan
+from dlcachefs.control import ControlState
+from dlcachefs.errors import DlcError
+
+PID = 9_100_000  # above the kernel's pid_max: never a real process
+
+
+def dataset(seed: int = 3) -> dict[bytes, bytes]:
+    rng = random.Random(seed)
+    return {b"train/c%d/%02d.jpg" % (c, i): rng.randbytes(rng.randrange(500, 4000))
+            for c in range(3) for i in range(10)}
+
+
+@pytest.fixture
+def setup(tmp_path):
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    files = dataset()
+    write_tree(src, files)
+    return make_config(src, cache, chunk_size=16 << 10, reorder=False), files
+
+
+class Reader:
+    """One rank reading its announced epoch through the engine, in the epoch's order."""
+
+    def __init__(self, eng, files) -> None:
+        self.eng, self.files = eng, files
+
+        def resolve_dir(rel: str) -> int:
+            e = eng.ns.resolve(rel.encode())
+            if e is None:
+                raise DlcError("no such directory")
+            return e.ino
+
+        self.cs = ControlState(resolve_dir, eng.streams.on_stream,
+                               dataset_size=eng.dataset_size, on_loss=eng.on_loss,
+                               on_order=eng.streams.on_order)
+        self.by_ino = {eng.ns.resolve(rel).ino: rel for rel in files}
+        self.pos = 0
+
+    async def fill(self) -> None:
+        """Every file read once without a stream, sealed and indexed."""
+        for rel in sorted(self.files):
+            assert await read_all(self.eng, rel) == self.files[rel]
+        await self.eng.writer.flush()
+        assert self.eng.index.n_records() == len(self.files)
+
+    async def announce(self, epoch: int = 0):
+        self.cs.apply(f"job j\ndataset train\nsampler distributed seed=5 world=1 rank=0\n"
+                      f"epoch {epoch}\n".encode(), PID)
+        self.pos = 0
+        with trio.fail_after(20):  # the order is replayed in a thread: wait for it
+            while (s := self.eng.streams.streams.get(("j", 0))) is None or \
+                    s.epoch != epoch or not s.order:
+                await trio.sleep(0.01)
+        self.stream = s
+        return s
+
+    async def plan(self):
+        """The stream's plan, once its task has begun."""
+        with trio.fail_after(20):
+            while (p := self.eng.plans.plans.get(self.stream.key)) is None:
+                await trio.sleep(0.01)
+        return p
+
+    def ino_at(self, p: int) -> int:
+        s = self.stream
+        return s.samples.inos[s.order[p]]
+
+    async def read_next(self) -> None:
+        ino = self.ino_at(self.pos)
+        self.pos += 1
+        h = await self.eng.open(ino, PID)
+        try:
+            out = bytearray()
+            while piece := await self.eng.read(h.fh, len(out), 1 << 20):
+                out += piece
+        finally:
+            self.eng.release(h.fh)
+        assert bytes(out) == self.files[self.by_ino[ino]]
+
+    async def read_rest(self) -> None:
+        while self.pos < len(self.stream.order):
+            await self.read_next()
+
+
+def test_open_waiting_for_its_batch_takes_the_planned_bytes(setup, monkeypatch):
+    """Regression (review): the open moves the reader's position before it takes; when it
+    waited for its batch in flight, the plan dropped the record as 'behind the reader' as
+    soon as the batch landed, and the open read it again from the log."""
+    cfg, files = setup
+    gate = threading.Event()
+    real = readplan.read_runs
+
+    def gated(logs, runs):
+        gate.wait(30)  # the first batch stays in flight until the open waits for it
+        return real(logs, runs)
+
+    async def body(eng):
+        r = Reader(eng, files)
+        await r.fill()
+        monkeypatch.setattr(readplan, "read_runs", gated)
+        await r.announce()
+        plan = await r.plan()
+        first = r.ino_at(0)
+        with trio.fail_after(20):
+            while first not in plan.inflight:
+                await trio.sleep(0.01)
+        ev = plan.inflight[first]
+        async with trio.open_nursery() as n:
+            n.start_soon(r.read_next)
+            with trio.fail_after(20):  # the open waits in take() for the batch
+                while ev.statistics().tasks_waiting == 0:
+                    await trio.sleep(0.01)
+            gate.set()
+        assert eng.counters.planned_hits == 1
+        assert eng.counters.fill_reads == 0  # not read again as a single record
+        await r.read_rest()
+
+    run_engine(cfg, body)
+
+
+def test_finished_plan_is_closed_and_unregistered(setup):
+    """Regression (review): a plan that handed out its whole epoch stayed registered, so
+    plan_for kept returning a plan that serves nothing."""
+    cfg, files = setup
+
+    async def body(eng):
+        r = Reader(eng, files)
+        await r.fill()
+        s = await r.announce()
+        plan = await r.plan()
+        await r.read_rest()
+        with trio.fail_after(20):
+            while s.key in eng.plans.plans:
+                await trio.sleep(0.01)
+        assert plan.closed and eng.plans.plan_for(s) is None
+        assert eng.plans.held == 0 and eng.memtier.reserved == 0
+
+    run_engine(cfg, body)
+
+
+def test_plan_of_a_stopped_reader_gives_its_memory_back(setup):
+    """Regression (review): a job that stopped mid-epoch kept the plan's reservation of
+    the memory tier for good. Without progress for ``idle`` seconds the plan gives back
+    what it holds, and reads ahead again once the reader moves."""
+    cfg, files = setup
+
+    async def body(eng):
+        eng.plans.idle = 0.3
+        r = Reader(eng, files)
+        await r.fill()
+        await r.announce()
+        plan = await r.plan()
+        for _ in range(3):
+            await r.read_next()
+        with trio.fail_after(20):  # the plan read ahead of the reader, then it stops
+            while not plan.ready:
+                await trio.sleep(0.01)
+        assert eng.memtier.reserved > 0
+        with trio.fail_after(20):
+            while eng.memtier.reserved or eng.plans.held:
+                await trio.sleep(0.01)
+        assert plan.idle and not plan.ready and plan.held == 0
+        assert eng.plans.plan_for(r.stream) is plan  # still this epoch's plan
+        hits = eng.counters.planned_hits
+        await r.read_next()  # the reader moves again: so does the plan
+        with trio.fail_after(20):
+            while not plan.ready:
+                await trio.sleep(0.01)
+        assert not plan.idle
+        await r.read_rest()
+        assert eng.counters.planned_hits > hits
+
+    run_engine(cfg, body)
