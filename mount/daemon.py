@@ -23,11 +23,10 @@ import pyfuse3
 import trio
 
 from dlcachefs.config import Config
-from dlcachefs.control import ControlState
 from dlcachefs.engine import Engine
 from dlcachefs.errors import DlcError
 from dlcachefs.lock import CacheLock
-from dlcachefs.namespace import is_dir
+from dlcachefs.session import build_control
 
 from .ops import Operations
 
@@ -126,17 +125,7 @@ def run(cfg: Config, report: Reporter) -> int:
         info = engine.start(progress=progress)
         log.info("started: %s", info)
 
-        def resolve_dir(rel: str) -> int:
-            e = engine.ns.resolve(os.fsencode(rel))
-            if not is_dir(e):
-                raise DlcError("not a directory")
-            return e.ino
-
-        control = ControlState(
-            resolve_dir, engine.streams.on_stream, dataset_size=engine.dataset_size,
-            on_loss=engine.on_loss, on_order=engine.streams.on_order,
-            loss_room=engine.early_loss_room)
-        engine.attach_control(control)
+        control = build_control(engine)
         ops = Operations(engine, control)
         pyfuse3.init(ops, cfg.mountpoint, fuse_options(cfg))
     except (DlcError, OSError, RuntimeError, ValueError) as e:

@@ -25,8 +25,7 @@ from hypothesis import strategies as st
 
 from dlcachefs import schema as S
 from dlcachefs.chunkfmt import CHUNK_HEADER_SIZE
-from dlcachefs.control import ControlState
-from dlcachefs.errors import DlcError
+from dlcachefs.session import build_control
 from dlcachefs.writer import Pending, _units
 
 PID = 9_000_000  # above the kernel's pid_max: never a real process (rank r is PID + r)
@@ -60,15 +59,7 @@ class Driver:
     def __init__(self, eng, files: dict[bytes, bytes], ranks: int, substitute: bool) -> None:
         self.eng, self.files, self.ranks, self.substitute = eng, files, ranks, substitute
 
-        def resolve_dir(rel: str) -> int:
-            e = eng.ns.resolve(rel.encode())
-            if e is None:
-                raise DlcError("no such directory")
-            return e.ino
-
-        self.cs = ControlState(resolve_dir, eng.streams.on_stream,
-                               dataset_size=eng.dataset_size, on_loss=eng.on_loss,
-                               on_order=eng.streams.on_order)
+        self.cs = build_control(eng)
         self.by_ino = {eng.ns.resolve(rel).ino: rel for rel in files}
         self.epoch = [-1] * ranks
         self.pos = [0] * ranks

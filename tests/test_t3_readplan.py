@@ -12,8 +12,7 @@ import trio
 from fakes import make_config, read_all, run_engine, write_tree
 
 import dlcachefs.readplan as readplan
-from dlcachefs.control import ControlState
-from dlcachefs.errors import DlcError
+from dlcachefs.session import build_control
 
 PID = 9_100_000  # above the kernel's pid_max: never a real process
 
@@ -38,15 +37,7 @@ class Reader:
     def __init__(self, eng, files) -> None:
         self.eng, self.files = eng, files
 
-        def resolve_dir(rel: str) -> int:
-            e = eng.ns.resolve(rel.encode())
-            if e is None:
-                raise DlcError("no such directory")
-            return e.ino
-
-        self.cs = ControlState(resolve_dir, eng.streams.on_stream,
-                               dataset_size=eng.dataset_size, on_loss=eng.on_loss,
-                               on_order=eng.streams.on_order)
+        self.cs = build_control(eng)
         self.by_ino = {eng.ns.resolve(rel).ino: rel for rel in files}
         self.pos = 0
 
