@@ -71,6 +71,18 @@ class Mount:
         with open(self.mnt / ".dlcache" / "stats", "rb") as f:
             return json.loads(f.read())
 
+    def wait_stats(self, pred, what: str = "timed out", timeout: float = 60.0) -> dict:
+        """Stats once ``pred(stats)`` holds: the daemon works in the background (polling
+        with a deadline, not a timing assertion)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.stats()
+            if pred(st):
+                return st
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}; stats: {json.dumps(st, indent=1)}")
+            time.sleep(0.05)
+
     def wait_cached(self, n_files: int, timeout: float = 60.0) -> dict:
         """Wait until ``n_files`` are indexed and nothing is pending (not a timing assertion)."""
         deadline = time.monotonic() + timeout

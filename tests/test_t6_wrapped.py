@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -118,15 +117,7 @@ def _launch(script: Path, root: Path, epochs: int, mode: str) -> list[str]:
 
 
 def _poll(m, pred, what: str, timeout: float = 60.0) -> dict:
-    """Stats once ``pred(stats)`` holds (the daemon works in the background)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        st = m.stats()
-        if pred(st):
-            return st
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: {json.dumps(st['streams'], indent=1)}")
-        time.sleep(0.1)
+    return m.wait_stats(pred, what, timeout)
 
 
 @pytest.fixture(scope="module")

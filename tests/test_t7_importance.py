@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import os
 import random
-import time
 from pathlib import Path
 
 import pytest
@@ -40,14 +39,7 @@ def write_control(mnt: Path, text: str) -> None:
 
 
 def wait_for(m, pred, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        st = m.stats()
-        if pred(st):
-            return st
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out; stats: {st}")
-        time.sleep(0.05)
+    return m.wait_stats(pred, timeout=timeout)
 
 
 def epoch_order(n: int, epoch: int) -> list[int]:
