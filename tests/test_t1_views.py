@@ -8,6 +8,7 @@ import base64
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_t1_sampler import IndexDataset
 
 from dlcachefs import wrappers as w
 from dlcachefs.control import MAX_LINE, MAX_WRITE, ControlState
@@ -287,15 +288,7 @@ def test_sampler_state_line_fits():
 # ----- generator states: the hook's announcement replays torch ----------------------------
 
 
-class Idx(data.Dataset):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
+Idx = IndexDataset  # ds[i] == i (module level: DataLoader workers pickle it)
 
 
 @pytest.fixture
