@@ -915,7 +915,7 @@ class Engine:
 
     def stats(self) -> dict:
         """The ``.dlcache/stats`` document (counters since mount; cache state cumulative)."""
-        ix = self.index
+        snap = self.index.snapshot()
         out = {
             "version": __version__,
             "pid": os.getpid(),
@@ -923,12 +923,12 @@ class Engine:
             "mountpoint": self.cfg.mountpoint,
             "cache_dir": self.cfg.cache_dir,
             "uptime_s": round(time.time() - self._started, 3),
-            "files": ix.counter(S.K_FILES),
-            "bytes_total": ix.counter(S.K_BYTES_TOTAL),
-            "cached_files": ix.n_records(),
-            "cached_bytes": ix.counter(S.K_CACHED_BYTES),
-            "chunks": ix.n_chunks(),
-            "chunk_bytes": ix.counter(S.K_CHUNK_BYTES),
+            "files": snap["files"],
+            "bytes_total": snap["bytes_total"],
+            "cached_files": snap["records"],
+            "cached_bytes": snap["cached_bytes"],
+            "chunks": snap["chunks"],
+            "chunk_bytes": snap["chunk_bytes"],
             "cache_limit_bytes": self.cfg.cache_size,
             "memory_bytes": self.memtier.bytes,
             "memory_limit_bytes": self.memtier.limit,

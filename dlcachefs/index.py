@@ -23,6 +23,11 @@ from .schema import Chunk, Entry, Record, dirent_key, ukey, unkey
 _Q = struct.Struct("<Q")
 _q = struct.Struct("<q")
 
+
+def _counter_in(txn: lmdb.Transaction, db: lmdb._Database, key: bytes) -> int:
+    v = txn.get(key, db=db)
+    return _q.unpack(v)[0] if v is not None else 0
+
 FIRST_INO = 16  # 1 is the root; 2..15 are reserved for the virtual .dlcache/ files
 
 
@@ -125,13 +130,23 @@ class Index:
 
     def counter(self, key: bytes) -> int:
         with self.env.begin(db=self.meta) as txn:
-            v = txn.get(key)
-        return _q.unpack(v)[0] if v is not None else 0
+            return _counter_in(txn, self.meta, key)
 
     def get_meta(self, key: bytes) -> bytes | None:
         with self.env.begin(db=self.meta) as txn:
             v = txn.get(key)
         return bytes(v) if v is not None else None
+
+    def snapshot(self) -> dict[str, int]:
+        """The size counters and entry counts read in one transaction, so that a commit
+        in between cannot make them disagree (``cached_bytes <= chunk_bytes`` holds)."""
+        with self.env.begin() as txn:
+            out = {name: _counter_in(txn, self.meta, k) for name, k in (
+                ("files", S.K_FILES), ("bytes_total", S.K_BYTES_TOTAL),
+                ("cached_bytes", S.K_CACHED_BYTES), ("chunk_bytes", S.K_CHUNK_BYTES))}
+            out["records"] = txn.stat(self.record)["entries"]
+            out["chunks"] = txn.stat(self.chunk)["entries"]
+        return out
 
     def n_records(self) -> int:
         with self.env.begin() as txn:
