@@ -193,6 +193,12 @@ def raw_section(ctx: dict, a: argparse.Namespace, remote) -> None:
                 raw_run(ctx, "dlcachefs", "warm", t, mnt, rels, True, sshfs, m)
         finally:
             shutil.rmtree(cache, ignore_errors=True)
+        try:  # the same first pass without scan-ahead (dlcachefs.scanahead): what it adds
+            with DlcMount(rmnt, mnt, cache, ["--ignore-source-inode", "--scan-ahead=0"]) as m:
+                raw_run(ctx, "dlcachefs --scan-ahead 0", "cold", t, mnt, rels, True, sshfs, m,
+                        note="scan-ahead off: every file fetched when it is opened")
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
         if t in a.cache_frac_threads:
             size = max(1, int(total * a.cache_frac))
             args = ["--ignore-source-inode", f"--cache-size={size}",

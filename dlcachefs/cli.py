@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "at unmount, for 'dlcachefs simulate --trace FILE'")
     m.add_argument("--h-fraction", type=float, default=0.7,
                    help="share of the dataset that counts as important (H-list, 0.7)")
+    m.add_argument("--scan-ahead", type=int, default=4, metavar="N",
+                   help="when a reader with no known order reads a tree through (an epoch "
+                        "of a script that announced nothing, tar, cp -r), fetch the tree's "
+                        "other files ahead of it, N at a time, into free cache room only; "
+                        "0 = off (default 4)")
     m.add_argument("--no-reorder", action="store_true",
                    help="do not lay out each next epoch's log in its order (LCache)")
     m.add_argument("--foreground", "-f", action="store_true", help="do not daemonize")
@@ -121,7 +126,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
         cache_size=a.cache_size, chunk_size=a.chunk_size, memory=a.memory, min_free=a.min_free,
         revalidate=a.revalidate, rescan=a.rescan, use_source_inode=not a.ignore_source_inode,
         source_threads=a.source_threads, source_timeout=a.source_timeout, policy=a.policy, reorder=not a.no_reorder,
-        substitute=a.substitute, h_fraction=a.h_fraction,
+        substitute=a.substitute, h_fraction=a.h_fraction, scan_ahead=a.scan_ahead,
         trace=os.path.abspath(a.trace) if a.trace else None,
         allow_other=a.allow_other, foreground=a.foreground, log_level=a.log_level,
         debug_invariants=a.debug_invariants)

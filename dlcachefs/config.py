@@ -44,6 +44,7 @@ class Config:
     substitute: bool = False         # iCACHE substitution of missed L-samples
     h_fraction: float = 0.7          # share of the dataset in the H-list (by importance)
     trace: str | None = None         # record the streams' reads here (dlcachefs simulate)
+    scan_ahead: int = 4              # fetches in flight ahead of readers with no known order
     reorder: bool = True             # LCache log reordering for streams with a known next order
     allow_other: bool = False
     foreground: bool = False
@@ -59,6 +60,8 @@ class Config:
             raise ValueError("--source-timeout must be > 0")
         if self.source_threads < 1:
             raise ValueError("--source-threads must be >= 1")
+        if self.scan_ahead < 0:
+            raise ValueError("--scan-ahead must be >= 0")
         if not 0.0 < self.h_fraction <= 1.0:
             raise ValueError("--h-fraction must be within (0, 1]")
 

@@ -52,6 +52,7 @@ from .memtier import ChunkBuf, MemoryTier
 from .namespace import Namespace, identity, is_file
 from .packer import Packer
 from .readplan import ReadPlanner
+from .scanahead import ScanAhead
 from .schema import Chunk, Entry, Record
 from .source import Identity, LocalSource, Source, open_for_range_reads, pread_checked
 from .stats import Counters
@@ -67,6 +68,8 @@ TRANSIENT = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, er
                        errno.ENOTCONN, errno.EHOSTUNREACH, errno.ENETUNREACH})
 #: loss pairs that may wait for their dataset's sample list (about 100 MB at most)
 MAX_EARLY_LOSSES = 1 << 22
+#: fetched bytes that may wait for the chunk writer's room, in chunks (--chunk-size)
+LATER_CHUNKS = 2
 
 
 @dataclass(slots=True)
@@ -119,6 +122,7 @@ class Engine:
                             use_src_ino=cfg.use_source_inode, source_limiter=self.source_limiter,
                             source_timeout=cfg.source_timeout)
         self.streams = StreamManager(self)
+        self.scan = ScanAhead(self)
         # what the policy sees: chunks from the index, the streams' future, the losses
         self.future = StreamFuture(self.streams)
         self.importance = InodeImportance()
@@ -134,6 +138,11 @@ class Engine:
         plans = type(self.policy).plan_package is not CachePolicy.plan_package
         self.packer = Packer(self) if cfg.substitute and plans else None
         self._children: dict[int, tuple[float, list[int]]] = {}  # dir -> (when, files)
+        # fetched files waiting for the writer's room (the reader did not wait): ino ->
+        # (identity, bytes), at most LATER_CHUNKS chunks' worth
+        self._later: dict[int, tuple[Identity, bytes]] = {}
+        self._later_bytes = 0
+        self._later_empty = trio.Event()  # set (and replaced) when _later drains
         self.trace = TraceRecorder(cfg.trace) if cfg.trace else None
         self._nursery: trio.Nursery | None = None
         self._rebuilding = False
@@ -267,6 +276,7 @@ class Engine:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.writer.run)
             await nursery.start(self.streams.run)
+            await nursery.start(self.scan.run)
             nursery.start_soon(self._maintain_policy)
             if self.packer is not None:
                 await nursery.start(self.packer.run)
@@ -288,6 +298,8 @@ class Engine:
     async def close(self) -> None:
         """Stop prefetching, seal and commit what is pending, and stop background work."""
         self.streams.close()
+        with trio.move_on_after(10):  # what readers were served is worth keeping
+            await self.flush()
         await self.writer.close()
         if self.trace is not None:
             await trio.to_thread.run_sync(self.trace.save, self.size_of)
@@ -315,6 +327,11 @@ class Engine:
             self.plans.poke(stream)
             if self.trace is not None:
                 self.trace.opened(stream.dataset, stream.samples, stream.epoch, ino)
+        if pid and (stream is None or not stream.order or stream.epoch != stream.target_epoch):
+            # no known order covers this open: maybe an epoch's scan of a tree
+            group = stream.key if stream is not None else self.streams.group_of(pid)
+            if group is not None:
+                self.scan.note_open(group, ino, e.parent)
         if e.size > self.cfg.max_cached_file:
             return await self._open_read_through(e)
         self.future.tick += 1
@@ -578,7 +595,10 @@ class Engine:
                 rec.size, rec.mtime_ns, rec.src_ino) == ident:
             return True
         p = self.writer.pending.get(e.ino)
-        return p is not None and p.ident == ident
+        if p is not None and p.ident == ident:
+            return True
+        later = self._later.get(e.ino)
+        return later is not None and later[0] == ident
 
     async def prefetch_one(self, ino: int, stream: Stream) -> bool:
         """Make sure the current version of ``ino`` is in the cache (and its chunk in the
@@ -610,6 +630,28 @@ class Engine:
         stream.bytes_from_source += len(data)
         self.counters.prefetched += 1
         return True
+
+    async def scan_one(self, ino: int) -> tuple[int, bool]:
+        """Scan-ahead (:mod:`dlcachefs.scanahead`): fetch ``ino`` into the cache unless it
+        is there or on its way; (bytes fetched, whether the cache kept them)."""
+        e = await self.ns.fresh_file(ino)
+        if (e.size > self.cfg.max_cached_file or ino in self._inflight or ino in self.ready
+                or self.is_cached(e)):
+            return 0, False
+        if self.cfg.substitute and self.policy.substitutable(ino):
+            return 0, False  # an L-sample: its open may be served by substitution instead
+        await self.writer.wait_room(e.size)
+        if self.is_cached(e) or ino in self._inflight:
+            return 0, False
+        data, e = await self._fetch(e)
+        self.counters.scan_ahead_files += 1
+        self.counters.scan_ahead_bytes += len(data)
+        p = self.writer.pending.get(ino)
+        return len(data), p is not None and p.ident == identity(e)
+
+    def cached_among(self, inos: list[int]) -> set[int]:
+        """Those of ``inos`` with a record in the index (any version: a guess). Thread."""
+        return self.index.with_records(inos)
 
     async def _preload(self, ino: int, owner: str) -> None:
         """Ahead of the reader: its chunk into the memory tier when whole chunks are being
@@ -706,6 +748,10 @@ class Engine:
         if p is not None and p.ident == ident:
             self.counters.hits += 1
             return p.data, True, False
+        later = self._later.get(e.ino)
+        if later is not None and later[0] == ident:  # fetched, waiting for the writer
+            self.counters.hits += 1
+            return later[1], True, False
         if e.ino in self._inflight:  # a prefetch is on it: wait for it (a miss all the same)
             data, _ = await self._fetch(e)
             self.counters.misses += 1
@@ -875,12 +921,44 @@ class Engine:
             self.counters.not_admitted += 1
             return data, e
         if not self.writer.has_room(len(data)):
-            # backpressure: a reader faster than the disk waits for the writer rather than
-            # leaving files uncached (memory stays bounded by the writer's room)
-            await self.writer.wait_room(len(data))
-        if not self.writer.submit(e.ino, rel, ident, data):
+            # the reader has its bytes and never waits for the cache disk (an fdatasync
+            # under load takes 100s of ms): the file waits for the writer's room in the
+            # background, a bounded amount of it, or is not cached this time
+            self._submit_later(e.ino, rel, ident, data)
+        elif not self.writer.submit(e.ino, rel, ident, data):
             self.policy.on_dropped(e.ino)
         return data, e
+
+    def _submit_later(self, ino: int, rel: bytes, ident: Identity, data: bytes) -> None:
+        if self._nursery is None or ino in self._later or (
+                # one file waits whatever its size, as the writer takes one whatever its size
+                self._later and self._later_bytes + len(data) > LATER_CHUNKS * self.cfg.chunk_size):
+            self.counters.cache_skipped += 1
+            self.policy.on_dropped(ino)
+            return
+        self._later[ino] = (ident, data)
+        self._later_bytes += len(data)
+        self._nursery.start_soon(self._submit_when_room, ino, rel, ident, data)
+
+    async def _submit_when_room(self, ino: int, rel: bytes, ident: Identity,
+                                data: bytes) -> None:
+        try:
+            await self.writer.wait_room(len(data))
+            if not self.writer.submit(ino, rel, ident, data):
+                self.policy.on_dropped(ino)
+        finally:
+            del self._later[ino]
+            self._later_bytes -= len(data)
+            if not self._later:
+                self._later_empty.set()
+                self._later_empty = trio.Event()
+
+    async def flush(self) -> None:
+        """Seal everything fetched so far, the files still waiting for the writer's room
+        included (tests, and an orderly unmount)."""
+        while self._later:
+            await self._later_empty.wait()
+        await self.writer.flush()
 
     async def source_call(self, fn, *args):
         """A blocking call on the source from the FUSE layer (statfs): same rules."""
@@ -942,6 +1020,8 @@ class Engine:
             # torch loaded (at mount start, in the background): announced samplers replay
             "sampler_replay_ready": self.streams.replay_ready,
             "losses_waiting": self._early_count,
+            # trees fetched ahead of readers whose order is unknown (dlcachefs.scanahead)
+            "scan_ahead": self.scan.stats(),
         }
         out.update(self.counters.as_dict())
         out["cache_disk_bytes_read"] = self.logs.bytes_read  # every pread that serves
@@ -949,6 +1029,9 @@ class Engine:
         out["cache_disk_bytes_read_back"] = self.logs.bytes_read_back
         out["read_plans"] = self.plans.stats()
         out["streams"] = self.streams.stats()
+        for key, rel in self.scan.tree_of_groups().items():
+            if key in out["streams"]:
+                out["streams"][key]["scan_ahead"] = rel
         out["policy"] = {"name": self.cfg.policy, **self.policy.stats()}
         out["packer"] = None if self.packer is None else self.packer.as_dict()
         t = self.importance.table

@@ -137,6 +137,12 @@ class Index:
             v = txn.get(key)
         return bytes(v) if v is not None else None
 
+    def with_records(self, inos: list[int]) -> set[int]:
+        """Those of ``inos`` that have a record, in one read transaction."""
+        with self.env.begin(db=self.record) as txn:
+            get = txn.get
+            return {ino for ino in inos if get(ukey(ino)) is not None}
+
     def snapshot(self) -> dict[str, int]:
         """The size counters and entry counts read in one transaction, so that a commit
         in between cannot make them disagree (``cached_bytes <= chunk_bytes`` holds)."""

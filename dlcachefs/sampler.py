@@ -43,7 +43,8 @@ if TYPE_CHECKING:
     import torch
 
 # torch is imported inside the functions that replay orders, not at import time: the
-# daemon loads it only once a stream announces a sampler (it costs ~1 s and ~400 MB).
+# daemon never loads it (it costs ~3-4 s of CPU and ~500 MB); orders are computed in
+# dlcachefs.replayworker's process.
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,15 @@ def distributed_epoch(spec: SamplerSpec, n: int, epoch: int) -> list[int]:
     return indices[spec.rank : total : spec.world]
 
 
+def order_known(spec: SamplerSpec, base_epoch: int, epoch: int) -> bool:
+    """Whether ``spec`` (announced at ``base_epoch``) tells the order of ``epoch``."""
+    if spec.kind in ("random", "subset_random") and spec.per_epoch:
+        return epoch == base_epoch
+    if spec.state is not None:
+        return epoch >= base_epoch
+    return epoch >= 0
+
+
 @dataclass
 class OrderReplayer:
     """Orders of successive epochs for one sampler over ``n`` samples."""
@@ -168,13 +178,18 @@ class OrderReplayer:
     _lock: threading.Lock = field(default_factory=threading.Lock)  # order() runs in threads
 
     def __post_init__(self) -> None:
-        self.spec.validate(self.n)
-        if self.spec.kind == "subset_random":
-            if self.subset is None:
+        self.check(self.spec, self.n, self.subset)
+
+    @staticmethod
+    def check(spec: SamplerSpec, n: int, subset) -> None:
+        """Raise ValueError when ``spec`` (with its ``subset``) cannot replay over ``n``."""
+        spec.validate(n)
+        if spec.kind == "subset_random":
+            if subset is None:
                 raise ValueError("subset_random needs its index list")
-            a = np.asarray(self.subset, dtype=np.int64)  # an array('q') is not copied
-            if a.size and (int(a.min()) < 0 or int(a.max()) >= self.n):
-                raise ValueError(f"the sampler's indices reach outside 0..{self.n - 1}")
+            a = np.asarray(subset, dtype=np.int64)  # an array('q') is not copied
+            if a.size and (int(a.min()) < 0 or int(a.max()) >= n):
+                raise ValueError(f"the sampler's indices reach outside 0..{n - 1}")
 
     @property
     def num_samples(self) -> int:
@@ -182,11 +197,7 @@ class OrderReplayer:
 
     def known(self, epoch: int) -> bool:
         """Whether the order of ``epoch`` can be computed (per-epoch seeds only know theirs)."""
-        if self.spec.kind in ("random", "subset_random") and self.spec.per_epoch:
-            return epoch == self.base_epoch
-        if self.spec.state is not None:
-            return epoch >= self.base_epoch
-        return epoch >= 0
+        return order_known(self.spec, self.base_epoch, epoch)
 
     def order(self, epoch: int) -> list[int]:
         """Dataset indices of ``epoch``, in the order the sampler yields them."""

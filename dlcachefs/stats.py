@@ -10,6 +10,8 @@ class Counters:
     hits: int = 0                  # opens served from the cache (log, memory or not yet sealed)
     misses: int = 0                # opens that waited for the source
     prefetched: int = 0            # files fetched ahead of the reader (clairvoyant prefetch)
+    scan_ahead_files: int = 0      # files fetched ahead of readers with no known order
+    scan_ahead_bytes: int = 0
     fetch_waits: int = 0           # misses that joined a fetch already in flight
     prefetch_hits: int = 0         # opens served from memory, fetched ahead of the reader
                                    # and not cached (the dataset is larger than the cache)

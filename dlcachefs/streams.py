@@ -49,8 +49,9 @@ import trio
 from .control import JobState, StreamState, ViewDef
 from .errors import DlcError
 from .reorder import NextEpochLog
+from .replayworker import RemoteReplayer, ReplayWorker
 from .samplelist import IMG_EXTENSIONS, SampleList, image_folder
-from .sampler import OrderReplayer, SamplerSpec
+from .sampler import SamplerSpec
 from .schema import Entry
 from .wrappers import paths_digest
 
@@ -75,7 +76,7 @@ class Stream:
     rank: int
     dataset: str | None = None
     samples: SampleList | None = None
-    replayer: OrderReplayer | _Explicit | None = None
+    replayer: RemoteReplayer | _Explicit | _Learned | None = None
     epoch: int | None = None
     order: list[int] = field(default_factory=list)  # dataset indices of the current epoch
     positions: Positions = field(default_factory=lambda: Positions([]))
@@ -180,6 +181,7 @@ class StreamManager:
         self._listing: dict[str, trio.Event] = {}  # dataset -> its list is being made
         self._list_failed: dict[str, tuple[float, str]] = {}  # dataset -> (when, why)
         self.replay_ready = False  # torch imported: orders can be replayed without waiting
+        self.replay = ReplayWorker()  # torch's sampler replay runs there, not in the daemon
         self._roots: dict[tuple, SampleList] = {}  # (rel, extensions) -> verified root list
         self.unannounced: OrderedDict[int, dict] = OrderedDict()  # pgid -> stats entry
         self._pid_group: OrderedDict[int, int] = OrderedDict()  # reader pid -> pgid
@@ -189,19 +191,23 @@ class StreamManager:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
-            # Replaying a sampler needs torch (~3-4 s to import here): import it now, in a
-            # thread, so that the first announcement does not wait for it.
+            # Replaying a sampler needs torch (~3-4 s to import here): its worker process
+            # imports it now, so that the first announcement does not wait for it
+            # (dlcachefs.replayworker: never in the daemon, whose GIL it would hold).
             nursery.start_soon(self._preload)
             await trio.sleep_forever()
 
     async def _preload(self) -> None:
-        await trio.to_thread.run_sync(_preload_torch)
+        ok = await trio.to_thread.run_sync(self.replay.wait_ready, abandon_on_cancel=True)
+        if not ok:
+            log.info("announced samplers cannot be replayed: %s", self.replay.error)
         self.replay_ready = True
 
     def close(self) -> None:
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
             self._nursery = None
+        self.replay.close()
 
     # ----- control updates (trio loop, from ControlState.apply) ---------------------
 
@@ -336,7 +342,8 @@ class StreamManager:
                 s.replayer = _Learned(spec, len(samples), epoch, s.learn_stable)
             elif (s.replayer is None or s.replayer.spec != spec or s.samples is not samples
                     or spec.per_epoch):
-                s.replayer = OrderReplayer(spec, len(samples), base_epoch=epoch, subset=subset)
+                s.replayer = RemoteReplayer(self.replay, spec, len(samples), base_epoch=epoch,
+                                            subset=subset)
             order = await trio.to_thread.run_sync(s.replayer.order, epoch)
             nxt: list[int] = []
             nxt_first: dict[int, int] | None = None
@@ -598,6 +605,11 @@ class StreamManager:
             self._unannounced_open(pid)
         return found
 
+    def group_of(self, pid: int) -> str | None:
+        """The ``unannounced/PGID`` key of a reader seen by :meth:`stream_of`."""
+        pg = self._pid_group.get(pid)
+        return None if pg is None else f"unannounced/{pg}"
+
     def _unannounced_open(self, pid: int) -> None:
         """An open by a process tree that announced nothing: a bounded ``none`` entry per
         process group (a training and its loader workers share one)."""
@@ -839,16 +851,6 @@ def dataset_key(js: JobState) -> str | None:
     if js.dataset is None or js.view is None:
         return js.dataset
     return f"{js.dataset or '.'}@{js.view.vid}"
-
-
-def _preload_torch() -> None:
-    """Thread: import torch ahead of the first announcement (a no-op without torch)."""
-    try:
-        import torch  # noqa: F401, PLC0415
-    except ImportError:
-        log.info("torch is not installed: announced samplers cannot be replayed")
-    except Exception as e:  # noqa: BLE001 - a broken torch must not end the mount
-        log.warning("torch cannot be imported (%s): announced samplers cannot be replayed", e)
 
 
 def _first_positions(order: list[int], samples: SampleList) -> Positions:

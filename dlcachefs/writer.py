@@ -256,7 +256,7 @@ class ChunkWriter:
         return queued == 0 or queued + nbytes <= 2 * self.chunk_target
 
     async def wait_room(self, nbytes: int = 0) -> None:
-        """Backpressure (prefetch, fast readers): wait until ``nbytes`` more would fit."""
+        """Backpressure (prefetch, files fetched for readers): wait until ``nbytes`` more would fit."""
         while not self.has_room(nbytes) and not self._closing:
             self._wake.set()
             await self._space.wait()

@@ -70,7 +70,7 @@ async def read_everything(eng, files, order=None, flush=False) -> None:
     for rel in order or sorted(files):
         assert await read_all(eng, rel) == files[rel], rel
         if flush:
-            await eng.writer.flush()
+            await eng.flush()
 
 
 def cold_read(src: Path, cache: Path, files, **cfg_kw):
@@ -122,7 +122,7 @@ def test_writer_behind_skips_but_serves(tree):
 
     async def body(eng):
         await read_everything(eng, files)  # no flushes: the writer may fall behind
-        await eng.writer.flush()
+        await eng.flush()
         c = eng.counters
         assert eng.index.n_records() == len(files) - c.cache_skipped
         for _ in range(3):
@@ -162,7 +162,7 @@ def test_read_offsets_and_eof(tree):
                               (len(data), 10), (len(data) + 5, 10), (0, 0)]:
                 assert bytes(await eng.read(r.fh, off, size)) == data[off : off + size]
             eng.release(r.fh)
-            await eng.writer.flush()
+            await eng.flush()
         with pytest.raises(InvalidArgument):
             await eng.read(r.fh, 0, 10)  # released
         with pytest.raises(IsADirectory):
@@ -299,7 +299,7 @@ def test_corrupt_record_is_refetched(tree, memory):
         await read_everything(eng, files)
         assert eng.counters.checksum_failures == 1
         assert sum(source.reads.values()) == 1
-        await eng.writer.flush()
+        await eng.flush()
         new = eng.index.get_record(ino)
         assert new is not None and new.chunk_id != rec.chunk_id
 
@@ -340,9 +340,9 @@ def test_record_being_dropped_is_not_read_again(tree):
                 await trio.sleep(0.005)
         for _ in range(3):
             assert await read_all(eng, rel) == files[rel]
-        await eng.writer.flush()
+        await eng.flush()
         eng.writer._commit = orig
-        await eng.writer.flush()
+        await eng.flush()
         assert eng.counters.checksum_failures == 1
         assert source.reads[rel] == 1
         new = eng.index.get_record(ino)
@@ -484,7 +484,7 @@ def test_changed_source_file_is_refetched(tree, same_size):
         assert source.reads[rel] == 1
         e = eng.ns.resolve(rel)
         assert e.size == len(new)
-        await eng.writer.flush()
+        await eng.flush()
         rec = eng.index.get_record(e.ino)
         assert rec is not None and rec.mtime_ns == e.mtime_ns and rec.size == len(new)
         assert await read_all(eng, rel) == new
@@ -507,7 +507,7 @@ def test_changed_source_file_seen_by_fetch(tree):
         assert source.mutations == 1
         assert data == read_source(src, rel) != files[rel]
         assert eng.ns.resolve(rel).size == len(data)
-        await eng.writer.flush()
+        await eng.flush()
         assert eng.index.get_record(eng.ns.resolve(rel).ino).size == len(data)
         return data
 
@@ -578,7 +578,7 @@ def test_persistent_eio_fails_after_retries(tree):
         assert source.reads[rel] == 2
         assert eng.counters.source_retries == 1
         # nothing was cached for it; other files are fine
-        await eng.writer.flush()
+        await eng.flush()
         assert eng.index.get_record(eng.ns.resolve(rel).ino) is None
         assert await read_all(eng, b"big.bin") == files[b"big.bin"]
 
@@ -737,7 +737,7 @@ def test_large_file_is_read_through(tree):
         with pytest.raises(SourceChanged):
             await eng.read(r.fh, 0, 10)
         eng.release(r.fh)
-        await eng.writer.flush()
+        await eng.flush()
         assert eng.index.get_record(e.ino) is None
         assert eng.counters.bytes_from_source == 5000 + 10
         assert await read_all(eng, b"top.txt") == files[b"top.txt"]
@@ -763,9 +763,9 @@ def test_eviction_keeps_cache_within_size(tmp_path):
             for i, rel in enumerate(order):
                 assert await read_all(eng, rel) == files[rel]
                 if i % 10 == 9:
-                    await eng.writer.flush()
+                    await eng.flush()
                 assert eng.index.counter(S.K_CHUNK_BYTES) <= cache_size, epoch
-            await eng.writer.flush()
+            await eng.flush()
             assert eng.index.check_invariants() == []
         assert eng.counters.chunks_evicted > 0
         assert eng.index.counter(S.K_CHUNK_BYTES) <= cache_size
@@ -798,7 +798,7 @@ def test_concurrent_seals_respect_cache_size(tmp_path):
             for _ in range(4):
                 rel = next(names)
                 assert await read_all(eng, rel) == files[rel]
-            await eng.writer.flush()
+            await eng.flush()
         orig = eng.writer._commit
 
         def slow_commit(*args):
@@ -813,7 +813,7 @@ def test_concurrent_seals_respect_cache_size(tmp_path):
                 await trio.sleep(0.01)
         for _ in range(4):
             await read_all(eng, next(names))
-        await eng.writer.flush()  # a second seal while the first one commits
+        await eng.flush()  # a second seal while the first one commits
         assert eng.counters.chunks_evicted >= 2
         assert eng.index.counter(S.K_CHUNK_BYTES) <= cache_size
 
@@ -864,7 +864,7 @@ def test_random_workload_reads_source_bytes(seed, n_files, chunk_size, memory, c
             async def body(eng, mount_ops=mount_ops):
                 for op in mount_ops:
                     if op[0] == "flush":
-                        await eng.writer.flush()
+                        await eng.flush()
                         continue
                     _, which, off, size = op
                     rel = names[which % len(names)]

@@ -143,13 +143,13 @@ def test_cache_size_holds_after_every_step(policy, package, chunk_size, cache_si
                 elif op == "epoch":
                     await d.announce(r)
                 elif op == "flush":
-                    await eng.writer.flush()
+                    await eng.flush()
                 elif op == "loss":
                     d.losses(n)
                 else:  # let the background tasks (seals, reorder, prefetch) move on
                     await trio.testing.wait_all_tasks_blocked()
                 assert_limit(eng, cache_size)
-            await eng.writer.flush()
+            await eng.flush()
             assert_limit(eng, cache_size)
             c = eng.counters  # what the example exercised (--hypothesis-show-statistics)
             event(f"reorder chunks sealed: {c.reorder_chunks > 0}")
@@ -192,7 +192,7 @@ def test_cache_smaller_than_the_chunk_size_cuts_chunks(tmp_path, policy):
             for rel in sorted(files):
                 assert await read_all(eng, rel) == files[rel]
                 assert_limit(eng, cap)
-            await eng.writer.flush()
+            await eng.flush()
             assert_limit(eng, cap)
         chunks = list(eng.index.iter_chunks())
         assert chunks, "something was cached"
@@ -213,14 +213,14 @@ def test_remount_with_a_smaller_cache_shrinks_it(tmp_path):
     async def fill(eng):
         for rel in sorted(files):
             await read_all(eng, rel)
-        await eng.writer.flush()
+        await eng.flush()
         assert eng.index.counter(S.K_CHUNK_BYTES) > 20_000
 
     run_engine(make_config(src, cache, chunk_size=8192), fill)
 
     async def smaller(eng):
         assert_limit(eng, 20_000)
-        await eng.writer.flush()
+        await eng.flush()
         assert eng.index.counter(S.K_CHUNK_BYTES) <= 20_000
         assert_limit(eng, 20_000)
 
@@ -238,7 +238,7 @@ def test_check_invariants_reports_a_broken_account(tmp_path, caplog):
     async def body(eng):
         for rel in sorted(files)[:6]:
             await read_all(eng, rel)
-        await eng.writer.flush()
+        await eng.flush()
         assert eng.check_invariants() == []
         w = eng.writer
         w.reserved += 50_000  # as if a reservation never went through try_reserve
@@ -257,7 +257,7 @@ def test_check_invariants_reports_a_broken_account(tmp_path, caplog):
         w.unpin(cid)
         w.used += 1  # drifted from the index
         await read_all(eng, sorted(files)[7])
-        await eng.writer.flush()  # a commit: the check runs after it
+        await eng.flush()  # a commit: the check runs after it
         assert eng.counters.invariant_violations > 0
         w.used -= 1
         eng.counters.invariant_violations = 0  # for run_engine's own check at the end

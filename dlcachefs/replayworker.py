@@ -1,0 +1,200 @@
+"""Sampler replay in a worker process, so the daemon never imports torch.
+
+Replaying a torch sampler needs torch (:mod:`dlcachefs.sampler`). Importing it costs
+~3-4 s of CPU and ~500 MB. Done in the daemon, even in a background thread, that import
+holds the GIL while the first epoch is being served: every FUSE request waited on it
+(the first pass after a mount ran at half speed, `bench.run` raw readers). So orders are
+computed in one spawned process (``nice`` +10), which imports torch at mount start: the
+first announcement finds it ready, and the daemon's own work never waits on it.
+
+:class:`RemoteReplayer` has :class:`~dlcachefs.sampler.OrderReplayer`'s interface
+(``spec``, ``known``, ``order``) for the streams. The worker keeps the replayers it made
+(keyed by sampler, dataset size, base epoch and index list), so going from epoch E to
+E+1 costs one permutation, as in-process.
+
+Concurrency: ``order`` blocks (call it in a thread). One request at a time on the pipe
+(a lock); a worker that died or does not answer within ``TIMEOUT_S`` is restarted on the
+next request and the current one fails with ValueError (the stream reports it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import multiprocessing as mp
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .sampler import OrderReplayer, SamplerSpec, order_known
+
+log = logging.getLogger(__name__)
+
+TIMEOUT_S = 120.0  # a 1.28M-sample order takes well under a second; torch's import ~4 s
+MAX_REPLAYERS = 16  # kept in the worker
+
+
+class ReplayWorker:
+    """The worker process and the pipe to it (started lazily or by :meth:`start`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: mp.process.BaseProcess | None = None
+        self._conn = None
+        self.torch: bool | None = None  # torch imports in the worker (None: not known yet)
+        self.error: str | None = None
+
+    def start(self) -> None:
+        """Spawn the worker (it imports torch right away). Blocking, a thread."""
+        with self._lock:
+            self._ensure()
+
+    def _ensure(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            return
+        self._stop()
+        ctx = mp.get_context("spawn")  # never fork a process with trio's threads
+        mine, theirs = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(theirs,), daemon=True,
+                                 name="dlcachefs-replay")
+        self._proc.start()
+        theirs.close()
+        self._conn = mine
+
+    def wait_ready(self, timeout: float = TIMEOUT_S) -> bool:
+        """Block until the worker has imported torch; True when it could. Thread."""
+        ok, value = self._call(("ping",), timeout)
+        self.torch = bool(ok and value)
+        if not self.torch:
+            self.error = value if not ok else "torch is not installed"
+        return self.torch
+
+    def order(self, spec: SamplerSpec, n: int, base_epoch: int, subset, epoch: int
+              ) -> list[int]:
+        """The order of ``epoch`` (raises ValueError with the worker's reason). Thread."""
+        sub = None if subset is None else np.asarray(subset, dtype=np.int64)
+        ok, value = self._call(("order", spec, n, base_epoch, sub, epoch), TIMEOUT_S)
+        if not ok:
+            raise ValueError(value)
+        return value.tolist()
+
+    def _call(self, msg: tuple, timeout: float) -> tuple[bool, object]:
+        with self._lock:
+            try:
+                self._ensure()
+                assert self._conn is not None
+                self._conn.send(msg)
+                if not self._conn.poll(timeout):
+                    self._stop()
+                    return False, f"the sampler replay worker did not answer in {timeout:.0f} s"
+                return self._conn.recv()
+            except (OSError, EOFError) as e:
+                self._stop()
+                return False, f"the sampler replay worker failed: {e}"
+
+    def _stop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self._proc is not None:
+            if self._proc.is_alive():
+                self._proc.kill()
+            self._proc.join(5)
+            self._proc = None
+
+    def close(self) -> None:
+        """End the worker (at unmount). Killed first, without the lock: a request
+        waiting on it then returns at once instead of holding the lock."""
+        p = self._proc
+        if p is not None and p.is_alive():
+            p.kill()
+        if self._lock.acquire(timeout=10):
+            try:
+                self._stop()
+            finally:
+                self._lock.release()
+
+
+@dataclass
+class RemoteReplayer:
+    """:class:`OrderReplayer`'s interface, computed by a :class:`ReplayWorker`."""
+
+    worker: ReplayWorker
+    spec: SamplerSpec
+    n: int
+    base_epoch: int = 0
+    subset: object | None = None
+    _cache: OrderedDict = field(default_factory=OrderedDict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        OrderReplayer.check(self.spec, self.n, self.subset)  # bad input fails here, no torch
+
+    def known(self, epoch: int) -> bool:
+        return order_known(self.spec, self.base_epoch, epoch)
+
+    def order(self, epoch: int) -> list[int]:
+        if not self.known(epoch):
+            raise ValueError(f"the order of epoch {epoch} is not known from this sampler")
+        with self._lock:
+            hit = self._cache.get(epoch)
+        if hit is not None:
+            return hit
+        if self.spec.kind == "sequential":
+            out = list(range(self.n))
+        else:
+            out = self.worker.order(self.spec, self.n, self.base_epoch, self.subset, epoch)
+        with self._lock:
+            self._cache[epoch] = out
+            while len(self._cache) > 4:  # the current and next epochs matter
+                self._cache.popitem(last=False)
+        return out
+
+
+# ----- the worker process ---------------------------------------------------------------
+
+
+def _serve(conn) -> None:
+    """The worker's loop: ``("ping",)`` -> torch importable; ``("order", ...)`` -> array."""
+    with contextlib.suppress(OSError):
+        os.nice(10)  # it must not take the daemon's CPU while the first epoch is served
+    torch_ok: object
+    try:
+        import torch  # noqa: F401, PLC0415 - the point of this process
+
+        torch_ok = True
+    except ImportError:
+        torch_ok = False
+    except Exception as e:  # noqa: BLE001 - a broken torch: every answer says so
+        torch_ok = f"torch cannot be imported: {e}"
+    replayers: OrderedDict[tuple, OrderReplayer] = OrderedDict()
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            if msg[0] == "ping":
+                conn.send((True, torch_ok is True))
+                continue
+            _, spec, n, base_epoch, sub, epoch = msg
+            if torch_ok is not True:
+                conn.send((False, torch_ok or "torch is not installed: orders cannot be "
+                                               "replayed"))
+                continue
+            key = (spec, n, base_epoch,
+                   None if sub is None else hashlib.sha256(sub.tobytes()).digest())
+            rep = replayers.get(key)
+            if rep is None:
+                rep = replayers[key] = OrderReplayer(spec, n, base_epoch=base_epoch,
+                                                     subset=sub)
+                while len(replayers) > MAX_REPLAYERS:
+                    replayers.popitem(last=False)
+            replayers.move_to_end(key)
+            conn.send((True, np.asarray(rep.order(epoch), dtype=np.int64)))
+        except (ValueError, RuntimeError, TypeError) as e:
+            conn.send((False, str(e)))

@@ -1,0 +1,333 @@
+"""Scan-ahead: the files of a tree fetched ahead of a reader whose order is unknown.
+
+A first epoch read by something the daemon cannot replay (DLIO's own sampler, a C++
+loader, ``tar``, ``cp -r``, a DataLoader that announced nothing) still reads every file of
+a dataset once, in an order the daemon does not know. When the link to the source is the
+bottleneck, a cache in the path is only as fast as reading the source directly if the link
+never idles between one file and the next (the FUSE hop adds latency per file that a
+direct reader does not pay). So once a reader looks like an epoch's scan of a tree, the
+other files of that tree are fetched, a few at a time, while it reads: the link stays
+busy and the reader's later opens are hits.
+
+When: a reader group (a stream whose order is not known, or a process group that
+announced nothing) has opened ``MIN_OPENS`` distinct files with few repeats (at most one
+in ``REPEAT_SHARE``: an epoch's scan, not a re-read). The tree is the deepest directory
+holding all of the group's opens (for an ImageFolder read in random order: its root after
+a few files).
+
+What: the tree's regular files in listing order (depth first, names sorted), starting
+after the reader's latest open (a sequential reader, e.g. an unshuffled loader or ``tar``,
+is followed; a random one finds any order as good), skipping what was opened or is cached.
+
+Bounds: ``Config.scan_ahead`` fetches in flight (0: off), so the source's other threads stay
+for the readers' own misses; only into free cache room, never evicting anything for a
+guess (the tree stops when the room left would fall below an eighth of the cache);
+paused while the tree's readers are idle for ``IDLE_S``, ended after ``END_IDLE_S``; at
+most ``MAX_TREES`` trees and ``MAX_FILES`` files listed per tree; a tree whose fetches the
+policy does not keep (``MAX_UNKEPT`` in a row) stops.
+
+Concurrency: all state on the trio loop (``note_open`` is called from the engine's
+``open``); listing the tree and checking what is cached run in threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import trio
+
+from .errors import DlcError
+from .namespace import ROOT_INO
+
+log = logging.getLogger(__name__)
+
+MIN_OPENS = 32  # distinct files a group opens before its tree is scanned ahead
+REPEAT_SHARE = 8  # at most one open in this many may be a repeat
+IDLE_S = 5.0  # no open in the tree for this long: pause
+END_IDLE_S = 60.0  # paused this long: the tree is done with
+MAX_TREES = 4
+MAX_GROUPS = 64
+MAX_OPENED = 1 << 22  # distinct opens remembered per group
+MAX_FILES = 1 << 23  # files listed per tree
+MAX_UNKEPT = 16  # fetched files in a row the cache did not keep: stop the tree
+CHECK_BATCH = 256  # candidates checked against the index per thread hop
+
+
+@dataclass
+class _Group:
+    """The opens of one reader group (stream key or process group) not covered by an order."""
+
+    root: int | None = None
+    opened: set[int] = field(default_factory=set)
+    repeats: int = 0
+    tree: _Tree | None = None
+
+
+@dataclass
+class _Tree:
+    root: int
+    rel: str
+    state: str = "listing"  # listing, scanning, paused, done, full, idle, unkept, failed
+    reason: str = ""
+    inos: np.ndarray | None = None  # listing order
+    sizes: np.ndarray | None = None
+    sorted_pos: np.ndarray | None = None  # argsort of inos, to find an ino's position
+    done: bytearray = field(default_factory=bytearray)  # position opened/cached/fetched
+    last_pos: int = -1  # the readers' latest open, as a position in the listing
+    last_open: float = field(default_factory=time.monotonic)
+    wake: trio.Event = field(default_factory=trio.Event)
+    pending_opens: list[int] = field(default_factory=list)  # opens while listing
+    files: int = 0
+    bytes: int = 0
+    unkept: int = 0  # fetched files in a row the cache did not keep
+    cancel: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+    def position(self, ino: int) -> int:
+        if self.inos is None or self.sorted_pos is None or not len(self.inos):
+            return -1
+        i = int(np.searchsorted(self.inos, ino, sorter=self.sorted_pos))
+        if i < len(self.inos):
+            p = int(self.sorted_pos[i])
+            if int(self.inos[p]) == ino:
+                return p
+        return -1
+
+    def opened(self, ino: int) -> None:
+        self.last_open = time.monotonic()
+        if self.inos is None:
+            if len(self.pending_opens) < MAX_OPENED:
+                self.pending_opens.append(ino)
+            return
+        p = self.position(ino)
+        if p >= 0:
+            self.done[p] = 1
+            self.last_pos = p
+        self.wake.set()
+
+    def stats(self) -> dict:
+        return {"state": self.state, "reason": self.reason,
+                "listed": 0 if self.inos is None else len(self.inos),
+                "files": self.files, "bytes": self.bytes}
+
+
+class ScanAhead:
+    """Watches opens not covered by a known order and scans trees ahead of them.
+    ``engine`` provides ``index``, ``ns``, ``cfg``, ``writer``, ``cached_among(inos)``
+    and the coroutine ``scan_one(ino) -> (fetched bytes, kept)``."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.concurrency = engine.cfg.scan_ahead
+        self.groups: OrderedDict[str, _Group] = OrderedDict()
+        self.trees: OrderedDict[int, _Tree] = OrderedDict()
+        self._chains: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # dir -> ancestors
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Owns the trees' tasks, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    # ----- watching opens (trio loop, called for every open: cheap) -------------------
+
+    def note_open(self, group_key: str, ino: int, parent: int) -> None:
+        """A file ``ino`` (in directory ``parent``) was opened by ``group_key``'s readers."""
+        if self.concurrency <= 0:
+            return
+        g = self.groups.get(group_key)
+        if g is None:
+            g = self.groups[group_key] = _Group()
+            while len(self.groups) > MAX_GROUPS:
+                self.groups.popitem(last=False)
+        else:
+            self.groups.move_to_end(group_key)
+        if ino in g.opened:
+            g.repeats += 1
+        elif len(g.opened) < MAX_OPENED:
+            g.opened.add(ino)
+        g.root = parent if g.root is None else self._common(g.root, parent)
+        t = g.tree
+        if t is not None and t.root != g.root:
+            # the reader left the tree: the wider one is scanned instead
+            t.cancel.cancel()
+            if t.state in ("listing", "scanning", "paused"):
+                t.state = "superseded"
+            t = g.tree = None
+        if t is None and (len(g.opened) >= MIN_OPENS
+                          and g.repeats * REPEAT_SHARE <= len(g.opened)):
+            t = g.tree = self._tree(g)
+        if t is not None:
+            t.opened(ino)
+
+    def _tree(self, g: _Group) -> _Tree | None:
+        assert g.root is not None
+        t = self.trees.get(g.root)
+        if t is not None:
+            return t
+        if self._nursery is None:
+            return None
+        if len(self.trees) >= MAX_TREES:
+            # the oldest finished tree makes room; running ones are never cut short
+            old = next((k for k, v in self.trees.items()
+                        if v.state not in ("listing", "scanning", "paused")), None)
+            if old is None:
+                return None
+            del self.trees[old]
+        try:
+            rel = os.fsdecode(self.engine.ns.path_of(self.engine.ns.get(g.root))) or "."
+        except DlcError:
+            return None
+        t = self.trees[g.root] = _Tree(g.root, rel)
+        for ino in g.opened:
+            t.pending_opens.append(ino)
+        log.info("scan-ahead of %r: a reader with no known order is reading it through "
+                 "(%d files opened)", rel, len(g.opened))
+        self._nursery.start_soon(self._scan, t)
+        return t
+
+    def _chain(self, d: int) -> tuple[int, ...]:
+        """``d`` and its ancestors up to the root (cached: called on every open)."""
+        c = self._chains.get(d)
+        if c is not None:
+            self._chains.move_to_end(d)
+            return c
+        out, cur = [], d
+        for _ in range(256):
+            out.append(cur)
+            if cur == ROOT_INO:
+                break
+            e = self.engine.index.get_entry(cur)
+            if e is None:
+                break
+            cur = e.parent
+        c = self._chains[d] = tuple(out)
+        while len(self._chains) > 4096:
+            self._chains.popitem(last=False)
+        return c
+
+    def _common(self, a: int, b: int) -> int:
+        if a == b:
+            return a
+        cb = self._chain(b)
+        if a in cb:
+            return a
+        sb = set(cb)
+        for x in self._chain(a):
+            if x in sb:
+                return x
+        return ROOT_INO
+
+    # ----- one tree (a task in this object's nursery) -----------------------------
+
+    async def _scan(self, t: _Tree) -> None:
+        with t.cancel:
+            try:
+                await self._scan_tree(t)
+            except DlcError as e:
+                t.state, t.reason = "failed", str(e)
+                log.warning("scan-ahead of %r stopped: %s", t.rel, e)
+
+    async def _scan_tree(self, t: _Tree) -> None:
+        eng = self.engine
+        inos, sizes = await trio.to_thread.run_sync(
+            list_tree, eng.index, t.root, eng.cfg.max_cached_file, MAX_FILES)
+        t.sizes, t.sorted_pos = sizes, np.argsort(inos, kind="stable")
+        t.inos, t.done = inos, bytearray(len(inos))
+        for ino in t.pending_opens:
+            t.opened(ino)
+        t.pending_opens = []
+        t.state = "scanning"
+        n = len(inos)
+        margin = eng.cfg.cache_size // 8
+        slots = trio.Semaphore(self.concurrency)
+        cursor = (t.last_pos + 1) % n if n else 0
+        async with trio.open_nursery() as nursery:
+            while n:
+                # follow a reader that is ahead of the scan (a sequential one)
+                if t.last_pos >= cursor and t.last_pos - cursor < 4 * self.concurrency + 64:
+                    cursor = (t.last_pos + 1) % n
+                p = t.done.find(0, cursor)
+                if p < 0:
+                    p = t.done.find(0)
+                    if p < 0:
+                        break
+                # which of the next candidates are already cached (one thread hop)
+                batch = [q for q in range(p, min(n, p + CHECK_BATCH)) if not t.done[q]]
+                cached = await trio.to_thread.run_sync(
+                    eng.cached_among, [int(inos[q]) for q in batch])
+                for q in batch:
+                    if int(inos[q]) in cached:
+                        t.done[q] = 1
+                for q in batch:
+                    if t.done[q]:
+                        continue
+                    if eng.writer.room() < int(sizes[q]) + margin:
+                        t.state, t.reason = "full", "free cache room used up"
+                        return
+                    while time.monotonic() - t.last_open > IDLE_S:
+                        t.state = "paused"
+                        t.wake = trio.Event()
+                        with trio.move_on_after(END_IDLE_S):
+                            await t.wake.wait()
+                        if time.monotonic() - t.last_open > END_IDLE_S:
+                            t.state, t.reason = "idle", f"no open for {END_IDLE_S:.0f} s"
+                            return
+                        t.state = "scanning"
+                    if t.done[q]:
+                        continue
+                    await slots.acquire()
+                    t.done[q] = 1
+                    nursery.start_soon(self._one, t, int(inos[q]), slots)
+                    if t.unkept >= MAX_UNKEPT:
+                        t.state, t.reason = "unkept", "the cache policy does not keep them"
+                        return
+                cursor = (batch[-1] + 1) % n if batch else (p + 1) % n
+        t.state = "done"
+
+    async def _one(self, t: _Tree, ino: int, slots: trio.Semaphore) -> None:
+        try:
+            nbytes, kept = await self.engine.scan_one(ino)
+            if nbytes:
+                t.files += 1
+                t.bytes += nbytes
+                t.unkept = 0 if kept else t.unkept + 1
+        except DlcError as e:
+            log.debug("scan-ahead of inode %d failed: %s", ino, e)
+        finally:
+            slots.release()
+
+    def stats(self) -> dict:
+        return {t.rel: t.stats() for t in self.trees.values()}
+
+    def tree_of_groups(self) -> dict[str, str]:
+        """Reader group -> the tree scanned ahead of it (for its stats entry)."""
+        return {k: g.tree.rel for k, g in self.groups.items() if g.tree is not None}
+
+
+def list_tree(index, root: int, max_size: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """(inos, sizes) of the regular files under directory ``root``: depth first, names
+    sorted (the index lists them so), files no larger than ``max_size``, at most ``limit``.
+    Symlinks are not followed (a guess never leaves the tree). Blocking: a thread."""
+    inos: list[int] = []
+    sizes: list[int] = []
+    stack = [root]
+    S_ISDIR, S_ISREG = stat.S_ISDIR, stat.S_ISREG
+    while stack and len(inos) < limit:
+        d = stack.pop()
+        subdirs = []
+        for _name, ino, mode, size in index.list_dir_typed(d):
+            if S_ISDIR(mode):
+                subdirs.append(ino)
+            elif S_ISREG(mode) and size <= max_size:
+                inos.append(ino)
+                sizes.append(size)
+        stack.extend(reversed(subdirs))
+    return np.asarray(inos[:limit], dtype=np.int64), np.asarray(sizes[:limit], dtype=np.int64)
