@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from .config import OPTIONS, Config, Option, build_config, option
+from .config import OPTIONS, Config, Option, build_config, option, read_config_file
 from .units import format_size, parse_size
 
 
@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("mount", help="mount SOURCE at MOUNTPOINT")
     m.add_argument("source")
     m.add_argument("mountpoint")
+    m.add_argument("--config", metavar="FILE",
+                   help="TOML file of the options below (cache_size = \"500G\", rescan = "
+                        "true, ...); the command line overrides it")
     add_config_options(m)
 
     u = sub.add_parser("umount", help="unmount (lazily if files are open) and wait for the commit")
@@ -76,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_config_options(p: argparse.ArgumentParser) -> None:
     """One option per Config field (dlcachefs.config.OPTIONS). Defaults are SUPPRESSed: the
-    namespace holds only what the command line set (build_config fills in the rest)."""
+    namespace holds only what the command line set, so build_config can apply the rule
+    command line > --config file > defaults."""
     for o in OPTIONS:
         names = [o.flag, o.short] if o.short else [o.flag]
         if o.kind == "flag":
@@ -103,7 +107,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
     from dlcachefs.policies import make_policy  # noqa: PLC0415 - a bad --policy fails here
 
     cli = {o.field: getattr(a, o.field) for o in OPTIONS if hasattr(a, o.field)}
-    cfg = build_config(a.source, a.mountpoint, cli)
+    file = read_config_file(a.config) if a.config else None
+    cfg = build_config(a.source, a.mountpoint, cli, file)
     make_policy(cfg.policy)
     return cfg
 
@@ -374,8 +379,8 @@ def mount_helper_argv(argv: list[str]) -> list[str]:
     """Translate ``mount.dlcachefs SOURCE DIR [-o a=b,c] [-sfnv]`` into ``dlcachefs mount`` args.
 
     ``-o`` takes the options of ``dlcachefs mount`` spelled with ``_`` (or ``-``): a flag
-    alone (``rescan``), the others as ``key=value``; mount(8)'s generic options and ``x-*``
-    are ignored."""
+    alone (``rescan``), the others as ``key=value``; ``config=FILE`` is ``--config FILE``;
+    mount(8)'s generic options and ``x-*`` are ignored."""
     pos: list[str] = []
     opts: list[str] = []
     it = iter(argv)
@@ -396,10 +401,10 @@ def mount_helper_argv(argv: list[str]) -> list[str]:
         if key in _IGNORED or key.startswith("x-"):
             continue
         opt = option(key)
-        if opt is not None and opt.kind != "flag":
+        if key == "config" or (opt is not None and opt.kind != "flag"):
             if not eq:
                 raise ValueError(f"mount option {key!r} needs a value ({key}=...)")
-            out += [opt.flag, val]
+            out += ["--config" if opt is None else opt.flag, val]
         elif opt is not None:
             if eq:
                 raise ValueError(f"mount option {key!r} is a flag: it takes no value")

@@ -2,14 +2,15 @@
 
 Every option of ``dlcachefs mount`` is a field of :class:`Config`: its name, type, default
 and help are written once, on the field (:func:`_opt`), and :data:`OPTIONS` is made from
-them. The command line and the fstab helper's ``-o key=value`` (both in ``dlcachefs.cli``)
-are read through that table; :func:`build_config` makes the Config: a field the command
-line set, else its default.
+them. The command line, the fstab helper's ``-o key=value`` (both in ``dlcachefs.cli``)
+and a ``--config`` TOML file (:func:`read_config_file`) are read through that table and
+merged by one rule, in :func:`build_config`: command line > file > defaults.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import os
 from collections.abc import Mapping
@@ -126,6 +127,8 @@ _KIND_OF_TYPE = {"bool": "flag", "int": "int", "float": "float", "str": "str",
 _EXPECTED = {"size": 'a size (an integer or a string like "4M")', "int": "an integer",
              "float": "a number", "str": "a string", "path": "a string (a path)",
              "flag": "true or false"}
+_TOML_TYPES = {bool: "a boolean", int: "an integer", float: "a float", str: "a string",
+               list: "an array", dict: "a table"}
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,25 @@ class Option:
             raise ValueError(f"not {_EXPECTED[self.kind]}: {text!r}") from None
         return text
 
+    def from_file(self, value: object) -> Any:
+        """The field value of a TOML value. Raises ValueError saying what was expected."""
+        if self.kind == "flag" and isinstance(value, bool):
+            return self.const if value else not self.const
+        if not isinstance(value, bool):  # a TOML boolean is never a number
+            if self.kind == "size" and isinstance(value, int | str):
+                return parse_size(value)
+            if self.kind == "int" and isinstance(value, int):
+                return value
+            if self.kind == "float" and isinstance(value, int | float):
+                return float(value)
+            if self.kind in ("str", "path") and isinstance(value, str):
+                if self.choices and value not in self.choices:
+                    raise ValueError(f"expected one of {', '.join(self.choices)}, "
+                                     f"got {value!r}")
+                return value
+        got = _TOML_TYPES.get(type(value), type(value).__name__)
+        raise ValueError(f"expected {_EXPECTED[self.kind]}, got {got}")
+
     def show(self, value: Any) -> str:
         """``value`` as text that :meth:`parse` reads back (sizes in their unit)."""
         if self.kind == "size":
@@ -211,13 +233,60 @@ def option(key: str) -> Option | None:
     return _BY_KEY.get(key.replace("-", "_"))
 
 
-# ----- the precedence rule ------------------------------------------------------------------
+def unknown_key(key: str) -> str:
+    """``unknown key 'cache_sise' (did you mean cache_size?)``"""
+    close = difflib.get_close_matches(key.replace("-", "_"), list(_BY_KEY), n=1)
+    return f"unknown key {key!r}" + (f" (did you mean {close[0]}?)" if close else "")
 
-def build_config(source: str, mountpoint: str, cli: Mapping[str, Any]) -> Config:
-    """The Config of a mount, field by field from the command line, else the field's
-    default. ``cli`` maps field names to field values (see :class:`Option`); paths are made
-    absolute, and an empty ``cache_dir`` is :func:`default_cache_dir` of the source."""
-    values = dict(cli)
+
+# ----- the --config file, and the precedence rule -------------------------------------------
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """Field values from a TOML file of mount options (``cache_size = "4M"``, ``rescan =
+    true``): keys are option names, with ``_`` or ``-``. Relative paths are taken from the
+    file's directory. Raises ValueError naming the file and the key."""
+    try:
+        import tomllib  # noqa: PLC0415 - Python >= 3.11
+    except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+        try:
+            import tomli as tomllib  # noqa: PLC0415
+        except ModuleNotFoundError:
+            raise ValueError("--config needs Python >= 3.11 or the tomli package") from None
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ValueError(f"--config {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"--config {path}: not valid TOML: {e}") from None
+    base = os.path.dirname(os.path.abspath(path))
+    out: dict[str, Any] = {}
+    given: dict[str, str] = {}
+    for key, value in data.items():
+        o = option(key)
+        if o is None:
+            raise ValueError(f"--config {path}: {unknown_key(key)}")
+        if o.field in given:
+            raise ValueError(f"--config {path}: keys {given[o.field]!r} and {key!r} "
+                             "set the same option")
+        try:
+            v = o.from_file(value)
+        except ValueError as e:
+            raise ValueError(f"--config {path}: key {key!r}: {e}") from None
+        if o.kind == "path" and v:
+            v = os.path.join(base, os.path.expanduser(v))
+        out[o.field] = v
+        given[o.field] = key
+    return out
+
+
+def build_config(source: str, mountpoint: str, cli: Mapping[str, Any],
+                 file: Mapping[str, Any] | None = None) -> Config:
+    """The Config of a mount, field by field from the command line, else the ``--config``
+    file, else the field's default: the one precedence rule. ``cli`` and ``file`` map field
+    names to field values (see :class:`Option`); paths are made absolute, and an empty
+    ``cache_dir`` is :func:`default_cache_dir` of the source."""
+    values = {**(file or {}), **cli}
     source = os.path.abspath(source)
     for o in OPTIONS:
         if o.kind == "path" and o.field in values:
