@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 
-from .config import Config, default_cache_dir
+from .config import OPTIONS, Config, Option, build_config, option, read_config_file
 from .units import format_size, parse_size
 
 
@@ -32,49 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("mount", help="mount SOURCE at MOUNTPOINT")
     m.add_argument("source")
     m.add_argument("mountpoint")
-    m.add_argument("--cache-dir", help="cache directory (default: ~/.cache/dlcachefs/<source>-<hash>)")
-    m.add_argument("--cache-size", type=_size, default="200G", help="cache size limit (default 200G)")
-    m.add_argument("--chunk-size", type=_size, default="16M", help="chunk size (default 16M)")
-    m.add_argument("--memory", type=_size, default="1G",
-                   help="in-memory chunk tier size (default 1G)")
-    m.add_argument("--min-free", type=_size, default="1G",
-                   help="free space to leave on the cache disk (default 1G)")
-    m.add_argument("--revalidate", type=float, default=3600.0, metavar="SECONDS",
-                   help="how old source metadata may be before an open checks it again; "
-                        "0 = check at every open (default 3600)")
-    m.add_argument("--rescan", action="store_true", help="re-list the whole source at mount")
-    m.add_argument("--ignore-source-inode", action="store_true",
-                   help="identify source versions by size and mtime only (for sources whose "
-                        "inode numbers change, e.g. sshfs without -o use_ino)")
-    m.add_argument("--source-threads", type=int, default=16, help="parallel source reads (16)")
-    m.add_argument("--source-timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="give up on a source read after this long: ETIMEDOUT (default 60)")
-    m.add_argument("--policy", default="lru", metavar="NAME[:KEY=VALUE,...]",
-                   help="caching policy: lru (default), reuse-distance, lcache, icache; "
-                        "options after a colon, e.g. icache:package=1M,h_ratio=0.9")
-    m.add_argument("--substitute", action="store_true",
-                   help="serve a missed low-importance sample with a cached one of the same "
-                        "class directory not yet used this epoch (iCACHE; needs losses)")
-    m.add_argument("--trace", metavar="FILE",
-                   help="record what announced trainings read (and their losses) into FILE "
-                        "at unmount, for 'dlcachefs simulate --trace FILE'")
-    m.add_argument("--h-fraction", type=float, default=0.7,
-                   help="share of the dataset that counts as important (H-list, 0.7)")
-    m.add_argument("--scan-ahead", type=int, default=4, metavar="N",
-                   help="when a reader with no known order reads a tree through (an epoch "
-                        "of a script that announced nothing, tar, cp -r), fetch the tree's "
-                        "other files ahead of it, N at a time, into free cache room only; "
-                        "0 = off (default 4)")
-    m.add_argument("--no-reorder", action="store_true",
-                   help="do not lay out each next epoch's log in its order (LCache)")
-    m.add_argument("--foreground", "-f", action="store_true", help="do not daemonize")
-    m.add_argument("--allow-other", action="store_true",
-                   help="let other users use the mount (with default_permissions)")
-    m.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    m.add_argument("--debug-invariants", action="store_true",
-                   help="check the cache's invariants (--cache-size account, index, logs) "
-                        "after every commit; a violation is logged as an ERROR and counted "
-                        "in stats (invariant_violations). For tests: it scans the index")
+    m.add_argument("--config", metavar="FILE",
+                   help="TOML file of the options below (cache_size = \"500G\", rescan = "
+                        "true, ...); the command line overrides it")
+    add_config_options(m)
 
     u = sub.add_parser("umount", help="unmount (lazily if files are open) and wait for the commit")
     u.add_argument("mountpoint")
@@ -115,21 +77,40 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_config_options(p: argparse.ArgumentParser) -> None:
+    """One option per Config field (dlcachefs.config.OPTIONS). Defaults are SUPPRESSed: the
+    namespace holds only what the command line set, so build_config can apply the rule
+    command line > --config file > defaults."""
+    for o in OPTIONS:
+        names = [o.flag, o.short] if o.short else [o.flag]
+        if o.kind == "flag":
+            p.add_argument(*names, dest=o.field, action="store_const", const=o.const,
+                           default=argparse.SUPPRESS, help=o.help_text())
+        else:
+            p.add_argument(*names, dest=o.field, type=_value_parser(o), metavar=o.metavar,
+                           choices=o.choices, default=argparse.SUPPRESS, help=o.help_text())
+
+
+def _value_parser(o: Option):
+    """argparse's type= for ``o``: Option.parse, its ValueError shown as the reason."""
+
+    def parse(text: str):
+        try:
+            return o.parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
+
+
 def config_from_args(a: argparse.Namespace) -> Config:
     from dlcachefs.policies import make_policy  # noqa: PLC0415 - a bad --policy fails here
 
-    make_policy(a.policy)
-    source = os.path.abspath(a.source)
-    return Config(
-        source=source, mountpoint=os.path.abspath(a.mountpoint),
-        cache_dir=os.path.abspath(a.cache_dir) if a.cache_dir else default_cache_dir(source),
-        cache_size=a.cache_size, chunk_size=a.chunk_size, memory=a.memory, min_free=a.min_free,
-        revalidate=a.revalidate, rescan=a.rescan, use_source_inode=not a.ignore_source_inode,
-        source_threads=a.source_threads, source_timeout=a.source_timeout, policy=a.policy, reorder=not a.no_reorder,
-        substitute=a.substitute, h_fraction=a.h_fraction, scan_ahead=a.scan_ahead,
-        trace=os.path.abspath(a.trace) if a.trace else None,
-        allow_other=a.allow_other, foreground=a.foreground, log_level=a.log_level,
-        debug_invariants=a.debug_invariants)
+    cli = {o.field: getattr(a, o.field) for o in OPTIONS if hasattr(a, o.field)}
+    file = read_config_file(a.config) if a.config else None
+    cfg = build_config(a.source, a.mountpoint, cli, file)
+    make_policy(cfg.policy)
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -378,20 +359,36 @@ def cmd_stats(mountpoint: str, as_json: bool) -> int:
 
 _IGNORED = {"rw", "ro", "defaults", "auto", "noauto", "user", "nouser", "users", "nofail",
             "_netdev", "exec", "noexec", "suid", "nosuid", "dev", "nodev", "async", "sync"}
-_FLAGS = {"rescan", "allow_other", "ignore_source_inode", "foreground", "substitute",
-          "debug_invariants"}
+# an option is a run of non-commas or "quoted text": policy="icache:package=1M,h_ratio=0.9"
+_FSTAB_OPTION = re.compile(r'(?:[^,"]|"[^"]*")+')
+
+
+def split_mount_options(text: str) -> list[str]:
+    """``a=1,b,c="x,y"`` -> ``['a=1', 'b', 'c=x,y']``: commas inside double quotes are
+    part of the value, and the quotes around a value are dropped."""
+    out = []
+    for item in _FSTAB_OPTION.findall(text):
+        key, eq, val = item.partition("=")
+        if len(val) >= 2 and val[0] == val[-1] == '"':
+            val = val[1:-1]
+        out.append(key + eq + val)
+    return out
 
 
 def mount_helper_argv(argv: list[str]) -> list[str]:
-    """Translate ``mount.dlcachefs SOURCE DIR [-o a=b,c] [-sfnv]`` into ``dlcachefs mount`` args."""
+    """Translate ``mount.dlcachefs SOURCE DIR [-o a=b,c] [-sfnv]`` into ``dlcachefs mount`` args.
+
+    ``-o`` takes the options of ``dlcachefs mount`` spelled with ``_`` (or ``-``): a flag
+    alone (``rescan``), the others as ``key=value``; ``config=FILE`` is ``--config FILE``;
+    mount(8)'s generic options and ``x-*`` are ignored."""
     pos: list[str] = []
     opts: list[str] = []
     it = iter(argv)
     for a in it:
         if a == "-o":
-            opts.extend(x for x in next(it, "").split(",") if x)
+            opts.extend(split_mount_options(next(it, "")))
         elif a.startswith("-o") and len(a) > 2:
-            opts.extend(x for x in a[2:].split(",") if x)
+            opts.extend(split_mount_options(a[2:]))
         elif a.startswith("-") and len(a) > 1:
             continue  # -s, -f (fake), -n (no mtab), -v: nothing to do for us
         else:
@@ -403,11 +400,15 @@ def mount_helper_argv(argv: list[str]) -> list[str]:
         key, eq, val = o.partition("=")
         if key in _IGNORED or key.startswith("x-"):
             continue
-        flag = "--" + key.replace("_", "-")
-        if key in _FLAGS and not eq:
-            out.append(flag)
-        elif eq:
-            out += [flag, val]
+        opt = option(key)
+        if key == "config" or (opt is not None and opt.kind != "flag"):
+            if not eq:
+                raise ValueError(f"mount option {key!r} needs a value ({key}=...)")
+            out += ["--config" if opt is None else opt.flag, val]
+        elif opt is not None:
+            if eq:
+                raise ValueError(f"mount option {key!r} is a flag: it takes no value")
+            out.append(opt.flag)
         else:
             raise ValueError(f"unknown mount option {o!r}")
     return out

@@ -1,10 +1,23 @@
-"""The one frozen configuration of a mount. The CLI and the fstab helper both build it."""
+"""The one frozen configuration of a mount, and the options it is made from.
+
+Every option of ``dlcachefs mount`` is a field of :class:`Config`: its name, type, default
+and help are written once, on the field (:func:`_opt`), and :data:`OPTIONS` is made from
+them. The command line, the fstab helper's ``-o key=value`` (both in ``dlcachefs.cli``)
+and a ``--config`` TOML file (:func:`read_config_file`) are read through that table and
+merged by one rule, in :func:`build_config`: command line > file > defaults.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import hashlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from .units import format_size_exact, parse_size
 
 
 def default_cache_dir(source: str) -> str:
@@ -20,36 +33,71 @@ def default_cache_dir(source: str) -> str:
     return os.path.join(base, "dlcachefs", f"{name}-{tag}")
 
 
+def _opt(default: Any = dataclasses.MISSING, text: str = "", **spec: Any) -> Any:
+    """A Config field that is a mount option; ``spec`` holds :class:`Option`'s other
+    attributes (``name``, ``kind``, ``short``, ``metavar``, ``choices``, ``show_default``);
+    the rest comes from the field."""
+    return dataclasses.field(default=default, metadata={"option": {"help": text, **spec}})
+
+
 @dataclass(frozen=True)
 class Config:
-    """Everything a mount is configured with. Sizes in bytes, times in seconds."""
+    """Everything a mount is configured with. Sizes in bytes, times in seconds.
+
+    The order of the fields is the order of ``dlcachefs mount --help``."""
 
     source: str
     mountpoint: str
-    cache_dir: str
-    cache_size: int = 200 << 30
-    chunk_size: int = 16 << 20
-    memory: int = 1 << 30            # in-memory chunk tier
-    min_free: int = 1 << 30          # free-space floor on the cache disk
-    log_size: int = 1 << 30          # a new log file starts past this size
-    revalidate: float = 3600.0       # see dlcachefs.namespace for the rule
-    rescan: bool = False
-    use_source_inode: bool = True
-    source_threads: int = 16
-    source_timeout: float = 60.0
-    source_retries: int = 2
-    flush_interval: float = 2.0      # a partly filled chunk is sealed after this long
-    max_cached_file: int = 256 << 20  # larger files are read through, never cached
-    policy: str = "lru"              # NAME[:key=value,...], see dlcachefs.policies
-    substitute: bool = False         # iCACHE substitution of missed L-samples
-    h_fraction: float = 0.7          # share of the dataset in the H-list (by importance)
-    trace: str | None = None         # record the streams' reads here (dlcachefs simulate)
-    scan_ahead: int = 4              # fetches in flight ahead of readers with no known order
-    reorder: bool = True             # LCache log reordering for streams with a known next order
-    allow_other: bool = False
-    foreground: bool = False
-    log_level: str = "info"
-    debug_invariants: bool = False
+    cache_dir: str = _opt(text="cache directory (default: ~/.cache/dlcachefs/<source>-<hash>)",
+                          kind="path", show_default=False)
+    cache_size: int = _opt(200 << 30, "cache size limit", kind="size")
+    chunk_size: int = _opt(16 << 20, "chunk size", kind="size")
+    memory: int = _opt(1 << 30, "in-memory chunk tier size", kind="size")
+    min_free: int = _opt(1 << 30, "free space to leave on the cache disk", kind="size")
+    log_size: int = _opt(1 << 30, "a new log file is started past this size", kind="size")
+    revalidate: float = _opt(  # see dlcachefs.namespace for the rule
+        3600.0, "how old source metadata may be before an open checks it again; "
+                "0 = check at every open", metavar="SECONDS")
+    rescan: bool = _opt(False, "re-list the whole source at mount")
+    use_source_inode: bool = _opt(
+        True, "identify source versions by size and mtime only (for sources whose inode "
+              "numbers change, e.g. sshfs without -o use_ino)", name="ignore-source-inode")
+    source_threads: int = _opt(16, "parallel source reads")
+    source_timeout: float = _opt(
+        60.0, "give up on a source read after this long: ETIMEDOUT", metavar="SECONDS")
+    source_retries: int = _opt(
+        2, "retries of a source read that failed with a transient error (EIO, ENOTCONN, ...)")
+    flush_interval: float = _opt(
+        2.0, "seal a partly filled chunk this long after its first record", metavar="SECONDS")
+    max_cached_file: int = _opt(
+        256 << 20, "larger files are read through from the source, never cached", kind="size")
+    policy: str = _opt(  # see dlcachefs.policies
+        "lru", "caching policy: lru (default), reuse-distance, lcache, icache; "
+               "options after a colon, e.g. icache:package=1M,h_ratio=0.9",
+        metavar="NAME[:KEY=VALUE,...]", show_default=False)
+    substitute: bool = _opt(
+        False, "serve a missed low-importance sample with a cached one of the same class "
+               "directory not yet used this epoch (iCACHE; needs losses)")
+    trace: str | None = _opt(
+        None, "record what announced trainings read (and their losses) into FILE at "
+              "unmount, for 'dlcachefs simulate --trace FILE'", kind="path", metavar="FILE")
+    h_fraction: float = _opt(
+        0.7, "share of the dataset that counts as important, the H-list")
+    scan_ahead: int = _opt(
+        4, "when a reader with no known order reads a tree through (an epoch of a script "
+           "that announced nothing, tar, cp -r), fetch the tree's other files ahead of it, "
+           "N at a time, into free cache room only; 0 = off", metavar="N")
+    reorder: bool = _opt(
+        True, "do not lay out each next epoch's log in its order (LCache)", name="no-reorder")
+    foreground: bool = _opt(False, "do not daemonize", short="-f")
+    allow_other: bool = _opt(
+        False, "let other users use the mount (with default_permissions)")
+    log_level: str = _opt("info", "daemon log level",
+                          choices=("debug", "info", "warning", "error"))
+    debug_invariants: bool = _opt(
+        False, "check the cache's invariants (--cache-size account, index, logs) after "
+               "every commit; a violation is logged as an ERROR and counted in stats "
+               "(invariant_violations). For tests: it scans the index")
 
     def __post_init__(self) -> None:
         if self.chunk_size < 4096:
@@ -60,6 +108,10 @@ class Config:
             raise ValueError("--source-timeout must be > 0")
         if self.source_threads < 1:
             raise ValueError("--source-threads must be >= 1")
+        if self.source_retries < 0:
+            raise ValueError("--source-retries must be >= 0")
+        if self.flush_interval <= 0:
+            raise ValueError("--flush-interval must be > 0")
         if self.scan_ahead < 0:
             raise ValueError("--scan-ahead must be >= 0")
         if not 0.0 < self.h_fraction <= 1.0:
@@ -72,3 +124,179 @@ class Config:
     @property
     def logs_dir(self) -> str:
         return os.path.join(self.cache_dir, "logs")
+
+
+# ----- the options table ------------------------------------------------------------------
+
+_KIND_OF_TYPE = {"bool": "flag", "int": "int", "float": "float", "str": "str",
+                 "str | None": "str"}
+_EXPECTED = {"size": 'a size (an integer or a string like "4M")', "int": "an integer",
+             "float": "a number", "str": "a string", "path": "a string (a path)",
+             "flag": "true or false"}
+_TOML_TYPES = {bool: "a boolean", int: "an integer", float: "a float", str: "a string",
+               list: "an array", dict: "a table"}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of ``dlcachefs mount``, made from a :class:`Config` field.
+
+    ``name`` is the command-line spelling (``--cache-size``); the fstab and file key is the
+    same with ``_`` (``cache_size``), and both spellings are accepted there. A ``flag``
+    takes no value on the command line or in fstab: it sets the field to the opposite of
+    its default (``--no-reorder`` sets ``reorder`` to False).
+    """
+
+    field: str
+    name: str
+    kind: str                 # flag, size, int, float, str or path
+    default: Any              # dataclasses.MISSING: computed (cache_dir, see build_config)
+    help: str
+    short: str | None = None
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    show_default: bool = True
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name
+
+    @property
+    def key(self) -> str:
+        return self.name.replace("-", "_")
+
+    @property
+    def const(self) -> bool:
+        """What a flag sets its field to."""
+        return not self.default
+
+    def parse(self, text: str) -> Any:
+        """The field value of a command-line (or fstab) value. Raises ValueError."""
+        if self.kind == "size":
+            return parse_size(text)
+        try:
+            if self.kind == "int":
+                return int(text)
+            if self.kind == "float":
+                return float(text)
+        except ValueError:
+            raise ValueError(f"not {_EXPECTED[self.kind]}: {text!r}") from None
+        return text
+
+    def from_file(self, value: object) -> Any:
+        """The field value of a TOML value. Raises ValueError saying what was expected."""
+        if self.kind == "flag" and isinstance(value, bool):
+            return self.const if value else not self.const
+        if not isinstance(value, bool):  # a TOML boolean is never a number
+            if self.kind == "size" and isinstance(value, int | str):
+                return parse_size(value)
+            if self.kind == "int" and isinstance(value, int):
+                return value
+            if self.kind == "float" and isinstance(value, int | float):
+                return float(value)
+            if self.kind in ("str", "path") and isinstance(value, str):
+                if self.choices and value not in self.choices:
+                    raise ValueError(f"expected one of {', '.join(self.choices)}, "
+                                     f"got {value!r}")
+                return value
+        got = _TOML_TYPES.get(type(value), type(value).__name__)
+        raise ValueError(f"expected {_EXPECTED[self.kind]}, got {got}")
+
+    def show(self, value: Any) -> str:
+        """``value`` as text that :meth:`parse` reads back (sizes in their unit)."""
+        if self.kind == "size":
+            return format_size_exact(value)
+        if self.kind == "float":
+            return repr(float(value)).removesuffix(".0")
+        return str(value)
+
+    def help_text(self) -> str:
+        if (not self.show_default or self.kind == "flag"
+                or self.default in (None, dataclasses.MISSING)):
+            return self.help
+        return f"{self.help} (default {self.show(self.default)})"
+
+
+def _options() -> tuple[Option, ...]:
+    out = []
+    for f in dataclasses.fields(Config):
+        spec = dict(f.metadata.get("option", ()))
+        if not spec:
+            continue  # source, mountpoint: the command's positional arguments
+        spec.setdefault("name", f.name.replace("_", "-"))
+        spec.setdefault("kind", _KIND_OF_TYPE[f.type])
+        out.append(Option(field=f.name, default=f.default, **spec))
+    return tuple(out)
+
+
+#: every mount option, in Config's field order
+OPTIONS: tuple[Option, ...] = _options()
+_BY_KEY = {o.key: o for o in OPTIONS}
+
+
+def option(key: str) -> Option | None:
+    """The option named ``key`` (``cache_size`` or ``cache-size``), or None."""
+    return _BY_KEY.get(key.replace("-", "_"))
+
+
+def unknown_key(key: str) -> str:
+    """``unknown key 'cache_sise' (did you mean cache_size?)``"""
+    close = difflib.get_close_matches(key.replace("-", "_"), list(_BY_KEY), n=1)
+    return f"unknown key {key!r}" + (f" (did you mean {close[0]}?)" if close else "")
+
+
+# ----- the --config file, and the precedence rule -------------------------------------------
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """Field values from a TOML file of mount options (``cache_size = "4M"``, ``rescan =
+    true``): keys are option names, with ``_`` or ``-``. Relative paths are taken from the
+    file's directory. Raises ValueError naming the file and the key."""
+    try:
+        import tomllib  # noqa: PLC0415 - Python >= 3.11
+    except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+        try:
+            import tomli as tomllib  # noqa: PLC0415
+        except ModuleNotFoundError:
+            raise ValueError("--config needs Python >= 3.11 or the tomli package") from None
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ValueError(f"--config {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"--config {path}: not valid TOML: {e}") from None
+    base = os.path.dirname(os.path.abspath(path))
+    out: dict[str, Any] = {}
+    given: dict[str, str] = {}
+    for key, value in data.items():
+        o = option(key)
+        if o is None:
+            raise ValueError(f"--config {path}: {unknown_key(key)}")
+        if o.field in given:
+            raise ValueError(f"--config {path}: keys {given[o.field]!r} and {key!r} "
+                             "set the same option")
+        try:
+            v = o.from_file(value)
+        except ValueError as e:
+            raise ValueError(f"--config {path}: key {key!r}: {e}") from None
+        if o.kind == "path" and v:
+            v = os.path.join(base, os.path.expanduser(v))
+        out[o.field] = v
+        given[o.field] = key
+    return out
+
+
+def build_config(source: str, mountpoint: str, cli: Mapping[str, Any],
+                 file: Mapping[str, Any] | None = None) -> Config:
+    """The Config of a mount, field by field from the command line, else the ``--config``
+    file, else the field's default: the one precedence rule. ``cli`` and ``file`` map field
+    names to field values (see :class:`Option`); paths are made absolute, and an empty
+    ``cache_dir`` is :func:`default_cache_dir` of the source."""
+    values = {**(file or {}), **cli}
+    source = os.path.abspath(source)
+    for o in OPTIONS:
+        if o.kind == "path" and o.field in values:
+            values[o.field] = os.path.abspath(values[o.field]) if values[o.field] else None
+    if not values.get("cache_dir"):
+        values["cache_dir"] = default_cache_dir(source)
+    return Config(source=source, mountpoint=os.path.abspath(mountpoint), **values)

@@ -27,3 +27,12 @@ def format_size(n: float) -> str:
             return f"{n:.0f}{unit}" if unit == "" else f"{n:.1f}{unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def format_size_exact(n: int) -> str:
+    """The shortest exact form of a byte count, parsed back by :func:`parse_size`:
+    ``16 << 20`` -> '16M', ``1536`` -> '1536' (never rounded, unlike :func:`format_size`)."""
+    for unit in ("P", "T", "G", "M", "K"):
+        if n and n % _UNITS[unit] == 0:
+            return f"{n // _UNITS[unit]}{unit}"
+    return str(n)

@@ -335,6 +335,19 @@ def test_fstab_helper_mounts(src, tmp_path):
             subprocess.run(["fusermount3", "-u", "-z", str(mnt)])
 
 
+def test_config_file_under_the_command_line(src, mount, tmp_path):
+    conf = tmp_path / "dlcachefs.toml"
+    conf.write_text('cache_size = "3M"\nchunk-size = "128K"\nrevalidate = 5\n'
+                    'policy = "lcache"\n')
+    m = mount(src, "--config", str(conf), "--revalidate", "0")
+    st = m.stats()
+    assert st["cache_limit_bytes"] == 3 << 20  # from the file
+    assert st["policy"]["name"] == "lcache"
+    assert st["revalidate_s"] == 0  # the command line wins over the file
+    assert read_tree(m.mnt) == read_tree(src)
+    m.umount()
+
+
 def test_full_cache_disk_falls_back_to_the_source(src, mount, tmp_path):
     small = tmp_path / "tiny"
     small.mkdir()

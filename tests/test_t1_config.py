@@ -1,0 +1,286 @@
+"""Tier 1: mount options (dlcachefs.config.OPTIONS), the command line, the fstab helper's
+``-o`` and ``--config`` files, and the precedence rule command line > file > defaults.
+Nothing here mounts (a mounted --config test is in test_t4_mounted.py)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dlcachefs.cli import (
+    build_parser,
+    config_from_args,
+    main,
+    mount_helper_argv,
+    mount_helper_main,
+    split_mount_options,
+)
+from dlcachefs.config import OPTIONS, Config, default_cache_dir, option
+
+SRC, MNT = "/data/src", "/mnt/dl"
+POSITIONAL = {"source", "mountpoint"}
+
+
+def cfg_of(*args: str) -> Config:
+    return config_from_args(build_parser().parse_args(["mount", SRC, MNT, *args]))
+
+
+def mount_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["mount"]
+
+
+def toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)  # a TOML basic string for these values
+    return repr(v)
+
+
+def write_toml(directory: str, values: dict[str, object], name: str = "c.toml") -> str:
+    path = os.path.join(directory, name)
+    with open(path, "w") as f:
+        f.writelines(f"{k} = {toml_value(v)}\n" for k, v in values.items())
+    return path
+
+
+# ----- one table ------------------------------------------------------------------------------
+
+def test_every_config_field_has_an_option_and_every_option_a_field():
+    fields = {f.name for f in dataclasses.fields(Config)}
+    assert {o.field for o in OPTIONS} == fields - POSITIONAL
+    actions = mount_parser()._actions
+    assert {a.dest for a in actions if not a.option_strings} == POSITIONAL
+    assert {a.dest for a in actions if a.option_strings} - {"help", "config"} == fields - POSITIONAL
+    for o in OPTIONS:  # and the fstab helper knows every one of them
+        key = o.key if o.kind == "flag" else f"{o.key}=x"
+        assert mount_helper_argv([SRC, MNT, "-o", key])[3] == o.flag
+
+
+def test_no_options_give_config_defaults():
+    assert cfg_of() == Config(source=SRC, mountpoint=MNT, cache_dir=default_cache_dir(SRC))
+
+
+def test_existing_spellings_still_work():
+    cfg = cfg_of("--cache-dir", "/ssd/c", "--cache-size", "500G", "--chunk-size", "4M",
+                 "--memory", "2G", "--min-free", "0", "--revalidate", "0", "--rescan",
+                 "--ignore-source-inode", "--source-threads", "4", "--source-timeout", "5",
+                 "--policy", "icache:package=1M,h_ratio=0.9", "--substitute", "--trace", "t.json",
+                 "--h-fraction", "0.5", "--no-reorder", "-f", "--allow-other",
+                 "--log-level", "debug", "--debug-invariants")
+    assert cfg == Config(
+        source=SRC, mountpoint=MNT, cache_dir="/ssd/c", cache_size=500 << 30, chunk_size=4 << 20,
+        memory=2 << 30, min_free=0, revalidate=0.0, rescan=True, use_source_inode=False,
+        source_threads=4, source_timeout=5.0, policy="icache:package=1M,h_ratio=0.9",
+        substitute=True, trace=os.path.abspath("t.json"), h_fraction=0.5, reorder=False,
+        foreground=True, allow_other=True, log_level="debug", debug_invariants=True)
+
+
+def test_help_shows_exact_defaults():
+    helps = mount_parser().format_help()
+    for o in OPTIONS:
+        assert o.flag in helps
+        if o.kind != "flag" and o.show_default and o.default is not None:
+            assert o.parse(o.show(o.default)) == o.default
+    assert "cache size limit (default 200G)" in helps
+    assert "in-memory chunk tier size (default 1G)" in helps
+
+
+def test_bad_command_line_values_exit_2(capsys):
+    for args in (["--source-threads", "x"], ["--cache-size", "4Q"], ["--log-level", "loud"]):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(["mount", SRC, MNT, *args])
+        assert e.value.code == 2
+        assert args[0] in capsys.readouterr().err
+
+
+# ----- precedence: command line > file > defaults -------------------------------------------
+
+# (field, command-line values, file values); a flag's command line can only set it
+PRECEDENCE = {
+    "cache_size": (st.sampled_from(["4M", "3G", "12345"]),
+                   st.sampled_from([4 << 20, "7M", "1T", 0])),
+    "revalidate": (st.sampled_from(["0", "1.5", "600"]), st.sampled_from([0, 2.5, 7200])),
+    "source_threads": (st.sampled_from(["1", "3"]), st.sampled_from([2, 64])),
+    "policy": (st.sampled_from(["lcache", "icache:package=1M"]),
+               st.sampled_from(["reuse-distance", "icache:h_ratio=0.9"])),
+    "rescan": (st.just(None), st.booleans()),
+    "use_source_inode": (st.just(None), st.booleans()),
+    "reorder": (st.just(None), st.booleans()),
+}
+
+
+@st.composite
+def layers(draw):
+    cli, file = {}, {}
+    for field, (cli_values, file_values) in PRECEDENCE.items():
+        if draw(st.booleans()):
+            cli[field] = draw(cli_values)
+        if draw(st.booleans()):
+            file[field] = draw(file_values)
+    return cli, file
+
+
+@settings(max_examples=150, deadline=None)
+@given(layers=layers(), dash=st.booleans())
+def test_command_line_over_file_over_defaults(layers, dash):
+    cli, file = layers
+    argv, toml = [], {}
+    for field, v in cli.items():
+        o = next(o for o in OPTIONS if o.field == field)
+        argv += [o.flag] if o.kind == "flag" else [o.flag, v]
+    for field, v in file.items():
+        o = next(o for o in OPTIONS if o.field == field)
+        toml[o.name if dash else o.key] = v
+    with tempfile.TemporaryDirectory() as d:
+        cfg = cfg_of(*argv, "--config", write_toml(d, toml)) if toml else cfg_of(*argv)
+    defaults = Config(source=SRC, mountpoint=MNT, cache_dir=default_cache_dir(SRC))
+    for field in PRECEDENCE:
+        o = next(o for o in OPTIONS if o.field == field)
+        if field in cli:
+            want = o.const if o.kind == "flag" else o.parse(cli[field])
+        elif field in file:
+            want = o.from_file(file[field])
+        else:
+            want = getattr(defaults, field)
+        assert getattr(cfg, field) == want, (field, cli, file)
+
+
+def test_file_values_and_paths(tmp_path):
+    sub = tmp_path / "conf"
+    sub.mkdir()
+    path = write_toml(str(sub), {"cache-dir": "cache", "trace": "~/t.json", "memory": 512,
+                                 "h_fraction": 1, "log-level": "warning", "substitute": True,
+                                 "no_reorder": False, "ignore_source_inode": True})
+    cfg = cfg_of("--config", path)
+    assert cfg.cache_dir == str(sub / "cache")  # relative to the file
+    assert cfg.trace == os.path.expanduser("~/t.json")
+    assert (cfg.memory, cfg.h_fraction, cfg.log_level) == (512, 1.0, "warning")
+    assert cfg.substitute and cfg.reorder and not cfg.use_source_inode
+    assert cfg_of("--config", path, "--cache-dir", "c2").cache_dir == os.path.abspath("c2")
+
+
+BAD_FILES = [
+    ("cache_sise = 1\n", "'cache_sise' (did you mean cache_size?)"),
+    ("[mount]\ncache_size = 1\n", "unknown key 'mount'"),
+    ("source = '/x'\n", "unknown key 'source'"),
+    ("cache_size = [1]\n", "key 'cache_size': expected a size"),
+    ("cache_size = '4Q'\n", "key 'cache_size': not a size"),
+    ("cache_size = -1\n", "key 'cache_size'"),
+    ("rescan = 1\n", "key 'rescan': expected true or false"),
+    ("source_threads = '4'\n", "key 'source_threads': expected an integer"),
+    ("source-threads = true\n", "key 'source-threads': expected an integer, got a boolean"),
+    ("revalidate = '1h'\n", "key 'revalidate': expected a number"),
+    ("log_level = 'loud'\n", "key 'log_level': expected one of debug, info"),
+    ("trace = 3\n", "key 'trace'"),
+    ("memory = 1\nmemory_x = 2\n", "unknown key 'memory_x'"),
+    ("cache_size = 1\ncache-size = 2\n", "'cache_size' and 'cache-size'"),
+    ("cache_size = \n", "not valid TOML"),
+    ("chunk_size = 100\n", "--chunk-size must be at least 4K"),
+    ("policy = 'bogus'\n", "unknown policy 'bogus'"),
+]
+
+
+@pytest.mark.parametrize("text, message", BAD_FILES)
+def test_bad_config_file_exits_2_naming_the_key(tmp_path, capsys, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    # a source that does not exist: should the file be taken, nothing is mounted (exit 1)
+    assert main(["mount", str(tmp_path / "nosrc"), str(tmp_path / "mnt"), "--config",
+                 str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("dlcachefs: ")
+
+
+def test_missing_config_file_exits_2(tmp_path, capsys):
+    assert main(["mount", str(tmp_path), str(tmp_path / "m"), "--config",
+                 str(tmp_path / "none.toml")]) == 2
+    assert "none.toml: No such file" in capsys.readouterr().err
+
+
+# ----- fstab ----------------------------------------------------------------------------------
+
+def test_split_mount_options():
+    assert split_mount_options('rw,a=1,b,,p="x:k=1,j=2",c=d=e') == [
+        "rw", "a=1", "b", "p=x:k=1,j=2", "c=d=e"]
+
+
+def values(o):
+    """Field values of option ``o`` that Config accepts."""
+    if o.kind == "flag":
+        return st.just(o.const)
+    if o.kind == "size":
+        lo = 4096 if o.field == "chunk_size" else 0
+        return st.one_of(st.integers(lo, 1 << 50), st.integers(max(1, lo >> 20), 4096).map(
+            lambda n: n << 20))
+    if o.kind == "int":
+        return st.integers(1, 10_000)
+    if o.kind == "float":
+        top = 1.0 if o.field == "h_fraction" else 1e7
+        return st.floats(0.001, top, allow_nan=False, allow_infinity=False)
+    if o.kind == "path":
+        return st.sampled_from(["/ssd/cache", "/ssd/a,b", "/x/é y"])
+    if o.field == "policy":
+        return st.sampled_from(["lru", "lcache", "icache:package=1M,h_ratio=0.9"])
+    return st.sampled_from(o.choices)
+
+
+@st.composite
+def option_sets(draw):
+    chosen = draw(st.lists(st.sampled_from(OPTIONS), unique=True))
+    return {o.field: draw(values(o)) for o in chosen}
+
+
+def fstab_string(vals: dict) -> str:
+    items = ["rw", "noauto", "x-systemd.automount"]
+    for o in OPTIONS:
+        if o.field in vals:
+            if o.kind == "flag":
+                items.append(o.key)
+            else:
+                text = o.show(vals[o.field])
+                items.append(f'{o.key}="{text}"' if "," in text else f"{o.key}={text}")
+    return ",".join(items)
+
+
+@settings(max_examples=200, deadline=None)
+@given(vals=option_sets())
+def test_fstab_options_round_trip(vals):
+    argv = mount_helper_argv([SRC, MNT, "-o", fstab_string(vals)])
+    cfg = config_from_args(build_parser().parse_args(argv))
+    assert {f: getattr(cfg, f) for f in vals} == vals
+
+
+def test_fstab_helper_errors(capsys):
+    for opts, message in [("bogus=1", "unknown mount option 'bogus=1'"),
+                          ("rescan=1", "'rescan' is a flag"),
+                          ("cache_size", "'cache_size' needs a value"),
+                          ("config", "'config' needs a value")]:
+        with pytest.raises(ValueError, match=message):
+            mount_helper_argv([SRC, MNT, "-o", opts])
+        assert mount_helper_main([SRC, MNT, "-o", opts]) == 1
+        assert message in capsys.readouterr().err
+
+
+def test_fstab_config_option_is_a_file_under_the_other_options(tmp_path):
+    path = write_toml(str(tmp_path), {"cache_size": "4M", "memory": "2M"})
+    argv = mount_helper_argv([SRC, MNT, "-o", f"memory=8M,config={path},no_reorder"])
+    assert argv == ["mount", SRC, MNT, "--memory", "8M", "--config", path, "--no-reorder"]
+    cfg = config_from_args(build_parser().parse_args(argv))
+    assert (cfg.cache_size, cfg.memory, cfg.reorder) == (4 << 20, 8 << 20, False)
+
+
+def test_option_lookup_accepts_both_spellings():
+    assert option("cache_size") is option("cache-size") is not None
+    assert option("no_reorder").field == "reorder"
+    assert option("reorder") is None and option("config") is None
+    assert Path(default_cache_dir(SRC)).name.startswith("src-")
