@@ -53,7 +53,8 @@ IDLE_S = 5.0  # no open in the tree for this long: pause
 END_IDLE_S = 60.0  # paused this long: the tree is done with
 MAX_TREES = 4
 MAX_GROUPS = 64
-MAX_OPENED = 1 << 22  # distinct opens remembered per group
+MAX_OPENED = 4096  # distinct opens remembered per group (enough to tell a scan)
+MAX_EARLY = 1 << 20  # opens remembered while a tree is being listed
 MAX_FILES = 1 << 23  # files listed per tree
 MAX_UNKEPT = 16  # fetched files in a row the cache did not keep: stop the tree
 CHECK_BATCH = 256  # candidates checked against the index per thread hop
@@ -101,7 +102,7 @@ class _Tree:
     def opened(self, ino: int) -> None:
         self.last_open = time.monotonic()
         if self.inos is None:
-            if len(self.pending_opens) < MAX_OPENED:
+            if len(self.pending_opens) < MAX_EARLY:
                 self.pending_opens.append(ino)
             return
         p = self.position(ino)
@@ -170,8 +171,10 @@ class ScanAhead:
     def _tree(self, g: _Group) -> _Tree | None:
         assert g.root is not None
         t = self.trees.get(g.root)
-        if t is not None:
+        if t is not None and t.state in ("listing", "scanning", "paused"):
             return t
+        if t is not None:  # finished (maybe long ago): scanned again for this reader
+            del self.trees[g.root]
         if self._nursery is None:
             return None
         if len(self.trees) >= MAX_TREES:
