@@ -122,21 +122,38 @@ def encode_record(rec: RecordIn) -> bytes:
 
 def encode_chunk(chunk_id: int, records: Sequence[RecordIn]) -> tuple[bytes, list[RecordMeta]]:
     """Serialize a chunk. Returns the bytes and where each record's data sits in them."""
-    parts: list[bytes] = []
+    parts, metas, _ = encode_chunk_parts(chunk_id, records)
+    return b"".join(parts), metas
+
+
+def encode_chunk_parts(chunk_id: int, records: Sequence[RecordIn]
+                       ) -> tuple[list[bytes], list[RecordMeta], int]:
+    """A chunk as buffers to write in a row (``b"".join`` of them is :func:`encode_chunk`'s
+    bytes), with the records' places and the total length. The files' bytes are not
+    copied: the writer hands the buffers to one ``pwritev`` (the copies cost ~10% of the
+    daemon's CPU per fetched file); each file's data is checksummed once."""
+    parts: list[bytes] = [b""]  # the header, once the payload's checksum is known
     metas: list[RecordMeta] = []
+    payload = xxhash.xxh3_64()
     pos = CHUNK_HEADER_SIZE
     for rec in records:
-        enc = encode_record(rec)
-        parts.append(enc)
-        data_off = pos + RECORD_HEADER_SIZE + len(rec.key)
-        metas.append(
-            RecordMeta(rec.ino, rec.key, len(rec.data), rec.mtime_ns, rec.src_ino,
-                       checksum(rec.data), data_off)
-        )
-        pos += len(enc)
-    payload = b"".join(parts)
-    head = _CHUNK.pack(CHUNK_MAGIC, VERSION, 0, len(records), chunk_id, len(payload), checksum(payload))
-    return b"".join((head, _U64.pack(checksum(head)), payload)), metas
+        if len(rec.key) >= MAX_KEY:
+            raise ValueError("record key too long")
+        data_xxh = checksum(rec.data)
+        head = _RECORD.pack(RECORD_MAGIC, len(rec.key), rec.ino, len(rec.data), rec.mtime_ns,
+                            rec.src_ino, data_xxh)
+        rh = b"".join((head, _U64.pack(checksum(head + rec.key)), rec.key))
+        payload.update(rh)
+        payload.update(rec.data)
+        parts.append(rh)
+        parts.append(rec.data)
+        metas.append(RecordMeta(rec.ino, rec.key, len(rec.data), rec.mtime_ns, rec.src_ino,
+                                data_xxh, pos + len(rh)))
+        pos += len(rh) + len(rec.data)
+    head = _CHUNK.pack(CHUNK_MAGIC, VERSION, 0, len(records), chunk_id, pos - CHUNK_HEADER_SIZE,
+                       payload.intdigest())
+    parts[0] = head + _U64.pack(checksum(head))
+    return parts, metas, pos
 
 
 def encode_chunk_header(chunk_id: int, n_records: int, payload_len: int, payload_xxh: int

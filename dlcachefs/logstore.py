@@ -171,8 +171,9 @@ class LogStore:
         return self.active_id is None or (
             self.active_end > LOG_HEADER_SIZE and self.active_end + length > self.log_size)
 
-    def append(self, data: bytes) -> tuple[int, int]:
-        """Append one chunk to the active log and fsync. Returns (log id, offset).
+    def append(self, data: bytes | list[bytes]) -> tuple[int, int]:
+        """Append chunks (bytes, or buffers written in a row without joining them) to the
+        active log and fsync. Returns (log id, offset).
 
         On failure (ENOSPC, EIO) the log is cut back to where it was, so nothing half
         written stays behind, and the error propagates.
@@ -180,10 +181,10 @@ class LogStore:
         assert self.active_id is not None, "start_log() first"
         fd = self._fd(self.active_id)
         off = self.active_end
+        bufs = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
+        total = sum(len(b) for b in bufs)
         try:
-            n = os.pwrite(fd, data, off)
-            if n != len(data):
-                raise OSError(errno.EIO, f"short write to log ({n} of {len(data)} bytes)")
+            _pwrite_all(fd, bufs, off)
             os.fdatasync(fd)
         except OSError:
             try:
@@ -191,8 +192,8 @@ class LogStore:
             except OSError:
                 log.exception("could not cut log %d back after a failed append", self.active_id)
             raise
-        self.active_end = off + len(data)
-        self.add_live(self.active_id, len(data))
+        self.active_end = off + total
+        self.add_live(self.active_id, total)
         return self.active_id, off
 
     def read(self, log_id: int, offset: int, length: int, *, read_back: bool = False) -> bytes:
@@ -244,3 +245,27 @@ class LogStore:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+
+
+_IOV_MAX = 1024  # buffers per pwritev (Linux's UIO_MAXIOV)
+
+
+def _pwrite_all(fd: int, bufs: list, off: int) -> None:
+    """Write ``bufs`` in a row at ``off`` (pwritev, at most _IOV_MAX buffers a call; a
+    short write, which a regular file only gives on error, continues where it stopped)."""
+    bufs = [b for b in bufs if len(b)]  # an empty one would make a 0-byte write look stuck
+    i, skip = 0, 0
+    while i < len(bufs):
+        batch = [memoryview(bufs[i])[skip:], *bufs[i + 1:i + _IOV_MAX]]
+        n = os.pwritev(fd, batch, off)
+        if n <= 0:
+            raise OSError(errno.EIO, "log write made no progress")
+        off += n
+        for b in batch:  # move past what was written
+            if n >= len(b):
+                n -= len(b)
+                i += 1
+                skip = 0
+            else:
+                skip += n
+                break

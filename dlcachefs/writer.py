@@ -58,7 +58,7 @@ import trio
 from dlcachefs.policies.base import PACK_CHUNK
 
 from . import schema as S
-from .chunkfmt import CHUNK_HEADER_SIZE, RECORD_HEADER_SIZE, RecordIn, encode_chunk
+from .chunkfmt import CHUNK_HEADER_SIZE, RECORD_HEADER_SIZE, RecordIn, encode_chunk_parts
 from .config import Config
 from .index import Index
 from .logstore import LogStore
@@ -595,15 +595,16 @@ class ChunkWriter:
         res = _Result()
         encoded = []
         for k, g in enumerate(groups):
-            encoded.append(encode_chunk(cid + k, [
+            encoded.append(encode_chunk_parts(cid + k, [
                 RecordIn(r.ino, r.key, r.ident.mtime_ns, r.ident.src_ino, r.data) for r in g]))
         if encoded:
-            data = b"".join(d for d, _ in encoded)
+            parts = [b for chunk_parts, _, _ in encoded for b in chunk_parts]
+            total = sum(n for _, _, n in encoded)
             try:
                 if new_log is not None:
                     self.logs.start_log(new_log)
-                log_id, off = self.logs.append(data)
-                res.written = (log_id, off, len(data))
+                log_id, off = self.logs.append(parts)
+                res.written = (log_id, off, total)
             except OSError as e:
                 res.error = e
         with self.index.write() as w:
@@ -615,7 +616,7 @@ class ChunkWriter:
                 w.drop_record(ino)
             if res.written is not None:
                 log_id, off, _ = res.written
-                for k, (g, (chunk, metas)) in enumerate(zip(groups, encoded, strict=True)):
+                for k, (g, (_, metas, length)) in enumerate(zip(groups, encoded, strict=True)):
                     for m, r in zip(metas, g, strict=True):
                         e = w.get_entry(r.ino)
                         if e is None or identity(e) != r.ident:
@@ -628,9 +629,9 @@ class ChunkWriter:
                                                    m.data_xxh, m.mtime_ns, m.src_ino))
                         res.indexed.append(r.ino)
                     members = tuple(r.ino for r in g)
-                    w.put_chunk(Chunk(cid + k, log_id, off, len(chunk), time.time_ns(), members))
-                    res.chunks.append((cid + k, members, len(chunk)))
-                    off += len(chunk)
+                    w.put_chunk(Chunk(cid + k, log_id, off, length, time.time_ns(), members))
+                    res.chunks.append((cid + k, members, length))
+                    off += length
                 w.bump(S.K_NEXT_CHUNK, cid + len(groups))
             if new_log is not None:
                 w.bump(S.K_NEXT_LOG, new_log + 1)
