@@ -9,9 +9,24 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 DLCACHEFS = [sys.executable, "-m", "dlcachefs.cli"]
+
+
+def wait_until(pred: Callable[[], object], what: str = "timed out", timeout: float = 60.0,
+               interval: float = 0.05):
+    """``pred()``'s first true value, polled until ``timeout`` seconds have passed: waits
+    for something done in the background (never an assertion on how long it took)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} (after {timeout:g} s)")
+        time.sleep(interval)
 
 
 def fuse_mounted(path: Path) -> bool:
@@ -74,25 +89,21 @@ class Mount:
     def wait_stats(self, pred, what: str = "timed out", timeout: float = 60.0) -> dict:
         """Stats once ``pred(stats)`` holds: the daemon works in the background (polling
         with a deadline, not a timing assertion)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            st = self.stats()
-            if pred(st):
-                return st
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what}; stats: {json.dumps(st, indent=1)}")
-            time.sleep(0.05)
+        last: dict = {}
+
+        def check() -> dict | None:
+            last["st"] = st = self.stats()
+            return st if pred(st) else None
+
+        try:
+            return wait_until(check, what, timeout)
+        except AssertionError as e:
+            raise AssertionError(f"{e}; stats: {json.dumps(last.get('st'), indent=1)}") from None
 
     def wait_cached(self, n_files: int, timeout: float = 60.0) -> dict:
         """Wait until ``n_files`` are indexed and nothing is pending (not a timing assertion)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            st = self.stats()
-            if st["cached_files"] >= n_files and st["pending_bytes"] == 0:
-                return st
-            if time.monotonic() > deadline:
-                raise AssertionError(f"cache did not settle: {st}")
-            time.sleep(0.1)
+        return self.wait_stats(lambda st: st["cached_files"] >= n_files
+                               and st["pending_bytes"] == 0, "cache did not settle", timeout)
 
     def umount(self, timeout: float = 60.0) -> None:
         r = subprocess.run([*DLCACHEFS, "umount", str(self.mnt)], capture_output=True, text=True)

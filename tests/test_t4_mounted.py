@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import requires_fuse
-from mounting import DLCACHEFS, Mount, drop_page_cache, fuse_mounted, read_tree
+from mounting import DLCACHEFS, Mount, drop_page_cache, fuse_mounted, read_tree, wait_until
 
 from dlcachefs.index import Index
 
@@ -308,11 +308,8 @@ def test_daemonized_mount_and_umount_while_a_file_is_open(src, tmp_path):
         assert r.returncode == 0 and "lazily" in r.stderr
         assert f.read() == (src / "cls0" / "f004.bin").read_bytes()
         f.close()
-        for _ in range(600):
-            if not os.path.exists(f"/proc/{pid}"):
-                break
-            time.sleep(0.05)
-        assert not os.path.exists(f"/proc/{pid}")
+        wait_until(lambda: not os.path.exists(f"/proc/{pid}"),
+                   "the daemon did not exit after the last file was closed")
     finally:
         if fuse_mounted(mnt):
             subprocess.run(["fusermount3", "-u", "-z", str(mnt)])
@@ -346,11 +343,11 @@ def test_full_cache_disk_falls_back_to_the_source(src, mount, tmp_path):
         m = mount(src, "--min-free", "0", "--chunk-size", "256K", cache=small / "cache")
         expected = read_tree(src)
         assert read_tree(m.mnt) == expected
-        time.sleep(3)  # let the writer try (and fail) to seal; no assertion on timing
+        # the writer tries (and fails) to seal what did not fit
+        m.wait_stats(lambda st: st["write_errors"] + st["cache_skipped"] > 0,
+                     "nothing was refused by the full disk")
         drop_page_cache()
         assert read_tree(m.mnt) == expected
-        st = m.stats()
-        assert st["write_errors"] + st["cache_skipped"] > 0
         m.cleanup()
     finally:
         subprocess.run(["umount", "-l", str(small)])
@@ -361,7 +358,8 @@ def test_cache_size_limit_evicts_whole_chunks(src, mount):
     expected = read_tree(src)
     for _ in range(2):
         assert read_tree(m.mnt) == expected
-        time.sleep(2.5)
+        # the writer sealed what the pass read (a partly filled chunk after flush_interval)
+        m.wait_stats(lambda st: st["pending_bytes"] == 0, "the writer did not seal the pass")
         drop_page_cache()
     st = m.stats()
     assert st["chunk_bytes"] <= 600 * 1024
