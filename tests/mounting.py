@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 DLCACHEFS = [sys.executable, "-m", "dlcachefs.cli"]
@@ -38,14 +39,16 @@ class Mount:
     """A foreground ``dlcachefs mount`` child process; ``.mnt`` is the mountpoint.
 
     Every mount runs with ``--debug-invariants``: the daemon checks the cache's invariants
-    after every commit and logs each violation as an ERROR line; :meth:`violations`
-    reads them back (the ``mount`` fixture fails a test that caused one)."""
+    after every commit and logs each violation as an ERROR line. Its stdout and stderr go
+    to :attr:`log`, which the ``mount`` fixture reads after the test (see
+    :class:`DaemonOracle`)."""
 
-    def __init__(self, source: Path, mnt: Path, cache: Path, *extra: str) -> None:
+    def __init__(self, source: Path, mnt: Path, cache: Path, *extra: str,
+                 log: Path | None = None) -> None:
         self.source, self.mnt, self.cache = source, mnt, cache
         self.extra = extra if "--debug-invariants" in extra else (*extra, "--debug-invariants")
         self.proc: subprocess.Popen | None = None
-        self.log = cache.parent / f"{mnt.name}.daemon.log"
+        self.log = log or cache.parent / f"{mnt.name}.daemon.log"
 
     def start(self, timeout: float = 60.0) -> Mount:
         # OSError: a stale mount left by a killed daemon; the new daemon cleans it up
@@ -70,17 +73,6 @@ class Mount:
             time.sleep(0.05)
         self.cleanup()
         raise RuntimeError(f"mount not ready after {timeout} s: {self.log.read_text()}")
-
-    def violations(self) -> list[str]:
-        """The invariant violations the daemon logged so far (all its mounts on this log)."""
-        return self.violations_in(self.log)
-
-    @staticmethod
-    def violations_in(log: Path) -> list[str]:
-        if not log.exists():
-            return []
-        return [line for line in log.read_text(errors="replace").splitlines()
-                if "invariant violated" in line]
 
     def stats(self) -> dict:
         with open(self.mnt / ".dlcache" / "stats", "rb") as f:
@@ -128,6 +120,114 @@ class Mount:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=30)
+
+
+# ----- the oracle: what a daemon logged, and what it left in its cache ------------------
+
+#: The start of a logged record (the daemon's format: "date time LEVEL logger: msg").
+_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ ")
+#: A logged record at WARNING or above.
+_LOGGED_PROBLEM = re.compile(_RECORD.pattern + "(WARNING|ERROR|CRITICAL) ")
+#: A Python warning printed by the ``warnings`` module ("file.py:12: FooWarning: msg").
+_PY_WARNING = re.compile(r"^\S+:\d+: \w*Warning: ")
+_TRACEBACK = "Traceback (most recent call last)"
+
+
+#: For ``daemon_log_allows``: the daemon mounting over a stale FUSE mount, the one a daemon
+#: killed by SIGKILL leaves behind, cleans it up and says so.
+STALE_MOUNT = r"WARNING dlcachefs: mountpoint \S+ is a stale FUSE mount; unmounting it$"
+
+
+def _allowed(text: str, allows: Iterable[str]) -> bool:
+    return any(re.search(a, text) for a in allows)
+
+
+def log_problems(log: Path, allows: Iterable[str] = ()) -> list[str]:
+    """What a daemon log holds that no test expects: records logged at WARNING or above
+    (invariant violations are ERROR records), Python warnings, and tracebacks, printed or
+    logged. A traceback is one problem from its "Traceback" line to the exception's line;
+    each problem passes only if one of the ``allows`` regexes finds a match in it."""
+    if not log.exists():
+        return []
+    allows = tuple(allows)
+    lines = log.read_text(errors="replace").splitlines()
+    problems = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        i += 1
+        if _TRACEBACK in line:
+            block = [line]
+            while i < len(lines) and lines[i][:1].isspace():
+                block.append(lines[i])
+                i += 1
+            if i < len(lines) and lines[i] and not _RECORD.match(lines[i]):
+                # the exception's own line ("ValueError: ..."), if it is not indented
+                block.append(lines[i])
+                i += 1
+            problem = "\n".join(block)
+        elif _LOGGED_PROBLEM.match(line) or _PY_WARNING.match(line):
+            problem = line
+        else:
+            continue
+        if not _allowed(problem, allows):
+            problems.append(problem)
+    return problems
+
+
+def verify_problems(cache: Path, allows: Iterable[str] = ()) -> list[str]:
+    """Run ``dlcachefs verify`` on a cache directory no daemon holds any more: each damaged
+    chunk or record and each index problem it reports, unless one of the ``allows`` regexes
+    finds a match in it ("damaged chunk 3: ...", "damaged record: inode 7 (name) in chunk
+    3", "index: ..."); and any other sign of trouble (an exit status that does not fit the
+    report, output on stderr)."""
+    if not (cache / "meta.lmdb").exists():
+        return []  # the daemon never opened an index here (its mount failed: the test says why)
+    allows = tuple(allows)
+    r = subprocess.run([*DLCACHEFS, "verify", "--cache-dir", str(cache), "--json"],
+                       capture_output=True, text=True, timeout=600)
+    where = f"dlcachefs verify --cache-dir {cache}"
+    try:
+        rep = json.loads(r.stdout)
+    except ValueError:
+        return [f"{where} exited {r.returncode}: {r.stdout[-2000:]}{r.stderr[-3000:]}"]
+    found = ([f"damaged chunk {b['chunk']}: {b['reason']}" for b in rep["bad_chunks"]]
+             + [f"damaged record: inode {b['inode']} ({b['name']}) in chunk {b['chunk']}"
+                for b in rep["bad_records"]]
+             + [f"index: {p}" for p in rep["invariant_problems"]])
+    problems = [f"{where}: {p}" for p in found if not _allowed(p, allows)]
+    if r.returncode != (1 if found else 0):
+        problems.append(f"{where} exited {r.returncode} for {len(found)} problems")
+    problems += [f"{where} (stderr): {line}" for line in r.stderr.splitlines()
+                 if line.strip() and not _allowed(line, allows)]
+    return problems
+
+
+class DaemonOracle:
+    """What every test that ran a daemon must satisfy once its daemons have stopped: no
+    unexpected problem in their logs (:func:`log_problems`) and nothing damaged in their
+    caches (:func:`verify_problems`). A test that provokes warnings or damages a cache on
+    purpose says so, as narrowly as it can, with ``daemon_log_allows`` and
+    ``verify_allows`` (pytest markers taking regexes; see conftest.py)."""
+
+    def __init__(self, log_allows: Iterable[str] = (), verify_allows: Iterable[str] = ()) -> None:
+        self.log_allows, self.verify_allows = tuple(log_allows), tuple(verify_allows)
+        self.logs: dict[Path, None] = {}
+        self.caches: dict[Path, None] = {}
+
+    def watch(self, log: Path | None = None, cache: Path | None = None) -> None:
+        """Check ``log`` and ``cache`` at the end (each once, however many daemons used it)."""
+        if log is not None:
+            self.logs[Path(log)] = None
+        if cache is not None:
+            self.caches[Path(cache)] = None
+
+    def problems(self) -> list[str]:
+        """Call once no daemon runs on the watched caches any more (verify takes their lock)."""
+        out = [f"{log}: {p}" for log in self.logs for p in log_problems(log, self.log_allows)]
+        for cache in self.caches:
+            out += verify_problems(cache, self.verify_allows)
+        return out
 
 
 def drop_page_cache() -> None:
