@@ -37,13 +37,14 @@ def _allows(request, marker: str) -> list[str]:
 def daemon_oracle(request):
     """A :class:`DaemonOracle` with this test's ``daemon_log_allows`` and ``verify_allows``;
     at teardown (after the ``mount`` fixture has stopped its daemons) the test fails if a
-    watched daemon log holds an unexpected problem or ``dlcachefs verify`` finds one in a
-    watched cache. Tests that run daemons by other means ``watch()`` their log and cache."""
+    watched daemon did not end well, a watched daemon log holds an unexpected problem or
+    ``dlcachefs verify`` finds one in a watched cache. Tests that run daemons by other
+    means ``watch()`` their log and cache."""
     oracle = DaemonOracle(_allows(request, "daemon_log_allows"), _allows(request, "verify_allows"))
     yield oracle
     problems = oracle.problems()
-    assert not problems, ("the daemons' logs or caches show problems the test does not "
-                          "expect:\n" + "\n".join(problems[:30]))
+    assert not problems, ("the daemons, their logs or their caches show problems the test "
+                          "does not expect:\n" + "\n".join(problems[:30]))
 
 
 @pytest.fixture
@@ -52,8 +53,8 @@ def mount(tmp_path, daemon_oracle):
     started Mount (mountpoint tmp_path/name unless ``mnt``; see :class:`Mount` for ``log``).
     Every mount made here is unmounted at teardown, even when the test failed. Mounts run
     with ``--debug-invariants``; after the test (and the unmount, whose final commit is
-    checked too) :func:`daemon_oracle` reads each daemon's log (an invariant violation is
-    an ERROR line) and runs ``dlcachefs verify`` on each cache."""
+    checked too) :func:`daemon_oracle` checks how each daemon ended, reads its log (an
+    invariant violation is an ERROR line) and runs ``dlcachefs verify`` on its cache."""
     made: list[Mount] = []
 
     def make(source: Path, *extra: str, name: str = "mnt", cache: Path | None = None,
@@ -61,7 +62,7 @@ def mount(tmp_path, daemon_oracle):
         m = Mount(Path(source), mnt or tmp_path / name, cache or tmp_path / "cache", *extra,
                   log=log)
         made.append(m)
-        daemon_oracle.watch(log=m.log, cache=m.cache)
+        daemon_oracle.watch(mount=m)
         return m.start()
 
     yield make

@@ -40,8 +40,8 @@ class Mount:
 
     Every mount runs with ``--debug-invariants``: the daemon checks the cache's invariants
     after every commit and logs each violation as an ERROR line. Its stdout and stderr go
-    to :attr:`log`, which the ``mount`` fixture reads after the test (see
-    :class:`DaemonOracle`)."""
+    to :attr:`log`, which the ``mount`` fixture reads after the test, with how the daemon
+    ended (:meth:`exit_problem`; see :class:`DaemonOracle`)."""
 
     def __init__(self, source: Path, mnt: Path, cache: Path, *extra: str,
                  log: Path | None = None) -> None:
@@ -49,6 +49,8 @@ class Mount:
         self.extra = extra if "--debug-invariants" in extra else (*extra, "--debug-invariants")
         self.proc: subprocess.Popen | None = None
         self.log = log or cache.parent / f"{mnt.name}.daemon.log"
+        self.killed = False  # by the test, with kill9()
+        self.forced = False  # by cleanup(): it did not stop after SIGTERM
 
     def start(self, timeout: float = 60.0) -> Mount:
         # OSError: a stale mount left by a killed daemon; the new daemon cleans it up
@@ -106,6 +108,7 @@ class Mount:
 
     def kill9(self) -> None:
         assert self.proc is not None
+        self.killed = True
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
 
@@ -118,8 +121,24 @@ class Mount:
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
+                self.forced = True
                 self.proc.kill()
                 self.proc.wait(timeout=30)
+
+    def exit_problem(self) -> str | None:
+        """How the daemon ended, after :meth:`cleanup`, when not as it should: with status
+        0, after an unmount or a SIGTERM (a SIGKILL sent by :meth:`kill9` is expected)."""
+        if self.proc is None or self.killed:
+            return None
+        rc = self.proc.poll()
+        what = f"daemon {self.proc.pid} (mounted at {self.mnt})"
+        if rc is None:
+            return f"{what} is still running"
+        if self.forced:
+            return f"{what} did not stop within 30 s of SIGTERM; killed"
+        if rc < 0:
+            return f"{what} died of {signal.Signals(-rc).name}"
+        return f"{what} exited with status {rc}" if rc else None
 
 
 # ----- the oracle: what a daemon logged, and what it left in its cache ------------------
@@ -204,19 +223,26 @@ def verify_problems(cache: Path, allows: Iterable[str] = ()) -> list[str]:
 
 
 class DaemonOracle:
-    """What every test that ran a daemon must satisfy once its daemons have stopped: no
-    unexpected problem in their logs (:func:`log_problems`) and nothing damaged in their
-    caches (:func:`verify_problems`). A test that provokes warnings or damages a cache on
-    purpose says so, as narrowly as it can, with ``daemon_log_allows`` and
-    ``verify_allows`` (pytest markers taking regexes; see conftest.py)."""
+    """What every test that ran a daemon must satisfy once its daemons have stopped: each
+    :class:`Mount` ended well (:meth:`Mount.exit_problem`), no unexpected problem in their
+    logs (:func:`log_problems`) and nothing damaged in their caches
+    (:func:`verify_problems`). A test that provokes warnings or damages a cache on purpose
+    says so, as narrowly as it can, with ``daemon_log_allows`` and ``verify_allows``
+    (pytest markers taking regexes; see conftest.py)."""
 
     def __init__(self, log_allows: Iterable[str] = (), verify_allows: Iterable[str] = ()) -> None:
         self.log_allows, self.verify_allows = tuple(log_allows), tuple(verify_allows)
         self.logs: dict[Path, None] = {}
         self.caches: dict[Path, None] = {}
+        self.mounts: list[Mount] = []
 
-    def watch(self, log: Path | None = None, cache: Path | None = None) -> None:
-        """Check ``log`` and ``cache`` at the end (each once, however many daemons used it)."""
+    def watch(self, log: Path | None = None, cache: Path | None = None,
+              mount: Mount | None = None) -> None:
+        """Check ``log`` and ``cache`` at the end (each once, however many daemons used it),
+        and a ``mount``'s exit, log and cache."""
+        if mount is not None:
+            self.mounts.append(mount)
+            log, cache = mount.log, mount.cache
         if log is not None:
             self.logs[Path(log)] = None
         if cache is not None:
@@ -224,7 +250,8 @@ class DaemonOracle:
 
     def problems(self) -> list[str]:
         """Call once no daemon runs on the watched caches any more (verify takes their lock)."""
-        out = [f"{log}: {p}" for log in self.logs for p in log_problems(log, self.log_allows)]
+        out = [p for m in self.mounts if (p := m.exit_problem()) is not None]
+        out += [f"{log}: {p}" for log in self.logs for p in log_problems(log, self.log_allows)]
         for cache in self.caches:
             out += verify_problems(cache, self.verify_allows)
         return out

@@ -1,12 +1,15 @@
-"""The tests' oracle itself (mounting.log_problems, mounting.verify_problems): it finds
-what it must, lets through only what a test allows, and never swallows a problem."""
+"""The tests' oracle itself (mounting.log_problems, verify_problems, Mount.exit_problem):
+it finds what it must, lets through only what a test allows, and never swallows a
+problem."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 from fakes import make_config, read_all, run_engine, write_tree
-from mounting import STALE_MOUNT, log_problems, verify_problems
+from mounting import STALE_MOUNT, Mount, log_problems, verify_problems
 
 LOG = """\
 2026-01-02 10:00:00,001 INFO dlcachefs: started: {'chunks': 0}
@@ -85,3 +88,19 @@ def test_verify_problems_reports_a_damaged_record_unless_allowed(tmp_path):
     assert verify_problems(cache, [r"^damaged record: inode \d+ \(b\.bin\)"]) == []
     assert len(verify_problems(cache, [r"\(a\.bin\)"])) == 1
     assert verify_problems(tmp_path / "never_mounted") == []
+
+
+def test_exit_problem_says_how_a_daemon_ended(tmp_path):
+    def ended(code: str, killed: bool = False) -> str | None:
+        m = Mount(tmp_path / "src", tmp_path / "mnt", tmp_path / "cache")
+        m.proc = subprocess.Popen([sys.executable, "-c", code])
+        m.proc.wait(timeout=60)
+        m.killed = killed
+        return m.exit_problem()
+
+    assert ended("pass") is None
+    assert ended("raise SystemExit(3)").endswith("exited with status 3")
+    segv = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"
+    assert ended(segv).endswith("died of SIGSEGV")
+    kill = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    assert ended(kill, killed=True) is None  # the test's own kill9
