@@ -144,10 +144,6 @@ def run(cfg: Config, report: Reporter) -> int:
     return 0
 
 
-def _ignore_signal(signum, frame) -> None:
-    pass
-
-
 async def _serve(engine: Engine, ops: Operations, report: Reporter) -> None:
     signalled = stopping = False
     async with trio.open_nursery() as nursery:
@@ -158,9 +154,10 @@ async def _serve(engine: Engine, ops: Operations, report: Reporter) -> None:
             nonlocal signalled
             # What the receiver restores when it closes, and redelivers a signal still
             # pending then to: the daemon is stopping already (by default such a late
-            # SIGTERM killed it before its last lines ran)
+            # SIGTERM killed it before its last lines ran). SIG_IGN, not a Python
+            # function: the interpreter resets those to SIG_DFL while it shuts down.
             for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, _ignore_signal)
+                signal.signal(sig, signal.SIG_IGN)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as sigs:
                 async for sig in sigs:
                     name = signal.Signals(sig).name
