@@ -145,16 +145,26 @@ def run(cfg: Config, report: Reporter) -> int:
 
 
 async def _serve(engine: Engine, ops: Operations, report: Reporter) -> None:
-    signalled = False
+    signalled = stopping = False
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
         nursery.start_soon(ops.invalidation_worker)
 
         async def on_signals() -> None:
             nonlocal signalled
+            # What the receiver restores when it closes, and redelivers a signal still
+            # pending then to: the daemon is stopping already (by default such a late
+            # SIGTERM killed it before its last lines ran). SIG_IGN, not a Python
+            # function: the interpreter resets those to SIG_DFL while it shuts down.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as sigs:
                 async for sig in sigs:
-                    log.info("got %s; unmounting", signal.Signals(sig).name)
+                    name = signal.Signals(sig).name
+                    if stopping:  # pyfuse3.terminate() after pyfuse3.close() segfaults
+                        log.info("got %s while stopping; committing first", name)
+                        continue
+                    log.info("got %s; unmounting", name)
                     signalled = True
                     pyfuse3.terminate()
 
@@ -175,6 +185,7 @@ async def _serve(engine: Engine, ops: Operations, report: Reporter) -> None:
             # The kernel mount goes first (nobody waits on a daemon that no longer
             # answers; after a crash of a task, clients get an error, not ENOTCONN forever);
             # then what is pending is sealed and committed.
+            stopping = True
             pyfuse3.close(unmount=not clean)
             with trio.CancelScope(shield=True):
                 await engine.close()

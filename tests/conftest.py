@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from mounting import Mount  # noqa: E402
+from mounting import DaemonOracle, Mount  # noqa: E402
 
 
 def _fuse_available() -> bool:
@@ -19,22 +19,52 @@ def _fuse_available() -> bool:
 requires_fuse = pytest.mark.skipif(not _fuse_available(), reason="needs /dev/fuse and fusermount3")
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "daemon_log_allows(*regexes): problems (WARNING/ERROR records, tracebacks) "
+        "the test's daemons may log; each regex is searched in one problem (see "
+        "mounting.log_problems). Keep them narrow and say why.")
+    config.addinivalue_line(
+        "markers", "verify_allows(*regexes): what 'dlcachefs verify' may report on the test's "
+        "caches after it (a test that damages a cache on purpose; see mounting.verify_problems)")
+
+
+def _allows(request, marker: str) -> list[str]:
+    return [a for m in request.node.iter_markers(marker) for a in m.args]
+
+
 @pytest.fixture
-def mount(tmp_path):
-    """Factory: mount(source, *extra_args, name='mnt', cache=None) -> started Mount.
+def daemon_oracle(request):
+    """A :class:`DaemonOracle` with this test's ``daemon_log_allows`` and ``verify_allows``;
+    at teardown (after the ``mount`` fixture has stopped its daemons) the test fails if a
+    watched daemon did not end well, a watched daemon log holds an unexpected problem or
+    ``dlcachefs verify`` finds one in a watched cache. Tests that run daemons by other
+    means ``watch()`` their log and cache."""
+    oracle = DaemonOracle(_allows(request, "daemon_log_allows"), _allows(request, "verify_allows"))
+    yield oracle
+    problems = oracle.problems()
+    assert not problems, ("the daemons, their logs or their caches show problems the test "
+                          "does not expect:\n" + "\n".join(problems[:30]))
+
+
+@pytest.fixture
+def mount(tmp_path, daemon_oracle):
+    """Factory: mount(source, *extra_args, name='mnt', cache=None, mnt=None, log=None) ->
+    started Mount (mountpoint tmp_path/name unless ``mnt``; see :class:`Mount` for ``log``).
     Every mount made here is unmounted at teardown, even when the test failed. Mounts run
     with ``--debug-invariants``; after the test (and the unmount, whose final commit is
-    checked too) the test fails if any daemon logged an invariant violation."""
+    checked too) :func:`daemon_oracle` checks how each daemon ended, reads its log (an
+    invariant violation is an ERROR line) and runs ``dlcachefs verify`` on its cache."""
     made: list[Mount] = []
 
-    def make(source: Path, *extra: str, name: str = "mnt", cache: Path | None = None) -> Mount:
-        m = Mount(Path(source), tmp_path / name, cache or tmp_path / "cache", *extra)
+    def make(source: Path, *extra: str, name: str = "mnt", cache: Path | None = None,
+             mnt: Path | None = None, log: Path | None = None) -> Mount:
+        m = Mount(Path(source), mnt or tmp_path / name, cache or tmp_path / "cache", *extra,
+                  log=log)
         made.append(m)
+        daemon_oracle.watch(mount=m)
         return m.start()
 
     yield make
     for m in made:
         m.cleanup()
-    problems = [v for log in dict.fromkeys(m.log for m in made)
-                for v in Mount.violations_in(log)]
-    assert not problems, "--debug-invariants found violations:\n" + "\n".join(problems[:20])

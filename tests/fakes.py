@@ -63,7 +63,7 @@ class SlowSource(CountingSource):
         self.delay = delay
 
     def read_file(self, rel: bytes, use_src_ino: bool) -> tuple[bytes, Identity]:
-        time.sleep(self.delay)
+        time.sleep(self.delay)  # what this fake simulates, not a wait for the engine
         return super().read_file(rel, use_src_ino)
 
 

@@ -5,13 +5,29 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 DLCACHEFS = [sys.executable, "-m", "dlcachefs.cli"]
+
+
+def wait_until(pred: Callable[[], object], what: str = "timed out", timeout: float = 60.0,
+               interval: float = 0.05):
+    """``pred()``'s first true value, polled until ``timeout`` seconds have passed: waits
+    for something done in the background (never an assertion on how long it took)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} (after {timeout:g} s)")
+        time.sleep(interval)
 
 
 def fuse_mounted(path: Path) -> bool:
@@ -23,14 +39,18 @@ class Mount:
     """A foreground ``dlcachefs mount`` child process; ``.mnt`` is the mountpoint.
 
     Every mount runs with ``--debug-invariants``: the daemon checks the cache's invariants
-    after every commit and logs each violation as an ERROR line; :meth:`violations`
-    reads them back (the ``mount`` fixture fails a test that caused one)."""
+    after every commit and logs each violation as an ERROR line. Its stdout and stderr go
+    to :attr:`log`, which the ``mount`` fixture reads after the test, with how the daemon
+    ended (:meth:`exit_problem`; see :class:`DaemonOracle`)."""
 
-    def __init__(self, source: Path, mnt: Path, cache: Path, *extra: str) -> None:
+    def __init__(self, source: Path, mnt: Path, cache: Path, *extra: str,
+                 log: Path | None = None) -> None:
         self.source, self.mnt, self.cache = source, mnt, cache
         self.extra = extra if "--debug-invariants" in extra else (*extra, "--debug-invariants")
         self.proc: subprocess.Popen | None = None
-        self.log = cache.parent / f"{mnt.name}.daemon.log"
+        self.log = log or cache.parent / f"{mnt.name}.daemon.log"
+        self.killed = False  # by the test, with kill9()
+        self.forced = False  # by cleanup(): it did not stop after SIGTERM
 
     def start(self, timeout: float = 60.0) -> Mount:
         # OSError: a stale mount left by a killed daemon; the new daemon cleans it up
@@ -56,17 +76,6 @@ class Mount:
         self.cleanup()
         raise RuntimeError(f"mount not ready after {timeout} s: {self.log.read_text()}")
 
-    def violations(self) -> list[str]:
-        """The invariant violations the daemon logged so far (all its mounts on this log)."""
-        return self.violations_in(self.log)
-
-    @staticmethod
-    def violations_in(log: Path) -> list[str]:
-        if not log.exists():
-            return []
-        return [line for line in log.read_text(errors="replace").splitlines()
-                if "invariant violated" in line]
-
     def stats(self) -> dict:
         with open(self.mnt / ".dlcache" / "stats", "rb") as f:
             return json.loads(f.read())
@@ -74,25 +83,21 @@ class Mount:
     def wait_stats(self, pred, what: str = "timed out", timeout: float = 60.0) -> dict:
         """Stats once ``pred(stats)`` holds: the daemon works in the background (polling
         with a deadline, not a timing assertion)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            st = self.stats()
-            if pred(st):
-                return st
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what}; stats: {json.dumps(st, indent=1)}")
-            time.sleep(0.05)
+        last: dict = {}
+
+        def check() -> dict | None:
+            last["st"] = st = self.stats()
+            return st if pred(st) else None
+
+        try:
+            return wait_until(check, what, timeout)
+        except AssertionError as e:
+            raise AssertionError(f"{e}; stats: {json.dumps(last.get('st'), indent=1)}") from None
 
     def wait_cached(self, n_files: int, timeout: float = 60.0) -> dict:
         """Wait until ``n_files`` are indexed and nothing is pending (not a timing assertion)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            st = self.stats()
-            if st["cached_files"] >= n_files and st["pending_bytes"] == 0:
-                return st
-            if time.monotonic() > deadline:
-                raise AssertionError(f"cache did not settle: {st}")
-            time.sleep(0.1)
+        return self.wait_stats(lambda st: st["cached_files"] >= n_files
+                               and st["pending_bytes"] == 0, "cache did not settle", timeout)
 
     def umount(self, timeout: float = 60.0) -> None:
         r = subprocess.run([*DLCACHEFS, "umount", str(self.mnt)], capture_output=True, text=True)
@@ -103,6 +108,7 @@ class Mount:
 
     def kill9(self) -> None:
         assert self.proc is not None
+        self.killed = True
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
 
@@ -115,8 +121,140 @@ class Mount:
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
+                self.forced = True
                 self.proc.kill()
                 self.proc.wait(timeout=30)
+
+    def exit_problem(self) -> str | None:
+        """How the daemon ended, after :meth:`cleanup`, when not as it should: with status
+        0, after an unmount or a SIGTERM (a SIGKILL sent by :meth:`kill9` is expected)."""
+        if self.proc is None or self.killed:
+            return None
+        rc = self.proc.poll()
+        what = f"daemon {self.proc.pid} (mounted at {self.mnt})"
+        if rc is None:
+            return f"{what} is still running"
+        if self.forced:
+            return f"{what} did not stop within 30 s of SIGTERM; killed"
+        if rc < 0:
+            return f"{what} died of {signal.Signals(-rc).name}"
+        return f"{what} exited with status {rc}" if rc else None
+
+
+# ----- the oracle: what a daemon logged, and what it left in its cache ------------------
+
+#: The start of a logged record (the daemon's format: "date time LEVEL logger: msg").
+_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ ")
+#: A logged record at WARNING or above.
+_LOGGED_PROBLEM = re.compile(_RECORD.pattern + "(WARNING|ERROR|CRITICAL) ")
+#: A Python warning printed by the ``warnings`` module ("file.py:12: FooWarning: msg").
+_PY_WARNING = re.compile(r"^\S+:\d+: \w*Warning: ")
+_TRACEBACK = "Traceback (most recent call last)"
+
+
+#: For ``daemon_log_allows``: the daemon mounting over a stale FUSE mount, the one a daemon
+#: killed by SIGKILL leaves behind, cleans it up and says so.
+STALE_MOUNT = r"WARNING dlcachefs: mountpoint \S+ is a stale FUSE mount; unmounting it$"
+
+
+def _allowed(text: str, allows: Iterable[str]) -> bool:
+    return any(re.search(a, text) for a in allows)
+
+
+def log_problems(log: Path, allows: Iterable[str] = ()) -> list[str]:
+    """What a daemon log holds that no test expects: records logged at WARNING or above
+    (invariant violations are ERROR records), Python warnings, and tracebacks, printed or
+    logged. A traceback is one problem from its "Traceback" line to the exception's line;
+    each problem passes only if one of the ``allows`` regexes finds a match in it."""
+    if not log.exists():
+        return []
+    allows = tuple(allows)
+    lines = log.read_text(errors="replace").splitlines()
+    problems = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        i += 1
+        if _TRACEBACK in line:
+            block = [line]
+            while i < len(lines) and lines[i][:1].isspace():
+                block.append(lines[i])
+                i += 1
+            if i < len(lines) and lines[i] and not _RECORD.match(lines[i]):
+                # the exception's own line ("ValueError: ..."), if it is not indented
+                block.append(lines[i])
+                i += 1
+            problem = "\n".join(block)
+        elif _LOGGED_PROBLEM.match(line) or _PY_WARNING.match(line):
+            problem = line
+        else:
+            continue
+        if not _allowed(problem, allows):
+            problems.append(problem)
+    return problems
+
+
+def verify_problems(cache: Path, allows: Iterable[str] = ()) -> list[str]:
+    """Run ``dlcachefs verify`` on a cache directory no daemon holds any more: each damaged
+    chunk or record and each index problem it reports, unless one of the ``allows`` regexes
+    finds a match in it ("damaged chunk 3: ...", "damaged record: inode 7 (name) in chunk
+    3", "index: ..."); and any other sign of trouble (an exit status that does not fit the
+    report, output on stderr)."""
+    if not (cache / "meta.lmdb").exists():
+        return []  # the daemon never opened an index here (its mount failed: the test says why)
+    allows = tuple(allows)
+    r = subprocess.run([*DLCACHEFS, "verify", "--cache-dir", str(cache), "--json"],
+                       capture_output=True, text=True, timeout=600)
+    where = f"dlcachefs verify --cache-dir {cache}"
+    try:
+        rep = json.loads(r.stdout)
+    except ValueError:
+        return [f"{where} exited {r.returncode}: {r.stdout[-2000:]}{r.stderr[-3000:]}"]
+    found = ([f"damaged chunk {b['chunk']}: {b['reason']}" for b in rep["bad_chunks"]]
+             + [f"damaged record: inode {b['inode']} ({b['name']}) in chunk {b['chunk']}"
+                for b in rep["bad_records"]]
+             + [f"index: {p}" for p in rep["invariant_problems"]])
+    problems = [f"{where}: {p}" for p in found if not _allowed(p, allows)]
+    if r.returncode != (1 if found else 0):
+        problems.append(f"{where} exited {r.returncode} for {len(found)} problems")
+    problems += [f"{where} (stderr): {line}" for line in r.stderr.splitlines()
+                 if line.strip() and not _allowed(line, allows)]
+    return problems
+
+
+class DaemonOracle:
+    """What every test that ran a daemon must satisfy once its daemons have stopped: each
+    :class:`Mount` ended well (:meth:`Mount.exit_problem`), no unexpected problem in their
+    logs (:func:`log_problems`) and nothing damaged in their caches
+    (:func:`verify_problems`). A test that provokes warnings or damages a cache on purpose
+    says so, as narrowly as it can, with ``daemon_log_allows`` and ``verify_allows``
+    (pytest markers taking regexes; see conftest.py)."""
+
+    def __init__(self, log_allows: Iterable[str] = (), verify_allows: Iterable[str] = ()) -> None:
+        self.log_allows, self.verify_allows = tuple(log_allows), tuple(verify_allows)
+        self.logs: dict[Path, None] = {}
+        self.caches: dict[Path, None] = {}
+        self.mounts: list[Mount] = []
+
+    def watch(self, log: Path | None = None, cache: Path | None = None,
+              mount: Mount | None = None) -> None:
+        """Check ``log`` and ``cache`` at the end (each once, however many daemons used it),
+        and a ``mount``'s exit, log and cache."""
+        if mount is not None:
+            self.mounts.append(mount)
+            log, cache = mount.log, mount.cache
+        if log is not None:
+            self.logs[Path(log)] = None
+        if cache is not None:
+            self.caches[Path(cache)] = None
+
+    def problems(self) -> list[str]:
+        """Call once no daemon runs on the watched caches any more (verify takes their lock)."""
+        out = [p for m in self.mounts if (p := m.exit_problem()) is not None]
+        out += [f"{log}: {p}" for log in self.logs for p in log_problems(log, self.log_allows)]
+        for cache in self.caches:
+            out += verify_problems(cache, self.verify_allows)
+        return out
 
 
 def drop_page_cache() -> None:

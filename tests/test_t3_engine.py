@@ -203,14 +203,20 @@ def test_cancelled_fetch_does_not_cancel_other_openers(tree):
 
     async def body(eng):
         got = []
+        first_done = trio.Event()
 
         async def cancelled_opener():
             with trio.move_on_after(0.05) as cs:
                 await read_all(eng, rel)
+            first_done.set()
             assert cs.cancelled_caught
 
         async def other_opener():
-            await trio.sleep(0.01)  # joins the fetch the first one started
+            ino = eng.ns.resolve(rel).ino
+            # joins the fetch the first one started (polled: the first one may be scheduled
+            # later; on a stalled machine it may already be over, then this one fetches)
+            while ino not in eng._inflight and not first_done.is_set():
+                await trio.sleep(0.001)
             got.append(await read_all(eng, rel))
 
         with trio.fail_after(20):
@@ -330,7 +336,7 @@ def test_record_being_dropped_is_not_read_again(tree):
         orig = eng.writer._commit
 
         def slow_commit(*args):
-            time.sleep(0.3)
+            time.sleep(0.3)  # part of the scenario: the drop's commit stays in flight
             return orig(*args)
 
         eng.writer._commit = slow_commit
@@ -802,7 +808,7 @@ def test_concurrent_seals_respect_cache_size(tmp_path):
         orig = eng.writer._commit
 
         def slow_commit(*args):
-            time.sleep(0.3)
+            time.sleep(0.3)  # part of the scenario: a second seal comes while this commits
             return orig(*args)
 
         eng.writer._commit = slow_commit
@@ -897,9 +903,16 @@ def test_reorder_backfill_of_a_vanished_file_does_not_end_the_engine(tmp_path):
         nl = NextEpochLog(eng, "default/0", 1)
         await nl.plan(inos)
         os.unlink(src / "train/c0/img0.jpg")  # not cached, and gone from the source
-        eng.streams._nursery.start_soon(nl.backfill, [inos[0]])
+        backfilled = trio.Event()
+
+        async def backfill():
+            await nl.backfill([inos[0]])  # tries the source for the vanished file
+            backfilled.set()
+
+        eng.streams._nursery.start_soon(backfill)
         eng.streams._nursery.start_soon(nl.run)
-        await trio.sleep(0.3)
+        with trio.fail_after(20):
+            await backfilled.wait()
         nl.request_finish()
         await nl.done.wait()
         assert nl.sealed < len(nl.chunks)  # the chunk with the vanished file stays unsealed

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import time
 from pathlib import Path
 
 import pytest
@@ -113,12 +112,13 @@ def test_launcher_is_bit_identical_and_announces_the_sampler(tmp_path, mount):
     hooked = run([sys.executable, "-m", "dlcachefs.cli", "run", "--", *py, str(m.mnt)])
     assert hooked == plain  # same samples in the same order, same weights
     assert run([*py, str(src)]) == plain
-    for _ in range(600):  # the daemon replays epoch 1's order in the background: wait for it
-        st = m.stats()["streams"]["default/0"]
-        if st["epoch"] == 1 and st["position"] == 120:
-            break
-        time.sleep(0.1)
-    assert st["epoch"] == 1 and st["samples"] == 120 and st["position"] == 120, st
+
+    def replayed(s: dict) -> bool:  # the daemon replays epoch 1's order in the background
+        st = s["streams"]["default/0"]
+        return st["epoch"] == 1 and st["position"] == 120
+
+    st = m.wait_stats(replayed, "epoch 1's order was not replayed")["streams"]["default/0"]
+    assert st["samples"] == 120, st
     assert st["error"] is None
     ctl = json.loads((m.mnt / ".dlcache" / "control").read_bytes())
     assert ctl["jobs"]["default"]["dataset"] == ""  # the mount root itself

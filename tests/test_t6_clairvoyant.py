@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import requires_fuse
+from mounting import STALE_MOUNT
 from test_t5_torch import make_images
 
 pytest.importorskip("torchvision")
@@ -143,6 +144,7 @@ def test_dataset_larger_than_the_cache(dataset, mount, tmp_path):
     assert st["reorder_chunks"] > 0
 
 
+@pytest.mark.daemon_log_allows(STALE_MOUNT)  # the second daemon mounts over the killed one's
 def test_restart_between_epochs_reads_nothing_again(dataset, mount, tmp_path):
     """The daemon dies (kill -9) after two epochs; the job resumes at epoch 2 on a new
     daemon: what is on disk is served from the logs, nothing is fetched again."""
