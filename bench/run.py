@@ -186,7 +186,7 @@ def raw_section(ctx: dict, a: argparse.Namespace, remote) -> None:
         cache = os.path.join(a.work, f"cache-raw-x{t}")
         shutil.rmtree(cache, ignore_errors=True)
         try:
-            with DlcMount(rmnt, mnt, cache, ["--ignore-source-inode"]) as m:
+            with DlcMount(rmnt, mnt, cache, ["--ignore-source-inode", *a.mount_arg]) as m:
                 ctx["doc"]["mounts"].append({"what": f"raw x{t}", "mount_s": round(m.mount_s, 3)})
                 raw_run(ctx, "dlcachefs", "cold", t, mnt, rels, True, sshfs, m)
                 m.wait_idle()
@@ -194,14 +194,15 @@ def raw_section(ctx: dict, a: argparse.Namespace, remote) -> None:
         finally:
             shutil.rmtree(cache, ignore_errors=True)
         try:  # the same first pass without scan-ahead (dlcachefs.scanahead): what it adds
-            with DlcMount(rmnt, mnt, cache, ["--ignore-source-inode", "--scan-ahead=0"]) as m:
+            with DlcMount(rmnt, mnt, cache, ["--ignore-source-inode", *a.mount_arg,
+                                              "--scan-ahead=0"]) as m:
                 raw_run(ctx, "dlcachefs --scan-ahead 0", "cold", t, mnt, rels, True, sshfs, m,
                         note="scan-ahead off: every file fetched when it is opened")
         finally:
             shutil.rmtree(cache, ignore_errors=True)
         if t in a.cache_frac_threads:
             size = max(1, int(total * a.cache_frac))
-            args = ["--ignore-source-inode", f"--cache-size={size}",
+            args = ["--ignore-source-inode", *a.mount_arg, f"--cache-size={size}",
                     f"--chunk-size={a.small_chunk}"]
             try:
                 with DlcMount(rmnt, mnt, cache, args) as m:
@@ -277,7 +278,7 @@ def pipeline_section(ctx: dict, a: argparse.Namespace, remote) -> None:
             cache = os.path.join(a.work, f"cache-pipe-{w}-{sampler}-{int(launcher)}")
             shutil.rmtree(cache, ignore_errors=True)
             try:
-                with DlcMount(remote.mount, mnt, cache, ["--ignore-source-inode"]):
+                with DlcMount(remote.mount, mnt, cache, ["--ignore-source-inode", *a.mount_arg]):
                     pipeline_run(ctx, a, system, os.path.join(mnt, "train"), w, sampler,
                                  launcher, remote)
             finally:
@@ -514,6 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-rclone", action="store_true", help="skip rclone")
     p.add_argument("--rclone-default-files", type=int, default=None,
                    help="files read by rclone with default options (default 100; quick 40)")
+    p.add_argument("--mount-arg", action="append", default=[],
+                   help="extra argument for every `dlcachefs mount`, repeatable, e.g. "
+                        "--mount-arg=--scan-ahead=8")
     p.add_argument("--cache-frac", type=float, default=0.30)
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -542,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict = {"benchmark": "run", "status": "running",
                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv[1:],
                  "machine": machine_info(REPO),
-                 "config": {"quick": a.quick, "files": a.files, "rate": a.rate,
+                 "config": {"quick": a.quick, "mount_args": a.mount_arg, "files": a.files, "rate": a.rate,
                             "threads": a.threads, "workers": a.workers, "epochs": a.epochs,
                             "batch": a.batch, "compute_ms": a.compute_ms,
                             "metadata_files": a.metadata_files, "parts": sorted(a.parts),

@@ -84,7 +84,7 @@ class Config:
     h_fraction: float = _opt(
         0.7, "share of the dataset that counts as important, the H-list")
     scan_ahead: int = _opt(
-        4, "when a reader with no known order reads a tree through (an epoch of a script "
+        2, "when a reader with no known order reads a tree through (an epoch of a script "
            "that announced nothing, tar, cp -r), fetch the tree's other files ahead of it, "
            "N at a time, into free cache room only; 0 = off", metavar="N")
     reorder: bool = _opt(

@@ -143,6 +143,9 @@ class Engine:
         self._later: dict[int, tuple[Identity, bytes]] = {}
         self._later_bytes = 0
         self._later_empty = trio.Event()  # set (and replaced) when _later drains
+        # readers waiting for the source now: scan-ahead then leaves them the link
+        self.demand_fetches = 0
+        self.demand_idle = trio.Event()  # set (and replaced) when demand_fetches drops to 0
         self.trace = TraceRecorder(cfg.trace) if cfg.trace else None
         self._nursery: trio.Nursery | None = None
         self._rebuilding = False
@@ -298,6 +301,7 @@ class Engine:
     async def close(self) -> None:
         """Stop prefetching, seal and commit what is pending, and stop background work."""
         self.streams.close()
+        self.scan.close()
         with trio.move_on_after(10):  # what readers were served is worth keeping
             await self.flush()
         await self.writer.close()
@@ -643,11 +647,19 @@ class Engine:
         await self.writer.wait_room(e.size)
         if self.is_cached(e) or ino in self._inflight:
             return 0, False
-        data, e = await self._fetch(e)
+        # fetched without caching, then submitted here once the writer has room: a guess
+        # never takes the room readers' own files wait in (_later)
+        data, e = await self._fetch(e, cache=False)
         self.counters.scan_ahead_files += 1
         self.counters.scan_ahead_bytes += len(data)
-        p = self.writer.pending.get(ino)
-        return len(data), p is not None and p.ident == identity(e)
+        if not self.policy.admit(ino, len(data)):
+            self.counters.not_admitted += 1
+            return len(data), False
+        await self.writer.wait_room(len(data))
+        if not self.is_cached(e) and not self.writer.submit(ino, self.ns.path_of(e),
+                                                             identity(e), data):
+            self.policy.on_dropped(ino)
+        return len(data), self.is_cached(e)
 
     def cached_among(self, inos: list[int]) -> set[int]:
         """Those of ``inos`` with a record in the index (any version: a guess). Thread."""
@@ -752,13 +764,17 @@ class Engine:
         if later is not None and later[0] == ident:  # fetched, waiting for the writer
             self.counters.hits += 1
             return later[1], True, False
-        if e.ino in self._inflight:  # a prefetch is on it: wait for it (a miss all the same)
-            data, _ = await self._fetch(e)
-            self.counters.misses += 1
-            self.counters.fetch_waits += 1
-            return data, False, True
-        data, _ = await self._fetch(e, cache)
+        waits = e.ino in self._inflight  # a prefetch is on it: wait for it (a miss all the same)
+        self.demand_fetches += 1
+        try:
+            data, _ = await self._fetch(e, cache or waits)
+        finally:
+            self.demand_fetches -= 1
+            if not self.demand_fetches:
+                self.demand_idle.set()
+                self.demand_idle = trio.Event()
         self.counters.misses += 1
+        self.counters.fetch_waits += waits
         return data, False, True
 
     async def _read_record(self, ino: int, rec: Record, background: bool = False,
@@ -944,8 +960,13 @@ class Engine:
                                 data: bytes) -> None:
         try:
             await self.writer.wait_room(len(data))
-            if not self.writer.submit(ino, rel, ident, data):
+            e = self.index.get_entry(ino)
+            if e is None or identity(e) != ident or ino in self.writer.pending:
+                self.policy.on_dropped(ino)  # a newer version came meanwhile: not this one
+            elif not self.writer.submit(ino, rel, ident, data):
                 self.policy.on_dropped(ino)
+        except Exception:  # noqa: BLE001 - a policy's failure must not end the mount
+            log.exception("caching a fetched file failed")
         finally:
             del self._later[ino]
             self._later_bytes -= len(data)
@@ -1010,7 +1031,9 @@ class Engine:
             "cache_limit_bytes": self.cfg.cache_size,
             "memory_bytes": self.memtier.bytes,
             "memory_limit_bytes": self.memtier.limit,
-            "pending_bytes": self.writer.open_bytes + self.writer.sealing_bytes,
+            # fetched, not yet in a sealed chunk (waiting for the writer's room included)
+            "pending_bytes": self.writer.open_bytes + self.writer.sealing_bytes
+            + self._later_bytes,
             # the --cache-size account: chunk_bytes - evicting_bytes + reserved_bytes
             # <= cache_limit_bytes (see dlcachefs.writer)
             "reserved_bytes": self.writer.pending_bytes,

@@ -24,6 +24,7 @@ import hashlib
 import logging
 import multiprocessing as mp
 import os
+import signal
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ class ReplayWorker:
         self._conn = None
         self.torch: bool | None = None  # torch imports in the worker (None: not known yet)
         self.error: str | None = None
+        self._closed = False
 
     def start(self) -> None:
         """Spawn the worker (it imports torch right away). Blocking, a thread."""
@@ -54,6 +56,8 @@ class ReplayWorker:
             self._ensure()
 
     def _ensure(self) -> None:
+        if self._closed:
+            raise OSError("the sampler replay worker is closed (unmounting)")
         if self._proc is not None and self._proc.is_alive():
             return
         self._stop()
@@ -68,9 +72,9 @@ class ReplayWorker:
     def wait_ready(self, timeout: float = TIMEOUT_S) -> bool:
         """Block until the worker has imported torch; True when it could. Thread."""
         ok, value = self._call(("ping",), timeout)
-        self.torch = bool(ok and value)
+        self.torch = ok and value is True
         if not self.torch:
-            self.error = value if not ok else "torch is not installed"
+            self.error = str(value) if not ok else (value or "torch is not installed")
         return self.torch
 
     def order(self, spec: SamplerSpec, n: int, base_epoch: int, subset, epoch: int
@@ -109,6 +113,7 @@ class ReplayWorker:
     def close(self) -> None:
         """End the worker (at unmount). Killed first, without the lock: a request
         waiting on it then returns at once instead of holding the lock."""
+        self._closed = True  # no request spawns it again
         p = self._proc
         if p is not None and p.is_alive():
             p.kill()
@@ -144,8 +149,10 @@ class RemoteReplayer:
             hit = self._cache.get(epoch)
         if hit is not None:
             return hit
-        if self.spec.kind == "sequential":
-            out = list(range(self.n))
+        if self.spec.kind == "sequential" or (self.spec.kind == "distributed"
+                                              and not self.spec.shuffle):
+            # no torch needed (and none loaded here): computed in place
+            out = OrderReplayer(self.spec, self.n, self.base_epoch, self.subset).order(epoch)
         else:
             out = self.worker.order(self.spec, self.n, self.base_epoch, self.subset, epoch)
         with self._lock:
@@ -162,6 +169,9 @@ def _serve(conn) -> None:
     """The worker's loop: ``("ping",)`` -> torch importable; ``("order", ...)`` -> array."""
     with contextlib.suppress(OSError):
         os.nice(10)  # it must not take the daemon's CPU while the first epoch is served
+    # the daemon handles ^C and SIGTERM (it ends this process); a foreground daemon's
+    # process group gets the ^C too
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch_ok: object
     try:
         import torch  # noqa: F401, PLC0415 - the point of this process
@@ -179,7 +189,7 @@ def _serve(conn) -> None:
             return
         try:
             if msg[0] == "ping":
-                conn.send((True, torch_ok is True))
+                conn.send((True, torch_ok))
                 continue
             _, spec, n, base_epoch, sub, epoch = msg
             if torch_ok is not True:
@@ -196,5 +206,5 @@ def _serve(conn) -> None:
                     replayers.popitem(last=False)
             replayers.move_to_end(key)
             conn.send((True, np.asarray(rep.order(epoch), dtype=np.int64)))
-        except (ValueError, RuntimeError, TypeError) as e:
-            conn.send((False, str(e)))
+        except Exception as e:  # noqa: BLE001 - an answer, never the end of the worker
+            conn.send((False, f"{type(e).__name__}: {e}"))

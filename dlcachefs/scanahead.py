@@ -13,15 +13,17 @@ When: a reader group (a stream whose order is not known, or a process group that
 announced nothing) has opened ``MIN_OPENS`` distinct files with few repeats (at most one
 in ``REPEAT_SHARE``: an epoch's scan, not a re-read). The tree is the deepest directory
 holding all of the group's opens (for an ImageFolder read in random order: its root after
-a few files).
+a few files); a reader that leaves it widens it after ``MIN_OPENS`` opens outside (one
+file at the top of the mount does not make the whole mount a guess).
 
 What: the tree's regular files in listing order (depth first, names sorted), starting
 after the reader's latest open (a sequential reader, e.g. an unshuffled loader or ``tar``,
 is followed; a random one finds any order as good), skipping what was opened or is cached.
 
-Bounds: ``Config.scan_ahead`` fetches in flight (0: off), so the source's other threads stay
-for the readers' own misses; only into free cache room, never evicting anything for a
-guess (the tree stops when the room left would fall below an eighth of the cache);
+Bounds: ``Config.scan_ahead`` fetches in flight (0: off), and only one while a reader
+waits for the source (its own miss gets the link: a guess must not slow what is asked);
+only into free cache room, never evicting anything for a guess (the tree stops when the
+room left would fall below an eighth of the cache);
 paused while the tree's readers are idle for ``IDLE_S``, ended after ``END_IDLE_S``; at
 most ``MAX_TREES`` trees and ``MAX_FILES`` files listed per tree; a tree whose fetches the
 policy does not keep (``MAX_UNKEPT`` in a row) stops.
@@ -57,7 +59,11 @@ MAX_OPENED = 4096  # distinct opens remembered per group (enough to tell a scan)
 MAX_EARLY = 1 << 20  # opens remembered while a tree is being listed
 MAX_FILES = 1 << 23  # files listed per tree
 MAX_UNKEPT = 16  # fetched files in a row the cache did not keep: stop the tree
+DEMAND_POLL_S = 0.05  # how often a scan held back by readers' own fetches looks again
 CHECK_BATCH = 256  # candidates checked against the index per thread hop
+
+
+RUNNING = ("listing", "scanning", "paused")
 
 
 @dataclass
@@ -67,6 +73,7 @@ class _Group:
     root: int | None = None
     opened: set[int] = field(default_factory=set)
     repeats: int = 0
+    outside: int = 0  # opens outside ``root`` since it was last set
     tree: _Tree | None = None
 
 
@@ -74,7 +81,7 @@ class _Group:
 class _Tree:
     root: int
     rel: str
-    state: str = "listing"  # listing, scanning, paused, done, full, idle, unkept, failed
+    state: str = "listing"  # RUNNING, or done, full, idle, unkept, failed, stopped
     reason: str = ""
     inos: np.ndarray | None = None  # listing order
     sizes: np.ndarray | None = None
@@ -84,10 +91,13 @@ class _Tree:
     last_open: float = field(default_factory=time.monotonic)
     wake: trio.Event = field(default_factory=trio.Event)
     pending_opens: list[int] = field(default_factory=list)  # opens while listing
+    listed: int = 0
+    left_out: int = 0  # files that did not fit in the free room
     files: int = 0
     bytes: int = 0
     unkept: int = 0  # fetched files in a row the cache did not keep
-    cancel: trio.CancelScope = field(default_factory=trio.CancelScope)
+    active: int = 0  # fetches in flight
+    active_bytes: int = 0  # their sizes (not yet charged to the cache's room)
 
     def position(self, ino: int) -> int:
         if self.inos is None or self.sorted_pos is None or not len(self.inos):
@@ -101,6 +111,8 @@ class _Tree:
 
     def opened(self, ino: int) -> None:
         self.last_open = time.monotonic()
+        if self.state not in RUNNING:
+            return
         if self.inos is None:
             if len(self.pending_opens) < MAX_EARLY:
                 self.pending_opens.append(ino)
@@ -112,8 +124,7 @@ class _Tree:
         self.wake.set()
 
     def stats(self) -> dict:
-        return {"state": self.state, "reason": self.reason,
-                "listed": 0 if self.inos is None else len(self.inos),
+        return {"state": self.state, "reason": self.reason, "listed": self.listed,
                 "files": self.files, "bytes": self.bytes}
 
 
@@ -137,6 +148,12 @@ class ScanAhead:
             task_status.started()
             await trio.sleep_forever()
 
+    def close(self) -> None:
+        """Stop every tree (at unmount, before the last commit)."""
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+            self._nursery = None
+
     # ----- watching opens (trio loop, called for every open: cheap) -------------------
 
     def note_open(self, group_key: str, ino: int, parent: int) -> None:
@@ -154,13 +171,19 @@ class ScanAhead:
             g.repeats += 1
         elif len(g.opened) < MAX_OPENED:
             g.opened.add(ino)
-        g.root = parent if g.root is None else self._common(g.root, parent)
+        if g.root is None:
+            g.root = parent
+        else:
+            wider = self._common(g.root, parent)
+            if wider != g.root:
+                # a reader that leaves its tree widens it only after MIN_OPENS opens
+                # outside (one labels.json at the top must not scan the whole mount); the
+                # old tree is a part of the new one and runs on (its fetches are not lost)
+                g.outside += 1
+                if g.outside >= MIN_OPENS or g.tree is None:
+                    g.root, g.outside = wider, 0
         t = g.tree
         if t is not None and t.root != g.root:
-            # the reader left the tree: the wider one is scanned instead
-            t.cancel.cancel()
-            if t.state in ("listing", "scanning", "paused"):
-                t.state = "superseded"
             t = g.tree = None
         if t is None and (len(g.opened) >= MIN_OPENS
                           and g.repeats * REPEAT_SHARE <= len(g.opened)):
@@ -171,7 +194,7 @@ class ScanAhead:
     def _tree(self, g: _Group) -> _Tree | None:
         assert g.root is not None
         t = self.trees.get(g.root)
-        if t is not None and t.state in ("listing", "scanning", "paused"):
+        if t is not None and t.state in RUNNING:
             return t
         if t is not None:  # finished (maybe long ago): scanned again for this reader
             del self.trees[g.root]
@@ -179,8 +202,7 @@ class ScanAhead:
             return None
         if len(self.trees) >= MAX_TREES:
             # the oldest finished tree makes room; running ones are never cut short
-            old = next((k for k, v in self.trees.items()
-                        if v.state not in ("listing", "scanning", "paused")), None)
+            old = next((k for k, v in self.trees.items() if v.state not in RUNNING), None)
             if old is None:
                 return None
             del self.trees[old]
@@ -231,19 +253,25 @@ class ScanAhead:
     # ----- one tree (a task in this object's nursery) -----------------------------
 
     async def _scan(self, t: _Tree) -> None:
-        with t.cancel:
-            try:
-                await self._scan_tree(t)
-            except DlcError as e:
-                t.state, t.reason = "failed", str(e)
-                log.warning("scan-ahead of %r stopped: %s", t.rel, e)
+        try:
+            await self._scan_tree(t)
+        except Exception as e:  # noqa: BLE001 - a guess must never end the mount
+            t.state, t.reason = "failed", str(e)
+            log.warning("scan-ahead of %r stopped: %s", t.rel, e)
+        finally:
+            if t.state in RUNNING:
+                t.state = "stopped"
+            # a finished tree keeps its counts only (a listing is ~25 bytes a file)
+            t.inos = t.sizes = t.sorted_pos = None
+            t.done = bytearray()
+            t.pending_opens = []
 
     async def _scan_tree(self, t: _Tree) -> None:
         eng = self.engine
         inos, sizes = await trio.to_thread.run_sync(
             list_tree, eng.index, t.root, eng.cfg.max_cached_file, MAX_FILES)
         t.sizes, t.sorted_pos = sizes, np.argsort(inos, kind="stable")
-        t.inos, t.done = inos, bytearray(len(inos))
+        t.inos, t.done, t.listed = inos, bytearray(len(inos)), len(inos)
         for ino in t.pending_opens:
             t.opened(ino)
         t.pending_opens = []
@@ -272,9 +300,6 @@ class ScanAhead:
                 for q in batch:
                     if t.done[q]:
                         continue
-                    if eng.writer.room() < int(sizes[q]) + margin:
-                        t.state, t.reason = "full", "free cache room used up"
-                        return
                     while time.monotonic() - t.last_open > IDLE_S:
                         t.state = "paused"
                         t.wake = trio.Event()
@@ -284,18 +309,38 @@ class ScanAhead:
                             t.state, t.reason = "idle", f"no open for {END_IDLE_S:.0f} s"
                             return
                         t.state = "scanning"
+                    # a reader waiting for the source gets the link: one guess at a time
+                    # then (a guess shares the link with it; it is only a guess)
+                    while eng.demand_fetches and t.active >= 1:
+                        with trio.move_on_after(DEMAND_POLL_S):
+                            await eng.demand_idle.wait()
                     if t.done[q]:
                         continue
                     await slots.acquire()
+                    # the room now, less what is in flight (charged only once submitted)
+                    free = eng.writer.room() - t.active_bytes - margin
+                    if free <= 0:
+                        slots.release()
+                        t.state, t.reason = "full", "free cache room used up"
+                        return
                     t.done[q] = 1
-                    nursery.start_soon(self._one, t, int(inos[q]), slots)
+                    if int(sizes[q]) > free:  # too large for what is left: left out
+                        t.left_out += 1
+                        slots.release()
+                        continue
+                    nursery.start_soon(self._one, t, int(inos[q]), int(sizes[q]), slots)
                     if t.unkept >= MAX_UNKEPT:
                         t.state, t.reason = "unkept", "the cache policy does not keep them"
                         return
                 cursor = (batch[-1] + 1) % n if batch else (p + 1) % n
-        t.state = "done"
+        if t.left_out:
+            t.state, t.reason = "full", f"free cache room used up ({t.left_out} files left out)"
+        else:
+            t.state = "done"
 
-    async def _one(self, t: _Tree, ino: int, slots: trio.Semaphore) -> None:
+    async def _one(self, t: _Tree, ino: int, size: int, slots: trio.Semaphore) -> None:
+        t.active += 1
+        t.active_bytes += size
         try:
             nbytes, kept = await self.engine.scan_one(ino)
             if nbytes:
@@ -304,7 +349,11 @@ class ScanAhead:
                 t.unkept = 0 if kept else t.unkept + 1
         except DlcError as e:
             log.debug("scan-ahead of inode %d failed: %s", ino, e)
+        except Exception:  # noqa: BLE001 - a policy's or the index's failure: logged
+            log.exception("scan-ahead of inode %d failed", ino)
         finally:
+            t.active -= 1
+            t.active_bytes -= size
             slots.release()
 
     def stats(self) -> dict:

@@ -182,6 +182,7 @@ class StreamManager:
         self._list_failed: dict[str, tuple[float, str]] = {}  # dataset -> (when, why)
         self.replay_ready = False  # torch imported: orders can be replayed without waiting
         self.replay = ReplayWorker()  # torch's sampler replay runs there, not in the daemon
+        self._replay_started = False
         self._roots: dict[tuple, SampleList] = {}  # (rel, extensions) -> verified root list
         self.unannounced: OrderedDict[int, dict] = OrderedDict()  # pgid -> stats entry
         self._pid_group: OrderedDict[int, int] = OrderedDict()  # reader pid -> pgid
@@ -191,17 +192,25 @@ class StreamManager:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
-            # Replaying a sampler needs torch (~3-4 s to import here): its worker process
-            # imports it now, so that the first announcement does not wait for it
-            # (dlcachefs.replayworker: never in the daemon, whose GIL it would hold).
-            nursery.start_soon(self._preload)
             await trio.sleep_forever()
+
+    def start_replay(self) -> None:
+        """Start the sampler replay worker, once. Replaying a sampler needs torch (~3-4 s of
+        CPU to import here), in a worker process (dlcachefs.replayworker: never in the
+        daemon, whose GIL it would hold). It starts at the first directory listing or
+        control write: a training script lists its dataset (ImageFolder's scan) before
+        it announces, so the announcement finds torch ready; a reader that only opens
+        files it knows (a raw reader's first epoch) never pays for it. Trio loop."""
+        if self._replay_started or self._nursery is None:
+            return
+        self._replay_started = True
+        self._nursery.start_soon(self._preload)
 
     async def _preload(self) -> None:
         ok = await trio.to_thread.run_sync(self.replay.wait_ready, abandon_on_cancel=True)
         if not ok:
             log.info("announced samplers cannot be replayed: %s", self.replay.error)
-        self.replay_ready = True
+        self.replay_ready = ok
 
     def close(self) -> None:
         if self._nursery is not None:
@@ -212,6 +221,7 @@ class StreamManager:
     # ----- control updates (trio loop, from ControlState.apply) ---------------------
 
     def on_stream(self, st: StreamState, js: JobState, pid: int) -> None:
+        self.start_replay()
         s = self.streams.get((st.job, st.rank))
         if s is None:
             s = self.streams[(st.job, st.rank)] = Stream(st.job, st.rank)
@@ -461,6 +471,7 @@ class StreamManager:
         so that the announcement that follows finds it ready (listing 1.28M samples takes
         seconds). Bounded: one guess in flight, each directory once, ``MAX_GUESSES`` per
         mount. Trio loop."""
+        self.start_replay()
         try:
             self._guess(d)
         except Exception:  # noqa: BLE001 - a guess must never fail the opendir

@@ -1,0 +1,66 @@
+"""The sampler replay worker (dlcachefs.replayworker): orders computed in a spawned process
+are the in-process replayer's, bit for bit; a worker that dies is replaced; bad specs and
+a closed worker give clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dlcachefs.replayworker import RemoteReplayer, ReplayWorker  # noqa: E402
+from dlcachefs.sampler import OrderReplayer, SamplerSpec  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = ReplayWorker()
+    assert w.wait_ready()
+    yield w
+    w.close()
+
+
+SPECS = [
+    (SamplerSpec("random", seed=3), None),
+    (SamplerSpec("random", seed=5, loader_draws="each"), None),
+    (SamplerSpec("random", seed=7, num_samples=50, replacement=True), None),
+    (SamplerSpec("distributed", seed=2, world=3, rank=1), None),
+    (SamplerSpec("distributed", seed=2, world=2, rank=0, shuffle=False), None),
+    (SamplerSpec("sequential"), None),
+    (SamplerSpec("subset_random", seed=9), [5, 3, 40, 41, 7, 0]),
+]
+
+
+@pytest.mark.parametrize("spec,subset", SPECS)
+def test_orders_are_the_in_process_ones(worker, spec, subset):
+    n = 97
+    remote = RemoteReplayer(worker, spec, n, base_epoch=0, subset=subset)
+    local = OrderReplayer(spec, n, base_epoch=0, subset=subset)
+    for epoch in (0, 1, 2, 5, 1):
+        assert remote.order(epoch) == local.order(epoch)
+
+
+def test_bad_specs_fail_before_the_worker():
+    w = ReplayWorker()
+    with pytest.raises(ValueError):
+        RemoteReplayer(w, SamplerSpec("distributed", world=2, rank=5), 10)
+    with pytest.raises(ValueError):
+        RemoteReplayer(w, SamplerSpec("subset_random", seed=1), 10, subset=[3, 11])
+    assert w._proc is None  # nothing was spawned for them
+    w.close()
+
+
+def test_a_dead_worker_is_replaced_and_a_closed_one_refuses():
+    w = ReplayWorker()
+    try:
+        rep = RemoteReplayer(w, SamplerSpec("random", seed=1), 20)
+        first = rep.order(0)
+        w._proc.kill()
+        w._proc.join(5)
+        rep2 = RemoteReplayer(w, SamplerSpec("random", seed=1), 20)
+        assert rep2.order(0) == first  # a new worker, the same order
+    finally:
+        w.close()
+    rep3 = RemoteReplayer(w, SamplerSpec("random", seed=2), 20)
+    with pytest.raises(ValueError, match="closed"):
+        rep3.order(0)
