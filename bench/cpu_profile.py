@@ -71,9 +71,8 @@ def run(files: int, threads: int, work: str) -> dict:
     with DlcMount(src, mnt, cache, [], dlcachefs_exe()) as m, \
             tempfile.TemporaryDirectory() as tmp:
         assert m.pid is not None
-        os.listdir(mnt)  # starts the replay worker (its torch import is not the fetch path)
         while not m.stats().get("sampler_replay_ready"):
-            time.sleep(0.1)
+            time.sleep(0.1)  # the replay worker's torch import is not the fetch path
         raw = os.path.join(tmp, "spy.txt")
         spy = subprocess.Popen([spy_exe, "record", "-p", str(m.pid), "-r", "200", "-f", "raw",
                                 "-o", raw, "--threads"],

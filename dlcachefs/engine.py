@@ -331,7 +331,7 @@ class Engine:
             self.plans.poke(stream)
             if self.trace is not None:
                 self.trace.opened(stream.dataset, stream.samples, stream.epoch, ino)
-        if pid and (stream is None or not stream.order or stream.epoch != stream.target_epoch):
+        if pid and (stream is None or stream.order_unknowable):
             # no known order covers this open: maybe an epoch's scan of a tree
             group = stream.key if stream is not None else self.streams.group_of(pid)
             if group is not None:

@@ -143,6 +143,15 @@ class Stream:
         return (per + extra) / per
 
     @property
+    def order_unknowable(self) -> bool:
+        """No order will cover the opens now: a learned stream whose order has not repeated
+        yet, or one whose replay failed (scan-ahead may guess for it). A stream whose
+        announced order is still being computed is not one."""
+        if self.order and self.epoch == self.target_epoch:
+            return False
+        return self.learn_cur is not None or self.error is not None
+
+    @property
     def key(self) -> str:
         return f"{self.job}/{self.rank}"
 
@@ -192,15 +201,14 @@ class StreamManager:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
+            self.start_replay()
             await trio.sleep_forever()
 
     def start_replay(self) -> None:
-        """Start the sampler replay worker, once. Replaying a sampler needs torch (~3-4 s of
-        CPU to import here), in a worker process (dlcachefs.replayworker: never in the
-        daemon, whose GIL it would hold). It starts at the first directory listing or
-        control write: a training script lists its dataset (ImageFolder's scan) before
-        it announces, so the announcement finds torch ready; a reader that only opens
-        files it knows (a raw reader's first epoch) never pays for it. Trio loop."""
+        """Start the sampler replay worker, once (at mount start). Replaying a sampler needs
+        torch (~3-4 s of CPU to import here), in a worker process (dlcachefs.replayworker:
+        never in the daemon, whose GIL it would hold), niced, so that a training script's
+        announcement finds it ready. Trio loop."""
         if self._replay_started or self._nursery is None:
             return
         self._replay_started = True
