@@ -716,6 +716,9 @@ class Engine:
         p = self.writer.pending.get(ino)
         if p is not None and p.ident == ident:
             return p.data
+        later = self._later.get(ino)
+        if later is not None and later[0] == ident:
+            return later[1]
         data, e2 = await self._fetch(e)
         return data if identity(e2) == ident else None
 
