@@ -21,10 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from collections import OrderedDict
 
 from dlcachefs.sampler import OrderReplayer, SamplerSpec
 from dlcachefs.simulate import belady_counts as belady
+from dlcachefs.simulate import lru_counts as lru
 
 
 def trace(n: int, epochs: int, kind: str, seed: int) -> list[list[int]]:
@@ -32,24 +32,6 @@ def trace(n: int, epochs: int, kind: str, seed: int) -> list[list[int]]:
             else SamplerSpec("random", seed=seed))
     r = OrderReplayer(spec, n)
     return [r.order(e) for e in range(epochs)]
-
-
-def lru(seq: list[int], sizes: list[int], cap: int) -> tuple[int, int, int]:
-    od: OrderedDict[int, None] = OrderedDict()
-    used = hits = hit_bytes = total = 0
-    for f in seq:
-        total += sizes[f]
-        if f in od:
-            hits += 1
-            hit_bytes += sizes[f]
-            od.move_to_end(f)
-            continue
-        od[f] = None
-        used += sizes[f]
-        while used > cap:
-            g, _ = od.popitem(last=False)
-            used -= sizes[g]
-    return hits, hit_bytes, total
 
 
 def lcache(orders: list[list[int]], sizes: list[int], cap: int) -> tuple[int, int, int]:

@@ -23,6 +23,7 @@ import heapq
 import json
 import math
 import random
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -367,6 +368,26 @@ def belady_counts(seq: Sequence[int], sizes: Sequence[int], cap: int) -> tuple[i
             if cached.get(g) != -neg:
                 continue  # stale entry
             del cached[g]  # farthest next use: possibly s itself (bypass)
+            used -= sizes[g]
+    return hits, hit_bytes, total
+
+
+def lru_counts(seq: Sequence[int], sizes: Sequence[int], cap: int) -> tuple[int, int, int]:
+    """(hits, hit bytes, total bytes) of least-recently-used eviction over ``seq``: the
+    reference LRU (the offline baseline next to :func:`belady_counts`)."""
+    od: OrderedDict[int, None] = OrderedDict()
+    used = hits = hit_bytes = total = 0
+    for f in seq:
+        total += sizes[f]
+        if f in od:
+            hits += 1
+            hit_bytes += sizes[f]
+            od.move_to_end(f)
+            continue
+        od[f] = None
+        used += sizes[f]
+        while used > cap:
+            g, _ = od.popitem(last=False)
             used -= sizes[g]
     return hits, hit_bytes, total
 

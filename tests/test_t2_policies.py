@@ -570,3 +570,23 @@ def test_icache_counts_a_substitute_when_served_and_never_picks_one_twice_at_onc
     pol.on_access(7, a)
     assert pol.stats()["substitutions"] == 1
     assert pol.stats()["substitutions_by_epoch"] == {"0": 1}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(5, 40), st.integers(1, 4), st.integers(0, 2**16), st.floats(0.1, 0.9))
+def test_the_lru_policy_is_the_reference_lru(n, epochs, seed, frac):
+    """The ``lru`` policy, replayed by the simulator with one sample per unit, makes the
+    same hits as the reference LRU (``lru_counts``, the offline baseline of the benches),
+    and neither beats Belady."""
+    from dlcachefs.simulate import belady_counts, lru_counts
+
+    rnd = random.Random(seed)
+    sizes = [rnd.randint(1, 1000) for _ in range(n)]
+    orders = [rnd.sample(range(n), n) for _ in range(epochs)]
+    tr = Trace(sizes, [0] * n, orders)
+    cap = max(1, int(sum(sizes) * frac))
+    seq = [s for o in orders for s in o]
+    ref = lru_counts(seq, sizes, cap)
+    got = run_policy(tr, "lru", cap)
+    assert got.hits == ref[0]
+    assert ref[0] <= belady_counts(seq, sizes, cap)[0]
