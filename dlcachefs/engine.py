@@ -648,18 +648,33 @@ class Engine:
         if self.is_cached(e) or ino in self._inflight:
             return 0, False
         # fetched without caching, then submitted here once the writer has room: a guess
-        # never takes the room readers' own files wait in (_later)
+        # never takes the bounded room readers' own files wait in (_later_bytes)
         data, e = await self._fetch(e, cache=False)
         self.counters.scan_ahead_files += 1
         self.counters.scan_ahead_bytes += len(data)
-        if not self.policy.admit(ino, len(data)):
-            self.counters.not_admitted += 1
-            return len(data), False
-        await self.writer.wait_room(len(data))
-        if not self.is_cached(e) and not self.writer.submit(ino, self.ns.path_of(e),
-                                                             identity(e), data):
-            self.policy.on_dropped(ino)
-        return len(data), self.is_cached(e)
+        ident = identity(e)
+        if ino in self._later or self.is_cached(e):
+            return len(data), self.is_cached(e)
+        self._later[ino] = (ident, data)  # readers find it while it waits for the writer
+        try:
+            await self.writer.wait_room(len(data))
+            cur = self.index.get_entry(ino)
+            if cur is None or identity(cur) != ident:
+                return len(data), False  # a newer version came meanwhile
+            p = self.writer.pending.get(ino)
+            if p is not None:
+                return len(data), p.ident == ident
+            if self.writer.room() < len(data) + 4096:
+                return len(data), False  # room taken meanwhile: never evict for a guess
+            if not self.policy.admit(ino, len(data)):
+                self.counters.not_admitted += 1
+                return len(data), False
+            if not self.writer.submit(ino, self.ns.path_of(e), ident, data):
+                self.policy.on_dropped(ino)
+                return len(data), False
+            return len(data), True
+        finally:
+            self._later_release(ino)
 
     def cached_among(self, inos: list[int]) -> set[int]:
         """Those of ``inos`` with a record in the index (any version: a guess). Thread."""
@@ -964,18 +979,24 @@ class Engine:
         try:
             await self.writer.wait_room(len(data))
             e = self.index.get_entry(ino)
-            if e is None or identity(e) != ident or ino in self.writer.pending:
+            p = self.writer.pending.get(ino)
+            if p is not None and p.ident == ident:
+                pass  # this version is already on its way
+            elif e is None or identity(e) != ident or p is not None:
                 self.policy.on_dropped(ino)  # a newer version came meanwhile: not this one
             elif not self.writer.submit(ino, rel, ident, data):
                 self.policy.on_dropped(ino)
         except Exception:  # noqa: BLE001 - a policy's failure must not end the mount
             log.exception("caching a fetched file failed")
         finally:
-            del self._later[ino]
             self._later_bytes -= len(data)
-            if not self._later:
-                self._later_empty.set()
-                self._later_empty = trio.Event()
+            self._later_release(ino)
+
+    def _later_release(self, ino: int) -> None:
+        self._later.pop(ino, None)
+        if not self._later:
+            self._later_empty.set()
+            self._later_empty = trio.Event()
 
     async def flush(self) -> None:
         """Seal everything fetched so far, the files still waiting for the writer's room

@@ -92,9 +92,14 @@ class ReplayWorker:
                 self._ensure()
                 assert self._conn is not None
                 self._conn.send(msg)
-                if not self._conn.poll(timeout):
-                    self._stop()
-                    return False, f"the sampler replay worker did not answer in {timeout:.0f} s"
+                waited = 0.0
+                while not self._conn.poll(1.0):  # in slices: close() must not wait long
+                    waited += 1.0
+                    if self._closed or waited >= timeout:
+                        self._stop()
+                        return False, ("the sampler replay worker is closed" if self._closed
+                                       else "the sampler replay worker did not answer in "
+                                            f"{timeout:.0f} s")
                 return self._conn.recv()
             except (OSError, EOFError) as e:
                 self._stop()

@@ -60,7 +60,8 @@ MAX_EARLY = 1 << 20  # opens remembered while a tree is being listed
 MAX_FILES = 1 << 23  # files listed per tree
 MAX_UNKEPT = 16  # fetched files in a row the cache did not keep: stop the tree
 DEMAND_POLL_S = 0.05  # how often a scan held back by readers' own fetches looks again
-CHECK_BATCH = 256  # candidates checked against the index per thread hop
+CHECK_BATCH = 256
+MAX_LEFT_OUT = 256  # files in a row that did not fit: the tree is full  # candidates checked against the index per thread hop
 
 
 RUNNING = ("listing", "scanning", "paused")
@@ -74,6 +75,7 @@ class _Group:
     opened: set[int] = field(default_factory=set)
     repeats: int = 0
     outside: int = 0  # opens outside ``root`` since it was last set
+    wider: int | None = None  # the directory holding ``root`` and those opens
     tree: _Tree | None = None
 
 
@@ -177,11 +179,13 @@ class ScanAhead:
             wider = self._common(g.root, parent)
             if wider != g.root:
                 # a reader that leaves its tree widens it only after MIN_OPENS opens
-                # outside (one labels.json at the top must not scan the whole mount); the
-                # old tree is a part of the new one and runs on (its fetches are not lost)
+                # outside (one labels.json at the top must not scan the whole mount), to
+                # the directory holding all of them; the old tree is a part of the new one
+                # and runs on (its fetches are not lost)
                 g.outside += 1
+                g.wider = wider if g.wider is None else self._common(g.wider, wider)
                 if g.outside >= MIN_OPENS or g.tree is None:
-                    g.root, g.outside = wider, 0
+                    g.root, g.outside, g.wider = g.wider, 0, None
         t = g.tree
         if t is not None and t.root != g.root:
             t = g.tree = None
@@ -280,6 +284,7 @@ class ScanAhead:
         margin = eng.cfg.cache_size // 8
         slots = trio.Semaphore(self.concurrency)
         cursor = (t.last_pos + 1) % n if n else 0
+        left_before = 0  # left_out when the last file was fetched
         async with trio.open_nursery() as nursery:
             while n:
                 # follow a reader that is ahead of the scan (a sequential one)
@@ -309,14 +314,17 @@ class ScanAhead:
                             t.state, t.reason = "idle", f"no open for {END_IDLE_S:.0f} s"
                             return
                         t.state = "scanning"
+                    if t.done[q]:
+                        continue
+                    await slots.acquire()
                     # a reader waiting for the source gets the link: one guess at a time
                     # then (a guess shares the link with it; it is only a guess)
                     while eng.demand_fetches and t.active >= 1:
                         with trio.move_on_after(DEMAND_POLL_S):
                             await eng.demand_idle.wait()
                     if t.done[q]:
+                        slots.release()
                         continue
-                    await slots.acquire()
                     # the room now, less what is in flight (charged only once submitted)
                     free = eng.writer.room() - t.active_bytes - margin
                     if free <= 0:
@@ -327,11 +335,20 @@ class ScanAhead:
                     if int(sizes[q]) > free:  # too large for what is left: left out
                         t.left_out += 1
                         slots.release()
+                        if t.left_out - left_before >= MAX_LEFT_OUT:
+                            break  # the room is as good as used up
                         continue
+                    left_before = t.left_out
+                    # counted now (the task starts later): the next look at the room and
+                    # at the readers' demand sees it
+                    t.active += 1
+                    t.active_bytes += int(sizes[q])
                     nursery.start_soon(self._one, t, int(inos[q]), int(sizes[q]), slots)
                     if t.unkept >= MAX_UNKEPT:
                         t.state, t.reason = "unkept", "the cache policy does not keep them"
                         return
+                if t.left_out - left_before >= MAX_LEFT_OUT:
+                    break
                 cursor = (batch[-1] + 1) % n if batch else (p + 1) % n
         if t.left_out:
             t.state, t.reason = "full", f"free cache room used up ({t.left_out} files left out)"
@@ -339,8 +356,6 @@ class ScanAhead:
             t.state = "done"
 
     async def _one(self, t: _Tree, ino: int, size: int, slots: trio.Semaphore) -> None:
-        t.active += 1
-        t.active_bytes += size
         try:
             nbytes, kept = await self.engine.scan_one(ino)
             if nbytes:

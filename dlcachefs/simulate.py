@@ -384,6 +384,8 @@ def lru_counts(seq: Sequence[int], sizes: Sequence[int], cap: int) -> tuple[int,
             hit_bytes += sizes[f]
             od.move_to_end(f)
             continue
+        if sizes[f] > cap:
+            continue  # never cached (as the writer and the simulated policies do)
         od[f] = None
         used += sizes[f]
         while used > cap:
