@@ -96,10 +96,8 @@ import numpy as np
 
 from .errors import ControlError, DlcError
 from .sampler import SamplerSpec
-from .wrappers import index_list_id, view_id
+from .wrappers import MAX_LINE, MAX_WRITE, index_list_id, view_id
 
-MAX_WRITE = 64 * 1024
-MAX_LINE = 4096
 MAX_JOBS = 64
 MAX_STREAMS = 1024
 MAX_PIDS = 4096

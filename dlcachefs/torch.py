@@ -485,8 +485,8 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 # ----- per-sample losses and explicit orders (importance sampling) ----------------------
 
 #: limits of the control file (see :mod:`dlcachefs.control`): bytes per write, chars per line
-_MAX_WRITE = 64 * 1024
-_MAX_LINE = 4096
+_MAX_WRITE = _w.MAX_WRITE  # the control file's limits (one definition, in wrappers)
+_MAX_LINE = _w.MAX_LINE
 
 
 def _as_list(x) -> list:

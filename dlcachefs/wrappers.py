@@ -39,7 +39,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import quote
 
-#: limits of the control file (see :mod:`dlcachefs.control`)
+#: limits of the control file, defined once here (this module runs in the training
+#: process without trio): :mod:`dlcachefs.control` enforces them, the client's encoders
+#: (here and in :mod:`dlcachefs.torch`) stay within them
 MAX_WRITE = 64 * 1024
 MAX_LINE = 4096
 ID_HEX = 24  # hex digits of index-list and view ids
