@@ -194,12 +194,12 @@ def _serve(conn) -> None:
             return
         try:
             if msg[0] == "ping":
-                conn.send((True, torch_ok))
+                _answer(conn, (True, torch_ok))
                 continue
             _, spec, n, base_epoch, sub, epoch = msg
             if torch_ok is not True:
-                conn.send((False, torch_ok or "torch is not installed: orders cannot be "
-                                               "replayed"))
+                _answer(conn, (False, torch_ok or "torch is not installed: orders cannot "
+                                                  "be replayed"))
                 continue
             key = (spec, n, base_epoch,
                    None if sub is None else hashlib.sha256(sub.tobytes()).digest())
@@ -210,6 +210,23 @@ def _serve(conn) -> None:
                 while len(replayers) > MAX_REPLAYERS:
                     replayers.popitem(last=False)
             replayers.move_to_end(key)
-            conn.send((True, np.asarray(rep.order(epoch), dtype=np.int64)))
+            _answer(conn, (True, np.asarray(rep.order(epoch), dtype=np.int64)))
+        except _ParentGone:
+            return  # the daemon ended (a SIGKILL too): so does this process, quietly
         except Exception as e:  # noqa: BLE001 - an answer, never the end of the worker
-            conn.send((False, f"{type(e).__name__}: {e}"))
+            try:
+                _answer(conn, (False, f"{type(e).__name__}: {e}"))
+            except _ParentGone:
+                return
+
+
+class _ParentGone(Exception):
+    pass
+
+
+def _answer(conn, msg: tuple) -> None:
+    try:
+        conn.send(msg)
+    except OSError as e:  # BrokenPipeError: the daemon is gone
+        raise _ParentGone from e
+
