@@ -74,7 +74,7 @@ def test_verify_problems_reports_a_damaged_record_unless_allowed(tmp_path):
     async def body(eng):
         for rel in files:
             assert await read_all(eng, rel) == files[rel]
-        await eng.writer.flush()
+        await eng.flush()
         rec = eng.index.get_record(eng.ns.resolve(b"d/b.bin").ino)
         return Path(eng.logs.path(rec.log_id)), rec.offset
 

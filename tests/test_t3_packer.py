@@ -40,7 +40,7 @@ def test_packer_reads_each_member_once_into_one_unit_within_the_l_share(tmp_path
         await with_h_list(eng, losses)
         while await eng.packer.step():  # (the packer's own task may build some too)
             pass
-        await eng.writer.flush()
+        await eng.flush()
 
     _, eng = run_engine(cfg, body, source=src)
     pol = eng.policy
@@ -71,7 +71,7 @@ def test_substitution_serves_packed_samples_of_the_same_directory(tmp_path):
         await with_h_list(eng, losses)
         while await eng.packer.step():
             pass
-        await eng.writer.flush()
+        await eng.flush()
         # a stream reads every file once (as an epoch would); misses of L-samples
         # not in a package are substituted from one
         from dlcachefs.streams import Stream

@@ -45,7 +45,7 @@ class Reader:
         """Every file read once without a stream, sealed and indexed."""
         for rel in sorted(self.files):
             assert await read_all(self.eng, rel) == self.files[rel]
-        await self.eng.writer.flush()
+        await self.eng.flush()
         assert self.eng.index.n_records() == len(self.files)
 
     async def announce(self, epoch: int = 0):
