@@ -676,10 +676,6 @@ class Engine:
         finally:
             self._later_release(ino)
 
-    def cached_among(self, inos: list[int]) -> set[int]:
-        """Those of ``inos`` with a record in the index (any version: a guess). Thread."""
-        return self.index.with_records(inos)
-
     async def _preload(self, ino: int, owner: str) -> None:
         """Ahead of the reader: its chunk into the memory tier when whole chunks are being
         reused, else the record alone into the small ready set (the reader then never

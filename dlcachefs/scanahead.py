@@ -132,8 +132,8 @@ class _Tree:
 
 class ScanAhead:
     """Watches opens not covered by a known order and scans trees ahead of them.
-    ``engine`` provides ``index``, ``ns``, ``cfg``, ``writer``, ``cached_among(inos)``
-    and the coroutine ``scan_one(ino) -> (fetched bytes, kept)``."""
+    ``engine`` provides ``index``, ``ns``, ``cfg``, ``writer``, ``demand_fetches`` /
+    ``demand_idle`` and the coroutine ``scan_one(ino) -> (fetched bytes, kept)``."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -297,8 +297,8 @@ class ScanAhead:
                         break
                 # which of the next candidates are already cached (one thread hop)
                 batch = [q for q in range(p, min(n, p + CHECK_BATCH)) if not t.done[q]]
-                cached = await trio.to_thread.run_sync(
-                    eng.cached_among, [int(inos[q]) for q in batch])
+                cached = await trio.to_thread.run_sync(  # any version: it is a guess
+                    eng.index.with_records, [int(inos[q]) for q in batch])
                 for q in batch:
                     if int(inos[q]) in cached:
                         t.done[q] = 1
