@@ -951,24 +951,28 @@ class Engine:
             self.counters.not_admitted += 1
             return data, e
         if not self.writer.has_room(len(data)):
-            # the reader has its bytes and never waits for the cache disk (an fdatasync
+            # the reader has its bytes and does not wait for the cache disk (an fdatasync
             # under load takes 100s of ms): the file waits for the writer's room in the
-            # background, a bounded amount of it, or is not cached this time
-            self._submit_later(e.ino, rel, ident, data)
-        elif not self.writer.submit(e.ino, rel, ident, data):
+            # background, up to LATER_CHUNKS chunks' worth; past that the reader waits
+            # (backpressure: memory stays bounded and nothing is left uncached)
+            if self._submit_later(e.ino, rel, ident, data):
+                return data, e
+            await self.writer.wait_room(len(data))
+        if not self.writer.submit(e.ino, rel, ident, data):
             self.policy.on_dropped(e.ino)
         return data, e
 
-    def _submit_later(self, ino: int, rel: bytes, ident: Identity, data: bytes) -> None:
+    def _submit_later(self, ino: int, rel: bytes, ident: Identity, data: bytes) -> bool:
+        """Queue the file for the writer in the background; False when the bound is
+        reached (one file waits whatever its size, as the writer takes one whatever
+        its size)."""
         if self._nursery is None or ino in self._later or (
-                # one file waits whatever its size, as the writer takes one whatever its size
                 self._later and self._later_bytes + len(data) > LATER_CHUNKS * self.cfg.chunk_size):
-            self.counters.cache_skipped += 1
-            self.policy.on_dropped(ino)
-            return
+            return False
         self._later[ino] = (ident, data)
         self._later_bytes += len(data)
         self._nursery.start_soon(self._submit_when_room, ino, rel, ident, data)
+        return True
 
     async def _submit_when_room(self, ino: int, rel: bytes, ident: Identity,
                                 data: bytes) -> None:
