@@ -13,7 +13,7 @@ of:
 
     python -m bench.belady --files 3000 --epochs 4 --cache-frac 0.3 [--sampler random|distributed]
 
-Prints JSON. Pure Python; the orders come from dlcachefs.sampler (torch).
+Prints JSON. Pure Python; the orders come from dlcachefs.clairvoyance.replay (torch).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import argparse
 import json
 import random
 
-from dlcachefs.sampler import OrderReplayer, SamplerSpec
-from dlcachefs.simulate import belady_counts as belady
-from dlcachefs.simulate import lru_counts as lru
+from dlcachefs.clairvoyance.replay import OrderReplayer, SamplerSpec
+from dlcachefs.sim.simulate import belady_counts as belady
+from dlcachefs.sim.simulate import lru_counts as lru
 
 
 def trace(n: int, epochs: int, kind: str, seed: int) -> list[list[int]]:

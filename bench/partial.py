@@ -83,7 +83,7 @@ def main() -> int:
     script = os.path.join(work, "loop.py")
     with open(script, "w") as f:
         f.write(LOOP)
-    from dlcachefs.sampler import OrderReplayer, SamplerSpec  # noqa: PLC0415
+    from dlcachefs.clairvoyance.replay import OrderReplayer, SamplerSpec  # noqa: PLC0415
 
     rep = OrderReplayer(SamplerSpec("distributed", seed=7, world=1, rank=0), len(sizes))
     seq = [i for e in range(a.epochs) for i in rep.order(e)]

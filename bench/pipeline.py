@@ -21,7 +21,7 @@ Prints one JSON object per line: one per epoch (``"kind": "epoch"``), then a fin
   dataset manifest's ``tree_digest`` (``bench.run`` checks it);
 * on a dlcachefs mount (found by walking up from ``--data`` to a ``.dlcache/stats``):
   ``dlcachefs.stats_delta`` (every counter's change during the epoch),
-  ``dlcachefs.streams`` (the per-stream state at the end), ``daemon_cpu_s``;
+  ``dlcachefs.clairvoyance.streams`` (the per-stream state at the end), ``daemon_cpu_s``;
 * ``net_rx_bytes`` when ``--net-iface`` is given: bytes received on that interface
   during the epoch (the slow remote's veth: bytes that came from the remote).
 

@@ -193,7 +193,7 @@ def raw_section(ctx: dict, a: argparse.Namespace, remote) -> None:
                 raw_run(ctx, "dlcachefs", "warm", t, mnt, rels, True, sshfs, m)
         finally:
             shutil.rmtree(cache, ignore_errors=True)
-        try:  # the same first pass without scan-ahead (dlcachefs.scanahead): what it adds
+        try:  # the same first pass without scan-ahead (dlcachefs.cache.scanahead): what it adds
             with DlcMount(rmnt, mnt, cache, ["--ignore-source-inode", *a.mount_arg,
                                               "--scan-ahead=0"]) as m:
                 raw_run(ctx, "dlcachefs --scan-ahead 0", "cold", t, mnt, rels, True, sshfs, m,

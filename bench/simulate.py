@@ -16,7 +16,7 @@ import os
 
 from dlcachefs.policies import registry
 
-from dlcachefs.simulate import generate_trace, simulate, table
+from dlcachefs.sim.simulate import generate_trace, simulate, table
 
 FRACTIONS = (0.1, 0.2, 0.4, 0.6, 0.8)
 

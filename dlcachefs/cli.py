@@ -14,8 +14,8 @@ import subprocess
 import sys
 import time
 
-from .config import OPTIONS, Config, Option, build_config, option, read_config_file
-from .units import format_size, parse_size
+from dlcachefs.config import OPTIONS, Config, Option, build_config, option, read_config_file
+from dlcachefs.units import format_size, parse_size
 
 
 def _size(text: str) -> int:
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sm = sub.add_parser("simulate", help="replay an access trace against every caching "
                                           "policy and cache size, with Belady's bound")
-    sm.add_argument("--trace", help="trace file (JSON, see dlcachefs.simulate); default: "
+    sm.add_argument("--trace", help="trace file (JSON, see dlcachefs.sim.simulate); default: "
                                     "generate one from the sampler settings below")
     sm.add_argument("--sampler", default="random", choices=["random", "distributed", "iis"],
                     help="generated trace: torch's orders, or iCACHE's importance sampling")
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "simulate":
             return cmd_simulate(a)
         if a.cmd == "verify":
-            from .verify import cmd_verify  # noqa: PLC0415
+            from dlcachefs.store.verify import cmd_verify  # noqa: PLC0415
 
             return cmd_verify(a.cache_dir, a.repair, a.json)
     except ValueError as e:
@@ -141,8 +141,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     import json  # noqa: PLC0415
 
     from dlcachefs.policies import registry  # noqa: PLC0415
-
-    from .simulate import generate_trace, load_trace, simulate, table  # noqa: PLC0415
+    from dlcachefs.sim.simulate import generate_trace, load_trace, simulate, table  # noqa: PLC0415
 
     trace = load_trace(a.trace) if a.trace else generate_trace(
         a.samples, a.epochs, a.sampler, a.seed, a.classes)
@@ -269,14 +268,14 @@ def _daemonize(cfg: Config) -> int:
 # ----- run ------------------------------------------------------------------------------
 
 def cmd_run(command: list[str], job: str | None) -> int:
-    """exec ``command`` with ``dlcachefs/_boot`` (a sitecustomize) first on PYTHONPATH."""
+    """exec ``command`` with ``dlcachefs/client/_boot`` (a sitecustomize) first on PYTHONPATH."""
     if command and command[0] == "--":
         command = command[1:]
     if not command:
         print("dlcachefs run: no command (usage: dlcachefs run -- python train.py ...)",
               file=sys.stderr)
         return 2
-    boot = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot")
+    boot = os.path.join(os.path.dirname(os.path.abspath(__file__)), "client", "_boot")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (boot, env.get("PYTHONPATH")) if p)
     if job:

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .units import format_size_exact, parse_size
+from dlcachefs.units import format_size_exact, parse_size
 
 
 def default_cache_dir(source: str) -> str:
@@ -55,7 +55,7 @@ class Config:
     memory: int = _opt(1 << 30, "in-memory chunk tier size", kind="size")
     min_free: int = _opt(1 << 30, "free space to leave on the cache disk", kind="size")
     log_size: int = _opt(1 << 30, "a new log file is started past this size", kind="size")
-    revalidate: float = _opt(  # see dlcachefs.namespace for the rule
+    revalidate: float = _opt(  # see dlcachefs.cache.namespace for the rule
         3600.0, "how old source metadata may be before an open checks it again; "
                 "0 = check at every open", metavar="SECONDS")
     rescan: bool = _opt(False, "re-list the whole source at mount")

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import os
 
-from .control import ControlState
-from .engine import Engine
-from .errors import DlcError
-from .namespace import is_dir
+from dlcachefs.cache.engine import Engine
+from dlcachefs.cache.namespace import is_dir
+from dlcachefs.clairvoyance.control import ControlState
+from dlcachefs.errors import DlcError
 
 
 def build_control(engine: Engine) -> ControlState:

@@ -21,14 +21,13 @@ from collections.abc import Callable
 
 import pyfuse3
 import trio
+from dlcachefs.mount.ops import Operations
 
+from dlcachefs.cache.engine import Engine
 from dlcachefs.config import Config
-from dlcachefs.engine import Engine
 from dlcachefs.errors import DlcError
-from dlcachefs.lock import CacheLock
 from dlcachefs.session import build_control
-
-from .ops import Operations
+from dlcachefs.store.lock import CacheLock
 
 log = logging.getLogger("dlcachefs")
 

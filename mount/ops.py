@@ -1,4 +1,4 @@
-"""pyfuse3 ``Operations`` over the core :class:`~dlcachefs.engine.Engine`.
+"""pyfuse3 ``Operations`` over the core :class:`~dlcachefs.cache.engine.Engine`.
 
 Runs on the trio loop. Kernel caching: entries and attributes are cached for
 ``--revalidate`` seconds (the same window in which the core trusts its snapshot), and
@@ -15,15 +15,14 @@ import stat
 
 import pyfuse3
 import trio
+from dlcachefs.mount import virtual as V
+from dlcachefs.mount.errmap import fuse_errors
 
-from dlcachefs.control import ControlState
-from dlcachefs.engine import Engine
+from dlcachefs.cache.engine import Engine
+from dlcachefs.cache.namespace import ROOT_INO
+from dlcachefs.clairvoyance.control import ControlState
 from dlcachefs.errors import NotFound, PermissionDenied, ReadOnly
-from dlcachefs.namespace import ROOT_INO
-from dlcachefs.schema import Entry
-
-from . import virtual as V
-from .errmap import fuse_errors
+from dlcachefs.store.schema import Entry
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from importlib.metadata import entry_points
 
-from .base import (
+from dlcachefs.policies.icache import ICachePolicy
+from dlcachefs.policies.lcache import LCachePolicy
+from dlcachefs.policies.lru import LRUPolicy
+from dlcachefs.policies.reuse_distance import ReuseDistancePolicy
+
+from dlcachefs.cache.policy import (
     NEVER,
     PACK_ALONE,
     PACK_CHUNK,
@@ -22,10 +27,6 @@ from .base import (
     PolicyContext,
     parse_policy_spec,
 )
-from .icache import ICachePolicy
-from .lcache import LCachePolicy
-from .lru import LRUPolicy
-from .reuse_distance import ReuseDistancePolicy
 
 ENTRY_POINT_GROUP = "dlcachefs.policies"
 

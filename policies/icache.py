@@ -3,7 +3,7 @@
 The cache is split in two:
 
 * the **H-cache** holds H-samples (members of the H-list: the most important samples by
-  their latest loss, see :mod:`dlcachefs.importance`), each a unit of its own, managed by
+  their latest loss, see :mod:`dlcachefs.importance.scores`), each a unit of its own, managed by
   a min-heap of importance (the *H-heap*, top-node = least important). An H-sample that
   misses is read from the source; while the H-cache has room it is admitted; when it is
   full it is admitted only if its importance is strictly greater than the top-node's,
@@ -57,7 +57,7 @@ import math
 import random
 from collections.abc import Callable, Collection, Sequence
 
-from .base import PACK_ALONE, CachePolicy
+from dlcachefs.cache.policy import PACK_ALONE, CachePolicy
 
 #: heap entries re-keyed per :meth:`ICachePolicy.maintain` call
 REBUILD_STEP = 4096

@@ -6,14 +6,14 @@ samples were served this epoch is not read again before the next epoch, whose lo
 its own copy. This policy does that for any unit: LRU order, plus release of a unit as
 soon as every member has been served in the current epoch, while the cache is under
 pressure (fuller than ``pressure`` of its capacity; with room to spare nothing is given
-up). The reordered log itself is written by :mod:`dlcachefs.reorder`.
+up). The reordered log itself is written by :mod:`dlcachefs.clairvoyance.reorder`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .lru import LRUPolicy
+from dlcachefs.policies.lru import LRUPolicy
 
 
 class LCachePolicy(LRUPolicy):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
-from .base import CachePolicy
+from dlcachefs.cache.policy import CachePolicy
 
 
 class LRUPolicy(CachePolicy):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection, Sequence
 
-from .base import NEVER, CachePolicy
+from dlcachefs.cache.policy import NEVER, CachePolicy
 
 
 class ReuseDistancePolicy(CachePolicy):

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from mounting import DaemonOracle, Mount  # noqa: E402
+from dlcachefs.testing.mounting import DaemonOracle, Mount  # noqa: E402
 
 
 def _fuse_available() -> bool:

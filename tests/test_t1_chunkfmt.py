@@ -1,4 +1,4 @@
-"""Tier 1: the on-disk format (dlcachefs.chunkfmt), pure bytes in / values out."""
+"""Tier 1: the on-disk format (dlcachefs.store.chunkfmt), pure bytes in / values out."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dlcachefs.chunkfmt import (
+from dlcachefs.errors import FormatError
+from dlcachefs.store.chunkfmt import (
     CHUNK_HEADER_SIZE,
     LOG_HEADER_SIZE,
     MAX_KEY,
@@ -25,7 +26,6 @@ from dlcachefs.chunkfmt import (
     verify_chunk,
     verify_record,
 )
-from dlcachefs.errors import FormatError
 
 # keys are arbitrary bytes: non-UTF-8 names must round-trip unchanged
 keys = st.binary(min_size=0, max_size=80)
@@ -237,7 +237,7 @@ def test_log_writes_buffers_in_a_row(tmp_path_factory, bufs, iov_max, off):
     when there are more than IOV_MAX): the file holds exactly their concatenation."""
     import os
 
-    from dlcachefs import logstore
+    from dlcachefs.store import logs as logstore
 
     path = tmp_path_factory.mktemp("w") / "f"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -259,7 +259,7 @@ def test_log_writes_buffers_in_a_row(tmp_path_factory, bufs, iov_max, off):
 def test_chunk_parts_are_the_chunk(recs, cid):
     """encode_chunk_parts' buffers, joined, are a chunk that decodes to the records, and
     the length it reports is theirs."""
-    from dlcachefs.chunkfmt import encode_chunk_parts
+    from dlcachefs.store.chunkfmt import encode_chunk_parts
 
     ins = [RecordIn(i + 1, k, 7, 9, d) for i, (k, d) in enumerate(recs)]
     parts, metas, n = encode_chunk_parts(cid, ins)

@@ -1,4 +1,4 @@
-"""Tier 1: the control protocol (dlcachefs.control.ControlState), no I/O."""
+"""Tier 1: the control protocol (dlcachefs.clairvoyance.control.ControlState), no I/O."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlcachefs.control import (
+from dlcachefs.clairvoyance.control import (
     MAX_ERRORS,
     MAX_JOBS,
     MAX_LINE,
@@ -15,8 +15,8 @@ from dlcachefs.control import (
     MAX_WRITE,
     ControlState,
 )
+from dlcachefs.clairvoyance.replay import SamplerSpec
 from dlcachefs.errors import ControlError, NotADirectory, NotFound
-from dlcachefs.sampler import SamplerSpec
 
 DIRS = {"": 1, "train": 20, "val": 21, "train/cls0": 22}
 FILES = {"train/cls0/a.jpg"}
@@ -359,7 +359,7 @@ def test_loss_dataset_change_after_losses_in_one_write(rec):
 
 
 def test_loss_pairs_per_write_bounded(rec, monkeypatch):
-    import dlcachefs.control as control
+    import dlcachefs.clairvoyance.control as control
 
     rec.cs.apply(b"dataset .\n", 1)
     monkeypatch.setattr(control, "MAX_LOSS_PAIRS", 10)
@@ -509,7 +509,7 @@ def test_order_refusals_against_state(rec):
 
 
 def test_order_length_bounded(rec, monkeypatch):
-    import dlcachefs.control as control
+    import dlcachefs.clairvoyance.control as control
 
     monkeypatch.setattr(control, "MAX_ORDER_LEN", 4)
     rec.cs.apply(b"dataset train\norder 0 0 1 2 3\n", 1)

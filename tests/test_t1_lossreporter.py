@@ -1,4 +1,4 @@
-"""Tier 1: dlcachefs.torch.LossReporter and with_index, against a fake mount (a directory
+"""Tier 1: dlcachefs.client.hook.LossReporter and with_index, against a fake mount (a directory
 holding ``.dlcache/control``) whose control writes are applied to a real ControlState."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import warnings
 
 import pytest
 
-import dlcachefs.torch as dt
-from dlcachefs.control import MAX_LINE, MAX_WRITE, ControlState
+import dlcachefs.client.hook as dt
+from dlcachefs.clairvoyance.control import MAX_LINE, MAX_WRITE, ControlState
 from dlcachefs.errors import ControlError, NotFound
 
 N = 1000  # samples in the fake dataset
@@ -260,7 +260,7 @@ def test_with_index():
 
 
 def test_importing_does_not_import_torch():
-    code = ("import sys, dlcachefs.torch as dt; dt.LossReporter('/'); "
+    code = ("import sys, dlcachefs.client.hook as dt; dt.LossReporter('/'); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-W", "ignore", "-c", code], check=True,
                    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

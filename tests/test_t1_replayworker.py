@@ -1,4 +1,4 @@
-"""The sampler replay worker (dlcachefs.replayworker): orders computed in a spawned process
+"""The sampler replay worker (dlcachefs.clairvoyance.replayworker): orders computed in a spawned process
 are the in-process replayer's, bit for bit; a worker that dies is replaced; bad specs and
 a closed worker give clear errors."""
 
@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dlcachefs.replayworker import RemoteReplayer, ReplayWorker  # noqa: E402
-from dlcachefs.sampler import OrderReplayer, SamplerSpec  # noqa: E402
+from dlcachefs.clairvoyance.replay import OrderReplayer, SamplerSpec  # noqa: E402
+from dlcachefs.clairvoyance.replayworker import RemoteReplayer, ReplayWorker  # noqa: E402
 
 
 @pytest.fixture(scope="module")

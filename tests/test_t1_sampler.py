@@ -1,4 +1,4 @@
-"""Tier 1: dlcachefs.sampler replays the orders of torch's REAL samplers, bit for bit.
+"""Tier 1: dlcachefs.clairvoyance.replay replays the orders of torch's REAL samplers, bit for bit.
 
 Every expected order here comes from torch itself (RandomSampler, DataLoader,
 DistributedSampler, SequentialSampler), never from a reimplementation.
@@ -20,7 +20,7 @@ from torch.utils.data import (  # noqa: E402
     SequentialSampler,
 )
 
-from dlcachefs.sampler import OrderReplayer, SamplerSpec  # noqa: E402
+from dlcachefs.clairvoyance.replay import OrderReplayer, SamplerSpec  # noqa: E402
 
 SEEDS = st.integers(min_value=0, max_value=2**63 - 1)
 
@@ -254,7 +254,7 @@ def test_validate_accepts(spec, n):
 def test_positions_match_a_plain_model(order_inos, pops):
     """Positions (the stream's inode -> not yet consumed positions) against a dict of
     lists: smallest pending position first, inode 0 never listed, repeats in order."""
-    from dlcachefs.streams import Positions
+    from dlcachefs.clairvoyance.streams import Positions
 
     pos = Positions(list(order_inos))
     model: dict[int, list[int]] = {}

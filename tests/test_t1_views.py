@@ -1,4 +1,4 @@
-"""Tier 1: wrapped datasets as views (dlcachefs.wrappers), their control lines, and the
+"""Tier 1: wrapped datasets as views (dlcachefs.client.wrappers), their control lines, and the
 replay of samplers announced by their generator state (the torch hook, no mount)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_t1_sampler import IndexDataset
 
-from dlcachefs import wrappers as w
-from dlcachefs.control import MAX_LINE, MAX_WRITE, ControlState
+from dlcachefs.clairvoyance.control import MAX_LINE, MAX_WRITE, ControlState
+from dlcachefs.clairvoyance.replay import OrderReplayer
+from dlcachefs.client import wrappers as w
 from dlcachefs.errors import ControlError, NotFound
-from dlcachefs.sampler import OrderReplayer
 
 torch = pytest.importorskip("torch")
 data = pytest.importorskip("torch.utils.data")
@@ -142,7 +142,7 @@ def test_resolve_reasons():
 def test_with_index_and_real_dataset_folder(tmp_path):
     """A torchvision DatasetFolder with its own loader and extensions; with_index."""
     folder = pytest.importorskip("torchvision.datasets.folder")
-    from dlcachefs.torch import with_index
+    from dlcachefs.client.hook import with_index
 
     for c in ("b", "a"):
         for name in ("x.TXT", "y.dat", "z.jpg"):
@@ -277,7 +277,7 @@ def test_refusals_with_reasons():
 def test_sampler_state_line_fits():
     g = torch.Generator()
     g.manual_seed(3)
-    from dlcachefs.sampler import encode_state
+    from dlcachefs.clairvoyance.replay import encode_state
 
     cs = ControlState(resolve_dir)
     cs.apply(f"dataset train\nsampler random state={encode_state(g.get_state())} "
@@ -295,7 +295,7 @@ Idx = IndexDataset  # ds[i] == i (module level: DataLoader workers pickle it)
 def hooked(monkeypatch):
     """torch.utils.data patched by the hook, announcing into a list (no mount); the
     originals are restored afterwards."""
-    import dlcachefs.torch as hook
+    import dlcachefs.client.hook as hook
 
     classes = (data.RandomSampler, data.DistributedSampler, data.SubsetRandomSampler,
                data.DataLoader)
@@ -369,7 +369,7 @@ def test_hook_announces_replayable_orders_and_changes_nothing(hooked, case, n, s
     announced = [lines for lines in hooked]
     assert len(announced) == 3, announced
     # without the hook: the same orders and the same global RNG stream
-    import dlcachefs.torch as hook  # noqa: F401
+    import dlcachefs.client.hook as hook  # noqa: F401
 
     saved = {c: c.__dict__["__iter__"] for c in _ORIG}
     try:
@@ -411,7 +411,7 @@ def test_persistent_workers_draw_first_only(hooked):
 
 
 def test_custom_sampler_is_announced_unknown(hooked, monkeypatch):
-    import dlcachefs.torch as hook
+    import dlcachefs.client.hook as hook
 
     unknown: list[tuple[str, int]] = []
     monkeypatch.setattr(hook, "_unknown", lambda ds, reason, epoch: unknown.append(
@@ -438,7 +438,7 @@ def test_custom_sampler_is_announced_unknown(hooked, monkeypatch):
 
 
 def test_state_base64_is_the_generator_state():
-    from dlcachefs.sampler import decode_state, encode_state
+    from dlcachefs.clairvoyance.replay import decode_state, encode_state
 
     g = torch.Generator()
     g.manual_seed(123)
@@ -458,7 +458,7 @@ def test_client_view_writes_are_accepted(tmp_path, monkeypatch):
     several writes, announcement) is accepted; a new daemon gets the definition again."""
     import errno
 
-    import dlcachefs.torch as hook
+    import dlcachefs.client.hook as hook
 
     folder = pytest.importorskip("torchvision.datasets.folder")
     mnt = tmp_path / "m"
@@ -511,7 +511,7 @@ def test_client_view_writes_are_accepted(tmp_path, monkeypatch):
 def test_validation_loader_does_not_take_the_training_stream(monkeypatch):
     """A sequential (or unknown) loader announces only while no other dataset's loader
     owns the job's stream; a replayable one always does and takes it."""
-    import dlcachefs.torch as hook
+    import dlcachefs.client.hook as hook
 
     monkeypatch.setattr(hook, "_claims", {})
     assert hook._claim("j", "val", weak=True)  # a sanity validation before training
@@ -528,7 +528,7 @@ def test_learned_order_similarity(n, seed, jitter):
     is not."""
     import random
 
-    from dlcachefs.streams import _similar
+    from dlcachefs.clairvoyance.streams import _similar
 
     rnd = random.Random(seed)
     base = rnd.sample(range(10**6), n)

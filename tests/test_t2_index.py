@@ -1,4 +1,4 @@
-"""Tier 2: the LMDB metaindex (dlcachefs.index) and its value encodings (dlcachefs.schema)."""
+"""Tier 2: the LMDB metaindex (dlcachefs.store.index) and its value encodings (dlcachefs.store.schema)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dlcachefs import schema as S
-from dlcachefs.index import Index
-from dlcachefs.schema import Chunk, Entry, Record, ukey, unkey
+from dlcachefs.store import schema as S
+from dlcachefs.store.index import Index
+from dlcachefs.store.schema import Chunk, Entry, Record, ukey, unkey
 
 U32 = st.integers(0, 2**32 - 1)
 U64 = st.integers(0, 2**64 - 1)

@@ -19,8 +19,8 @@ from dlcachefs.policies import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dlcachefs.importance import Importance, percentile_ranks, select_epoch
-from dlcachefs.simulate import Trace, belady, run_policy, simulate
+from dlcachefs.importance.scores import Importance, percentile_ranks, select_epoch
+from dlcachefs.sim.simulate import Trace, belady, run_policy, simulate
 
 ALL = sorted(registry())
 
@@ -327,8 +327,8 @@ def test_simulate_reports_every_policy_and_belady_bounds_them():
 def test_writer_packs_records_into_units_by_target(recs):
     """The chunk writer's grouping: each record in exactly one unit, a target-0 record
     alone, one target per unit, and every unit but a target's last reaches its target."""
-    from dlcachefs.source import Identity
-    from dlcachefs.writer import Pending, _units
+    from dlcachefs.cache.source import Identity
+    from dlcachefs.cache.writer import Pending, _units
 
     pend = [Pending(i, b"k", Identity(n, 0, 0), b"x" * n, t) for i, (t, n) in enumerate(recs)]
     units = _units(pend)
@@ -578,7 +578,7 @@ def test_the_lru_policy_is_the_reference_lru(n, epochs, seed, frac):
     """The ``lru`` policy, replayed by the simulator with one sample per unit, makes the
     same hits as the reference LRU (``lru_counts``, the offline baseline of the benches),
     and neither beats Belady."""
-    from dlcachefs.simulate import belady_counts, lru_counts
+    from dlcachefs.sim.simulate import belady_counts, lru_counts
 
     rnd = random.Random(seed)
     sizes = [rnd.randint(1, 1000) for _ in range(n)]

@@ -1,4 +1,4 @@
-"""Planned reads: which records are read together (dlcachefs.readplan.group_reads), and
+"""Planned reads: which records are read together (dlcachefs.cache.readplan.group_reads), and
 the worker-thread half that reads and verifies them (read_runs), without a mount."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlcachefs.chunkfmt import RecordIn, encode_chunk
-from dlcachefs.logstore import LogStore
-from dlcachefs.readplan import MIN_USEFUL, Want, group_reads, read_runs
-from dlcachefs.schema import Record
+from dlcachefs.cache.readplan import MIN_USEFUL, Want, group_reads, read_runs
+from dlcachefs.store.chunkfmt import RecordIn, encode_chunk
+from dlcachefs.store.logs import LogStore
+from dlcachefs.store.schema import Record
 
 
 def _layout(chunks: list[list[tuple[int, int]]]) -> dict[int, Record]:
@@ -117,7 +117,7 @@ def test_read_runs_verifies_every_record(tmp_path):
 
 
 def test_memory_tier_gives_room_to_planned_reads():
-    from dlcachefs.memtier import ChunkBuf, MemoryTier
+    from dlcachefs.cache.memtier import ChunkBuf, MemoryTier
 
     t = MemoryTier(100)
     for cid in range(4):
@@ -135,7 +135,7 @@ def test_memory_tier_gives_room_to_planned_reads():
 def test_memory_tier_stores_no_chunk_larger_than_the_room_reservations_leave():
     """Regression (review): with planned reads holding part of the tier, a chunk bigger
     than what is left was stored anyway (emptying the tier) and exceeded the limit."""
-    from dlcachefs.memtier import ChunkBuf, MemoryTier
+    from dlcachefs.cache.memtier import ChunkBuf, MemoryTier
 
     t = MemoryTier(100)
     t.put(ChunkBuf(1, 0, b"x" * 20, True))

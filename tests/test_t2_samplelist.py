@@ -1,4 +1,4 @@
-"""Tier 2: dlcachefs.samplelist.image_folder over a scanned namespace equals torchvision's
+"""Tier 2: dlcachefs.clairvoyance.samplelist.image_folder over a scanned namespace equals torchvision's
 ImageFolder over the same directory tree: same classes, and sample ``i`` is the same path
 with the same label (and its inode names the file torchvision would open)."""
 
@@ -11,14 +11,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fakes import make_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dlcachefs.testing.fakes import make_config
+
 folder = pytest.importorskip("torchvision.datasets.folder")
 
-from dlcachefs.engine import Engine  # noqa: E402
-from dlcachefs.samplelist import IMG_EXTENSIONS, SampleList, image_folder  # noqa: E402
+from dlcachefs.cache.engine import Engine  # noqa: E402
+from dlcachefs.clairvoyance.samplelist import IMG_EXTENSIONS, SampleList, image_folder  # noqa: E402
 
 
 @contextlib.contextmanager

@@ -13,9 +13,9 @@ from test_t2_samplelist import scanned, touch
 folder = pytest.importorskip("torchvision.datasets.folder")
 data = pytest.importorskip("torch.utils.data")
 
-from dlcachefs import wrappers as w  # noqa: E402
-from dlcachefs.control import ControlState  # noqa: E402
-from dlcachefs.streams import StreamManager  # noqa: E402
+from dlcachefs.clairvoyance.control import ControlState  # noqa: E402
+from dlcachefs.clairvoyance.streams import StreamManager  # noqa: E402
+from dlcachefs.client import wrappers as w  # noqa: E402
 
 
 class _Mgr:

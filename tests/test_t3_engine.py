@@ -13,7 +13,21 @@ from pathlib import Path
 
 import pytest
 import trio
-from fakes import (
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dlcachefs.cache.namespace import ROOT_INO
+from dlcachefs.errors import (
+    InvalidArgument,
+    IsADirectory,
+    NotFound,
+    SourceChanged,
+    SourceError,
+    SourceTimeout,
+)
+from dlcachefs.store import schema as S
+from dlcachefs.store.chunkfmt import CHUNK_HEADER_SIZE
+from dlcachefs.testing.fakes import (
     ChangingSource,
     CountingSource,
     FailingSource,
@@ -26,20 +40,6 @@ from fakes import (
     run_engine,
     write_tree,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from dlcachefs import schema as S
-from dlcachefs.chunkfmt import CHUNK_HEADER_SIZE
-from dlcachefs.errors import (
-    InvalidArgument,
-    IsADirectory,
-    NotFound,
-    SourceChanged,
-    SourceError,
-    SourceTimeout,
-)
-from dlcachefs.namespace import ROOT_INO
 
 
 def sample_files(seed: int = 0) -> dict[bytes, bytes]:
@@ -444,7 +444,7 @@ def test_torn_tail_is_cut_at_start(tree):
 
 def test_torn_tail_with_an_unindexed_chunk(tree):
     """A chunk appended but never indexed (crash before commit) is cut off, not served."""
-    from dlcachefs.chunkfmt import RecordIn, encode_chunk
+    from dlcachefs.store.chunkfmt import RecordIn, encode_chunk
 
     src, cache, files = tree
     cold_read(src, cache, files)
@@ -692,7 +692,7 @@ def test_slow_source_within_timeout(tree):
 def test_disk_full_serves_from_source_and_recovers(tree, monkeypatch):
     """ENOSPC on a log append: the half-written chunk is cut off, nothing is indexed, every
     file is still served (from the source), and caching resumes after the back-off."""
-    from dlcachefs.chunkfmt import LOG_HEADER_SIZE
+    from dlcachefs.store.chunkfmt import LOG_HEADER_SIZE
 
     src, cache, files = tree
     real_fdatasync = os.fdatasync
@@ -891,7 +891,7 @@ def test_random_workload_reads_source_bytes(seed, n_files, chunk_size, memory, c
 def test_reorder_backfill_of_a_vanished_file_does_not_end_the_engine(tmp_path):
     """Regression (review): a source error while filling a next-epoch log is that log's
     problem, never the daemon's."""
-    from dlcachefs.reorder import NextEpochLog
+    from dlcachefs.clairvoyance.reorder import NextEpochLog
 
     src, cache = tmp_path / "src", tmp_path / "cache"
     files = {f"train/c0/img{i}.jpg".encode(): os.urandom(3000) for i in range(4)}

@@ -1,7 +1,7 @@
 """Tier 3: ``--cache-size`` holds for every policy, unit size, number of ranks and cache
 size (smaller than ``--chunk-size`` too), the engine driven without a kernel.
 
-The rule checked after every step (see :mod:`dlcachefs.writer`): the space account
+The rule checked after every step (see :mod:`dlcachefs.cache.writer`): the space account
 ``used - doomed + pending <= cache_size`` (pending: open records' charges, the seal in
 flight, next-epoch log chunks reserved), and, between commits, the index's
 ``chunk_bytes`` equal to the account and within the limit; plus every other invariant of
@@ -19,14 +19,14 @@ import pytest
 import trio
 import trio.testing
 from dlcachefs.policies import registry
-from fakes import make_config, read_all, run_engine, write_tree
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from dlcachefs import schema as S
-from dlcachefs.chunkfmt import CHUNK_HEADER_SIZE
+from dlcachefs.cache.writer import Pending, _units
 from dlcachefs.session import build_control
-from dlcachefs.writer import Pending, _units
+from dlcachefs.store import schema as S
+from dlcachefs.store.chunkfmt import CHUNK_HEADER_SIZE
+from dlcachefs.testing.fakes import make_config, read_all, run_engine, write_tree
 
 PID = 9_000_000  # above the kernel's pid_max: never a real process (rank r is PID + r)
 POLICIES = sorted(registry())

@@ -8,20 +8,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fakes import make_config, read_all, run_engine, write_tree
-from mounting import STALE_MOUNT, Mount, log_problems, verify_problems
+from dlcachefs.testing.fakes import make_config, read_all, run_engine, write_tree
+from dlcachefs.testing.mounting import STALE_MOUNT, Mount, log_problems, verify_problems
 
 LOG = """\
 2026-01-02 10:00:00,001 INFO dlcachefs: started: {'chunks': 0}
 dlcachefs: mounted /src at /mnt
 2026-01-02 10:00:01,002 WARNING dlcachefs: mountpoint /tmp/x/mnt is a stale FUSE mount; unmounting it
-2026-01-02 10:00:02,003 ERROR dlcachefs.writer: sealing a chunk failed; serving from the source for 30 s
+2026-01-02 10:00:02,003 ERROR dlcachefs.cache.writer: sealing a chunk failed; serving from the source for 30 s
 Traceback (most recent call last):
   File "/x/writer.py", line 1, in _loop
     await self._seal()
 OSError: [Errno 28] No space left on device
 2026-01-02 10:00:03,004 INFO dlcachefs: an info line that mentions an error is fine
-2026-01-02 10:00:04,005 ERROR dlcachefs.index: invariant violated after a commit: x
+2026-01-02 10:00:04,005 ERROR dlcachefs.store.index: invariant violated after a commit: x
 /usr/lib/python3/dist-packages/foo.py:12: DeprecationWarning: old
 Exception ignored in: <function X.__del__ at 0x7f>
 Traceback (most recent call last):
@@ -39,9 +39,9 @@ def test_log_problems_finds_each_problem_once(tmp_path):
     log.write_text(LOG)
     got = log_problems(log)
     starts = ["2026-01-02 10:00:01,002 WARNING dlcachefs: mountpoint",
-              "2026-01-02 10:00:02,003 ERROR dlcachefs.writer: sealing",
+              "2026-01-02 10:00:02,003 ERROR dlcachefs.cache.writer: sealing",
               "Traceback (most recent call last):",
-              "2026-01-02 10:00:04,005 ERROR dlcachefs.index: invariant violated",
+              "2026-01-02 10:00:04,005 ERROR dlcachefs.store.index: invariant violated",
               "/usr/lib/python3/dist-packages/foo.py:12: DeprecationWarning: old",
               "Traceback (most recent call last):",
               "  + Exception Group Traceback (most recent call last):",

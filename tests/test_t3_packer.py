@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import random
 
-from fakes import CountingSource, make_config, run_engine, write_tree
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from dlcachefs.testing.fakes import CountingSource, make_config, run_engine, write_tree
 
 
 def dataset(classes: int = 4, per_class: int = 40, seed: int = 0) -> dict[bytes, bytes]:
@@ -74,7 +75,7 @@ def test_substitution_serves_packed_samples_of_the_same_directory(tmp_path):
         await eng.flush()
         # a stream reads every file once (as an epoch would); misses of L-samples
         # not in a package are substituted from one
-        from dlcachefs.streams import Stream
+        from dlcachefs.clairvoyance.streams import Stream
 
         s = Stream("j", 0)
         eng.streams.stream_of = lambda pid: s  # every open is this stream's
@@ -110,8 +111,8 @@ def test_writer_keeps_each_package_whole_in_one_unit(recs):
     """The chunk writer's grouping with packages: every record in exactly one unit, the
     records of a package (unit tag) together and alone in theirs, never cut however
     large; the other records grouped by target as before."""
-    from dlcachefs.source import Identity
-    from dlcachefs.writer import Pending, _units
+    from dlcachefs.cache.source import Identity
+    from dlcachefs.cache.writer import Pending, _units
 
     pend = [Pending(i, b"k", Identity(n, 0, 0), b"x" * n, t, tag)
             for i, (t, n, tag) in enumerate(recs)]

@@ -1,4 +1,4 @@
-"""Tier 3: planned reads (dlcachefs.readplan) with the engine driven directly under trio,
+"""Tier 3: planned reads (dlcachefs.cache.readplan) with the engine driven directly under trio,
 no kernel: a stream announced with a known order and no next-epoch log (``reorder``
 off), over a cache filled beforehand."""
 
@@ -9,10 +9,10 @@ import threading
 
 import pytest
 import trio
-from fakes import make_config, read_all, run_engine, write_tree
 
-import dlcachefs.readplan as readplan
+import dlcachefs.cache.readplan as readplan
 from dlcachefs.session import build_control
+from dlcachefs.testing.fakes import make_config, read_all, run_engine, write_tree
 
 PID = 9_100_000  # above the kernel's pid_max: never a real process
 

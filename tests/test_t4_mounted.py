@@ -15,9 +15,16 @@ from pathlib import Path
 
 import pytest
 from conftest import requires_fuse
-from mounting import DLCACHEFS, STALE_MOUNT, drop_page_cache, fuse_mounted, read_tree, wait_until
 
-from dlcachefs.index import Index
+from dlcachefs.store.index import Index
+from dlcachefs.testing.mounting import (
+    DLCACHEFS,
+    STALE_MOUNT,
+    drop_page_cache,
+    fuse_mounted,
+    read_tree,
+    wait_until,
+)
 
 pytestmark = requires_fuse
 
@@ -383,8 +390,8 @@ def tiny_disk(tmp_path):
 # the disk fills up on purpose: log appends fail (short, or at once with ENOSPC) and the
 # writer says so, then serves from the source
 @pytest.mark.daemon_log_allows(
-    r"WARNING dlcachefs\.writer: cache write failed \(\[Errno 5\] short write to log ",
-    r"WARNING dlcachefs\.writer: cache write failed \(\[Errno 28\] No space left on device")
+    r"WARNING dlcachefs\.cache\.writer: cache write failed \(\[Errno 5\] short write to log ",
+    r"WARNING dlcachefs\.cache\.writer: cache write failed \(\[Errno 28\] No space left on device")
 def test_full_cache_disk_falls_back_to_the_source(src, tiny_disk, mount, tmp_path):
     # the daemon's output goes to the roomy disk: only the cache is on the full one
     m = mount(src, "--min-free", "0", "--chunk-size", "256K", cache=tiny_disk / "cache",

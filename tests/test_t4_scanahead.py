@@ -1,4 +1,4 @@
-"""Scan-ahead (dlcachefs.scanahead) through a real mount: a reader that announced nothing
+"""Scan-ahead (dlcachefs.cache.scanahead) through a real mount: a reader that announced nothing
 and reads a tree through gets the tree's other files fetched ahead of it; the fetches stay
 in free cache room, never for re-reads, never with --scan-ahead 0, and bytes stay exact."""
 

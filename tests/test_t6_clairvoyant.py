@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 from conftest import requires_fuse
-from mounting import STALE_MOUNT
 from test_t5_torch import make_images
+
+from dlcachefs.testing.mounting import STALE_MOUNT
 
 pytest.importorskip("torchvision")
 pytestmark = requires_fuse

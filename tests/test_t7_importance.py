@@ -139,7 +139,7 @@ def test_trace_recorded_by_the_mount_replays_in_simulate(tmp_path, mount):
     import subprocess
     import sys
 
-    from dlcachefs.simulate import load_trace
+    from dlcachefs.sim.simulate import load_trace
 
     src = tmp_path / "src"
     files = make_tree(src)
@@ -187,7 +187,7 @@ def test_two_jobs_keep_their_losses_apart(tmp_path, mount):
 
 # the out-of-range loss the test sends on purpose is dropped with a reason: in .dlcache/errors
 # (asserted below) and in the log
-@pytest.mark.daemon_log_allows(r"WARNING dlcachefs\.engine: 1 losses of job 'j' dropped: "
+@pytest.mark.daemon_log_allows(r"WARNING dlcachefs\.cache\.engine: 1 losses of job 'j' dropped: "
                                r"index out of range, dataset 'train' has 72 samples$")
 def test_losses_sent_with_the_announcement_are_kept(tmp_path, mount):
     """A script that announces and reports losses at once: the dataset's sample list is
@@ -275,7 +275,7 @@ TRAIN_WITH_LOSSES = r'''
 import hashlib, json, os, sys
 import torch
 from torchvision import datasets
-from dlcachefs.torch import LossReporter, install, with_index
+from dlcachefs.client.hook import LossReporter, install, with_index
 
 install()  # the sampler hook: each shuffled epoch is announced to the mount
 root, mnt, out, epochs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])

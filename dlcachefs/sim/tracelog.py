@@ -2,7 +2,7 @@
 
 Each open attributed to a stream is noted as (epoch, dataset index) of the stream's
 dataset; losses are noted per epoch. At unmount the trace is written in the format of
-:func:`dlcachefs.simulate.save_trace`: every epoch's order as read (the first open of
+:func:`dlcachefs.sim.simulate.save_trace`: every epoch's order as read (the first open of
 each sample per epoch), file sizes and classes from the sample list, and the losses.
 One dataset per trace (the first one a stream reads). Runs on the trio loop; memory is
 one int per first read of a sample in an epoch, and one byte per sample.
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 
-from .samplelist import SampleList
-from .simulate import Trace, save_trace
+from dlcachefs.clairvoyance.samplelist import SampleList
+from dlcachefs.sim.simulate import Trace, save_trace
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ import re
 import threading
 import time
 
-from .chunkfmt import LOG_HEADER_SIZE, decode_log_header, encode_log_header
-from .errors import FormatError
+from dlcachefs.errors import FormatError
+from dlcachefs.store.chunkfmt import LOG_HEADER_SIZE, decode_log_header, encode_log_header
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ writer is the one owner of the account, for every policy and for the reordered l
   than that in its chunk, whatever unit it ends up in), charged at :meth:`submit`;
   (b) the exact length of the chunks of the seal being committed (``sealing_bytes``);
   (c) reservations of chunks written outside this writer (a next epoch's log, see
-  :mod:`dlcachefs.reorder`: a planned chunk's full length from its first claimed slot
+  :mod:`dlcachefs.clairvoyance.reorder`: a planned chunk's full length from its first claimed slot
   until it is indexed or given up), :meth:`try_reserve` / :meth:`unreserve`.
 
 Rule A, at every point of the trio loop: ``used - doomed + pending <= cache_size``. A
@@ -55,18 +55,22 @@ from typing import TypeVar
 
 import trio
 
-from dlcachefs.policies.base import PACK_CHUNK
-
-from . import schema as S
-from .chunkfmt import CHUNK_HEADER_SIZE, RECORD_HEADER_SIZE, RecordIn, encode_chunk_parts
-from .config import Config
-from .index import Index
-from .logstore import LogStore
-from .memtier import MemoryTier
-from .namespace import identity
-from .schema import Chunk, Record
-from .source import Identity
-from .stats import Counters
+from dlcachefs.cache.memtier import MemoryTier
+from dlcachefs.cache.namespace import identity
+from dlcachefs.cache.policy import PACK_CHUNK
+from dlcachefs.cache.source import Identity
+from dlcachefs.cache.stats import Counters
+from dlcachefs.config import Config
+from dlcachefs.store import schema as S
+from dlcachefs.store.chunkfmt import (
+    CHUNK_HEADER_SIZE,
+    RECORD_HEADER_SIZE,
+    RecordIn,
+    encode_chunk_parts,
+)
+from dlcachefs.store.index import Index
+from dlcachefs.store.logs import LogStore
+from dlcachefs.store.schema import Chunk, Record
 
 log = logging.getLogger(__name__)
 

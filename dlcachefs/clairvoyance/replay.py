@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 # torch is imported inside the functions that replay orders, not at import time: the
 # daemon never loads it (it costs ~3-4 s of CPU and ~500 MB); orders are computed in
-# dlcachefs.replayworker's process.
+# dlcachefs.clairvoyance.replayworker's process.
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import stat as stat_mod
 from dataclasses import dataclass
 from typing import Protocol
 
-from .errors import NotFound, OutsideSource, SourceChanged, SourceError
+from dlcachefs.errors import NotFound, OutsideSource, SourceChanged, SourceError
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,8 +17,8 @@ from contextlib import contextmanager
 
 import lmdb
 
-from . import schema as S
-from .schema import Chunk, Entry, Record, dirent_key, ukey, unkey
+from dlcachefs.store import schema as S
+from dlcachefs.store.schema import Chunk, Entry, Record, dirent_key, ukey, unkey
 
 _Q = struct.Struct("<Q")
 _q = struct.Struct("<q")
@@ -32,7 +32,7 @@ FIRST_INO = 16  # 1 is the root; 2..15 are reserved for the virtual .dlcache/ fi
 
 
 class Index:
-    """Typed access to the LMDB sub-databases described in :mod:`dlcachefs.schema`."""
+    """Typed access to the LMDB sub-databases described in :mod:`dlcachefs.store.schema`."""
 
     def __init__(self, path: str, map_size: int = 1 << 36) -> None:
         os.makedirs(path, exist_ok=True)

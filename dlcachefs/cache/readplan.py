@@ -1,6 +1,6 @@
 """Planned reads: when an epoch's order is known, read the local log in that order.
 
-A stream whose order is known (``sampler`` announced, :mod:`dlcachefs.streams`) but whose
+A stream whose order is known (``sampler`` announced, :mod:`dlcachefs.clairvoyance.streams`) but whose
 log was not laid out for this epoch (a ``RandomSampler`` without a generator: each epoch's
 seed is drawn at its start, so the next order is never known and LCache cannot reorder)
 reads its samples from chunks in a shuffled order. Whole-chunk reads then mostly serve
@@ -58,9 +58,9 @@ from dataclasses import dataclass, field
 
 import trio
 
-from .chunkfmt import checksum
-from .errors import FormatError
-from .schema import Record
+from dlcachefs.errors import FormatError
+from dlcachefs.store.chunkfmt import checksum
+from dlcachefs.store.schema import Record
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 With ``--substitute``, the L-cache is filled the iCACHE way rather than by the misses of
 the read path: once an H-list exists, this task asks the policy for the next package
-(:meth:`~dlcachefs.policies.base.CachePolicy.plan_package`: which L-samples, how many
+(:meth:`~dlcachefs.cache.policy.CachePolicy.plan_package`: which L-samples, how many
 bytes), reads its members from the source in one batch (each file once, several at a
 time), and hands them to the chunk writer as ONE unit (:meth:`ChunkWriter.submit_package`).
 The paper's two threads are one task here: its *packaging thread* chooses the members
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 import trio
 
-from .chunkfmt import CHUNK_HEADER_SIZE, RECORD_HEADER_SIZE
-from .errors import DlcError
-from .namespace import identity, is_file
-from .source import Identity
+from dlcachefs.cache.namespace import identity, is_file
+from dlcachefs.cache.source import Identity
+from dlcachefs.errors import DlcError
+from dlcachefs.store.chunkfmt import CHUNK_HEADER_SIZE, RECORD_HEADER_SIZE
 
 log = logging.getLogger(__name__)
 

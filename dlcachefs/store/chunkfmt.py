@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from .errors import FormatError
+from dlcachefs.errors import FormatError
 
 VERSION = 1
 

@@ -10,7 +10,7 @@ import fcntl
 import json
 import os
 
-from .errors import CacheLocked
+from dlcachefs.errors import CacheLocked
 
 
 class CacheLock:

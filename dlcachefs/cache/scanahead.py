@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import trio
 
-from .errors import DlcError
-from .namespace import ROOT_INO
+from dlcachefs.cache.namespace import ROOT_INO
+from dlcachefs.errors import DlcError
 
 log = logging.getLogger(__name__)
 

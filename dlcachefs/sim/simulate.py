@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dlcachefs.importance import Importance, select_epoch
+from dlcachefs.importance.scores import Importance, select_epoch
 
 NEVER = float("inf")
 
@@ -90,7 +90,7 @@ def generate_trace(n: int, epochs: int, sampler: str = "random", seed: int = 0,
         if sampler == "iis":
             order = select_epoch(n, e, seed, iv)
         else:
-            from dlcachefs.sampler import OrderReplayer, SamplerSpec  # noqa: PLC0415 (torch)
+            from dlcachefs.clairvoyance.replay import OrderReplayer, SamplerSpec  # noqa: PLC0415 (torch)
 
             spec = (SamplerSpec("distributed", seed=seed, world=1, rank=0)
                     if sampler == "distributed" else SamplerSpec("random", seed=seed))

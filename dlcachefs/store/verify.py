@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import sys
 
-from .chunkfmt import checksum, decode_chunk_header
-from .errors import CacheLocked, FormatError
-from .index import Index
-from .lock import CacheLock
-from .logstore import LogStore
+from dlcachefs.errors import CacheLocked, FormatError
+from dlcachefs.store.chunkfmt import checksum, decode_chunk_header
+from dlcachefs.store.index import Index
+from dlcachefs.store.lock import CacheLock
+from dlcachefs.store.logs import LogStore
 
 
 def verify(cache_dir: str, repair: bool) -> dict:

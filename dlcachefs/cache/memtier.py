@@ -1,6 +1,6 @@
 """The memory tier: whole chunks recently read from the logs, bounded in bytes (LRU).
 
-Runs on the trio loop only (no locks). Planned reads (:mod:`dlcachefs.readplan`) hold their
+Runs on the trio loop only (no locks). Planned reads (:mod:`dlcachefs.cache.readplan`) hold their
 bytes outside the tier but within the same ``--memory``: they ``reserve`` room, which
 evicts chunks, and the tier then keeps ``bytes + reserved <= limit``. A chunk here may be only partly trusted: when its
 payload checksum failed on load, ``verified`` is False and every slice taken from it is

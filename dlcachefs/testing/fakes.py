@@ -1,6 +1,6 @@
-"""Fake sources and a small harness to drive the core (dlcachefs.engine.Engine) without a kernel.
+"""Fake sources and a small harness to drive the core (dlcachefs.cache.engine.Engine) without a kernel.
 
-The fakes wrap :class:`dlcachefs.source.LocalSource` over a real temporary directory, so
+The fakes wrap :class:`dlcachefs.cache.source.LocalSource` over a real temporary directory, so
 the bytes they serve are the files' real bytes, and add one misbehaviour each: slow,
 failing, hanging, or changing under the reader. All of them count their calls.
 """
@@ -18,11 +18,11 @@ from typing import Any
 
 import trio
 
-import dlcachefs.source as source_mod
+import dlcachefs.cache.source as source_mod
+from dlcachefs.cache.engine import Engine
+from dlcachefs.cache.source import Identity, LocalSource
 from dlcachefs.config import Config
-from dlcachefs.engine import Engine
 from dlcachefs.errors import NotFound, SourceError
-from dlcachefs.source import Identity, LocalSource
 
 # ----- sources -------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Streams: one per (job, rank) that announced its sampler; clairvoyant prefetch for each.
 
 When a stream knows its dataset (an ImageFolder root), its sampler and its epoch, the
-order of that epoch is known exactly (:mod:`dlcachefs.sampler`). The prefetcher then
+order of that epoch is known exactly (:mod:`dlcachefs.clairvoyance.replay`). The prefetcher then
 fetches the samples from the source in that order, ahead of the reader, into the cache
 (the chunk writer packs them into chunks in fetch order, so the epoch's log comes out in
 its read order).
@@ -17,9 +17,9 @@ Bounds: at most ``lead`` samples (and ``lead_bytes``) ahead of the reader, at mo
 
 Modes (``mode`` and ``reason`` of each stream in stats):
 
-* ``replayed``: the order is the sampler's, replayed (:mod:`dlcachefs.sampler`) over the
+* ``replayed``: the order is the sampler's, replayed (:mod:`dlcachefs.clairvoyance.replay`) over the
   job's dataset; a dataset that is a *view* (wrapped ImageFolders,
-  :mod:`dlcachefs.wrappers`) is the concatenation of its roots' ImageFolder lists seen
+  :mod:`dlcachefs.client.wrappers`) is the concatenation of its roots' ImageFolder lists seen
   through its index list, each root's list checked against the training's digest first.
 * ``learned``: the training said its order cannot be replayed (``sampler unknown``); the
   stream is formed from the opens of the process tree, epoch by epoch (``epoch`` lines).
@@ -46,14 +46,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import trio
 
-from .control import JobState, StreamState, ViewDef
-from .errors import DlcError
-from .reorder import NextEpochLog
-from .replayworker import RemoteReplayer, ReplayWorker
-from .samplelist import IMG_EXTENSIONS, SampleList, image_folder
-from .sampler import SamplerSpec
-from .schema import Entry
-from .wrappers import paths_digest
+from dlcachefs.clairvoyance.control import JobState, StreamState, ViewDef
+from dlcachefs.clairvoyance.reorder import NextEpochLog
+from dlcachefs.clairvoyance.replay import SamplerSpec
+from dlcachefs.clairvoyance.replayworker import RemoteReplayer, ReplayWorker
+from dlcachefs.clairvoyance.samplelist import IMG_EXTENSIONS, SampleList, image_folder
+from dlcachefs.client.wrappers import paths_digest
+from dlcachefs.errors import DlcError
+from dlcachefs.store.schema import Entry
 
 MAX_UNANNOUNCED = 8  # stats entries for processes that read without announcing
 MAX_LEARNED = 1 << 22  # opens remembered per epoch of a learned stream
@@ -206,7 +206,7 @@ class StreamManager:
 
     def start_replay(self) -> None:
         """Start the sampler replay worker, once (at mount start). Replaying a sampler needs
-        torch (~3-4 s of CPU to import here), in a worker process (dlcachefs.replayworker:
+        torch (~3-4 s of CPU to import here), in a worker process (dlcachefs.clairvoyance.replayworker:
         never in the daemon, whose GIL it would hold), niced, so that a training script's
         announcement finds it ready. Trio loop."""
         if self._replay_started or self._nursery is None:
@@ -418,7 +418,7 @@ class StreamManager:
                 prev.abandon()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._prefetch, s)
-            # this epoch's reads from the logs, in its order (dlcachefs.readplan)
+            # this epoch's reads from the logs, in its order (dlcachefs.cache.readplan)
             nursery.start_soon(self.engine.plans.run, s)
             await self._plan_next(s, samples, epoch)
 
@@ -866,7 +866,7 @@ def _positions(order: list[int], samples: SampleList) -> tuple[Positions, bytear
 
 def dataset_key(js: JobState) -> str | None:
     """The key of a job's sample list: its ImageFolder root, or ``ROOT@VID`` for a view
-    (a wrapped dataset: several roots and/or an index list, see :mod:`dlcachefs.wrappers`)."""
+    (a wrapped dataset: several roots and/or an index list, see :mod:`dlcachefs.client.wrappers`)."""
     if js.dataset is None or js.view is None:
         return js.dataset
     return f"{js.dataset or '.'}@{js.view.vid}"
@@ -927,5 +927,5 @@ def _hooked(pid: int) -> bool:
         return False
     for var in env.split(b"\0"):
         if var.startswith(b"PYTHONPATH="):
-            return b"dlcachefs/_boot" in var
+            return b"dlcachefs/client/_boot" in var
     return False

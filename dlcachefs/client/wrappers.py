@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from urllib.parse import quote
 
 #: limits of the control file, defined once here (this module runs in the training
-#: process without trio): :mod:`dlcachefs.control` enforces them, the client's encoders
+#: process without trio): :mod:`dlcachefs.clairvoyance.control` enforces them, the client's encoders
 #: (here and in :mod:`dlcachefs.torch`) stay within them
 MAX_WRITE = 64 * 1024
 MAX_LINE = 4096

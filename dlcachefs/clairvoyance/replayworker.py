@@ -1,13 +1,13 @@
 """Sampler replay in a worker process, so the daemon never imports torch.
 
-Replaying a torch sampler needs torch (:mod:`dlcachefs.sampler`). Importing it costs
+Replaying a torch sampler needs torch (:mod:`dlcachefs.clairvoyance.replay`). Importing it costs
 ~3-4 s of CPU and ~500 MB. Done in the daemon, even in a background thread, that import
 holds the GIL while the first epoch is being served: every FUSE request waited on it
 (the first pass after a mount ran at half speed, `bench.run` raw readers). So orders are
 computed in one spawned process (``nice`` +10), which imports torch at mount start: the
 first announcement finds it ready, and the daemon's own work never waits on it.
 
-:class:`RemoteReplayer` has :class:`~dlcachefs.sampler.OrderReplayer`'s interface
+:class:`RemoteReplayer` has :class:`~dlcachefs.clairvoyance.replay.OrderReplayer`'s interface
 (``spec``, ``known``, ``order``) for the streams. The worker keeps the replayers it made
 (keyed by sampler, dataset size, base epoch and index list), so going from epoch E to
 E+1 costs one permutation, as in-process.
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .sampler import OrderReplayer, SamplerSpec, order_known
+from dlcachefs.clairvoyance.replay import OrderReplayer, SamplerSpec, order_known
 
 log = logging.getLogger(__name__)
 

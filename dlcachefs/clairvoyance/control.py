@@ -22,12 +22,12 @@ lines and ``#`` comments are ignored. The lines::
     view VID roots=R [index=LID]   # closes the R ``root`` lines of VID just before it
     dataset RELPATH view=VID # the job's dataset is view VID (RELPATH: its first root)
 
-See :mod:`dlcachefs.sampler` for what the sampler fields mean. Each (job, rank) is one
+See :mod:`dlcachefs.clairvoyance.replay` for what the sampler fields mean. Each (job, rank) is one
 stream: a ``distributed`` sampler line binds the writing process to its rank, other
 samplers to rank 0. A write is attributed to a job: the one its own ``job`` line names,
 else the job this process named last, else ``default``; and to the rank this process
 was bound to last. Reads are attributed to streams by process (the writer and its
-descendants, such as DataLoader workers): see :mod:`dlcachefs.streams`.
+descendants, such as DataLoader workers): see :mod:`dlcachefs.clairvoyance.streams`.
 
 ``loss`` and ``order`` indices are indices into the job's dataset sample list (as
 torchvision's ``ImageFolder`` lists it), so the job must have a ``dataset`` (from an
@@ -52,7 +52,7 @@ is dropped), each at most ``MAX_ORDER_LEN`` indices, and the mount at most
 ``MAX_ORDER_TOTAL`` indices in all. A ``dataset`` line that changes a job's dataset drops
 its streams' orders (their indices named samples of the old one).
 
-Views (wrapped datasets, :mod:`dlcachefs.wrappers`): the dataset a DataLoader sees is
+Views (wrapped datasets, :mod:`dlcachefs.client.wrappers`): the dataset a DataLoader sees is
 the concatenation of the sample lists of one or more ImageFolder roots (``root`` lines,
 REL percent-encoded, ``.`` for the mount's root; ``count``/``sha`` are the training's
 digest of each root's list, checked by the mount when it lists the root; ``ext`` the
@@ -60,7 +60,7 @@ DatasetFolder's extensions, percent-encoded, ``any`` for a custom ``is_valid_fil
 optionally seen through an index list (``Subset``: dataset index ``i`` is base index
 ``index[i]``). Index lists and views are content-addressed: ``LID`` is the first 24 hex
 digits of the SHA-256 of the indices as int64 little-endian, ``VID`` that of the view's
-definition (:func:`dlcachefs.wrappers.view_id`); both are checked, so a client sends each
+definition (:func:`dlcachefs.client.wrappers.view_id`); both are checked, so a client sends each
 once per process and mount and names it afterwards. A ``dataset ... view=VID`` line
 naming a view the mount does not hold (a new daemon) is refused: send it again. An index
 list is received in chunks like an ``order``; at most ``MAX_LISTS`` complete lists,
@@ -94,9 +94,9 @@ from urllib.parse import unquote
 
 import numpy as np
 
-from .errors import ControlError, DlcError
-from .sampler import SamplerSpec
-from .wrappers import MAX_LINE, MAX_WRITE, index_list_id, view_id
+from dlcachefs.clairvoyance.replay import SamplerSpec
+from dlcachefs.client.wrappers import MAX_LINE, MAX_WRITE, index_list_id, view_id
+from dlcachefs.errors import ControlError, DlcError
 
 MAX_JOBS = 64
 MAX_STREAMS = 1024
@@ -866,7 +866,7 @@ def _fold_roots(ops: list[_Op]) -> list[_Op]:
             defs = tuple(o.extra[0] for o in roots)
             if view_id([d.rel for d in defs], defs, lid) != vid:
                 raise ControlError(f"line {op.line}: view {vid} does not match its definition "
-                                   f"(see dlcachefs.wrappers.view_id)")
+                                   f"(see dlcachefs.client.wrappers.view_id)")
             out.append(_Op("view", vid, (defs, lid), op.line))
             roots = []
             continue

@@ -36,11 +36,11 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import trio
 
-from . import schema as S
-from .errors import IsADirectory, NotADirectory, NotFound, SourceTimeout
-from .index import Index, Writer
-from .schema import Entry
-from .source import Identity, Listing, Source
+from dlcachefs.cache.source import Identity, Listing, Source
+from dlcachefs.errors import IsADirectory, NotADirectory, NotFound, SourceTimeout
+from dlcachefs.store import schema as S
+from dlcachefs.store.index import Index, Writer
+from dlcachefs.store.schema import Entry
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ Read path of one file (``open`` does the work, ``read`` only slices):
    memory tier, or from the log (one read of the whole chunk, payload checksum verified,
    kept in the memory tier; or, when whole chunks are not being reused, one read of the
    record alone, checked against its own checksum; or, for an open of a stream whose
-   epoch is read by a plan (:mod:`dlcachefs.readplan`), the bytes the plan read ahead);
+   epoch is read by a plan (:mod:`dlcachefs.cache.readplan`), the bytes the plan read ahead);
 3. a record that is stale or fails its checksum is dropped and counted, never served;
 4. otherwise the file is fetched whole from the source in a worker thread (bounded by the
    source limiter, with a timeout and retries of transient errors), served, and handed to
@@ -17,7 +17,7 @@ Concurrency rules: all engine state lives on the trio loop and is touched only t
 Source reads, log reads and checksums of whole chunks run in worker threads
 (``trio.to_thread.run_sync``): source calls under ``source_limiter``
 (``--source-threads``), log reads under ``disk_limiter`` (a read plan's batch: one hop). The chunk writer's commits run
-in its own thread of one (see :mod:`dlcachefs.writer`). LMDB read transactions run on
+in its own thread of one (see :mod:`dlcachefs.cache.writer`). LMDB read transactions run on
 the loop (microseconds); LMDB write transactions only in threads.
 """
 
@@ -33,11 +33,24 @@ from dataclasses import dataclass
 
 import trio
 
-from . import __version__
-from . import schema as S
-from .chunkfmt import checksum, verify_chunk
-from .config import Config
-from .errors import (
+from dlcachefs import __version__
+from dlcachefs.cache.memtier import ChunkBuf, MemoryTier
+from dlcachefs.cache.namespace import Namespace, identity, is_file
+from dlcachefs.cache.readplan import ReadPlanner
+from dlcachefs.cache.scanahead import ScanAhead
+from dlcachefs.cache.source import (
+    Identity,
+    LocalSource,
+    Source,
+    open_for_range_reads,
+    pread_checked,
+)
+from dlcachefs.cache.stats import Counters
+from dlcachefs.cache.views import IndexCacheView, InodeImportance, StreamFuture
+from dlcachefs.cache.writer import ChunkWriter
+from dlcachefs.clairvoyance.streams import Stream, StreamManager, dataset_key
+from dlcachefs.config import Config
+from dlcachefs.errors import (
     DlcError,
     FormatError,
     InvalidArgument,
@@ -46,20 +59,13 @@ from .errors import (
     SourceError,
     SourceTimeout,
 )
-from .index import Index
-from .logstore import LogStore
-from .memtier import ChunkBuf, MemoryTier
-from .namespace import Namespace, identity, is_file
-from .packer import Packer
-from .readplan import ReadPlanner
-from .scanahead import ScanAhead
-from .schema import Chunk, Entry, Record
-from .source import Identity, LocalSource, Source, open_for_range_reads, pread_checked
-from .stats import Counters
-from .streams import Stream, StreamManager, dataset_key
-from .tracelog import TraceRecorder
-from .views import IndexCacheView, InodeImportance, StreamFuture
-from .writer import ChunkWriter
+from dlcachefs.importance.packer import Packer
+from dlcachefs.sim.tracelog import TraceRecorder
+from dlcachefs.store import schema as S
+from dlcachefs.store.chunkfmt import checksum, verify_chunk
+from dlcachefs.store.index import Index
+from dlcachefs.store.logs import LogStore
+from dlcachefs.store.schema import Chunk, Entry, Record
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +225,7 @@ class Engine:
 
         Cheap enough to run after every seal in tests (``--debug-invariants``): the
         ``--cache-size`` account (rule A always; rule B and the account equal to the
-        index when no commit is in flight, see :mod:`dlcachefs.writer`), the writer's
+        index when no commit is in flight, see :mod:`dlcachefs.cache.writer`), the writer's
         pinned/doomed/protected sets, and, between commits, the index against itself and
         against the live logs. Runs on the trio loop (LMDB read transactions only).
         """
@@ -462,7 +468,7 @@ class Engine:
         return None if sl is None else len(sl.inos)
 
     def attach_control(self, control) -> None:
-        """The mount's :class:`~dlcachefs.control.ControlState`: jobs' datasets for
+        """The mount's :class:`~dlcachefs.clairvoyance.control.ControlState`: jobs' datasets for
         :meth:`on_loss`, and its error log for losses that turn out invalid later."""
         self.control = control
 
@@ -636,7 +642,7 @@ class Engine:
         return True
 
     async def scan_one(self, ino: int) -> tuple[int, bool]:
-        """Scan-ahead (:mod:`dlcachefs.scanahead`): fetch ``ino`` into the cache unless it
+        """Scan-ahead (:mod:`dlcachefs.cache.scanahead`): fetch ``ino`` into the cache unless it
         is there or on its way; (bytes fetched, whether the cache kept them)."""
         e = await self.ns.fresh_file(ino)
         if (e.size > self.cfg.max_cached_file or ino in self._inflight or ino in self.ready
@@ -1059,7 +1065,7 @@ class Engine:
             "pending_bytes": self.writer.open_bytes + self.writer.sealing_bytes
             + self._later_bytes,
             # the --cache-size account: chunk_bytes - evicting_bytes + reserved_bytes
-            # <= cache_limit_bytes (see dlcachefs.writer)
+            # <= cache_limit_bytes (see dlcachefs.cache.writer)
             "reserved_bytes": self.writer.pending_bytes,
             "evicting_bytes": self.writer.doomed_bytes,
             "open_files": len(self.handles),
@@ -1067,7 +1073,7 @@ class Engine:
             # torch loaded (at mount start, in the background): announced samplers replay
             "sampler_replay_ready": self.streams.replay_ready,
             "losses_waiting": self._early_count,
-            # trees fetched ahead of readers whose order is unknown (dlcachefs.scanahead)
+            # trees fetched ahead of readers whose order is unknown (dlcachefs.cache.scanahead)
             "scan_ahead": self.scan.stats(),
         }
         out.update(self.counters.as_dict())

@@ -43,8 +43,11 @@ from dataclasses import dataclass, field
 
 import trio
 
-from . import schema as S
-from .chunkfmt import (
+from dlcachefs.cache.namespace import identity
+from dlcachefs.cache.source import Identity
+from dlcachefs.errors import DlcError
+from dlcachefs.store import schema as S
+from dlcachefs.store.chunkfmt import (
     CHUNK_HEADER_SIZE,
     LOG_HEADER_SIZE,
     RECORD_HEADER_SIZE,
@@ -54,10 +57,7 @@ from .chunkfmt import (
     encode_record,
     record_len,
 )
-from .errors import DlcError
-from .namespace import identity
-from .schema import Chunk, Record
-from .source import Identity
+from dlcachefs.store.schema import Chunk, Record
 
 log = logging.getLogger(__name__)
 

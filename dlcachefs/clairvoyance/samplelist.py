@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import NotFound
-from .namespace import ROOT_INO, Namespace
-from .schema import Entry
+from dlcachefs.cache.namespace import ROOT_INO, Namespace
+from dlcachefs.errors import NotFound
+from dlcachefs.store.schema import Entry
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 

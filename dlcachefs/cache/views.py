@@ -1,10 +1,10 @@
-"""The read-only views a mount gives its caching policy (see :mod:`dlcachefs.policies.base`).
+"""The read-only views a mount gives its caching policy (see :mod:`dlcachefs.cache.policy`).
 
 * :class:`IndexCacheView`: units are chunks; sizes and members from the index;
 * :class:`StreamFuture`: the known future from the streams' announced orders. The clock
   ticks once per open; a sample's next use is ``now`` plus how far ahead of its stream's
   position it comes in this epoch, or in the next epoch when that order is known;
-* :class:`InodeImportance`: the dataset's :class:`~dlcachefs.importance.Importance`
+* :class:`InodeImportance`: the dataset's :class:`~dlcachefs.importance.scores.Importance`
   (losses by dataset index) seen by inode.
 
 All of it runs on the trio loop, like the policy.
@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from . import schema as S
-from .importance import Importance
-from .index import Index
+from dlcachefs.importance.scores import Importance
+from dlcachefs.store import schema as S
+from dlcachefs.store.index import Index
 
 NEVER = float("inf")
 log = logging.getLogger(__name__)

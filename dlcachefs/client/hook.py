@@ -1,0 +1,850 @@
+"""Tell a dlcachefs mount how a PyTorch training samples its dataset.
+
+``install()`` patches ``RandomSampler``, ``SubsetRandomSampler``, ``DistributedSampler``
+and ``DataLoader.__iter__`` so that, at the start of every epoch, the sampler and epoch
+are written into ``<mount>/.dlcache/control`` of the mount that holds the dataset. The
+dataset may be an ImageFolder (any torchvision ``DatasetFolder``) or wrap some:
+``Subset``, ``ConcatDataset``, a user class holding one in an attribute (see
+:mod:`dlcachefs.client.wrappers`); it is announced as a *view* (``root``/``view``/``index`` lines,
+sent once per process and mount, then named by its id). The training itself is
+unchanged, bit for bit:
+
+* ``RandomSampler`` without a generator draws its per-epoch seed from the global RNG with
+  ``torch.empty((), dtype=torch.int64).random_()``; the patch makes exactly that draw, at
+  the same moment (the first ``next()``), builds the same generator from it, lets torch's
+  own ``__iter__`` run with it, and announces the seed (``per_epoch=true``).
+* ``RandomSampler`` / ``SubsetRandomSampler`` with their own generator: at the first
+  ``next()`` of the epoch the patch reads ``generator.get_state()`` (which does not
+  advance it) and announces it (``state=``, base64), with ``loader_draws=each`` when the
+  DataLoader draws its base seed from the same generator (``first`` with persistent
+  workers), so the mount knows the next epoch's order too. A ``SubsetRandomSampler``
+  without a generator announces the global generator's state (this epoch only).
+* ``DistributedSampler`` orders by ``seed + epoch``: the patch announces them and calls
+  torch's own ``__iter__``.
+* ``DataLoader.__iter__`` binds the loader (its dataset and generator) to its sampler and
+  batch sampler (a ``SubsetRandomSampler`` has no dataset of its own), announces
+  ``sampler sequential`` for a ``SequentialSampler``, and ``sampler unknown reason=...``
+  for a sampler it cannot replay (the mount then learns the order from the opens).
+
+``dlcachefs run -- python train.py`` installs this without editing the script (through
+a ``sitecustomize`` on ``PYTHONPATH`` that patches torch when ``torch.utils.data`` is
+imported). Nothing here ever breaks a training: a failed announcement is a warning.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import importlib.abc
+import importlib.util
+import math
+import os
+import sys
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from urllib.parse import quote
+
+from dlcachefs.client import wrappers as _w
+
+ENV_JOB = "DLCACHEFS_JOB"
+_installed = False
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"dlcachefs: {msg}", RuntimeWarning, stacklevel=3)
+
+
+@lru_cache(maxsize=64)
+def find_mount(path: str) -> tuple[str, str] | None:
+    """(mount root, path relative to it) when ``path`` lies inside a dlcachefs mount."""
+    p = os.path.abspath(path)
+    cur = p
+    while True:
+        if os.path.exists(os.path.join(cur, ".dlcache", "control")):
+            return cur, os.path.relpath(p, cur)
+        parent = os.path.dirname(cur)
+        if parent == cur:
+            return None
+        cur = parent
+
+
+def announce(dataset_root: str, lines: list[str], job: str | None = None) -> bool:
+    """Write ``lines`` (e.g. ``["sampler random seed=7", "epoch 0"]``) for the dataset at
+    ``dataset_root`` to its mount, in one write. Returns False (and warns once) when the
+    dataset is not on a dlcachefs mount or the mount refused the lines."""
+    target = find_mount(str(dataset_root))
+    if target is None:
+        return False
+    mount, rel = target
+    job = job or os.environ.get(ENV_JOB) or "default"
+    text = f"job {job}\ndataset {rel}\n" + "".join(line + "\n" for line in lines)
+    try:
+        write_control(mount, [text.encode()])
+    except OSError as e:
+        _warn_once(f"write:{mount}", f"could not announce to {mount} ({e}); see "
+                   f"{mount}/.dlcache/errors. Training goes on without clairvoyance.")
+        return False
+    return True
+
+
+def write_control(mount: str, writes: list[bytes]) -> None:
+    """Each item of ``writes`` as one ``write()`` to the mount's control file (each is
+    applied whole or refused whole: OSError EINVAL, reason in ``.dlcache/errors``)."""
+    fd = os.open(os.path.join(mount, ".dlcache", "control"), os.O_WRONLY)
+    try:
+        for w in writes:
+            os.write(fd, w)
+    finally:
+        os.close(fd)
+
+
+def dlcachefs_mounts() -> list[str]:
+    """Mountpoints of the dlcachefs mounts this process sees (``/proc/self/mounts``)."""
+    out = []
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 2 and parts[2] == "fuse.dlcachefs":
+                    out.append(parts[1].encode().decode("unicode_escape"))
+    except OSError:
+        pass
+    return out
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where and as what a dataset is announced: its mount, its view's id and lines."""
+
+    mount: str
+    rel: str  # the first root, relative to the mount ("" for the mount's root)
+    vid: str
+    view: _w.View
+    rels: tuple[str, ...]
+    lid: str | None
+
+    def dataset_line(self) -> str:
+        return f"dataset {quote(self.rel, safe='/') or '.'} view={self.vid}\n"
+
+    def definition(self) -> list[str]:
+        """The writes that define the view (its index list first)."""
+        writes = []
+        if self.lid is not None and self.view.index is not None:
+            writes += _w.index_lines(self.lid, self.view.index)
+        writes.append("\n".join(_w.view_lines(self.vid, self.rels, self.view.roots,
+                                              self.lid)) + "\n")
+        return writes
+
+
+_targets: dict[int, tuple[object, Target | str | None]] = {}
+_sent: set[tuple[str, str]] = set()  # (mount, view or list id) this process has sent
+
+
+def target_of(ds) -> Target | str | None:
+    """The :class:`Target` of the dataset ``ds``; a reason (str) when it lies on a mount
+    but cannot be named index by index; None when it is not on a dlcachefs mount."""
+    hit = _targets.get(id(ds))
+    if hit is not None and hit[0] is ds:
+        return hit[1]
+    out = _target_now(ds)
+    if len(_targets) > 64:
+        _targets.clear()
+    _targets[id(ds)] = (ds, out)
+    return out
+
+
+def _target_now(ds) -> Target | str | None:
+    try:
+        view = _w.resolve(ds)
+    except _w.Unresolved as e:
+        return f"{type(ds).__name__}: {e}"
+    found = [find_mount(r.path) for r in view.roots]
+    if all(f is None for f in found):
+        return None
+    mounts = {f[0] for f in found if f is not None}
+    if None in found or len(mounts) > 1:
+        return f"{view.how}: its ImageFolders are not all on one dlcachefs mount"
+    rels = tuple(_w.normalize_rel(f[1]) for f in found if f is not None)
+    lid = _w.index_list_id(view.index) if view.index is not None else None
+    return Target(mounts.pop(), rels[0], _w.view_id(rels, view.roots, lid), view, rels, lid)
+
+
+_claims: dict[str, str] = {}  # job -> the dataset (view id) whose loader owns its stream
+
+
+def _claim(job: str, key: str, weak: bool) -> bool:
+    """Whether a loader over dataset ``key`` may announce for ``job`` in this process.
+    A replayable sampler (strong) always may, and takes the job's stream; a sequential
+    or unknown one (weak: typically a validation loader) only while no other dataset
+    took it, so it does not keep replacing the training loader's stream."""
+    owner = _claims.get(job)
+    if weak and owner is not None and owner != key:
+        return False
+    if owner is None or not weak:
+        _claims[job] = key
+    return True
+
+
+def _send(t: Target, lines: list[str], job: str | None = None,
+          extra_defs: Sequence[tuple[str, Callable[[], list[str]]]] = (),
+          weak: bool = False) -> bool:
+    """``job`` + the view's ``dataset`` line + ``lines`` as one write, after the view's
+    definition (and ``extra_defs``: (id, a function returning its writes)) unless this
+    process sent them already (they are only encoded when they are sent).
+    A refusal that may come from a new daemon (it lost the definitions) is retried once
+    with them. ``weak``: see :func:`_claim`. Never raises: False and a warning once."""
+    job = job or os.environ.get(ENV_JOB) or "default"
+    if not _claim(job, t.vid, weak):
+        return False
+    text = f"job {job}\n" + t.dataset_line() + "".join(line + "\n" for line in lines)
+    defs = [(t.vid, t.definition), *extra_defs]
+    for attempt in range(2):
+        had_all = all((t.mount, key) in _sent for key, _ in defs)
+        try:
+            for key, make in defs:
+                if (t.mount, key) not in _sent:
+                    write_control(t.mount, [w.encode() for w in make()])
+                    _sent.add((t.mount, key))
+            write_control(t.mount, [text.encode()])
+            return True
+        except OSError as e:
+            if e.errno == errno.EINVAL and attempt == 0 and had_all:
+                for key, _ in defs:
+                    _sent.discard((t.mount, key))
+                continue
+            _warn_once(f"write:{t.mount}", f"could not announce to {t.mount} ({e}); see "
+                       f"{t.mount}/.dlcache/errors. Training goes on without clairvoyance.")
+            return False
+    return False
+
+
+def _mount_hint(ds) -> str | None:
+    """The mount a dataset that cannot be resolved reads from: an absolute path among its
+    attributes (or the first item of a list/tuple attribute), two levels deep."""
+    seen: set[int] = set()
+    todo = [(ds, 0)]
+    while todo:
+        obj, depth = todo.pop(0)
+        if id(obj) in seen or depth > 2:
+            continue
+        seen.add(id(obj))
+        attrs = getattr(obj, "__dict__", None)
+        if not isinstance(attrs, dict):
+            continue
+        for v in list(attrs.values())[:64]:
+            if isinstance(v, (list, tuple)) and v:
+                v = v[0][0] if isinstance(v[0], tuple) and v[0] else v[0]
+            if isinstance(v, (str, os.PathLike)):
+                try:
+                    hit = find_mount(os.fspath(v)) if os.path.isabs(os.fspath(v)) else None
+                except (TypeError, ValueError):
+                    hit = None
+                if hit is not None:
+                    return hit[0]
+            elif hasattr(v, "__dict__") and not isinstance(v, type):
+                todo.append((v, depth + 1))
+    return None
+
+
+def _unknown(ds, reason: str, epoch: int) -> None:
+    """Tell the mount that this process reads in an order it cannot replay (it learns the
+    order from the opens); warns once with the reason."""
+    t = target_of(ds)
+    mount = t.mount if isinstance(t, Target) else _mount_hint(ds)
+    if mount is None:
+        return  # not reading from a dlcachefs mount (that we can tell)
+    job = os.environ.get(ENV_JOB) or "default"
+    if not _claim(job, t.vid if isinstance(t, Target) else f"unknown:{id(ds)}", weak=True):
+        return
+    _warn_once(f"unknown:{reason}", f"the mount cannot replay this training's order "
+               f"({reason}); it learns it from the files read")
+    line = f"job {job}\nsampler unknown reason={quote(reason[:200], safe='')}\nepoch {epoch}\n"
+    try:
+        write_control(mount, [line.encode()])
+    except OSError as e:
+        _warn_once(f"write:{mount}", f"could not announce to {mount} ({e})")
+
+
+def _dataset_root(ds) -> str | None:
+    root = getattr(ds, "root", None)
+    if isinstance(root, (str, os.PathLike)) and hasattr(ds, "samples"):
+        return os.fspath(root)
+    return None
+
+
+def _loader_of(sampler):
+    """The DataLoader iterating ``sampler`` (bound by the DataLoader patch), or None."""
+    ref = sampler.__dict__.get("_dlcachefs_loader")
+    return ref() if ref is not None else None
+
+
+def _draws(loader, g) -> str:
+    """How the DataLoader draws from the sampler's generator ``g`` (its base seed)."""
+    if loader is None or g is None or getattr(loader, "generator", None) is not g:
+        return "none"
+    return "first" if loader.persistent_workers and loader.num_workers > 0 else "each"
+
+
+def _next_epoch(obj) -> int:
+    epoch = obj.__dict__.get("_dlcachefs_epoch", 0)
+    obj._dlcachefs_epoch = epoch + 1
+    return epoch
+
+
+def _patch(data_module) -> None:
+    import torch
+
+    from dlcachefs.clairvoyance.replay import encode_state
+
+    RandomSampler = data_module.RandomSampler
+    DistributedSampler = data_module.DistributedSampler
+    SubsetRandomSampler = data_module.SubsetRandomSampler
+    SequentialSampler = data_module.SequentialSampler
+    BatchSampler = data_module.BatchSampler
+    DataLoader = data_module.DataLoader
+    if getattr(RandomSampler, "_dlcachefs_patched", False):
+        return
+    orig_random_iter = RandomSampler.__iter__
+    orig_dist_iter = DistributedSampler.__iter__
+    orig_subset_iter = SubsetRandomSampler.__iter__
+    orig_loader_iter = DataLoader.__iter__
+
+    def dataset_of(sampler, own):
+        loader = _loader_of(sampler)
+        return loader.dataset if loader is not None else own
+
+    def usable(ds, owner) -> Target | None:
+        """The dataset's target; None (after telling the mount why, if it can be found)
+        when it cannot be announced. ``owner`` counts the epochs of unknown orders."""
+        t = target_of(ds)
+        if isinstance(t, str):
+            _unknown(ds, t, _next_epoch(owner))
+            return None
+        return t
+
+    def random_iter(self):
+        try:
+            t = usable(dataset_of(self, self.data_source), self)
+        except Exception as e:  # noqa: BLE001 - never break the training
+            _warn_once("hook", f"sampler hook failed: {e}")
+            t = None
+        if t is None:
+            yield from orig_random_iter(self)
+            return
+        tail = (f"num_samples={self.num_samples} "
+                f"replacement={str(bool(self.replacement)).lower()}")
+        epoch = _next_epoch(self)
+        if self.generator is None:
+            # exactly torch's own draw, at the same moment: the RNG stream is unchanged
+            seed = int(torch.empty((), dtype=torch.int64).random_().item())
+            g = torch.Generator()
+            g.manual_seed(seed)
+            _send(t, [f"sampler random seed={seed} per_epoch=true {tail}", f"epoch {epoch}"])
+            proxy = copy.copy(self)
+            proxy.generator = g
+            yield from orig_random_iter(proxy)
+            return
+        g = self.generator
+        try:  # get_state() does not advance the generator
+            if g.device.type == "cpu":
+                state = encode_state(g.get_state())
+                _send(t, [f"sampler random state={state} {tail} "
+                          f"loader_draws={_draws(_loader_of(self), g)}", f"epoch {epoch}"])
+            else:
+                _unknown(dataset_of(self, self.data_source),
+                         f"RandomSampler with a {g.device.type} generator", epoch)
+        except Exception as e:  # noqa: BLE001
+            _warn_once("hook", f"sampler hook failed: {e}")
+        yield from orig_random_iter(self)
+
+    def subset_iter(self):
+        try:
+            loader = _loader_of(self)
+            t = usable(loader.dataset, self) if loader is not None else None
+            if t is not None:
+                idx = self.indices.tolist() if hasattr(self.indices, "tolist") \
+                    else [int(i) for i in self.indices]
+                lid = _w.index_list_id(idx)
+                g = self.generator
+                epoch = _next_epoch(self)
+                if g is None:  # torch.randperm(generator=None): the global generator
+                    fields = (f"state={encode_state(torch.default_generator.get_state())} "
+                              f"per_epoch=true")
+                elif g.device.type == "cpu":
+                    fields = f"state={encode_state(g.get_state())} loader_draws=" \
+                             f"{_draws(loader, g)}"
+                else:
+                    fields = None
+                    _unknown(loader.dataset, f"SubsetRandomSampler with a {g.device.type} "
+                             f"generator", epoch)
+                if fields is not None:
+                    _send(t, [f"sampler subset_random index={lid} {fields}", f"epoch {epoch}"],
+                          extra_defs=[(lid, lambda: _w.index_lines(lid, idx))])
+        except Exception as e:  # noqa: BLE001 - never break the training
+            _warn_once("hook", f"sampler hook failed: {e}")
+        yield from orig_subset_iter(self)
+
+    def dist_iter(self):
+        try:
+            t = usable(dataset_of(self, self.dataset), self)
+            if t is not None:
+                _send(t, [f"sampler distributed seed={self.seed} world={self.num_replicas} "
+                          f"rank={self.rank} shuffle={str(bool(self.shuffle)).lower()} "
+                          f"drop_last={str(bool(self.drop_last)).lower()}",
+                          f"epoch {self.epoch}"])
+        except Exception as e:  # noqa: BLE001
+            _warn_once("hook", f"sampler hook failed: {e}")
+        return orig_dist_iter(self)
+
+    replayable = {RandomSampler: random_iter, DistributedSampler: dist_iter,
+                  SubsetRandomSampler: subset_iter}
+
+    def bind(loader) -> None:
+        """Bind the loader to its samplers; announce what the sampler hooks cannot."""
+        ref = weakref.ref(loader)
+        bs = loader.batch_sampler
+        inner = getattr(bs, "sampler", None) if bs is not None else loader.sampler
+        for obj in (loader.sampler, bs, inner):
+            if obj is not None and hasattr(obj, "__dict__"):
+                obj.__dict__["_dlcachefs_loader"] = ref
+        ds = loader.dataset
+        if isinstance(ds, data_module.IterableDataset):
+            _unknown(ds, f"{type(ds).__name__} is an IterableDataset", _next_epoch(loader))
+            return
+        if bs is not None and type(bs) is not BatchSampler:
+            reason = f"batch sampler {type(bs).__name__} is not replayable"
+        elif inner is None:
+            reason = f"batch sampler {type(bs).__name__} has no sampler attribute"
+        elif type(inner).__iter__ in replayable.values():
+            return  # its own hook announces it
+        elif type(inner).__iter__ is SequentialSampler.__iter__:
+            t = usable(ds, loader)
+            if t is not None:
+                _send(t, ["sampler sequential", f"epoch {_next_epoch(loader)}"], weak=True)
+            return
+        else:
+            reason = f"sampler {type(inner).__name__} is not replayable"
+        _unknown(ds, reason, _next_epoch(loader))
+
+    def loader_iter(self):
+        try:
+            bind(self)
+        except Exception as e:  # noqa: BLE001 - never break the training
+            _warn_once("bind", f"DataLoader hook failed: {e}")
+        return orig_loader_iter(self)
+
+    RandomSampler.__iter__ = random_iter
+    DistributedSampler.__iter__ = dist_iter
+    SubsetRandomSampler.__iter__ = subset_iter
+    DataLoader.__iter__ = loader_iter
+    RandomSampler._dlcachefs_patched = True
+
+
+def install() -> None:
+    """Patch the samplers now if torch is imported, else as soon as it is."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    mod = sys.modules.get("torch.utils.data")
+    if mod is not None:
+        _patch(mod)
+    else:
+        sys.meta_path.insert(0, _PatchOnImport())
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Runs :func:`_patch` right after ``torch.utils.data`` is executed (one shot)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "torch.utils.data":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        orig_exec = spec.loader.exec_module
+
+        def exec_module(module):
+            orig_exec(module)
+            try:
+                _patch(module)
+            except Exception as e:  # noqa: BLE001 - never break the training
+                _warn_once("patch", f"could not install the sampler hook: {e}")
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+# ----- per-sample losses and explicit orders (importance sampling) ----------------------
+
+#: limits of the control file (see :mod:`dlcachefs.clairvoyance.control`): bytes per write, chars per line
+_MAX_WRITE = _w.MAX_WRITE  # the control file's limits (one definition, in wrappers)
+_MAX_LINE = _w.MAX_LINE
+
+
+def _as_list(x) -> list:
+    """A flat Python list from a torch tensor (any device), a numpy array or a sequence."""
+    if hasattr(x, "detach"):  # torch.Tensor
+        x = x.detach().cpu().reshape(-1).tolist()
+    elif hasattr(x, "tolist"):  # numpy array or scalar
+        x = x.tolist()
+    if isinstance(x, (int, float)):
+        return [x]
+    return list(x)
+
+
+class LossReporter:
+    """Sends per-sample training losses to the dlcachefs mount that holds a dataset, as
+    ``loss INDEX VALUE ...`` lines of ``<mount>/.dlcache/control`` (an importance sampler
+    on the mount side can then favour the hard samples)::
+
+        reporter = LossReporter(train_set.root)
+        for images, targets, indices in loader:      # see with_index()
+            loss = F.cross_entropy(model(images), targets, reduction="none")
+            reporter.report(indices, loss)
+            loss.mean().backward()
+            ...
+        reporter.close()
+
+    ``indices`` are indices of the dataset the DataLoader sees (what :func:`with_index`
+    around that dataset yields): the ImageFolder's own indices when the loader reads the
+    ImageFolder, the wrapper's when it reads a ``Subset``/``ConcatDataset``/user wrapper
+    (the hook announces such a dataset as a view, and the mount maps the indices through
+    it). ``dataset_root`` may be that dataset itself instead of a path: then a refused
+    first write is retried with the view's ``dataset`` line (and definition). Pairs are
+    buffered and written once ``max_pairs_per_write`` of them are pending, and by
+    :meth:`flush` / :meth:`close` (also the end of a ``with`` block). Each write holds at
+    most ``max_pairs_per_write`` pairs and 64 KiB, in lines of at most 4096 characters;
+    values are sent with 9 significant digits (exact for float32 losses).
+
+    The lines count for ``job`` (default: ``$DLCACHEFS_JOB``; if neither, the job this
+    process announced last, as for every control write). The job needs a dataset on the
+    mount side: the sampler hook (:func:`install`) sends it; if the first write is refused
+    (EINVAL), it is sent again once with ``dataset RELPATH`` for ``dataset_root``.
+
+    Nothing here breaks a training: when ``dataset_root`` is not on a dlcachefs mount,
+    every call is a no-op (one warning); non-finite losses and negative indices are
+    dropped (one warning); a refused or failed write is dropped with one warning (the
+    reason is in ``<mount>/.dlcache/errors``).
+    """
+
+    def __init__(self, dataset_root, job: str | None = None,
+                 max_pairs_per_write: int = 3000) -> None:
+        self._view: Target | None = None
+        if not isinstance(dataset_root, (str, os.PathLike)):  # the loader's dataset
+            t = target_of(dataset_root)
+            if isinstance(t, Target):
+                self._view = t
+                dataset_root = os.path.join(t.mount, t.rel)
+            else:
+                dataset_root = _dataset_root(dataset_root) or "/nonexistent-dataset"
+        self.dataset_root = os.fspath(dataset_root)
+        self.job = job or os.environ.get(ENV_JOB) or None
+        self.max_pairs = max(1, int(max_pairs_per_write))
+        self._indices: list[int] = []
+        self._values: list[float] = []
+        self._dataset_sent = False
+        self.sent_pairs = 0  # pairs written and accepted
+        self.dropped_pairs = 0  # non-finite, negative or refused
+        target = find_mount(self.dataset_root)
+        if target is None:
+            self.mount: str | None = None
+            self.rel: str | None = None
+            _warn_once(f"loss-nomount:{self.dataset_root}",
+                       f"{self.dataset_root} is not on a dlcachefs mount: losses are not reported")
+        else:
+            self.mount, self.rel = target
+
+    @property
+    def enabled(self) -> bool:
+        """True when the dataset is on a dlcachefs mount (else every call is a no-op)."""
+        return self.mount is not None
+
+    def report(self, indices, losses) -> None:
+        """Queue the losses of the samples ``indices`` (same length; torch tensors on any
+        device, numpy arrays or sequences). Writes when enough pairs are pending."""
+        if self.mount is None:
+            return
+        idx, vals = _as_list(indices), _as_list(losses)
+        if len(idx) != len(vals):
+            raise ValueError(f"LossReporter.report: {len(idx)} indices but {len(vals)} losses")
+        bad = 0
+        isfinite = math.isfinite
+        for i, v in zip(idx, vals, strict=True):
+            i, v = int(i), float(v)
+            if i < 0 or not isfinite(v):
+                bad += 1
+                continue
+            self._indices.append(i)
+            self._values.append(v)
+        if bad:
+            self.dropped_pairs += bad
+            _warn_once("loss-nonfinite", "non-finite losses (or negative indices) are not "
+                       "reported to the mount")
+        if len(self._indices) >= self.max_pairs:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write every pending pair now (one ``os.write`` per batch of lines)."""
+        if self.mount is None or not self._indices:
+            return
+        idx, vals = self._indices, self._values
+        self._indices, self._values = [], []
+        writes = self._encode(idx, vals)
+        path = os.path.join(self.mount, ".dlcache", "control")
+        try:
+            fd = os.open(path, os.O_WRONLY)
+        except OSError as e:
+            self._failed(len(idx), e)
+            return
+        try:
+            for data, n in writes:
+                try:
+                    os.write(fd, data)
+                except OSError as e:
+                    if e.errno == errno.EINVAL and not self._dataset_sent and self.rel:
+                        # maybe the job has no dataset yet: name it and try once more
+                        self._dataset_sent = True
+                        try:
+                            if self._view is not None:  # its definition, if not sent yet
+                                for key, defs in [(self._view.vid, self._view.definition())]:
+                                    if (self._view.mount, key) not in _sent:
+                                        write_control(self._view.mount,
+                                                      [d.encode() for d in defs])
+                                        _sent.add((self._view.mount, key))
+                            os.write(fd, self._head(with_dataset=True) + data[len(self._head()):])
+                        except OSError as e2:
+                            self._failed(n, e2)
+                        else:
+                            self.sent_pairs += n
+                        continue
+                    self._failed(n, e)
+                else:
+                    self.sent_pairs += n
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Flush; the reporter can still be used afterwards."""
+        self.flush()
+
+    def __enter__(self) -> LossReporter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _failed(self, n: int, e: OSError) -> None:
+        self.dropped_pairs += n
+        _warn_once(f"loss-write:{self.mount}",
+                   f"could not report losses to {self.mount} ({e}); see "
+                   f"{self.mount}/.dlcache/errors. Training goes on.")
+
+    def _head(self, with_dataset: bool = False) -> bytes:
+        head = f"job {self.job}\n" if self.job else ""
+        if with_dataset:
+            head += self._view.dataset_line() if self._view is not None \
+                else f"dataset {self.rel}\n"
+        return head.encode()
+
+    def _encode(self, idx: list[int], vals: list[float]) -> list[tuple[bytes, int]]:
+        """The writes for these pairs: (bytes, number of pairs) each, every write at most
+        ``max_pairs`` pairs and 64 KiB (with room for a ``dataset`` line), every line at most
+        4096 characters."""
+        head = self._head()
+        room = _MAX_WRITE - len(self._head(with_dataset=True))
+        writes: list[tuple[bytes, int]] = []
+        lines: list[str] = []
+        line: list[str] = []
+        line_len = size = pairs = 0
+
+        def end_line() -> None:
+            nonlocal line, line_len
+            if line:
+                lines.append("loss " + " ".join(line) + "\n")
+                line, line_len = [], 0
+
+        def end_write() -> None:
+            nonlocal lines, size, pairs
+            end_line()
+            if lines:
+                writes.append((head + "".join(lines).encode(), pairs))
+            lines, size, pairs = [], 0, 0
+
+        for i, v in zip(idx, vals, strict=True):
+            tok = f"{i} {v:.9g}"
+            if line and line_len + 1 + len(tok) <= _MAX_LINE:
+                cost = 1 + len(tok)  # " " + tok on the current line
+                new_line = False
+            else:
+                cost = len("loss ") + len(tok) + 1  # a new line, with its "\n"
+                new_line = True
+            if pairs >= self.max_pairs or size + cost > room:
+                end_write()
+                cost, new_line = len("loss ") + len(tok) + 1, True
+            if new_line:
+                end_line()
+                line_len = len("loss ") + len(tok)
+            else:
+                line_len += 1 + len(tok)
+            line.append(tok)
+            size += cost
+            pairs += 1
+        end_write()
+        return writes
+
+
+def with_index(dataset):
+    """Wrap ``dataset`` so that item ``i`` is ``(*dataset[i], i)``: ``(sample, target,
+    index)`` for an ImageFolder, what :class:`LossReporter` needs. Other attributes
+    (``root``, ``samples``, ``targets``, ``classes``...) are the wrapped dataset's, so
+    the sampler hook still finds the dataset's root. Returns a
+    ``torch.utils.data.Dataset`` (torch is imported here, not with this module).
+
+    Wrap the dataset the DataLoader reads (``with_index(Subset(...))``, not
+    ``Subset(with_index(...))``): its indices are the ones the mount knows (the sampler
+    hook announces that dataset, wrappers included)."""
+    return _with_index_class()(dataset)
+
+
+@lru_cache(maxsize=1)
+def _with_index_class() -> type:
+    from torch.utils.data import Dataset
+
+    class WithIndex(Dataset):
+        """``dataset[i]`` followed by ``i``; attributes pass through to ``dataset``."""
+
+        def __init__(self, dataset) -> None:
+            self.dataset = dataset
+
+        def __len__(self) -> int:
+            return len(self.dataset)
+
+        def __getitem__(self, i):
+            item = self.dataset[i]
+            if isinstance(item, tuple):
+                return (*item, i)
+            return (item, i)
+
+        def __getattr__(self, name: str):
+            # only called for what the wrapper lacks; never for dunders (DataLoader probes
+            # __getitems__, which would bypass __getitem__) nor before __init__ (unpickling)
+            if name.startswith("__") or "dataset" not in self.__dict__:
+                raise AttributeError(name)
+            return getattr(self.__dict__["dataset"], name)
+
+        def __repr__(self) -> str:
+            return f"WithIndex({self.dataset!r})"
+
+    WithIndex.__module__ = __name__
+    WithIndex.__qualname__ = "WithIndex"
+    return WithIndex
+
+
+class ImportanceSampler:
+    """iCACHE's I/O-oriented importance sampling (IIS) as a DataLoader sampler.
+
+    Before each epoch it decides which samples the epoch trains on from their latest
+    losses (:func:`dlcachefs.importance.scores.select_epoch`: a seeded permutation; full epochs
+    during ``warmup`` and every ``full_every``-th epoch; otherwise sample ``s`` is kept
+    with probability ``rank(s) ** beta``), and announces that exact order to the mount
+    (``sampler explicit`` + ``order`` lines + ``epoch``), so the mount prefetches and lays
+    out what is read, and caches by importance. Feed it the losses with :meth:`record`
+    (and the mount with a :class:`LossReporter`)::
+
+        ds = with_index(ImageFolder(root))
+        sampler = ImportanceSampler(ds, seed=0)
+        loader = DataLoader(ds, sampler=sampler, batch_size=64, num_workers=4)
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            for x, y, idx in loader:
+                loss = F.cross_entropy(model(x), y, reduction="none")
+                sampler.record(idx, loss); reporter.report(idx, loss)
+                loss.mean().backward(); ...
+
+    Works without a mount too (the selection is the same; nothing is announced).
+    """
+
+    def __init__(self, dataset, seed: int = 0, beta: float = 0.33, warmup: int = 2,
+                 full_every: int = 3, job: str | None = None, announce: bool = True) -> None:
+        self.n = len(dataset)
+        self.seed, self.beta, self.warmup, self.full_every = seed, beta, warmup, full_every
+        self.iv = [math.nan] * self.n
+        self.epoch = 0
+        self.job = job or os.environ.get(ENV_JOB) or "default"
+        root = _dataset_root(dataset)
+        view = target_of(dataset) if announce else None
+        # a wrapped dataset (Subset, ...) is announced as a view: its indices are ours
+        self._view: Target | None = view if isinstance(view, Target) else None
+        self._target = (view.mount, view.rel) if self._view is not None else \
+            find_mount(root) if (announce and root) else None
+        self._order: list[int] | None = None
+        self._announced: int | None = None
+        self._announced_head = False
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self._order = None
+
+    def record(self, indices, losses) -> None:
+        """Latest loss per sample (non-finite values are ignored)."""
+        for i, v in zip(_as_list(indices), _as_list(losses), strict=True):
+            v = float(v)
+            if math.isfinite(v) and 0 <= int(i) < self.n:
+                self.iv[int(i)] = v
+
+    def order(self) -> list[int]:
+        """The samples of the current epoch, in order (computed once per epoch)."""
+        if self._order is None:
+            from dlcachefs.importance.scores import select_epoch  # noqa: PLC0415
+
+            known = any(not math.isnan(v) for v in self.iv)
+            self._order = select_epoch(self.n, self.epoch, self.seed,
+                                       self.iv if known else None, beta=self.beta,
+                                       warmup=self.warmup, full_every=self.full_every)
+        return self._order
+
+    def __len__(self) -> int:
+        return len(self.order())
+
+    def __iter__(self):
+        order = self.order()
+        if self._target is not None and self._announced != self.epoch:
+            self._announced = self.epoch
+            self._announce(order)
+        return iter(order)
+
+    def _announce(self, order: list[int]) -> None:
+        assert self._target is not None
+        mount, rel = self._target
+        # dataset and sampler once: re-sending them would restart the running epoch's
+        # stream before this epoch's order is complete
+        ds_line = self._view.dataset_line() if self._view is not None else f"dataset {rel}\n"
+        head = f"job {self.job}\n" if self._announced_head else (
+            f"job {self.job}\n{ds_line}sampler explicit\n")
+        epoch = self.epoch
+        writes = _w.chunked_writes(f"order {epoch}", [str(i) for i in order],
+                                lambda n: f"order {epoch} end {n}\nepoch {epoch}\n",
+                                head, next_head=f"job {self.job}\n")
+        if self._view is not None and not self._announced_head:
+            writes = self._view.definition() + writes
+        try:
+            write_control(mount, [w.encode() for w in writes])
+            self._announced_head = True
+        except OSError as e:
+            _warn_once(f"iis:{mount}", f"could not announce the importance order to {mount} "
+                       f"({e}); see {mount}/.dlcache/errors. Training goes on.")
+
+
+def __getattr__(name: str):
+    # ``dlcachefs.torch.WithIndex``: the class, built (and torch imported) on first use
+    if name == "WithIndex":
+        return _with_index_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
