@@ -107,6 +107,12 @@ def test_dataset_path_normalized(cs):
     assert cs.jobs["default"].dataset_ino == 1
 
 
+def test_dataset_path_percent_encoded(cs):
+    """Percent-encoded like a ``root`` path, so that any name is one token."""
+    cs.apply(b"dataset tr%61in%2Fcls0\n", 1)
+    assert cs.jobs["default"].dataset == "train/cls0"
+
+
 def test_comments_blank_lines_crlf_and_spaces(cs):
     data = b"# a comment\n\n   \r\n  job   x  \r\n# dataset nope\n\tdataset train\t\n"
     assert cs.apply(data, 3) == len(data)
@@ -145,6 +151,8 @@ def test_bad_dataset_refuses_earlier_job_line(cs):
     (b"dataset /", "relative"),
     (b"dataset train/../..", ".."),
     (b"dataset ..", ".."),
+    (b"dataset %2E%2E", ".."),
+    (b"dataset %2Fetc", "relative"),
     (b"dataset nosuch", "not a directory"),
     (b"dataset train/cls0/a.jpg", "not a directory"),
     (b"dataset", "exactly one argument"),

@@ -52,11 +52,14 @@ is dropped), each at most ``MAX_ORDER_LEN`` indices, and the mount at most
 ``MAX_ORDER_TOTAL`` indices in all. A ``dataset`` line that changes a job's dataset drops
 its streams' orders (their indices named samples of the old one).
 
+Paths (RELPATH, REL) are relative to the mount, percent-encoded (so that any name is one
+token: ``a%20b`` is ``a b``; ``%25`` is ``%``), ``.`` for the mount's root, without ``..``.
+
 Views (wrapped datasets, :mod:`dlcachefs.client.wrappers`): the dataset a DataLoader sees is
-the concatenation of the sample lists of one or more ImageFolder roots (``root`` lines,
-REL percent-encoded, ``.`` for the mount's root; ``count``/``sha`` are the training's
-digest of each root's list, checked by the mount when it lists the root; ``ext`` the
-DatasetFolder's extensions, percent-encoded, ``any`` for a custom ``is_valid_file``),
+the concatenation of the sample lists of one or more ImageFolder roots (``root`` lines;
+``count``/``sha`` are the training's digest of each root's list, checked by the mount when
+it lists the root; ``ext`` the DatasetFolder's extensions, percent-encoded, ``any`` for a
+custom ``is_valid_file``),
 optionally seen through an index list (``Subset``: dataset index ``i`` is base index
 ``index[i]``). Index lists and views are content-addressed: ``LID`` is the first 24 hex
 digits of the SHA-256 of the indices as int64 little-endian, ``VID`` that of the view's
@@ -657,17 +660,7 @@ class ControlState:
             if not _NAME_RE.match(arg):
                 raise ControlError(f"line {n}: bad job name {arg[:80]!r}: use 1-64 of A-Z a-z 0-9 . _ -")
             return _Op("job", arg)
-        # dataset
-        if arg.startswith("/"):
-            raise ControlError(f"line {n}: dataset path must be relative to the mount, got {arg[:80]!r}")
-        parts = [p for p in arg.split("/") if p not in ("", ".")]
-        if ".." in parts:
-            raise ControlError(f"line {n}: dataset path must not contain '..'")
-        rel = "/".join(parts)
-        try:
-            ino = self._resolve_dir(rel)
-        except DlcError as e:
-            raise ControlError(f"line {n}: dataset {arg[:80]!r} is not a directory in the mount ({e})") from None
+        rel, ino = self._rel_dir(n, arg, "dataset")
         return _Op("dataset", rel, (ino,))
 
     @staticmethod
