@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_t1_sampler import IndexDataset
 
+from dlcachefs.clairvoyance import protocol as P
 from dlcachefs.clairvoyance.control import MAX_LINE, MAX_WRITE, ControlState
 from dlcachefs.clairvoyance.replay import OrderReplayer
 from dlcachefs.client import wrappers as w
@@ -152,7 +153,7 @@ def test_with_index_and_real_dataset_folder(tmp_path):
     view = w.resolve(data.Subset(with_index(ds), [3, 0]))
     (root,) = view.roots
     assert root.extensions == (".txt", ".dat") and root.count == 4
-    assert root.sha == w.paths_digest(["a/x.TXT", "a/y.dat", "b/x.TXT", "b/y.dat"])
+    assert root.sha == P.paths_digest(["a/x.TXT", "a/y.dat", "b/x.TXT", "b/y.dat"])
     assert view.index == (3, 0)
 
 
@@ -170,8 +171,8 @@ def test_two_processes_send_the_same_list_at_once():
     """DDP ranks of one Subset define the same (content-addressed) list at the same time:
     their writes interleave, and each is accepted (a list in transit is per process)."""
     indices = list(range(0, 60000, 3)) + list(range(7, 30000, 7))
-    lid = w.index_list_id(indices)
-    writes = w.index_lines(lid, indices)
+    lid = P.index_list_id(indices)
+    writes = P.index_writes(lid, indices)
     assert len(writes) >= 2
     cs = ControlState(resolve_dir)
     for a, b in zip(writes, writes, strict=True):
@@ -187,17 +188,17 @@ def test_two_processes_send_the_same_list_at_once():
 def test_index_lines_round_trip(indices, runs):
     if runs:  # long ascending runs become A:B tokens
         indices = list(range(5, 4000)) + indices + list(range(100, 103))
-    lid = w.index_list_id(indices)
+    lid = P.index_list_id(indices)
     cs = ControlState(resolve_dir)
-    apply_all(cs, w.index_lines(lid, indices))
+    apply_all(cs, P.index_writes(lid, indices))
     assert list(cs.index_lists[lid]) == indices
     assert not cs.pending_lists
 
 
 def test_large_index_list_spans_writes():
     indices = list(range(0, 600_000, 7))
-    lid = w.index_list_id(indices)
-    writes = w.index_lines(lid, indices)
+    lid = P.index_list_id(indices)
+    writes = P.index_writes(lid, indices)
     assert len(writes) > 1
     cs = ControlState(resolve_dir)
     apply_all(cs, writes)
@@ -205,17 +206,17 @@ def test_large_index_list_spans_writes():
 
 
 def define(cs: ControlState, roots: list[tuple[str, w.Root]], index=None) -> str:
-    lid = w.index_list_id(index) if index is not None else None
+    lid = P.index_list_id(index) if index is not None else None
     rels = [r for r, _ in roots]
-    vid = w.view_id(rels, [r for _, r in roots], lid)
-    writes = w.index_lines(lid, index) if lid else []
-    writes.append("\n".join(w.view_lines(vid, rels, [r for _, r in roots], lid)) + "\n")
+    vid = P.view_id(rels, [r for _, r in roots], lid)
+    writes = P.index_writes(lid, index) if lid else []
+    writes.append(P.text(P.view_lines(vid, rels, [r for _, r in roots], lid)))
     apply_all(cs, writes)
     return vid
 
 
 def root(n: int, ext=(".jpg", ".png")) -> w.Root:
-    return w.Root("/x", ext, n, w.paths_digest([f"{i}.jpg" for i in range(n)]))
+    return w.Root("/x", ext, n, P.paths_digest([f"{i}.jpg" for i in range(n)]))
 
 
 def test_view_dataset_and_loss_range():
@@ -256,16 +257,16 @@ def test_refusals_with_reasons():
     refused(cs, "index xyz 0 1\n", "24 hex")
     refused(cs, f"index {other} 0 5:3\n", "bad index range")
     r = root(4)
-    good = w.view_lines(vid, ["train"], [r], None)
+    good = P.view_lines(vid, ["train"], [r], None)
     refused(cs, good[0].replace("count=4", "count=5") + "\n" + good[1] + "\n", "does not match")
     refused(cs, good[1] + "\n", "roots=1 but 0")
     refused(cs, good[0] + "\nepoch 1\n", "closed by their 'view'")
     refused(cs, good[0].replace(" train ", " nowhere ") + "\n" + good[1] + "\n",
             "not a directory")
-    lid = w.index_list_id([9])
-    apply_all(cs, w.index_lines(lid, [9]))
-    vid2 = w.view_id(["train"], [r], lid)
-    refused(cs, "\n".join(w.view_lines(vid2, ["train"], [r], lid)) + "\n", "reaches index 9")
+    lid = P.index_list_id([9])
+    apply_all(cs, P.index_writes(lid, [9]))
+    vid2 = P.view_id(["train"], [r], lid)
+    refused(cs, P.text(P.view_lines(vid2, ["train"], [r], lid)), "reaches index 9")
     refused(cs, f"sampler subset_random index={other} state=AAAA\n", "unknown index list")
     refused(cs, "sampler random state=!!\n", "base64")
     refused(cs, "sampler random seed=1 state=AAAA\n", "one of them")

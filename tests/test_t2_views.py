@@ -13,6 +13,7 @@ from test_t2_samplelist import scanned, touch
 folder = pytest.importorskip("torchvision.datasets.folder")
 data = pytest.importorskip("torch.utils.data")
 
+from dlcachefs.clairvoyance import protocol as P  # noqa: E402
 from dlcachefs.clairvoyance.control import ControlState  # noqa: E402
 from dlcachefs.clairvoyance.streams import StreamManager  # noqa: E402
 from dlcachefs.client import wrappers as w  # noqa: E402
@@ -34,12 +35,12 @@ def announce_view(eng, src: Path, ds) -> tuple[ControlState, str]:
     """The view lines the hook would send for ``ds`` (roots under ``src``), applied."""
     view = w.resolve(ds)
     rels = [os.path.relpath(r.path, src) for r in view.roots]
-    rels = [w.normalize_rel(r) for r in rels]
-    lid = w.index_list_id(view.index) if view.index is not None else None
-    vid = w.view_id(rels, view.roots, lid)
+    rels = [P.normalize_rel(r) for r in rels]
+    lid = P.index_list_id(view.index) if view.index is not None else None
+    vid = P.view_id(rels, view.roots, lid)
     cs = ControlState(lambda rel: eng.ns.resolve(os.fsencode(rel)).ino)
-    writes = w.index_lines(lid, view.index) if lid else []
-    writes.append("\n".join(w.view_lines(vid, rels, view.roots, lid)) + "\n")
+    writes = P.index_writes(lid, view.index) if lid else []
+    writes.append(P.text(P.view_lines(vid, rels, view.roots, lid)))
     for text in writes:
         cs.apply(text.encode(), 1)
     return cs, vid

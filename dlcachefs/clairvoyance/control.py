@@ -22,6 +22,9 @@ lines and ``#`` comments are ignored. The lines::
     view VID roots=R [index=LID]   # closes the R ``root`` lines of VID just before it
     dataset RELPATH view=VID # the job's dataset is view VID (RELPATH: its first root)
 
+The limits, the ids and the encoder of every line (what the training process writes) are
+in :mod:`dlcachefs.clairvoyance.protocol`; this module parses and applies.
+
 See :mod:`dlcachefs.clairvoyance.replay` for what the sampler fields mean. Each (job, rank) is one
 stream: a ``distributed`` sampler line binds the writing process to its rank, other
 samplers to rank 0. A write is attributed to a job: the one its own ``job`` line names,
@@ -59,12 +62,12 @@ Views (wrapped datasets, :mod:`dlcachefs.client.wrappers`): the dataset a DataLo
 the concatenation of the sample lists of one or more ImageFolder roots (``root`` lines;
 ``count``/``sha`` are the training's digest of each root's list, checked by the mount when
 it lists the root; ``ext`` the DatasetFolder's extensions, percent-encoded, ``any`` for a
-custom ``is_valid_file``),
-optionally seen through an index list (``Subset``: dataset index ``i`` is base index
-``index[i]``). Index lists and views are content-addressed: ``LID`` is the first 24 hex
-digits of the SHA-256 of the indices as int64 little-endian, ``VID`` that of the view's
-definition (:func:`dlcachefs.client.wrappers.view_id`); both are checked, so a client sends each
-once per process and mount and names it afterwards. A ``dataset ... view=VID`` line
+custom ``is_valid_file``), optionally seen through an index list (``Subset``: dataset
+index ``i`` is base index ``index[i]``). Index lists and views are content-addressed:
+``LID`` is the first 24 hex digits of the SHA-256 of the indices as int64 little-endian,
+``VID`` that of the view's definition (:func:`dlcachefs.clairvoyance.protocol.view_id`);
+both are checked, so a client sends each once per process and mount and names it
+afterwards. A ``dataset ... view=VID`` line
 naming a view the mount does not hold (a new daemon) is refused: send it again. An index
 list is received in chunks like an ``order``; at most ``MAX_LISTS`` complete lists,
 ``MAX_VIEWS`` views and ``MAX_LIST_TOTAL`` indices are kept (the oldest go first).
@@ -97,8 +100,16 @@ from urllib.parse import unquote
 
 import numpy as np
 
+from dlcachefs.clairvoyance.protocol import (
+    ID_HEX,
+    MAX_LINE,
+    MAX_LOSS_PAIRS,
+    MAX_SAMPLER_LINE,
+    MAX_WRITE,
+    index_list_id,
+    view_id,
+)
 from dlcachefs.clairvoyance.replay import SamplerSpec
-from dlcachefs.client.wrappers import MAX_LINE, MAX_WRITE, index_list_id, view_id
 from dlcachefs.errors import ControlError, DlcError
 
 MAX_JOBS = 64
@@ -107,11 +118,9 @@ MAX_PIDS = 4096
 MAX_ERRORS = 100
 MAX_EPOCH = 1 << 40
 MAX_INDEX = 1 << 40  # indices are checked against this when the dataset's size is unknown
-MAX_LOSS_PAIRS = 100_000  # per write
 MAX_ORDER_LEN = 1 << 26  # indices of one epoch's order
 MAX_ORDER_EPOCHS = 2  # completed orders kept per stream (and as many in progress)
 MAX_ORDER_TOTAL = 1 << 28  # order indices held by the mount, completed and in progress
-MAX_SAMPLER_LINE = 16384  # a "sampler ... state=B64" line carries a 5056-byte state
 MAX_LISTS = 16  # complete index lists kept (and as many in progress)
 MAX_VIEWS = 64
 MAX_LIST_TOTAL = 1 << 28  # indices held in index lists, complete and in progress
@@ -121,7 +130,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _INT_RE = re.compile(r"^-?\d{1,20}$")
 COMMANDS = ("job", "dataset", "sampler", "batch", "epoch", "loss", "order", "index", "root",
             "view")
-_ID_RE = re.compile(r"^[0-9a-f]{24}$")
+_ID_RE = re.compile(rf"^[0-9a-f]{{{ID_HEX}}}$")
 _HEX_RE = re.compile(r"^[0-9a-f]{64}$")
 _STATE_RE = re.compile(r"^[A-Za-z0-9+/]{1,12000}={0,2}$")
 
@@ -859,7 +868,7 @@ def _fold_roots(ops: list[_Op]) -> list[_Op]:
             defs = tuple(o.extra[0] for o in roots)
             if view_id([d.rel for d in defs], defs, lid) != vid:
                 raise ControlError(f"line {op.line}: view {vid} does not match its definition "
-                                   f"(see dlcachefs.client.wrappers.view_id)")
+                                   f"(see dlcachefs.clairvoyance.protocol.view_id)")
             out.append(_Op("view", vid, (defs, lid), op.line))
             roots = []
             continue

@@ -47,11 +47,11 @@ import numpy as np
 import trio
 
 from dlcachefs.clairvoyance.control import JobState, StreamState, ViewDef
+from dlcachefs.clairvoyance.protocol import paths_digest
 from dlcachefs.clairvoyance.reorder import NextEpochLog
 from dlcachefs.clairvoyance.replay import SamplerSpec
 from dlcachefs.clairvoyance.replayworker import RemoteReplayer, ReplayWorker
 from dlcachefs.clairvoyance.samplelist import IMG_EXTENSIONS, SampleList, image_folder
-from dlcachefs.client.wrappers import paths_digest
 from dlcachefs.errors import DlcError
 from dlcachefs.store.schema import Entry
 

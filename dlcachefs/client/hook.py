@@ -45,8 +45,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from urllib.parse import quote
 
+from dlcachefs.clairvoyance import protocol as _p
 from dlcachefs.client import wrappers as _w
 
 ENV_JOB = "DLCACHEFS_JOB"
@@ -83,7 +83,7 @@ def announce(dataset_root: str, lines: list[str], job: str | None = None) -> boo
         return False
     mount, rel = target
     job = job or os.environ.get(ENV_JOB) or "default"
-    text = f"job {job}\ndataset {rel}\n" + "".join(line + "\n" for line in lines)
+    text = _p.text([_p.job_line(job), _p.dataset_line(rel), *lines])
     try:
         write_control(mount, [text.encode()])
     except OSError as e:
@@ -130,15 +130,14 @@ class Target:
     lid: str | None
 
     def dataset_line(self) -> str:
-        return f"dataset {quote(self.rel, safe='/') or '.'} view={self.vid}\n"
+        return _p.dataset_line(self.rel, self.vid)
 
     def definition(self) -> list[str]:
         """The writes that define the view (its index list first)."""
         writes = []
         if self.lid is not None and self.view.index is not None:
-            writes += _w.index_lines(self.lid, self.view.index)
-        writes.append("\n".join(_w.view_lines(self.vid, self.rels, self.view.roots,
-                                              self.lid)) + "\n")
+            writes += _p.index_writes(self.lid, self.view.index)
+        writes.append(_p.text(_p.view_lines(self.vid, self.rels, self.view.roots, self.lid)))
         return writes
 
 
@@ -170,9 +169,9 @@ def _target_now(ds) -> Target | str | None:
     mounts = {f[0] for f in found if f is not None}
     if None in found or len(mounts) > 1:
         return f"{view.how}: its ImageFolders are not all on one dlcachefs mount"
-    rels = tuple(_w.normalize_rel(f[1]) for f in found if f is not None)
-    lid = _w.index_list_id(view.index) if view.index is not None else None
-    return Target(mounts.pop(), rels[0], _w.view_id(rels, view.roots, lid), view, rels, lid)
+    rels = tuple(_p.normalize_rel(f[1]) for f in found if f is not None)
+    lid = _p.index_list_id(view.index) if view.index is not None else None
+    return Target(mounts.pop(), rels[0], _p.view_id(rels, view.roots, lid), view, rels, lid)
 
 
 _claims: dict[str, str] = {}  # job -> the dataset (view id) whose loader owns its stream
@@ -202,7 +201,7 @@ def _send(t: Target, lines: list[str], job: str | None = None,
     job = job or os.environ.get(ENV_JOB) or "default"
     if not _claim(job, t.vid, weak):
         return False
-    text = f"job {job}\n" + t.dataset_line() + "".join(line + "\n" for line in lines)
+    text = _p.text([_p.job_line(job), t.dataset_line(), *lines])
     defs = [(t.vid, t.definition), *extra_defs]
     for attempt in range(2):
         had_all = all((t.mount, key) in _sent for key, _ in defs)
@@ -264,9 +263,10 @@ def _unknown(ds, reason: str, epoch: int) -> None:
         return
     _warn_once(f"unknown:{reason}", f"the mount cannot replay this training's order "
                f"({reason}); it learns it from the files read")
-    line = f"job {job}\nsampler unknown reason={quote(reason[:200], safe='')}\nepoch {epoch}\n"
+    text = _p.text([_p.job_line(job), _p.sampler_line("unknown", reason=reason[:200]),
+                    _p.epoch_line(epoch)])
     try:
-        write_control(mount, [line.encode()])
+        write_control(mount, [text.encode()])
     except OSError as e:
         _warn_once(f"write:{mount}", f"could not announce to {mount} ({e})")
 
@@ -337,15 +337,15 @@ def _patch(data_module) -> None:
         if t is None:
             yield from orig_random_iter(self)
             return
-        tail = (f"num_samples={self.num_samples} "
-                f"replacement={str(bool(self.replacement)).lower()}")
+        size = {"num_samples": self.num_samples, "replacement": bool(self.replacement)}
         epoch = _next_epoch(self)
         if self.generator is None:
             # exactly torch's own draw, at the same moment: the RNG stream is unchanged
             seed = int(torch.empty((), dtype=torch.int64).random_().item())
             g = torch.Generator()
             g.manual_seed(seed)
-            _send(t, [f"sampler random seed={seed} per_epoch=true {tail}", f"epoch {epoch}"])
+            _send(t, [_p.sampler_line("random", seed=seed, per_epoch=True, **size),
+                      _p.epoch_line(epoch)])
             proxy = copy.copy(self)
             proxy.generator = g
             yield from orig_random_iter(proxy)
@@ -354,8 +354,9 @@ def _patch(data_module) -> None:
         try:  # get_state() does not advance the generator
             if g.device.type == "cpu":
                 state = encode_state(g.get_state())
-                _send(t, [f"sampler random state={state} {tail} "
-                          f"loader_draws={_draws(_loader_of(self), g)}", f"epoch {epoch}"])
+                _send(t, [_p.sampler_line("random", state=state, **size,
+                                          loader_draws=_draws(_loader_of(self), g)),
+                          _p.epoch_line(epoch)])
             else:
                 _unknown(dataset_of(self, self.data_source),
                          f"RandomSampler with a {g.device.type} generator", epoch)
@@ -370,22 +371,24 @@ def _patch(data_module) -> None:
             if t is not None:
                 idx = self.indices.tolist() if hasattr(self.indices, "tolist") \
                     else [int(i) for i in self.indices]
-                lid = _w.index_list_id(idx)
+                lid = _p.index_list_id(idx)
                 g = self.generator
                 epoch = _next_epoch(self)
+                fields: dict[str, object] | None
                 if g is None:  # torch.randperm(generator=None): the global generator
-                    fields = (f"state={encode_state(torch.default_generator.get_state())} "
-                              f"per_epoch=true")
+                    fields = {"state": encode_state(torch.default_generator.get_state()),
+                              "per_epoch": True}
                 elif g.device.type == "cpu":
-                    fields = f"state={encode_state(g.get_state())} loader_draws=" \
-                             f"{_draws(loader, g)}"
+                    fields = {"state": encode_state(g.get_state()),
+                              "loader_draws": _draws(loader, g)}
                 else:
                     fields = None
                     _unknown(loader.dataset, f"SubsetRandomSampler with a {g.device.type} "
                              f"generator", epoch)
                 if fields is not None:
-                    _send(t, [f"sampler subset_random index={lid} {fields}", f"epoch {epoch}"],
-                          extra_defs=[(lid, lambda: _w.index_lines(lid, idx))])
+                    _send(t, [_p.sampler_line("subset_random", index=lid, **fields),
+                              _p.epoch_line(epoch)],
+                          extra_defs=[(lid, lambda: _p.index_writes(lid, idx))])
         except Exception as e:  # noqa: BLE001 - never break the training
             _warn_once("hook", f"sampler hook failed: {e}")
         yield from orig_subset_iter(self)
@@ -394,10 +397,11 @@ def _patch(data_module) -> None:
         try:
             t = usable(dataset_of(self, self.dataset), self)
             if t is not None:
-                _send(t, [f"sampler distributed seed={self.seed} world={self.num_replicas} "
-                          f"rank={self.rank} shuffle={str(bool(self.shuffle)).lower()} "
-                          f"drop_last={str(bool(self.drop_last)).lower()}",
-                          f"epoch {self.epoch}"])
+                _send(t, [_p.sampler_line("distributed", seed=self.seed,
+                                          world=self.num_replicas, rank=self.rank,
+                                          shuffle=bool(self.shuffle),
+                                          drop_last=bool(self.drop_last)),
+                          _p.epoch_line(self.epoch)])
         except Exception as e:  # noqa: BLE001
             _warn_once("hook", f"sampler hook failed: {e}")
         return orig_dist_iter(self)
@@ -426,7 +430,8 @@ def _patch(data_module) -> None:
         elif type(inner).__iter__ is SequentialSampler.__iter__:
             t = usable(ds, loader)
             if t is not None:
-                _send(t, ["sampler sequential", f"epoch {_next_epoch(loader)}"], weak=True)
+                _send(t, [_p.sampler_line("sequential"), _p.epoch_line(_next_epoch(loader))],
+                      weak=True)
             return
         else:
             reason = f"sampler {type(inner).__name__} is not replayable"
@@ -483,11 +488,6 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 
 # ----- per-sample losses and explicit orders (importance sampling) ----------------------
-
-#: limits of the control file (see :mod:`dlcachefs.clairvoyance.control`): bytes per write, chars per line
-_MAX_WRITE = _w.MAX_WRITE  # the control file's limits (one definition, in wrappers)
-_MAX_LINE = _w.MAX_LINE
-
 
 def _as_list(x) -> list:
     """A flat Python list from a torch tensor (any device), a numpy array or a sequence."""
@@ -648,57 +648,19 @@ class LossReporter:
                    f"{self.mount}/.dlcache/errors. Training goes on.")
 
     def _head(self, with_dataset: bool = False) -> bytes:
-        head = f"job {self.job}\n" if self.job else ""
+        lines = [_p.job_line(self.job)] if self.job else []
         if with_dataset:
-            head += self._view.dataset_line() if self._view is not None \
-                else f"dataset {self.rel}\n"
-        return head.encode()
+            lines.append(self._view.dataset_line() if self._view is not None
+                         else _p.dataset_line(self.rel or ""))
+        return _p.text(lines).encode()
 
     def _encode(self, idx: list[int], vals: list[float]) -> list[tuple[bytes, int]]:
-        """The writes for these pairs: (bytes, number of pairs) each, every write at most
-        ``max_pairs`` pairs and 64 KiB (with room for a ``dataset`` line), every line at most
-        4096 characters."""
+        """The writes for these pairs: (bytes, number of pairs) each, at most ``max_pairs``
+        pairs each, with room for the ``dataset`` line a refused write is sent again with."""
         head = self._head()
-        room = _MAX_WRITE - len(self._head(with_dataset=True))
-        writes: list[tuple[bytes, int]] = []
-        lines: list[str] = []
-        line: list[str] = []
-        line_len = size = pairs = 0
-
-        def end_line() -> None:
-            nonlocal line, line_len
-            if line:
-                lines.append("loss " + " ".join(line) + "\n")
-                line, line_len = [], 0
-
-        def end_write() -> None:
-            nonlocal lines, size, pairs
-            end_line()
-            if lines:
-                writes.append((head + "".join(lines).encode(), pairs))
-            lines, size, pairs = [], 0, 0
-
-        for i, v in zip(idx, vals, strict=True):
-            tok = f"{i} {v:.9g}"
-            if line and line_len + 1 + len(tok) <= _MAX_LINE:
-                cost = 1 + len(tok)  # " " + tok on the current line
-                new_line = False
-            else:
-                cost = len("loss ") + len(tok) + 1  # a new line, with its "\n"
-                new_line = True
-            if pairs >= self.max_pairs or size + cost > room:
-                end_write()
-                cost, new_line = len("loss ") + len(tok) + 1, True
-            if new_line:
-                end_line()
-                line_len = len("loss ") + len(tok)
-            else:
-                line_len += 1 + len(tok)
-            line.append(tok)
-            size += cost
-            pairs += 1
-        end_write()
-        return writes
+        reserve = len(self._head(with_dataset=True)) - len(head)
+        return [(w.encode(), n) for w, n in _p.loss_writes(idx, vals, head.decode(), reserve,
+                                                           self.max_pairs)]
 
 
 def with_index(dataset):
@@ -826,13 +788,13 @@ class ImportanceSampler:
         mount, rel = self._target
         # dataset and sampler once: re-sending them would restart the running epoch's
         # stream before this epoch's order is complete
-        ds_line = self._view.dataset_line() if self._view is not None else f"dataset {rel}\n"
-        head = f"job {self.job}\n" if self._announced_head else (
-            f"job {self.job}\n{ds_line}sampler explicit\n")
+        job = _p.text([_p.job_line(self.job)])
+        ds_line = self._view.dataset_line() if self._view is not None else _p.dataset_line(rel)
+        head = job if self._announced_head else (
+            job + _p.text([ds_line, _p.sampler_line("explicit")]))
         epoch = self.epoch
-        writes = _w.chunked_writes(f"order {epoch}", [str(i) for i in order],
-                                lambda n: f"order {epoch} end {n}\nepoch {epoch}\n",
-                                head, next_head=f"job {self.job}\n")
+        writes = _p.order_writes(epoch, order, head, next_head=job,
+                                 after=[_p.epoch_line(epoch)])
         if self._view is not None and not self._announced_head:
             writes = self._view.definition() + writes
         try:

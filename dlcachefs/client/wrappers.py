@@ -22,8 +22,9 @@ same length, and refused (with the reason) when it holds several different ones.
 Each root carries a digest of its sample list (the number of samples and a SHA-256 of
 their paths relative to the root, one per line): the mount derives the list again from
 its own snapshot and replays an order only if the two agree (a custom ``is_valid_file``
-or ``find_classes`` cannot be replayed; the digest tells). See the README's "Clairvoyant
-epochs" for the control lines (:func:`index_lines`, :func:`view_lines`).
+or ``find_classes`` cannot be replayed; the digest tells). The digest, the ids and the
+control lines that announce a view are the protocol's
+(:mod:`dlcachefs.clairvoyance.protocol`); see the README's "Clairvoyant epochs".
 
 Pure Python, no torch import (torchvision's classes are recognised only when the training
 imported them already).
@@ -31,20 +32,11 @@ imported them already).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
-from array import array
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from urllib.parse import quote
 
-#: limits of the control file, defined once here (this module runs in the training
-#: process without trio): :mod:`dlcachefs.clairvoyance.control` enforces them, the client's encoders
-#: (here and in :mod:`dlcachefs.torch`) stay within them
-MAX_WRITE = 64 * 1024
-MAX_LINE = 4096
-ID_HEX = 24  # hex digits of index-list and view ids
+from dlcachefs.clairvoyance.protocol import paths_digest
 
 
 class Unresolved(Exception):
@@ -59,17 +51,6 @@ class Root:
     extensions: tuple[str, ...] | None  # None: a custom is_valid_file (not replayable)
     count: int
     sha: str  # sha256 hex of the relative sample paths, "\n"-terminated
-
-    @property
-    def ext_token(self) -> str:
-        return ext_token(self.extensions)
-
-
-def ext_token(extensions: Sequence[str] | None) -> str:
-    """The ``ext=`` field: percent-encoded extensions joined by ``,``; ``any`` for none."""
-    if extensions is None:
-        return "any"
-    return ",".join(quote(e, safe="") for e in extensions)
 
 
 @dataclass(frozen=True)
@@ -95,41 +76,6 @@ class View:
                 return k, j
             j -= r.count
         raise IndexError(i)
-
-
-def paths_digest(rel_paths: Sequence[str]) -> str:
-    """SHA-256 hex of the sample paths (relative to their root), each ``\\n``-terminated,
-    as bytes (``os.fsencode``: undecodable names keep their bytes). The mount computes the
-    same over its own listing."""
-    h = hashlib.sha256()
-    enc = os.fsencode
-    for p in rel_paths:
-        h.update(enc(p))
-        h.update(b"\n")
-    return h.hexdigest()
-
-
-def index_list_id(indices: Sequence[int]) -> str:
-    """Content id of an index list: SHA-256 of the int64 little-endian values."""
-    a = array("q", indices)
-    if sys.byteorder != "little":
-        a.byteswap()
-    return hashlib.sha256(a.tobytes()).hexdigest()[:ID_HEX]
-
-
-def normalize_rel(rel: str) -> str:
-    """A path relative to the mount as the control protocol spells it ("" for the root)."""
-    return "/".join(p for p in rel.split("/") if p not in ("", "."))
-
-
-def view_id(rels: Sequence[str], roots: Sequence, lid: str | None) -> str:
-    """Content id of a view: its roots (mount-relative, normalized; objects with
-    ``count``, ``sha``, ``extensions``), and index-list id. The mount recomputes it to
-    check a definition."""
-    text = "".join(f"{rel}\t{r.count}\t{r.sha}\t{ext_token(r.extensions)}\n"
-                   for rel, r in zip(rels, roots, strict=True))
-    text += f"index={lid or '-'}\n"
-    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:ID_HEX]
 
 
 # ----- finding the folders ---------------------------------------------------------------
@@ -295,92 +241,3 @@ def _search(ds: object, depth: int, active: set[int]) -> View:
         raise Unresolved("; ".join(reasons[:3]))
     raise Unresolved(f"{name} is not a Subset, ConcatDataset or DatasetFolder and holds "
                      f"none in its attributes")
-
-
-# ----- control lines -----------------------------------------------------------------------
-
-
-def _tokens(indices: Sequence[int]) -> list[str]:
-    """``I`` per index, ``A:B`` for a run ``A, A+1, ..., B-1`` of at least 3."""
-    out: list[str] = []
-    n = len(indices)
-    i = 0
-    while i < n:
-        j = i + 1
-        while j < n and indices[j] == indices[j - 1] + 1:
-            j += 1
-        if j - i >= 3:
-            out.append(f"{indices[i]}:{indices[j - 1] + 1}")
-        else:
-            out.extend(str(x) for x in indices[i:j])
-        i = j
-    return out
-
-
-def _expanded(token: str) -> int:
-    a, _, b = token.partition(":")
-    return int(b) - int(a) if b else 1
-
-
-def chunked_writes(prefix: str, tokens: Sequence[str], tail: Callable[[int], str],
-                   head: str = "", next_head: str | None = None,
-                   expand: Callable[[str], int] = lambda _t: 1) -> list[str]:
-    """The one encoder of long index lists for the control file: writes of at most
-    ``MAX_WRITE`` bytes whose lines (at most ``MAX_LINE`` characters) read
-    ``PREFIX START TOKEN...`` (``START``: the position of the line's first index), then
-    ``tail(count)``. The first write starts with ``head``, later ones with ``next_head``
-    (default ``head``). ``expand(token)`` is how many indices a token stands for."""
-    cont = head if next_head is None else next_head
-    writes: list[str] = []
-    buf: list[str] = [head]
-    size = len(head)
-    pos = 0
-    line: list[str] = []
-    line_start = 0
-    line_len = 0
-
-    def end_line() -> None:
-        nonlocal size, line, line_len
-        if line:
-            text = f"{prefix} {line_start} " + " ".join(line) + "\n"
-            buf.append(text)
-            size += len(text)
-            line, line_len = [], 0
-
-    room = len(f"{prefix} {MAX_WRITE} \n") + 8
-    for tok in tokens:
-        if not line:
-            line_start = pos
-        elif room + line_len + 1 + len(tok) > MAX_LINE:
-            end_line()
-            line_start = pos
-            if size > MAX_WRITE - 2 * MAX_LINE:
-                writes.append("".join(buf))
-                buf, size = [cont], len(cont)
-        line.append(tok)
-        line_len += 1 + len(tok)
-        pos += expand(tok)
-    end_line()
-    last = tail(pos)
-    if size + len(last) > MAX_WRITE:
-        writes.append("".join(buf))
-        buf = [cont]
-    buf.append(last)
-    writes.append("".join(buf))
-    return writes
-
-
-def index_lines(lid: str, indices: Sequence[int], head: str = "") -> list[str]:
-    """Writes (each starting with ``head``) that define index list ``lid``: ``index LID
-    START TOKENS...`` chunks, then ``index LID end COUNT``."""
-    return chunked_writes(f"index {lid}", _tokens(indices), lambda n: f"index {lid} end {n}\n",
-                          head, expand=_expanded)
-
-
-def view_lines(vid: str, rels: Sequence[str], roots: Sequence[Root], lid: str | None
-               ) -> list[str]:
-    """The ``root``/``view`` lines defining view ``vid`` (one write's worth of lines)."""
-    out = [f"root {vid} {quote(rel, safe='/') or '.'} count={r.count} sha={r.sha} "
-           f"ext={r.ext_token}" for rel, r in zip(rels, roots, strict=True)]
-    out.append(f"view {vid} roots={len(roots)}" + (f" index={lid}" if lid else ""))
-    return out
