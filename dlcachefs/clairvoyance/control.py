@@ -94,7 +94,7 @@ import re
 import time
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from urllib.parse import unquote
 
@@ -257,6 +257,74 @@ def _kv(n: int, args: list[str], allowed: set[str]) -> dict[str, str]:
     return out
 
 
+def _receive(pending: dict, complete: dict, key: Hashable, done_key: Hashable,
+             extra: tuple, keep: int) -> tuple[int, array | None]:
+    """Applies one ``index`` or ``order`` line (validated by :class:`_ChunkReplay`) to a
+    list received in chunks. ``pending[key]`` holds what came so far: a chunk at 0 starts
+    it again (at most ``keep`` lists in progress; the oldest is dropped), ``end`` moves it
+    to ``complete[done_key]`` (at most ``keep`` kept, the oldest dropped). Returns the change
+    in the number of indices held, and the list it completed (None for a chunk)."""
+    delta = 0
+    if extra[0] == "chunk":
+        start, indices = extra[1], extra[2]
+        if start == 0:
+            old = pending.pop(key, None)
+            if old is not None:
+                delta -= len(old)
+            while len(pending) >= keep:
+                delta -= len(pending.pop(next(iter(pending))))
+            pending[key] = array("q")
+        pending[key].extend(indices)
+        return delta + len(indices), None
+    done = pending.pop(key, None)
+    if done is None:  # "end 0" with nothing received: an empty list
+        done = array("q")
+    old = complete.pop(done_key, None)
+    if old is not None:
+        delta -= len(old)
+    complete[done_key] = done
+    while len(complete) > keep:
+        delta -= len(complete.pop(next(iter(complete))))
+    return delta, done
+
+
+class _ChunkReplay:
+    """Replays ``index`` or ``order`` lines on the lists in progress as :func:`_receive`
+    will apply them, and refuses a line it would not accept (for
+    :meth:`ControlState._check`: a write is checked whole before any of it is applied).
+    Keeps references to the received arrays and to this write's chunks, never copies."""
+
+    def __init__(self, received: dict, keep: int) -> None:
+        self.keep = keep
+        # oldest first, as _receive drops them
+        self.parts: dict[Hashable, list[Sequence[int]]] = {k: [a] for k, a in received.items()}
+
+    def line(self, op: _Op, key: Hashable, what: str) -> list[Sequence[int]] | None:
+        """Replays one line on list ``key`` (``what`` names it in messages); returns the
+        list's parts when the line completes it."""
+        parts = self.parts.get(key, [])
+        have = sum(len(x) for x in parts)
+        if op.extra[0] == "end":
+            if op.extra[1] != have:
+                raise ControlError(f"line {op.line}: {what} has {have} indices, 'end' says "
+                                   f"{op.extra[1]}")
+            self.parts.pop(key, None)
+            return parts
+        start, indices = op.extra[1], op.extra[2]
+        if start == 0:
+            self.parts.pop(key, None)
+            while len(self.parts) >= self.keep:
+                self.parts.pop(next(iter(self.parts)))
+            parts, have = [], 0
+            self.parts[key] = parts
+        elif start != have:
+            raise ControlError(f"line {op.line}: {what} continues at {have}, got {start}")
+        if have + len(indices) > MAX_ORDER_LEN:
+            raise ControlError(f"line {op.line}: {what} longer than {MAX_ORDER_LEN} indices")
+        parts.append(indices)
+        return None
+
+
 class ControlState:
     """Accepted control state of all jobs and streams, and the log of refused writes.
 
@@ -404,28 +472,9 @@ class ControlState:
                 self.views.popitem(last=False)
             return
         lid = str(op.arg)
-        key = f"{pid}/{lid}"
-        if op.extra[0] == "chunk":
-            start, indices = op.extra[1], op.extra[2]
-            if start == 0:
-                old = self.pending_lists.pop(key, None)
-                if old is not None:
-                    self.list_indices -= len(old)
-                while len(self.pending_lists) >= MAX_LISTS:
-                    self.list_indices -= len(self.pending_lists.popitem(last=False)[1])
-                self.pending_lists[key] = array("q")
-            self.pending_lists[key].extend(indices)
-            self.list_indices += len(indices)
-            return
-        done = self.pending_lists.pop(key, None)
-        if done is None:
-            done = array("q")
-        old = self.index_lists.pop(lid, None)
-        if old is not None:
-            self.list_indices -= len(old)
-        self.index_lists[lid] = done
-        while len(self.index_lists) > MAX_LISTS:
-            self.list_indices -= len(self.index_lists.popitem(last=False)[1])
+        delta, _ = _receive(self.pending_lists, self.index_lists, f"{pid}/{lid}", lid,
+                            op.extra, MAX_LISTS)
+        self.list_indices += delta
 
     def _drop_orders(self, job: str) -> None:
         for (j, _r), st in self.streams.items():
@@ -436,29 +485,11 @@ class ControlState:
 
     def _apply_order(self, st: StreamState, op: _Op, completed: list) -> None:
         epoch = int(op.arg)  # type: ignore[call-overload]
-        pend = st.pending_orders
-        if op.extra[0] == "chunk":
-            start, indices = op.extra[1], op.extra[2]
-            if start == 0:
-                old = pend.pop(epoch, None)
-                if old is not None:
-                    self.order_indices -= len(old)
-                while len(pend) >= MAX_ORDER_EPOCHS:
-                    self.order_indices -= len(pend.pop(next(iter(pend))))
-                pend[epoch] = array("q")
-            pend[epoch].extend(indices)
-            self.order_indices += len(indices)
-            return
-        order = pend.pop(epoch, None)
-        if order is None:  # "order E end 0" with nothing received: an empty order
-            order = array("q")
-        old = st.orders.pop(epoch, None)
-        if old is not None:
-            self.order_indices -= len(old)
-        st.orders[epoch] = order
-        while len(st.orders) > MAX_ORDER_EPOCHS:
-            self.order_indices -= len(st.orders.pop(next(iter(st.orders))))
-        completed.append((st, epoch, order))
+        delta, order = _receive(st.pending_orders, st.orders, epoch, epoch, op.extra,
+                                MAX_ORDER_EPOCHS)
+        self.order_indices += delta
+        if order is not None:
+            completed.append((st, epoch, order))
 
     def _check(self, ops: list[_Op], pid: int) -> None:
         """What parsing alone cannot check: bounds, and the lines that depend on the state
@@ -468,7 +499,7 @@ class ControlState:
         datasets: dict[str, str | None] = {}  # job -> its dataset at this point
         loss_ds: dict[str, str] = {}  # job -> the dataset its losses of this write refer to
         sizes: dict[str, int | None] = {}
-        pending: dict[tuple[str, int], dict[int, int]] = {}  # stream -> epoch -> received
+        orders: dict[tuple[str, int], _ChunkReplay] = {}  # stream -> its orders in progress
         added = 0
         unsized_losses = 0  # loss pairs of datasets whose size is not known yet
         lists = _ListReplay(self, pid)
@@ -509,8 +540,8 @@ class ControlState:
                         raise ControlError(
                             f"line {op.line}: dataset of job {job!r} changes after its loss "
                             f"lines in the same write; send them in separate writes")
-                    for key in [k for k in (*self.streams, *pending) if k[0] == job]:
-                        pending[key] = {}  # its orders are dropped
+                    for key in [k for k in (*self.streams, *orders) if k[0] == job]:
+                        orders[key] = _ChunkReplay({}, MAX_ORDER_EPOCHS)  # dropped
                 datasets[job] = rel
                 dviews[job] = vid
             if op.verb not in ("loss", "order"):
@@ -520,7 +551,7 @@ class ControlState:
                 raise ControlError(f"line {op.line}: {op.verb} before a dataset: job {job!r} "
                                    f"has no 'dataset' line yet")
             if op.verb == "order" and op.extra[0] == "end":
-                self._check_order(op, (job, rank), pending)
+                self._check_order(op, (job, rank), orders)
                 continue
             indices: list[int] = op.arg if op.verb == "loss" else op.extra[2]  # type: ignore[assignment]
             if dviews.get(job) is not None:
@@ -539,7 +570,7 @@ class ControlState:
                 if n is None:
                     unsized_losses += len(indices)
             else:
-                self._check_order(op, (job, rank), pending)
+                self._check_order(op, (job, rank), orders)
                 added += len(indices)
         if len(self.jobs) + len(new_jobs) > MAX_JOBS:
             raise ControlError(f"too many jobs (at most {MAX_JOBS} per mount)")
@@ -561,34 +592,13 @@ class ControlState:
                                f"{added} in this write")
 
     def _check_order(self, op: _Op, key: tuple[str, int],
-                     pending: dict[tuple[str, int], dict[int, int]]) -> None:
-        """Replays one ``order`` line on the received counts, as :meth:`_apply_order` does."""
-        counts = pending.get(key)
-        if counts is None:
+                     orders: dict[tuple[str, int], _ChunkReplay]) -> None:
+        """Replays one ``order`` line on stream ``key``'s orders in progress."""
+        if key not in orders:
             st = self.streams.get(key)
-            counts = pending[key] = {e: len(a) for e, a in st.pending_orders.items()} \
-                if st is not None else {}
-        epoch = int(op.arg)  # type: ignore[call-overload]
-        have = counts.get(epoch, 0)
-        if op.extra[0] == "end":
-            if op.extra[1] != have:
-                raise ControlError(f"line {op.line}: order for epoch {epoch} has {have} "
-                                   f"indices, 'end' says {op.extra[1]}")
-            counts.pop(epoch, None)
-            return
-        start, indices = op.extra[1], op.extra[2]
-        if start == 0:
-            counts.pop(epoch, None)
-            while len(counts) >= MAX_ORDER_EPOCHS:
-                counts.pop(next(iter(counts)))
-            counts[epoch] = have = 0
-        elif start != have:
-            raise ControlError(f"line {op.line}: order for epoch {epoch} continues at {have}, "
-                               f"got {start}")
-        if have + len(indices) > MAX_ORDER_LEN:
-            raise ControlError(f"line {op.line}: order for epoch {epoch} longer than "
-                               f"{MAX_ORDER_LEN} indices")
-        counts[epoch] = have + len(indices)
+            orders[key] = _ChunkReplay(st.pending_orders if st is not None else {},
+                                       MAX_ORDER_EPOCHS)
+        orders[key].line(op, op.arg, f"order for epoch {op.arg}")
 
     def _size_of(self, rel: str) -> int | None:
         if self.dataset_size is None:
@@ -882,63 +892,30 @@ def _fold_roots(ops: list[_Op]) -> list[_Op]:
 
 
 class _ListReplay:
-    """Replays a write's ``index`` and ``view`` lines on the received counts (for
+    """Replays a write's ``index`` and ``view`` lines on what was received (for
     :meth:`ControlState._check`), as :meth:`ControlState._apply_list_or_view` applies them."""
 
     def __init__(self, cs: ControlState, pid: int) -> None:
         self.cs = cs
         self.pid = pid  # lists in transit are per writing process ("PID/LID")
-        self.parts: dict[str, list] = {}  # lid -> received segments (this write's view)
-        self.pending_order = list(cs.pending_lists)  # oldest first, as apply evicts
-        self.evicted: set[str] = set()
+        self.chunks = _ChunkReplay(cs.pending_lists, MAX_LISTS)
         self.done: dict[str, tuple[int, int]] = {}  # lid -> (count, max + 1) completed here
         self.views: dict[str, int] = {}  # vid -> length, defined here
         self.added = 0
 
-    def _segments(self, key: str) -> list:
-        if key not in self.parts:
-            old = self.cs.pending_lists.get(key) if key not in self.evicted else None
-            self.parts[key] = [old] if old is not None else []
-        return self.parts[key]
-
     def index(self, op: _Op) -> None:
         lid = str(op.arg)
-        key = f"{self.pid}/{lid}"
-        segs = self._segments(key)
-        have = sum(len(x) for x in segs)
-        if op.extra[0] == "end":
-            if op.extra[1] != have:
-                raise ControlError(f"line {op.line}: index list {lid} has {have} indices, 'end' "
-                                   f"says {op.extra[1]}")
-            content = array("q")
-            for x in segs:
-                content.extend(x)
-            if index_list_id(content) != lid:
-                raise ControlError(f"line {op.line}: index list {lid} does not match its id "
-                                   f"(sha256 of the int64 little-endian indices)")
-            self.done[lid] = (have, max(content) + 1 if content else 0)
-            self.parts.pop(key, None)
-            if key in self.pending_order:
-                self.pending_order.remove(key)
+        parts = self.chunks.line(op, f"{self.pid}/{lid}", f"index list {lid}")
+        if parts is None:
+            self.added += len(op.extra[2])
             return
-        start, indices = op.extra[1], op.extra[2]
-        if start == 0:
-            segs.clear()
-            have = 0
-            if key in self.pending_order:
-                self.pending_order.remove(key)
-            while len(self.pending_order) >= MAX_LISTS:
-                gone = self.pending_order.pop(0)
-                self.evicted.add(gone)
-                self.parts[gone] = []
-            self.pending_order.append(key)
-        elif start != have:
-            raise ControlError(f"line {op.line}: index list {lid} continues at {have}, got "
-                               f"{start}")
-        if have + len(indices) > MAX_ORDER_LEN:
-            raise ControlError(f"line {op.line}: index list {lid} longer than {MAX_ORDER_LEN}")
-        segs.append(indices)
-        self.added += len(indices)
+        content = array("q")
+        for x in parts:
+            content.extend(x)
+        if index_list_id(content) != lid:
+            raise ControlError(f"line {op.line}: index list {lid} does not match its id "
+                               f"(sha256 of the int64 little-endian indices)")
+        self.done[lid] = (len(content), max(content) + 1 if content else 0)
 
     def complete(self, lid: str) -> bool:
         return lid in self.done or lid in self.cs.index_lists
