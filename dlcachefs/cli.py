@@ -10,10 +10,9 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
-import time
 
+from dlcachefs import mountctl
 from dlcachefs.config import OPTIONS, Config, Option, build_config, option, read_config_file
 from dlcachefs.units import format_size, parse_size
 
@@ -302,37 +301,20 @@ def cmd_umount(mountpoint: str, timeout: float) -> int:
     mountpoint = os.path.abspath(mountpoint)
     st = _read_stats(mountpoint)
     pid = st.get("pid") if st else None
-    r = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True)
-    lazy = False
-    if r.returncode != 0:
-        if "busy" in r.stderr.lower():
-            r = subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True,
-                               text=True)
-            lazy = r.returncode == 0
-        if r.returncode != 0:
-            print(f"dlcachefs: cannot unmount {mountpoint}: {r.stderr.strip()}", file=sys.stderr)
-            return 1
-    if lazy:
+    # a plain unmount; lazily when files are open (their reads go on being served)
+    u = mountctl.unmount(mountpoint, lazy="if_busy")
+    if not u.ok:
+        print(f"dlcachefs: cannot unmount {mountpoint}: {u.error}", file=sys.stderr)
+        return 1
+    if u.lazy:
         print(f"dlcachefs: {mountpoint} detached lazily: files are still open; the daemon "
               "commits and exits when the last one is closed", file=sys.stderr)
         return 0
-    if pid:
-        deadline = time.monotonic() + timeout
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if _alive(pid):
-            print(f"dlcachefs: unmounted, but daemon {pid} is still committing", file=sys.stderr)
-            return 1
+    if pid and not mountctl.wait_gone(pid, timeout):
+        print(f"dlcachefs: unmounted, but daemon {pid} is still committing", file=sys.stderr)
+        return 1
     print(f"dlcachefs: unmounted {mountpoint}", file=sys.stderr)
     return 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][:1] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 # ----- stats --------------------------------------------------------------------------

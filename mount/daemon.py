@@ -15,7 +15,6 @@ import logging
 import logging.handlers
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Callable
 
@@ -23,6 +22,7 @@ import pyfuse3
 import trio
 from dlcachefs.mount.ops import Operations
 
+from dlcachefs import mountctl
 from dlcachefs.cache.engine import Engine
 from dlcachefs.config import Config
 from dlcachefs.errors import DlcError
@@ -49,28 +49,17 @@ def setup_logging(cfg: Config) -> None:
         root.addHandler(sh)
 
 
-def _fuse_mounted_at(path: str) -> bool:
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) > 2 and parts[1].encode().decode("unicode_escape") == path \
-                    and parts[2].startswith("fuse"):
-                return True
-    return False
-
-
 def check_mountpoint(path: str) -> None:
     """Refuse a mountpoint that is not a directory or is in use; clean a stale FUSE mount
     (one whose daemon died, for example by ``kill -9``: every call on it fails ENOTCONN)."""
-    if _fuse_mounted_at(path):
+    if mountctl.is_mounted(path, fuse=True):
         try:
             os.statvfs(path)  # needs a live daemon; the kernel cannot answer from its cache
         except OSError as e:
             if e.errno != errno.ENOTCONN:
                 raise DlcError(f"mountpoint {path}: {e.strerror}") from None
             log.warning("mountpoint %s is a stale FUSE mount; unmounting it", path)
-            subprocess.run(["fusermount3", "-u", "-z", path], check=False,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            mountctl.unmount(path, lazy="at_once")
         else:
             raise DlcError(f"{path} is already a mount point")
     try:

@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from dlcachefs import mountctl
 from dlcachefs.clairvoyance import protocol as _p
 from dlcachefs.client import wrappers as _w
 
@@ -106,16 +107,7 @@ def write_control(mount: str, writes: list[bytes]) -> None:
 
 def dlcachefs_mounts() -> list[str]:
     """Mountpoints of the dlcachefs mounts this process sees (``/proc/self/mounts``)."""
-    out = []
-    try:
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) > 2 and parts[2] == "fuse.dlcachefs":
-                    out.append(parts[1].encode().decode("unicode_escape"))
-    except OSError:
-        pass
-    return out
+    return mountctl.mounts_of("fuse.dlcachefs")
 
 
 @dataclass(frozen=True)
