@@ -74,6 +74,8 @@ import sys
 import time
 from pathlib import Path
 
+from dlcachefs.mountctl import is_mounted, unmount
+
 from .digits import write_digits
 from .dlcmount import DlcMount, MountError, counter_delta, dlcachefs_exe
 from .passthrough import passthrough_mount
@@ -351,14 +353,14 @@ def run_one(variant: str, seed: int, data: Path, side: int, classes: int, cache_
                     rec["source"] = {"passthrough": source, "delay_ms": a.source_delay_ms}
                 m = DlcMount(source, str(work / "mnt"), str(cache), margs, exe=a.exe)
                 try:
-                    m.mount()
+                    m.start()
                 except MountError as e:
                     if variant == "icache":
                         raise Skipped(f"the mount refused the iCACHE options: {e}") from None
                     raise
                 ok = False
                 try:
-                    res = train(variant, seed, os.path.join(m.mountpoint, "train"), test_root,
+                    res = train(variant, seed, os.path.join(m.mnt, "train"), test_root,
                                 side, classes, a, stats_fn=m.stats)
                     final = m.stats()
                     ok = True
@@ -603,10 +605,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # a mountpoint left by an earlier crash would make every mount fail
     for mnt in (work / "mnt", work / "src"):  # dlcachefs first, then the passthrough
-        with contextlib.suppress(OSError):
-            if os.path.ismount(mnt):
-                subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False,
-                               capture_output=True)
+        if is_mounted(mnt):
+            unmount(mnt, lazy="at_once")
 
     runs = []
     for seed in range(a.seeds):

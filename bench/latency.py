@@ -65,9 +65,9 @@ def main() -> int:
                 cache = os.path.join(a.workdir, "cache")
                 shutil.rmtree(cache, ignore_errors=True)
                 m = DlcMount(mnt, os.path.join(a.workdir, "dmnt"), cache, ["--ignore-source-inode"])
-                m.mount()
+                m.start()
                 try:
-                    for e in _pipeline(os.path.join(m.mountpoint, "train"), launcher=True,
+                    for e in _pipeline(os.path.join(m.mnt, "train"), launcher=True,
                                        epochs=2, sampler=sampler, workers=workers):
                         rows.append({"system": "dlcachefs run", "sampler": sampler,
                                      "workers": workers, "epoch": e["epoch"],

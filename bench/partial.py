@@ -103,10 +103,10 @@ def main() -> int:
             tag = f"{k}-{int(reorder)}"
             m = DlcMount(src, os.path.join(work, f"mnt-{tag}"), os.path.join(work, f"cache-{tag}"),
                          extra)
-            m.mount()
+            m.start()
             try:
-                r = subprocess.run([m.exe, "run", "--", sys.executable, script,
-                                    os.path.join(m.mountpoint, "train"), str(a.epochs)],
+                r = subprocess.run([*m.cli, "run", "--", sys.executable, script,
+                                    os.path.join(m.mnt, "train"), str(a.epochs)],
                                    capture_output=True, text=True, timeout=3600)
                 if r.returncode != 0:
                     sys.exit(f"training loop failed:\n{r.stderr[-3000:]}")

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 from conftest import requires_fuse
 
+from dlcachefs.mountctl import is_mounted, unmount
 from dlcachefs.store.index import Index
 from dlcachefs.testing.mounting import (
     DLCACHEFS,
     STALE_MOUNT,
     drop_page_cache,
-    fuse_mounted,
     read_tree,
     wait_until,
 )
@@ -106,7 +106,7 @@ def test_kill9_then_remount_serves_from_the_log(src, mount):
     expected = read_tree(m.mnt)
     m.wait_cached(m.stats()["files"])
     m.kill9()
-    assert fuse_mounted(m.mnt)  # the dead daemon left a stale mount; the next mount cleans it
+    assert is_mounted(m.mnt)  # the dead daemon left a stale mount; the next mount cleans it
     m2 = mount(src, name="mnt")
     drop_page_cache()
     assert read_tree(m2.mnt) == expected
@@ -119,7 +119,7 @@ def test_sigterm_commits_pending_records(src, mount):
     expected = read_tree(m.mnt)  # then stop at once: records are still pending in memory
     m.proc.terminate()
     assert m.proc.wait(timeout=60) == 0
-    assert not fuse_mounted(m.mnt)
+    assert not is_mounted(m.mnt)
     m2 = mount(src)
     assert read_tree(m2.mnt) == expected
     assert m2.stats()["bytes_from_source"] == 0
@@ -135,7 +135,7 @@ def test_sigterm_while_stopping_is_harmless(src, mount):
     for _ in range(3):
         m = mount(src)
         assert read_tree(m.mnt) == expected  # records pending in the writer
-        subprocess.run(["fusermount3", "-u", "-z", str(m.mnt)], check=True)
+        assert unmount(m.mnt, lazy="at_once").ok
         m.proc.terminate()
         assert m.proc.wait(timeout=60) == 0
         assert m.log.read_text().rstrip().endswith("stopped; index committed")
@@ -306,7 +306,7 @@ def test_second_daemon_on_the_same_cache_refuses(src, mount, tmp_path):
                         str(tmp_path / "cache")], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert "in use by another dlcachefs daemon" in r.stderr
-    assert not fuse_mounted(other)
+    assert not is_mounted(other)
 
 
 def test_bad_mount_arguments_fail_clearly(tmp_path):
@@ -338,8 +338,8 @@ def test_daemonized_mount_and_umount_while_a_file_is_open(src, tmp_path, daemon_
         wait_until(lambda: not os.path.exists(f"/proc/{pid}"),
                    "the daemon did not exit after the last file was closed")
     finally:
-        if fuse_mounted(mnt):
-            subprocess.run(["fusermount3", "-u", "-z", str(mnt)])
+        if is_mounted(mnt):
+            unmount(mnt, lazy="at_once")
 
 
 def test_fstab_helper_mounts(src, tmp_path, daemon_oracle):
@@ -356,8 +356,8 @@ def test_fstab_helper_mounts(src, tmp_path, daemon_oracle):
         assert st["revalidate_s"] == 0 and st["cache_dir"] == str(tmp_path / "fcache")
     finally:
         subprocess.run([*DLCACHEFS, "umount", str(mnt)], capture_output=True)
-        if fuse_mounted(mnt):
-            subprocess.run(["fusermount3", "-u", "-z", str(mnt)])
+        if is_mounted(mnt):
+            unmount(mnt, lazy="at_once")
 
 
 def test_config_file_under_the_command_line(src, mount, tmp_path):

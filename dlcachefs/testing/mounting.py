@@ -1,4 +1,6 @@
-"""Helpers to run a real dlcachefs mount in a subprocess and always clean it up."""
+"""Run a real dlcachefs mount in a subprocess and always clean it up: :class:`Mount`,
+for the tests and the benchmarks; and the oracle the tests apply to a daemon afterwards
+(its exit, its log, its cache)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-DLCACHEFS = [sys.executable, "-m", "dlcachefs.cli"]
+from dlcachefs import mountctl
+from dlcachefs.mountctl import MountError
 
+DLCACHEFS = [sys.executable, "-m", "dlcachefs.cli"]
 
 def wait_until(pred: Callable[[], object], what: str = "timed out", timeout: float = 60.0,
                interval: float = 0.05):
@@ -30,51 +34,148 @@ def wait_until(pred: Callable[[], object], what: str = "timed out", timeout: flo
         time.sleep(interval)
 
 
-def fuse_mounted(path: Path) -> bool:
-    with open("/proc/self/mounts") as f:
-        return any(line.split()[1] == str(path) for line in f if len(line.split()) > 2)
-
-
 class Mount:
-    """A foreground ``dlcachefs mount`` child process; ``.mnt`` is the mountpoint.
+    """A dlcachefs mount run through its command line, always cleaned up; ``.mnt`` is the
+    mountpoint, ``.pid`` the daemon's while it is mounted.
 
-    Every mount runs with ``--debug-invariants``: the daemon checks the cache's invariants
-    after every commit and logs each violation as an ERROR line. Its stdout and stderr go
-    to :attr:`log`, which the ``mount`` fixture reads after the test, with how the daemon
-    ended (:meth:`exit_problem`; see :class:`DaemonOracle`)."""
+    Two ways to run the daemon:
 
-    def __init__(self, source: Path, mnt: Path, cache: Path, *extra: str,
-                 log: Path | None = None) -> None:
-        self.source, self.mnt, self.cache = source, mnt, cache
-        self.extra = extra if "--debug-invariants" in extra else (*extra, "--debug-invariants")
-        self.proc: subprocess.Popen | None = None
-        self.log = log or cache.parent / f"{mnt.name}.daemon.log"
+    * in the foreground (the default; the tests): ``dlcachefs mount --foreground`` is our
+      child; its stdout and stderr go to :attr:`log`, which the ``mount`` fixture reads
+      after the test, with how the daemon ended (:meth:`exit_problem`; see
+      :class:`DaemonOracle`). With ``debug_invariants`` (the default) the daemon checks
+      the cache's invariants after every commit and logs each violation as an ERROR line.
+    * daemonized (``daemonize=True``; the benchmarks, as a user runs it): ``dlcachefs
+      mount`` forks the daemon and returns once the mount is ready; the daemon logs to
+      ``<cache>/dlcachefs.log`` (:attr:`log`); its pid comes from the stats.
+
+    ``cli`` is the ``dlcachefs`` command (default: this Python's ``-m dlcachefs.cli``);
+    ``timeout`` bounds the start. :meth:`umount` runs ``dlcachefs umount``; when that
+    fails, the mount is detached lazily and the daemon this object started ended (by its
+    pid, checked against its command line; nothing else is ever signalled), then
+    :class:`MountError` is raised. As a context manager: started on the way in, unmounted
+    on the way out, also when the body fails (whose error is then the one raised)."""
+
+    def __init__(self, source: str | os.PathLike, mnt: str | os.PathLike,
+                 cache: str | os.PathLike, *extra: str, log: str | os.PathLike | None = None,
+                 cli: Sequence[str] | None = None, daemonize: bool = False,
+                 timeout: float = 60.0, debug_invariants: bool = True) -> None:
+        self.source, self.mnt, self.cache = (Path(os.path.abspath(p)) for p in (source, mnt, cache))
+        if debug_invariants and "--debug-invariants" not in extra:
+            extra = (*extra, "--debug-invariants")
+        self.extra = extra
+        self.cli = list(cli or DLCACHEFS)
+        self.daemonize = daemonize
+        self.timeout = timeout
+        self.log = Path(log) if log is not None else (
+            self.cache / "dlcachefs.log" if daemonize
+            else self.cache.parent / f"{self.mnt.name}.daemon.log")
+        self.proc: subprocess.Popen | None = None  # the foreground daemon
+        self.pid: int | None = None  # the daemon's, while mounted
+        self.mount_s: float | None = None  # how long the start took
+        self.umount_s: float | None = None  # how long ``dlcachefs umount`` took
         self.killed = False  # by the test, with kill9()
         self.forced = False  # by cleanup(): it did not stop after SIGTERM
 
-    def start(self, timeout: float = 60.0) -> Mount:
+    # ----- life cycle --------------------------------------------------------------------
+
+    def start(self, timeout: float | None = None) -> Mount:
+        """Mount, and return once the mount answers (its stats are readable)."""
+        timeout = self.timeout if timeout is None else timeout
         # OSError: a stale mount left by a killed daemon; the new daemon cleans it up
         with contextlib.suppress(OSError):
             self.mnt.mkdir(parents=True, exist_ok=True)
-        logf = open(self.log, "ab")  # noqa: SIM115 - kept open for the child's lifetime
-        self.proc = subprocess.Popen(
-            [*DLCACHEFS, "mount", str(self.source), str(self.mnt), "--cache-dir", str(self.cache),
-             "--foreground", *self.extra],
-            stdin=subprocess.DEVNULL, stdout=logf, stderr=logf)
-        logf.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mount exited with {self.proc.returncode}: {self.log.read_text()}")
-            if fuse_mounted(self.mnt):
-                try:
-                    self.stats()
-                    return self
-                except OSError:
-                    pass
-            time.sleep(0.05)
-        self.cleanup()
-        raise RuntimeError(f"mount not ready after {timeout} s: {self.log.read_text()}")
+        cmd = [*self.cli, "mount", str(self.source), str(self.mnt), "--cache-dir",
+               str(self.cache), *self.extra]
+        t0 = time.perf_counter()
+        if self.daemonize:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            self.mount_s = time.perf_counter() - t0
+            if r.returncode != 0:
+                raise MountError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()}")
+            try:
+                self.pid = int(self.stats()["pid"])
+            except Exception:
+                self.cleanup()
+                raise
+            return self
+        with open(self.log, "ab") as logf:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen([*cmd, "--foreground"], stdin=subprocess.DEVNULL,
+                                         stdout=logf, stderr=logf)
+        self.pid = self.proc.pid
+        try:
+            mountctl.wait_mounted(self.mnt, self.proc, timeout, "dlcachefs mount",
+                                  ready=self.stats)
+        except MountError as e:
+            self.cleanup()
+            raise MountError(f"{e}: {self.log.read_text()}") from None
+        self.mount_s = time.perf_counter() - t0
+        return self
+
+    def umount(self, timeout: float = 60.0) -> None:
+        """``dlcachefs umount``, then wait (at most ``timeout`` seconds) for a foreground
+        daemon to exit, with status 0. A no-op when not mounted by this object."""
+        if self.pid is None and not mountctl.is_mounted(self.mnt):
+            return
+        t0 = time.perf_counter()
+        try:
+            # the command waits up to 120 s (its --timeout) for the daemon's last commit
+            r = subprocess.run([*self.cli, "umount", str(self.mnt)], capture_output=True,
+                               text=True, timeout=max(self.timeout, 120.0) + 30)
+            ok, err = r.returncode == 0, r.stderr.strip()
+        except subprocess.TimeoutExpired:
+            ok, err = False, "timed out"
+        self.umount_s = time.perf_counter() - t0
+        if not ok:
+            self.cleanup()
+            raise MountError(f"dlcachefs umount {self.mnt} failed: {err}")
+        if self.proc is not None:
+            try:
+                rc = self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.cleanup()
+                raise MountError(f"daemon {self.proc.pid} did not exit within {timeout:g} s "
+                                 f"of the unmount: {self.log.read_text()}") from None
+            if rc != 0:
+                raise MountError(f"daemon {self.proc.pid} exited with status {rc}: "
+                                 f"{self.log.read_text()}")
+        self.pid = None
+
+    def kill9(self) -> None:
+        """Kill the daemon with SIGKILL (a crash; it leaves a stale mount behind)."""
+        self.killed = True
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        elif self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            mountctl.wait_gone(self.pid, 30)
+        self.pid = None
+
+    def cleanup(self) -> None:
+        """Whatever state it is in: detach the mount lazily and end the daemon (only
+        ours: our child, or the daemonized pid checked against its command line)."""
+        if mountctl.is_mounted(self.mnt):
+            mountctl.unmount(self.mnt, lazy="at_once")
+        if self.proc is not None:
+            self.forced = mountctl.end_child(self.proc, grace=30) or self.forced
+        elif self.pid is not None:
+            mountctl.end_pid(self.pid, b"dlcachefs", grace=30, kill_grace=10)
+        self.pid = None
+
+    def __enter__(self) -> Mount:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.umount()
+        except MountError as e:
+            if exc[0] is None:
+                raise
+            print(f"dlcachefs: {e}", file=sys.stderr)  # do not hide the body's error
+
+    # ----- observing -----------------------------------------------------------------------
 
     def stats(self) -> dict:
         with open(self.mnt / ".dlcache" / "stats", "rb") as f:
@@ -99,35 +200,10 @@ class Mount:
         return self.wait_stats(lambda st: st["cached_files"] >= n_files
                                and st["pending_bytes"] == 0, "cache did not settle", timeout)
 
-    def umount(self, timeout: float = 60.0) -> None:
-        r = subprocess.run([*DLCACHEFS, "umount", str(self.mnt)], capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr
-        if self.proc is not None:
-            self.proc.wait(timeout=timeout)
-            assert self.proc.returncode == 0, self.log.read_text()
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.killed = True
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-    def cleanup(self) -> None:
-        """Whatever state it is in: unmount and end the child (only ours, by PID)."""
-        if fuse_mounted(self.mnt):
-            subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], capture_output=True)
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.forced = True
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-
     def exit_problem(self) -> str | None:
-        """How the daemon ended, after :meth:`cleanup`, when not as it should: with status
-        0, after an unmount or a SIGTERM (a SIGKILL sent by :meth:`kill9` is expected)."""
+        """How a foreground daemon ended, after :meth:`cleanup`, when not as it should:
+        with status 0, after an unmount or a SIGTERM (a SIGKILL sent by :meth:`kill9` is
+        expected)."""
         if self.proc is None or self.killed:
             return None
         rc = self.proc.poll()
