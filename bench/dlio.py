@@ -53,8 +53,10 @@ import sysconfig
 import time
 from collections.abc import Sequence
 
+from dlcachefs.mountctl import end_pid
+
 from .dlcmount import DlcMount, counter_delta, dlcachefs_exe
-from .remote import end_pid, slow_remote
+from .remote import slow_remote
 from .util import drop_page_cache, machine_info, net_rx, proc_cpu_seconds, write_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -249,7 +249,9 @@ def passthrough_mount(src: str, mnt: str, direct_io: bool = False, keep_cache: b
     """Start the passthrough daemon on ``mnt`` in a child process and yield its pid; on
     the way out (also on failure) unmount with ``fusermount3 -u`` and end the child by
     its pid if it has not exited by itself. ``delay_ms`` > 0: every open waits that long."""
-    from .remote import RemoteError, is_mounted, stop_daemon, wait_mounted
+    from dlcachefs.mountctl import is_mounted, stop_daemon, wait_mounted
+
+    from .remote import RemoteError
 
     src = os.path.abspath(src)
     mnt = os.path.abspath(mnt)

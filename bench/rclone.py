@@ -38,21 +38,20 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from dlcachefs.mountctl import MountError, is_mounted, stop_daemon, wait_mounted
+
 from .remote import (
     DEFAULT_DATA,
     STATE_ROOT,
     Remote,
     RemoteError,
     ensure_random_files,
-    is_mounted,
     log,
     parse_list,
     reference_hashes,
     route_ok,
     slow_remote,
-    stop_daemon,
     timed_pass,
-    wait_mounted,
 )
 
 FAST_ARGS = ("--vfs-fast-fingerprint", "--sftp-disable-hashcheck")
@@ -117,11 +116,11 @@ def rclone_mount(remote_kind: str, source, mnt: str, fast: bool = True,
         proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
         try:
-            wait_mounted(mnt, proc, timeout_s=60, what="rclone mount")
-        except RemoteError:
+            wait_mounted(mnt, proc, timeout=60, what="rclone mount")
+        except MountError as e:
             with contextlib.suppress(OSError), open(log_path) as f:
                 log("rclone log: " + f.read()[-2000:])
-            raise
+            raise RemoteError(str(e)) from None
         yield RcloneMount(pid=proc.pid, mnt=mnt, cache_dir=cache_dir, remote_spec=spec,
                           args=args, log_path=log_path)
     finally:

@@ -21,9 +21,9 @@ namespaced), so DIR is the same path on both sides.
 Nothing here sends a packet anywhere but between 10.233.0.1 and 10.233.0.2, and only
 after checking that the route to 10.233.0.2 goes through our own veth.
 
-The mount helpers (``is_mounted``, ``wait_mounted``, ``unmount``, ``end_pid``) and the
-random test dataset (``ensure_random_files``) are shared with ``bench/passthrough.py`` and
-``bench/rclone.py``. Standard library only at import time.
+Mounts are watched and ended with :mod:`dlcachefs.mountctl` (as every mount of the
+project). The random test dataset (``ensure_random_files``) is shared with
+``bench/passthrough.py`` and ``bench/rclone.py``. Standard library only at import time.
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
+
+from dlcachefs.mountctl import MountError, end_pid, is_mounted, stop_daemon, wait_mounted
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETUP = os.path.join(REPO, "bench", "remote_setup.sh")
@@ -56,122 +56,6 @@ class RemoteError(RuntimeError):
 
 def log(msg: str) -> None:
     print(f"[remote {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-# ----- mount and process helpers (shared) -------------------------------------------------
-
-def _unescape(field: str) -> str:
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
-def mounts() -> dict[str, str]:
-    """mountpoint -> fstype, from /proc/self/mounts (the last mount on a path wins)."""
-    out: dict[str, str] = {}
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) >= 3:
-                out[_unescape(parts[1])] = parts[2]
-    return out
-
-
-def is_mounted(path: str) -> bool:
-    return os.path.realpath(path) in mounts() or os.path.abspath(path) in mounts()
-
-
-def alive(pid: int) -> bool:
-    """pid exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1][:1] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
-def cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
-
-
-def end_pid(pid: int | None, must_contain: bytes | None = None, grace_s: float = 5.0) -> bool:
-    """End one process we started: SIGTERM, then SIGKILL after ``grace_s``. When
-    ``must_contain`` is given, the process's command line must contain it (a recycled pid
-    is left alone). Returns True when the process is gone."""
-    if not pid or pid <= 1 or not alive(pid):
-        return True
-    if must_contain is not None and must_contain not in cmdline(pid):
-        return True
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            with contextlib.suppress(ChildProcessError, OSError):
-                os.waitpid(pid, os.WNOHANG)  # reap it when it is our child
-            if not alive(pid):
-                return True
-            time.sleep(0.05)
-    return not alive(pid)
-
-
-def wait_mounted(path: str, proc: subprocess.Popen | None = None, timeout_s: float = 30.0,
-                 what: str = "mount") -> None:
-    """Wait until ``path`` is a mountpoint. Fails at once when ``proc`` (the daemon)
-    exits first, and after ``timeout_s`` otherwise (a startup deadline, not a
-    measurement)."""
-    deadline = time.monotonic() + timeout_s
-    while not is_mounted(path):
-        if proc is not None and proc.poll() is not None:
-            raise RemoteError(f"{what} exited with status {proc.returncode} before {path} "
-                              "was mounted")
-        if time.monotonic() > deadline:
-            raise RemoteError(f"{what}: {path} not mounted after {timeout_s:.0f} s")
-        time.sleep(0.05)
-
-
-def unmount(path: str) -> bool:
-    """``fusermount3 -u``; if that fails (busy), a lazy ``fusermount3 -u -z``. Returns
-    True when ``path`` is no longer a mountpoint. Never raises."""
-    if not is_mounted(path):
-        return True
-    for args in (["fusermount3", "-u", path], ["fusermount3", "-u", "-z", path],
-                 ["umount", "-l", path]):
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            subprocess.run(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, timeout=60)
-        if not is_mounted(path):
-            return True
-    return not is_mounted(path)
-
-
-def stop_daemon(mnt: str, proc: subprocess.Popen | None, pid: int | None,
-                must_contain: bytes | None, grace_s: float = 10.0) -> list[str]:
-    """Unmount ``mnt`` and make sure the daemon (our child ``proc``, or ``pid``) ended:
-    after an unmount a FUSE daemon exits by itself; if it does not within ``grace_s``,
-    it is ended by pid. Returns the problems met (empty when all went well)."""
-    problems = []
-    if not unmount(mnt):
-        problems.append(f"{mnt} is still mounted")
-    if proc is not None:
-        pid = proc.pid
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            problems.append(f"daemon pid {pid} did not exit after unmount; ended it")
-            end_pid(pid)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5)
-    elif pid:
-        deadline = time.monotonic() + grace_s
-        while alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if alive(pid) and (must_contain is None or must_contain in cmdline(pid)):
-            problems.append(f"daemon pid {pid} did not exit after unmount; ended it")
-            end_pid(pid, must_contain)
-    return problems
 
 
 def route_ok(name: str = DEFAULT_NAME) -> bool:
@@ -293,7 +177,10 @@ def _mount_sshfs(remote: Remote, max_conns: int | None, extra: Sequence[str]) ->
         f.write(f"{proc.pid}\n")
     with open(os.path.join(remote.state_dir, "remote.json"), "w") as f:
         json.dump(remote.describe(), f)
-    wait_mounted(remote.mount, proc, what="sshfs")
+    try:
+        wait_mounted(remote.mount, proc, what="sshfs")
+    except MountError as e:
+        raise RemoteError(str(e)) from None
     log(f"sshfs pid {proc.pid}: {remote.user}@{remote.host}:{remote.export} on "
         f"{remote.mount} (max_conns={remote.max_conns})")
 

@@ -21,13 +21,13 @@ import sys
 import tempfile
 import traceback
 
+from dlcachefs.mountctl import alive, is_mounted, unmount
+
 from .remote import (
     Remote,
     RemoteError,
-    alive,
     down,
     ensure_random_files,
-    is_mounted,
     route_ok,
     slow_remote,
     state_dir,
@@ -93,7 +93,7 @@ def _workdir():
         for sub in ("mnt", "pt", "rc"):
             p = os.path.join(d, sub)
             if is_mounted(p):  # a failed test must not leave a mount under a dir we delete
-                subprocess.run(["fusermount3", "-u", "-z", p], capture_output=True)
+                unmount(p, lazy="at_once")
         shutil.rmtree(d, ignore_errors=True)
 
 
