@@ -103,12 +103,12 @@ def _value_parser(o: Option):
 
 
 def config_from_args(a: argparse.Namespace) -> Config:
-    from dlcachefs.policies import make_policy  # noqa: PLC0415 - a bad --policy fails here
+    from dlcachefs.session import policy_factory  # noqa: PLC0415 - a bad --policy fails here
 
     cli = {o.field: getattr(a, o.field) for o in OPTIONS if hasattr(a, o.field)}
     file = read_config_file(a.config) if a.config else None
     cfg = build_config(a.source, a.mountpoint, cli, file)
-    make_policy(cfg.policy)
+    policy_factory(cfg.policy)
     return cfg
 
 
@@ -139,7 +139,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     """Print the hit-ratio table (and write JSON) of every policy at every cache size."""
     import json  # noqa: PLC0415
 
-    from dlcachefs.policies import registry  # noqa: PLC0415
+    from dlcachefs.session import policies  # noqa: PLC0415
     from dlcachefs.sim.simulate import generate_trace, load_trace, simulate, table  # noqa: PLC0415
 
     trace = load_trace(a.trace) if a.trace else generate_trace(
@@ -147,7 +147,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     fracs = [float(x) for x in a.cache.split(",") if x.strip()]
     if not fracs or any(not 0 < f <= 1 for f in fracs):
         raise ValueError("--cache takes fractions within (0, 1]")
-    pols = sorted(registry()) if a.policies == "all" else [
+    pols = sorted(policies()) if a.policies == "all" else [
         p.strip() for p in a.policies.split(",") if p.strip()]
     res = simulate(trace, pols, fracs, chunk_size=a.chunk_size, substitute=a.substitute,
                    h_fraction=a.h_fraction)

@@ -26,7 +26,7 @@ from dlcachefs import mountctl
 from dlcachefs.cache.engine import Engine
 from dlcachefs.config import Config
 from dlcachefs.errors import DlcError
-from dlcachefs.session import build_control
+from dlcachefs.session import build
 from dlcachefs.store.lock import CacheLock
 
 log = logging.getLogger("dlcachefs")
@@ -105,7 +105,8 @@ def run(cfg: Config, report: Reporter) -> int:
     try:
         check_mountpoint(cfg.mountpoint)
         lock.acquire(cfg.mountpoint)
-        engine = Engine(cfg)
+        session = build(cfg)
+        engine = session.engine
 
         def progress(entries: int, dirs: int, elapsed: float) -> None:
             report(f"progress {entries} {dirs} {elapsed:.1f}")
@@ -113,8 +114,7 @@ def run(cfg: Config, report: Reporter) -> int:
         info = engine.start(progress=progress)
         log.info("started: %s", info)
 
-        control = build_control(engine)
-        ops = Operations(engine, control)
+        ops = Operations(engine, session.control)
         pyfuse3.init(ops, cfg.mountpoint, fuse_options(cfg))
     except (DlcError, OSError, RuntimeError, ValueError) as e:
         report(f"error {e}")

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dlcachefs import session
 from dlcachefs.testing.fakes import make_config
 
 folder = pytest.importorskip("torchvision.datasets.folder")
@@ -25,12 +26,9 @@ from dlcachefs.clairvoyance.samplelist import IMG_EXTENSIONS, SampleList, image_
 @contextlib.contextmanager
 def scanned(src: Path, cache: Path) -> Iterator[Engine]:
     """An engine whose namespace snapshot is a fresh scan of ``src`` (no FUSE, no trio)."""
-    eng = Engine(make_config(src, cache))
-    try:
-        eng.start()
-        yield eng
-    finally:
-        eng.close_files()
+    with session.build(make_config(src, cache)) as sess:
+        sess.engine.start()
+        yield sess.engine
 
 
 def touch(root: Path, *rels: str | bytes, data: bytes = b"x") -> None:

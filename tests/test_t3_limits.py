@@ -23,7 +23,6 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from dlcachefs.cache.writer import Pending, _units
-from dlcachefs.session import build_control
 from dlcachefs.store import schema as S
 from dlcachefs.store.chunkfmt import CHUNK_HEADER_SIZE
 from dlcachefs.testing.fakes import make_config, read_all, run_engine, write_tree
@@ -58,8 +57,7 @@ class Driver:
 
     def __init__(self, eng, files: dict[bytes, bytes], ranks: int, substitute: bool) -> None:
         self.eng, self.files, self.ranks, self.substitute = eng, files, ranks, substitute
-
-        self.cs = build_control(eng)
+        self.cs = eng.control  # the control state run_engine's session attached
         self.by_ino = {eng.ns.resolve(rel).ino: rel for rel in files}
         self.epoch = [-1] * ranks
         self.pos = [0] * ranks

@@ -11,7 +11,6 @@ import pytest
 import trio
 
 import dlcachefs.cache.readplan as readplan
-from dlcachefs.session import build_control
 from dlcachefs.testing.fakes import make_config, read_all, run_engine, write_tree
 
 PID = 9_100_000  # above the kernel's pid_max: never a real process
@@ -36,8 +35,7 @@ class Reader:
 
     def __init__(self, eng, files) -> None:
         self.eng, self.files = eng, files
-
-        self.cs = build_control(eng)
+        self.cs = eng.control  # the control state run_engine's session attached
         self.by_ino = {eng.ns.resolve(rel).ino: rel for rel in files}
         self.pos = 0
 

@@ -36,6 +36,7 @@ import trio
 from dlcachefs import __version__
 from dlcachefs.cache.memtier import ChunkBuf, MemoryTier
 from dlcachefs.cache.namespace import Namespace, identity, is_file
+from dlcachefs.cache.policy import CachePolicy, PolicyContext
 from dlcachefs.cache.readplan import ReadPlanner
 from dlcachefs.cache.scanahead import ScanAhead
 from dlcachefs.cache.source import (
@@ -109,13 +110,11 @@ class _Inflight:
 class Engine:
     """Owns the index, the logs, the namespace, the memory tier and the chunk writer."""
 
-    def __init__(self, cfg: Config, source: Source | None = None) -> None:
-        from dlcachefs.policies import (  # noqa: PLC0415 (layer import)
-            CachePolicy,
-            PolicyContext,
-            make_policy,
-        )
-
+    def __init__(self, cfg: Config, source: Source | None = None, *,
+                 policy: Callable[[PolicyContext], CachePolicy]) -> None:
+        """``policy`` makes the caching policy from the engine's views (a policy class, or
+        :func:`dlcachefs.session.policy_factory` of ``cfg.policy``); the engine never looks
+        policies up by name (the composition root, :mod:`dlcachefs.session`, does)."""
         self.cfg = cfg
         self.source = source if source is not None else LocalSource(cfg.source)
         os.makedirs(cfg.cache_dir, exist_ok=True)
@@ -132,7 +131,7 @@ class Engine:
         # what the policy sees: chunks from the index, the streams' future, the losses
         self.future = StreamFuture(self.streams)
         self.importance = InodeImportance()
-        self.policy = make_policy(cfg.policy, PolicyContext(
+        self.policy = policy(PolicyContext(
             IndexCacheView(self.index, cfg.cache_size), self.future, self.importance))
         self.memtier = MemoryTier(cfg.memory)
         self.writer = ChunkWriter(cfg, self.index, self.logs, self.policy, self.memtier,

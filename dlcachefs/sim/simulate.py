@@ -6,7 +6,7 @@ It comes from a file (JSON, as :func:`save_trace` writes) or is generated from s
 settings (:func:`generate_trace`: torch's RandomSampler / DistributedSampler orders, or
 iCACHE's importance sampling over synthetic losses).
 
-The runner drives the same :class:`~dlcachefs.policies.CachePolicy` objects a mount uses,
+The runner drives the same :class:`~dlcachefs.cache.policy.CachePolicy` objects a mount uses,
 through the same calls in the same order as the chunk writer and the engine (request,
 hit / miss, substitution, admission, packing into units, eviction, release after use),
 with a future view that knows the current and the next epoch (what an announced seeded
@@ -27,6 +27,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from dlcachefs.cache.policy import PACK_CHUNK, PolicyContext
 from dlcachefs.importance.scores import Importance, select_epoch
 
 NEVER = float("inf")
@@ -219,13 +220,14 @@ def run_policy(trace: Trace, spec: str, capacity: int, *, chunk_size: int = 0,
                substitute: bool = False, h_fraction: float = 0.7,
                horizon_epochs: int = 1) -> Result:
     """Replay ``trace`` against the policy ``spec`` with a cache of ``capacity`` bytes."""
-    from dlcachefs.policies import PACK_CHUNK, PolicyContext, make_policy  # noqa: PLC0415
+    # the registry is the composition root's (a policy named as a mount names it)
+    from dlcachefs.session import policy_factory  # noqa: PLC0415 - the engine's imports
 
     cache = _Cache(capacity)
     fut = _Future(trace, horizon_epochs)
     imp = Importance(trace.n, h_fraction)
     iview = _Importance(imp)
-    pol = make_policy(spec, PolicyContext(cache, fut, iview))
+    pol = policy_factory(spec)(PolicyContext(cache, fut, iview))
     res = Result(spec, capacity)
     unit_of: dict[int, int] = {}  # sample -> unit (sealed or open)
     open_units: dict[int, list[int]] = {}  # pack target -> samples waiting

@@ -16,13 +16,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import trio
-
 import dlcachefs.cache.source as source_mod
 from dlcachefs.cache.engine import Engine
 from dlcachefs.cache.source import Identity, LocalSource
 from dlcachefs.config import Config
 from dlcachefs.errors import NotFound, SourceError
+from dlcachefs.session import build
 
 # ----- sources -------------------------------------------------------------------------
 
@@ -249,33 +248,23 @@ async def read_all(engine: Engine, rel: bytes, step: int = 100_000) -> bytes:
 
 def run_engine(cfg: Config, body: Callable[[Engine], Awaitable[Any]], source=None,
                check_invariants: bool = True) -> tuple[Any, Engine]:
-    """Start an Engine (blocking start-up, as the daemon does), run ``body(engine)`` inside
-    trio with the engine's background tasks running, close it, and check the cache's
-    invariants (:meth:`Engine.check_invariants`: the --cache-size account and the index)
-    and that no check after a commit found a violation (``invariant_violations``).
+    """Build the core as a mount does (:func:`dlcachefs.session.build`: the policy of
+    ``cfg.policy``, the engine, the control state attached as ``engine.control``), start
+    it (blocking start-up, as the daemon does), run ``body(engine)`` inside trio with the
+    engine's background tasks running, close it, and check the cache's invariants
+    (:meth:`Engine.check_invariants`: the --cache-size account and the index) and that no
+    check after a commit found a violation (``invariant_violations``).
 
     Returns (body's result, engine); the engine's files are closed by then (counters stay).
     """
-    eng = Engine(cfg, source=source)
     problems: list[str] = []
-    try:
-        eng.start()
-
-        async def main() -> Any:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(eng.run)
-                result = await body(eng)
-                await eng.close()  # seals what is pending, as at unmount
-                nursery.cancel_scope.cancel()  # other background tasks, as the daemon does
-            return result
-
-        result = trio.run(main)
+    with build(cfg, source) as sess:
+        eng = sess.engine
+        result = sess.run(lambda s: body(s.engine))
         if check_invariants:
             problems = eng.check_invariants()
             if eng.counters.invariant_violations:
                 problems.append(f"{eng.counters.invariant_violations} invariant violations "
                                 "after commits (see the ERROR log lines)")
-    finally:
-        eng.close_files()
     assert problems == [], problems
     return result, eng
