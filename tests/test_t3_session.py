@@ -1,0 +1,271 @@
+"""Tier 3: a mount's core as :func:`dlcachefs.session.build` makes it, driven by a training
+without FUSE, over every registered policy: control -> streams -> engine.
+
+The training side is real: torch's ``DistributedSampler`` patched by the torch hook
+(:mod:`dlcachefs.client.hook`) announces each epoch when it is iterated, and
+``LossReporter`` reports losses, over a torchvision ``ImageFolder``. They write to a
+directory standing in for the mount (its ``.dlcache/control``, and the dataset as a
+symlink to the source's, so the client lists the names the mount shows); each
+``os.write`` to that control file goes to :meth:`Session.write`, as the FUSE layer hands
+it over (a refusal is EINVAL). The reads go through the engine in the order the sampler
+yielded, by the process that announced (the test's own), as a loader worker's would.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+from pathlib import Path
+
+import pytest
+import trio
+
+from dlcachefs.errors import ControlError
+from dlcachefs.session import Session, build, policies
+from dlcachefs.store import schema as S
+from dlcachefs.testing.fakes import CountingSource, make_config, write_tree
+
+folder = pytest.importorskip("torchvision.datasets.folder")
+torch_data = pytest.importorskip("torch.utils.data")
+
+import dlcachefs.client.hook as hook  # noqa: E402 - after torch, as a training imports it
+
+POLICIES = sorted(policies())
+SEED = 7
+WAIT = 120  # seconds: a safety net; the first replay waits for the worker's torch import
+
+
+def dataset(seed: int = 5) -> dict[bytes, bytes]:
+    """An ImageFolder tree under ``train``: 3 classes of 10 images (500 B .. 6 KB)."""
+    rng = random.Random(seed)
+    return {b"train/c%d/%02d.jpg" % (c, i): rng.randbytes(rng.randrange(500, 6000))
+            for c in range(3) for i in range(10)}
+
+
+class Client:
+    """The training process's side of a mount: the stand-in directory, torch's samplers
+    patched by the hook (restored afterwards), and the control writes handed to
+    :attr:`session` (set by the test once it is built)."""
+
+    def __init__(self, root: Path, src: Path, monkeypatch) -> None:
+        self.root = root
+        (root / ".dlcache").mkdir(parents=True)
+        control = root / ".dlcache" / "control"
+        control.write_bytes(b"")
+        (root / "train").symlink_to(src / "train", target_is_directory=True)
+        self.session: Session | None = None
+        self.writes: list[bytes] = []
+        self.refused: list[str] = []
+        st = os.stat(control)
+        ctl = (st.st_dev, st.st_ino)
+        real_write = os.write
+
+        def write(fd: int, data) -> int:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != ctl:
+                return real_write(fd, data)
+            data = bytes(data)
+            self.writes.append(data)
+            assert self.session is not None
+            try:
+                return self.session.write(data, os.getpid())
+            except ControlError as e:
+                self.refused.append(str(e))
+                raise OSError(errno.EINVAL, os.strerror(errno.EINVAL)) from None
+
+        monkeypatch.setattr(os, "write", write)
+        # the hook's per-process memory starts empty: nothing sent, claimed or warned yet
+        monkeypatch.setattr(hook, "_sent", set())
+        monkeypatch.setattr(hook, "_claims", {})
+        monkeypatch.setattr(hook, "_warned", set())
+        monkeypatch.setattr(hook, "_targets", {})
+        monkeypatch.delenv(hook.ENV_JOB, raising=False)
+        hook.find_mount.cache_clear()
+
+    def image_folder(self):
+        return folder.ImageFolder(str(self.root / "train"), loader=lambda p: p)
+
+
+@pytest.fixture
+def client(tmp_path, monkeypatch):
+    """(Client, source dir, files); torch.utils.data is patched by the hook meanwhile."""
+    src = tmp_path / "src"
+    files = dataset()
+    write_tree(src, files)
+    classes = (torch_data.RandomSampler, torch_data.DistributedSampler,
+               torch_data.SubsetRandomSampler, torch_data.DataLoader)
+    saved = {c: c.__dict__["__iter__"] for c in classes}
+    c = Client(tmp_path / "client", src, monkeypatch)
+    hook._patch(torch_data)
+    try:
+        yield c, src, files
+    finally:
+        for cls, it in saved.items():
+            cls.__iter__ = it
+        if "_dlcachefs_patched" in torch_data.RandomSampler.__dict__:
+            del torch_data.RandomSampler._dlcachefs_patched
+        hook.find_mount.cache_clear()
+
+
+async def poll(check, what: str):
+    """``check()``'s first true value, polled until the safety deadline."""
+    with trio.fail_after(WAIT):
+        while not (out := check()):
+            await trio.sleep(0.01)
+    assert out, what
+    return out
+
+
+async def announced(eng, epoch: int):
+    """The stream of the test's job once epoch ``epoch``'s order is known."""
+    def ready():
+        s = eng.streams.streams.get(("default", 0))
+        return s if s is not None and s.epoch == epoch and s.order else None
+
+    return await poll(ready, f"epoch {epoch} announced")
+
+
+async def read_file(eng, ino: int) -> bytes:
+    """open + read to EOF + release, by the announcing process (the stream's reader)."""
+    h = await eng.open(ino, os.getpid())
+    try:
+        out = bytearray()
+        while piece := await eng.read(h.fh, len(out), 1 << 20):
+            out += piece
+        return bytes(out)
+    finally:
+        eng.release(h.fh)
+
+
+def losses_of(order: list[int], epoch: int) -> list[float]:
+    rng = random.Random(epoch)
+    return [rng.uniform(0.01, 5.0) for _ in order]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_announced_epochs_through_the_session(client, tmp_path, policy):
+    """The dataset fits: epoch 0 is fetched ahead of the reader (each file once), the next
+    epoch's order reaches the policy's future and its log is laid out, so epochs 1 and 2
+    never touch the source; every byte is the source's; losses land in the importance
+    table the policy reads."""
+    c, src, files = client
+    source = CountingSource(src)
+    n = len(files)
+    cfg = make_config(src, tmp_path / "cache", policy=policy, chunk_size=16 << 10)
+
+    async def body(sess: Session):
+        eng = sess.engine
+        # the wiring: cfg.policy's registered class decides from the engine's views, and
+        # the control state is the engine's
+        assert type(sess.policy) is policies()[policy]
+        assert sess.policy is eng.policy and eng.control is sess.control
+        assert sess.policy.ctx.future is eng.future
+        assert sess.policy.ctx.importance is eng.importance
+        ds = c.image_folder()
+        by_index = {i: os.fsencode(os.path.relpath(p, c.root)) for i, (p, _) in
+                    enumerate(ds.samples)}
+        sampler = torch_data.DistributedSampler(ds, num_replicas=1, rank=0, seed=SEED)
+        reporter = hook.LossReporter(ds)
+        planned_next: list[int] | None = None
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            order = list(sampler)  # the hook announces the epoch as it starts
+            assert c.refused == []
+            s = await announced(eng, epoch)
+            assert s.mode == "replayed", s.reason
+            assert s.order == order  # the replayed order is the sampler's
+            if planned_next is not None:
+                assert order == planned_next  # what the future told the policy came true
+            # the next epoch's order is known to the policy's future (a seeded sampler)
+            planned_next = list(s.next_first_order)
+            assert len(planned_next) == n
+            inos = {i: eng.ns.resolve(by_index[i]).ino for i in order}
+            before = eng.stats()
+            if epoch == 0:
+                # prefetch: every sample of the epoch fetched ahead of the reader
+                await poll(lambda s=s: all(s.ready), "epoch 0 prefetched")
+                assert s.prefetched == n
+                assert sum(source.reads.values()) == n
+            else:
+                assert s.current_log is not None and s.current_log.epoch == epoch
+            for i in order:
+                assert await read_file(eng, inos[i]) == files[by_index[i]], by_index[i]
+            after = eng.stats()
+            assert max(source.reads.values()) == 1  # no file ever fetched twice
+            if epoch > 0:  # the cache serves the epoch, from the log laid out for it
+                assert after["bytes_from_source"] == before["bytes_from_source"]
+                assert after["misses"] == before["misses"]
+                assert after["hits"] - before["hits"] == n
+            assert s.position == n  # every open was attributed to the stream
+            # the next epoch's log (LCache): complete before that epoch begins
+            nl = await poll(lambda s=s, e=epoch: s.next_log is not None
+                            and s.next_log.epoch == e + 1 and s.next_log, "next log")
+            await poll(lambda nl=nl: nl.sealed == len(nl.chunks), "next log sealed")
+            assert nl.failed == 0
+            # losses, as the training reports them (dataset indices of the ImageFolder)
+            values = losses_of(order, epoch)
+            reporter.report(order, values)
+            reporter.flush()
+            assert reporter.sent_pairs == n * (epoch + 1) and reporter.dropped_pairs == 0
+            assert c.refused == []
+            table = eng.importance.table
+            assert table is not None and table.jobs["default"].reported == n * (epoch + 1)
+            assert list(table.jobs["default"].iv) == pytest.approx(
+                [dict(zip(order, values, strict=True))[i] for i in range(n)], rel=1e-8)
+            assert eng.counters.losses_ignored == 0
+            assert eng.check_invariants() == []
+            if epoch > 0:  # the H-list was rebuilt from the losses as this epoch began
+                await poll(lambda e=epoch: sess.policy.ctx.importance.version() >= e,
+                           "H-list rebuilt")
+        assert eng.counters.reorder_chunks > 0
+        assert sum(source.reads.values()) == n  # the whole run read the source once
+
+    with build(cfg, source) as sess:
+        c.session = sess
+        sess.run(body)
+        assert sess.engine.check_invariants() == []
+        assert sess.engine.counters.invariant_violations == 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_cache_smaller_than_the_dataset(client, tmp_path, policy):
+    """A cache of 40% of the dataset: every byte read is the source's, the cache stays
+    within --cache-size at every epoch's end, and later epochs are partly served by it."""
+    c, src, files = client
+    total = sum(map(len, files.values()))
+    cap = int(0.4 * total)
+    cfg = make_config(src, tmp_path / "cache", policy=policy, chunk_size=4096,
+                      cache_size=cap)
+
+    async def body(sess: Session):
+        eng = sess.engine
+        ds = c.image_folder()
+        rels = [os.fsencode(os.path.relpath(p, c.root)) for p, _ in ds.samples]
+        sampler = torch_data.DistributedSampler(ds, num_replicas=1, rank=0, seed=SEED)
+        reporter = hook.LossReporter(ds)
+        hits = []
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            order = list(sampler)
+            s = await announced(eng, epoch)
+            assert s.mode == "replayed" and s.order == order
+            before = eng.stats()
+            for i in order:
+                ino = eng.ns.resolve(rels[i]).ino
+                assert await read_file(eng, ino) == files[rels[i]], rels[i]
+            await eng.flush()
+            after = eng.stats()
+            hits.append(after["hits"] - before["hits"])
+            reporter.report(order, losses_of(order, epoch))
+            reporter.flush()
+            assert reporter.dropped_pairs == 0 and c.refused == []
+            assert eng.check_invariants() == []
+            assert eng.index.counter(S.K_CHUNK_BYTES) <= cap
+        assert sum(hits[1:]) > 0, hits
+
+    with build(cfg) as sess:
+        c.session = sess
+        sess.run(body)
+        assert sess.engine.check_invariants() == []
+        assert sess.engine.counters.invariant_violations == 0
