@@ -1,6 +1,15 @@
 """Tier 3: the cache engine without a kernel (Engine driven directly under trio).
 
 Every test checks ``index.check_invariants() == []`` when its engine closes (run_engine).
+
+One suite for every variant: each test runs once per registered policy (the ``policy``
+fixture), since what they check is the engine's (the read path, damage and recovery,
+source errors, the ``--cache-size`` account), whatever the policy decides. One scenario
+cannot be set up for every policy: :func:`test_concurrent_seals_respect_cache_size` needs
+a full cache that makes room by eviction, and iCACHE admits no sample into a full H-cache
+before it knows any importance (it refuses rather than evicts), so it is skipped there.
+Tests of one policy's own decisions live in ``test_t2_policies.py``, ``test_t3_packer.py``
+and ``test_t7_importance.py``.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from dlcachefs.errors import (
     SourceError,
     SourceTimeout,
 )
+from dlcachefs.session import policies
 from dlcachefs.store import schema as S
 from dlcachefs.store.chunkfmt import CHUNK_HEADER_SIZE
 from dlcachefs.testing.fakes import (
@@ -40,6 +50,13 @@ from dlcachefs.testing.fakes import (
     run_engine,
     write_tree,
 )
+
+
+@pytest.fixture(scope="module", params=sorted(policies()))
+def policy(request) -> str:
+    """Every registered policy, by name (``--policy``). Module scope: a plain value, and
+    the hypothesis test below may use it (no function-scoped state between examples)."""
+    return request.param
 
 
 def sample_files(seed: int = 0) -> dict[bytes, bytes]:
@@ -73,7 +90,7 @@ async def read_everything(eng, files, order=None, flush=False) -> None:
             await eng.flush()
 
 
-def cold_read(src: Path, cache: Path, files, **cfg_kw):
+def cold_read(src: Path, cache: Path, files, policy: str, **cfg_kw):
     """A fresh engine on ``cache`` reads every file once; returns (engine, source)."""
     source = CountingSource(src)
 
@@ -81,14 +98,14 @@ def cold_read(src: Path, cache: Path, files, **cfg_kw):
         await read_everything(eng, files, flush=True)
         assert eng.index.n_records() == len(files)
 
-    _, eng = run_engine(make_config(src, cache, **cfg_kw), body, source)
+    _, eng = run_engine(make_config(src, cache, policy=policy, **cfg_kw), body, source)
     return eng, source
 
 
 # ----- basic read path -----------------------------------------------------------------
 
 
-def test_first_open_fetches_then_hits(tree):
+def test_first_open_fetches_then_hits(tree, policy):
     src, cache, files = tree
     source = CountingSource(src)
 
@@ -111,10 +128,10 @@ def test_first_open_fetches_then_hits(tree):
         assert eng.index.counter(S.K_CACHED_BYTES) == sum(map(len, files.values()))
         assert c.chunks_written >= 2 and c.checksum_failures == 0
 
-    run_engine(make_config(src, cache), body, source)
+    run_engine(make_config(src, cache, policy=policy), body, source)
 
 
-def test_writer_behind_skips_but_serves(tree):
+def test_writer_behind_skips_but_serves(tree, policy):
     """Fetches faster than the writer seals: some files are not cached (counted), all are
     served right, and a later read caches them."""
     src, cache, files = tree
@@ -131,10 +148,10 @@ def test_writer_behind_skips_but_serves(tree):
         assert c.misses == len(files) + c.cache_skipped
         assert sum(source.reads.values()) == c.misses
 
-    run_engine(make_config(src, cache), body, source)
+    run_engine(make_config(src, cache, policy=policy), body, source)
 
 
-def test_pending_records_are_hits(tree):
+def test_pending_records_are_hits(tree, policy):
     """A fetched file waiting to be sealed is served from the writer's pending set."""
     src, cache, files = tree
     source = CountingSource(src)
@@ -146,10 +163,10 @@ def test_pending_records_are_hits(tree):
         assert await read_all(eng, rel) == files[rel]
         assert source.reads[rel] == 1 and eng.counters.hits == 1
 
-    run_engine(make_config(src, cache, flush_interval=30.0), body, source)
+    run_engine(make_config(src, cache, policy=policy, flush_interval=30.0), body, source)
 
 
-def test_read_offsets_and_eof(tree):
+def test_read_offsets_and_eof(tree, policy):
     src, cache, files = tree
     rel = b"big.bin"
     data = files[rel]
@@ -170,10 +187,10 @@ def test_read_offsets_and_eof(tree):
         with pytest.raises(NotFound):
             eng.ns.resolve(b"train/nope")
 
-    run_engine(make_config(src, cache), body)
+    run_engine(make_config(src, cache, policy=policy), body)
 
 
-def test_concurrent_opens_share_one_fetch(tree):
+def test_concurrent_opens_share_one_fetch(tree, policy):
     src, cache, files = tree
     source = SlowSource(src, delay=0.2)
     rel = b"train/cls1/img03.jpg"
@@ -191,10 +208,10 @@ def test_concurrent_opens_share_one_fetch(tree):
         assert source.reads[rel] == 1
         assert eng.counters.misses == 5 and eng.counters.fetch_waits == 4
 
-    run_engine(make_config(src, cache), body, source)
+    run_engine(make_config(src, cache, policy=policy), body, source)
 
 
-def test_cancelled_fetch_does_not_cancel_other_openers(tree):
+def test_cancelled_fetch_does_not_cancel_other_openers(tree, policy):
     """Regression: when the open that started a shared fetch is cancelled, the other opens
     of the file fetch it themselves; they never receive the first one's Cancelled."""
     src, cache, files = tree
@@ -225,16 +242,16 @@ def test_cancelled_fetch_does_not_cancel_other_openers(tree):
                 n.start_soon(other_opener)
         assert got == [files[rel]]
 
-    run_engine(make_config(src, cache), body, source)
+    run_engine(make_config(src, cache, policy=policy), body, source)
 
 
 # ----- remount -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("revalidate", [3600.0, 0.0])
-def test_remount_serves_from_cache(tree, revalidate):
+def test_remount_serves_from_cache(tree, revalidate, policy):
     src, cache, files = tree
-    cold_read(src, cache, files)
+    cold_read(src, cache, files, policy)
     source = CountingSource(src)
 
     async def body(eng):
@@ -245,22 +262,22 @@ def test_remount_serves_from_cache(tree, revalidate):
         assert c.bytes_from_cache == sum(map(len, files.values()))
         assert c.chunk_reads + c.record_reads > 0
 
-    _, eng = run_engine(make_config(src, cache, revalidate=revalidate), body, source)
+    _, eng = run_engine(make_config(src, cache, policy=policy, revalidate=revalidate), body, source)
     assert source.calls["read_file"] == 0
     assert source.calls["list_dir"] == 0  # the namespace snapshot was reused, no rescan
 
 
-def test_remount_with_single_record_reads(tree):
+def test_remount_with_single_record_reads(tree, policy):
     """A memory tier too small for whole chunks: records are read one by one, verified."""
     src, cache, files = tree
-    cold_read(src, cache, files)
+    cold_read(src, cache, files, policy)
 
     async def body(eng):
         await read_everything(eng, files)
         assert eng.counters.record_reads > 0
         assert eng.counters.bytes_from_source == 0
 
-    run_engine(make_config(src, cache, memory=4096), body)
+    run_engine(make_config(src, cache, policy=policy, memory=4096), body)
 
 
 # ----- damaged cache -------------------------------------------------------------------
@@ -274,7 +291,7 @@ def flip_byte(path: str, offset: int) -> None:
         f.write(bytes([b[0] ^ 0x5A]))
 
 
-def record_location(cache: Path, src: Path, rel: bytes):
+def record_location(cache: Path, src: Path, rel: bytes, policy: str):
     """(ino, Record, log path) of a cached file, looked up in a short-lived engine."""
 
     async def body(eng):
@@ -283,16 +300,16 @@ def record_location(cache: Path, src: Path, rel: bytes):
         assert rec is not None
         return ino, rec, eng.logs.path(rec.log_id), eng.index.get_chunk(rec.chunk_id)
 
-    res, _ = run_engine(make_config(src, cache), body)
+    res, _ = run_engine(make_config(src, cache, policy=policy), body)
     return res
 
 
 @pytest.mark.parametrize("memory", [64 << 20, 4096])  # whole-chunk reads, single-record reads
-def test_corrupt_record_is_refetched(tree, memory):
+def test_corrupt_record_is_refetched(tree, memory, policy):
     src, cache, files = tree
     rel = b"train/cls0/img04.jpg"
-    cold_read(src, cache, files)
-    ino, rec, log_path, _ = record_location(cache, src, rel)
+    cold_read(src, cache, files, policy)
+    ino, rec, log_path, _ = record_location(cache, src, rel, policy)
     flip_byte(log_path, rec.offset + rec.size // 2)
     source = CountingSource(src)
 
@@ -309,17 +326,17 @@ def test_corrupt_record_is_refetched(tree, memory):
         new = eng.index.get_record(ino)
         assert new is not None and new.chunk_id != rec.chunk_id
 
-    run_engine(make_config(src, cache, memory=memory), body, source)
+    run_engine(make_config(src, cache, policy=policy, memory=memory), body, source)
 
     async def again(eng):  # the re-cached copy is good
         await read_everything(eng, files)
         assert eng.counters.checksum_failures == 0
         assert eng.counters.bytes_from_source == 0
 
-    run_engine(make_config(src, cache), again)
+    run_engine(make_config(src, cache, policy=policy), again)
 
 
-def test_record_being_dropped_is_not_read_again(tree):
+def test_record_being_dropped_is_not_read_again(tree, policy):
     """Regression: while the commit that drops a bad record is in flight, later opens must
     not read (and count, and drop again) that record; the late second drop used to delete
     the freshly re-cached copy in the next commit."""
@@ -327,8 +344,8 @@ def test_record_being_dropped_is_not_read_again(tree):
 
     src, cache, files = tree
     rel = b"train/cls1/img06.jpg"
-    cold_read(src, cache, files)
-    ino, rec, log_path, _ = record_location(cache, src, rel)
+    cold_read(src, cache, files, policy)
+    ino, rec, log_path, _ = record_location(cache, src, rel, policy)
     flip_byte(log_path, rec.offset + rec.size // 3)
     source = CountingSource(src)
 
@@ -354,15 +371,15 @@ def test_record_being_dropped_is_not_read_again(tree):
         new = eng.index.get_record(ino)
         assert new is not None and new.chunk_id != rec.chunk_id
 
-    run_engine(make_config(src, cache, flush_interval=30.0), body, source)
+    run_engine(make_config(src, cache, policy=policy, flush_interval=30.0), body, source)
 
 
-def test_corrupt_chunk_header_records_still_verified(tree):
+def test_corrupt_chunk_header_records_still_verified(tree, policy):
     """A damaged chunk header: each record is checked against its own checksum instead."""
     src, cache, files = tree
     rel = b"train/cls2/img01.jpg"
-    cold_read(src, cache, files)
-    _, rec, log_path, chunk = record_location(cache, src, rel)
+    cold_read(src, cache, files, policy)
+    _, rec, log_path, chunk = record_location(cache, src, rel, policy)
     flip_byte(log_path, chunk.offset + 3)  # inside the chunk magic
 
     async def body(eng):
@@ -370,14 +387,14 @@ def test_corrupt_chunk_header_records_still_verified(tree):
         assert eng.counters.checksum_failures == 0
         assert eng.counters.bytes_from_source == 0
 
-    run_engine(make_config(src, cache), body)
+    run_engine(make_config(src, cache, policy=policy), body)
 
 
-def test_every_record_byte_of_a_chunk_corrupted(tree):
+def test_every_record_byte_of_a_chunk_corrupted(tree, policy):
     """Damage spread over a whole chunk: every damaged record is refetched, none served."""
     src, cache, files = tree
-    cold_read(src, cache, files)
-    _, rec, log_path, chunk = record_location(cache, src, b"train/cls0/img00.jpg")
+    cold_read(src, cache, files, policy)
+    _, rec, log_path, chunk = record_location(cache, src, b"train/cls0/img00.jpg", policy)
     for off in range(chunk.offset + CHUNK_HEADER_SIZE, chunk.offset + chunk.length, 997):
         flip_byte(log_path, off)
     source = CountingSource(src)
@@ -388,14 +405,14 @@ def test_every_record_byte_of_a_chunk_corrupted(tree):
         assert eng.counters.checksum_failures == eng.counters.misses
         assert sum(source.reads.values()) == eng.counters.misses
 
-    run_engine(make_config(src, cache), body, source)
+    run_engine(make_config(src, cache, policy=policy), body, source)
 
 
-def test_truncated_log_is_refetched(tree):
+def test_truncated_log_is_refetched(tree, policy):
     """A log shorter than the index says (lost tail): those records are refetched."""
     src, cache, files = tree
-    cold_read(src, cache, files)
-    _, rec, log_path, chunk = record_location(cache, src, b"val/\xff\xfe-not-utf8.bin")
+    cold_read(src, cache, files, policy)
+    _, rec, log_path, chunk = record_location(cache, src, b"val/\xff\xfe-not-utf8.bin", policy)
     os.truncate(log_path, chunk.offset + chunk.length // 2)
 
     async def body(eng):
@@ -403,12 +420,12 @@ def test_truncated_log_is_refetched(tree):
         assert eng.counters.checksum_failures >= 1
         assert eng.counters.misses >= 1
 
-    run_engine(make_config(src, cache), body)
+    run_engine(make_config(src, cache, policy=policy), body)
 
 
-def test_missing_log_drops_its_chunks(tree):
+def test_missing_log_drops_its_chunks(tree, policy):
     src, cache, files = tree
-    cold_read(src, cache, files)
+    cold_read(src, cache, files, policy)
     logs = sorted((cache / "logs").iterdir())
     assert logs
     os.unlink(logs[0])
@@ -419,12 +436,12 @@ def test_missing_log_drops_its_chunks(tree):
         assert eng.counters.misses >= 1
         assert eng.counters.checksum_failures == 0
 
-    run_engine(make_config(src, cache), body, source)
+    run_engine(make_config(src, cache, policy=policy), body, source)
 
 
-def test_torn_tail_is_cut_at_start(tree):
+def test_torn_tail_is_cut_at_start(tree, policy):
     src, cache, files = tree
-    cold_read(src, cache, files)
+    cold_read(src, cache, files, policy)
     logs = sorted((cache / "logs").iterdir())
     last = logs[-1]
     size = last.stat().st_size
@@ -438,16 +455,16 @@ def test_torn_tail_is_cut_at_start(tree):
         # new chunks append cleanly after recovery
         await read_everything(eng, {b"top.txt": files[b"top.txt"]})
 
-    _, eng = run_engine(make_config(src, cache), body)
+    _, eng = run_engine(make_config(src, cache, policy=policy), body)
     assert last.stat().st_size == size
 
 
-def test_torn_tail_with_an_unindexed_chunk(tree):
+def test_torn_tail_with_an_unindexed_chunk(tree, policy):
     """A chunk appended but never indexed (crash before commit) is cut off, not served."""
     from dlcachefs.store.chunkfmt import RecordIn, encode_chunk
 
     src, cache, files = tree
-    cold_read(src, cache, files)
+    cold_read(src, cache, files, policy)
     last = sorted((cache / "logs").iterdir())[-1]
     size = last.stat().st_size
     chunk, _ = encode_chunk(999, [RecordIn(16, b"top.txt", 0, 0, b"WRONG BYTES")])
@@ -458,7 +475,7 @@ def test_torn_tail_with_an_unindexed_chunk(tree):
         await read_everything(eng, files)
         assert eng.counters.bytes_from_source == 0
 
-    run_engine(make_config(src, cache), body)
+    run_engine(make_config(src, cache, policy=policy), body)
     assert last.stat().st_size == size
 
 
@@ -475,10 +492,10 @@ def rewrite(path: Path, data: bytes, mtime_shift_ns: int = 2_000_000_000) -> Non
 
 
 @pytest.mark.parametrize("same_size", [False, True])
-def test_changed_source_file_is_refetched(tree, same_size):
+def test_changed_source_file_is_refetched(tree, same_size, policy):
     src, cache, files = tree
     rel = b"train/cls1/img05.jpg"
-    cold_read(src, cache, files)
+    cold_read(src, cache, files, policy)
     old = files[rel]
     new = bytes(b ^ 0xFF for b in old) if same_size else old + b"more bytes"
     rewrite(src / os.fsdecode(rel), new)
@@ -499,10 +516,10 @@ def test_changed_source_file_is_refetched(tree, same_size):
         await read_everything(eng, {k: v for k, v in files.items() if k != rel})
         assert sum(source.reads.values()) == 1
 
-    run_engine(make_config(src, cache, revalidate=0), body, source)
+    run_engine(make_config(src, cache, policy=policy, revalidate=0), body, source)
 
 
-def test_changed_source_file_seen_by_fetch(tree):
+def test_changed_source_file_seen_by_fetch(tree, policy):
     """Without revalidation the listed identity is old; the fetch sees the new one."""
     src, cache, files = tree
     rel = b"train/cls2/img07.jpg"
@@ -517,16 +534,16 @@ def test_changed_source_file_seen_by_fetch(tree):
         assert eng.index.get_record(eng.ns.resolve(rel).ino).size == len(data)
         return data
 
-    data, _ = run_engine(make_config(src, cache), body, source)
+    data, _ = run_engine(make_config(src, cache, policy=policy), body, source)
 
     async def remount(eng):
         assert await read_all(eng, rel) == data
         assert eng.counters.hits == 1
 
-    run_engine(make_config(src, cache), remount)
+    run_engine(make_config(src, cache, policy=policy), remount)
 
 
-def test_file_changing_during_read_is_retried(tree):
+def test_file_changing_during_read_is_retried(tree, policy):
     src, cache, files = tree
     rel = b"train/cls0/img02.jpg"
     source = ChangingSource(src, rel, times=1, mode="during")
@@ -537,10 +554,10 @@ def test_file_changing_during_read_is_retried(tree):
         assert data == read_source(src, rel)
         assert data != files[rel] and len(data) == len(files[rel]) + source.grow
 
-    run_engine(make_config(src, cache), body, source)
+    run_engine(make_config(src, cache, policy=policy), body, source)
 
 
-def test_file_changing_on_every_read_raises_source_changed(tree):
+def test_file_changing_on_every_read_raises_source_changed(tree, policy):
     src, cache, files = tree
     rel = b"train/cls0/img02.jpg"
     source = ChangingSource(src, rel, times=100, mode="during")
@@ -552,13 +569,13 @@ def test_file_changing_on_every_read_raises_source_changed(tree):
         assert eng.counters.source_retries == 0  # not a transient error: no engine retries
         await read_everything(eng, {k: v for k, v in files.items() if k != rel})
 
-    run_engine(make_config(src, cache), body, source)
+    run_engine(make_config(src, cache, policy=policy), body, source)
 
 
 # ----- source errors -------------------------------------------------------------------
 
 
-def test_transient_eio_is_retried(tree):
+def test_transient_eio_is_retried(tree, policy):
     src, cache, files = tree
     rel = b"top.txt"
     source = FailingSource(src, errno.EIO, fail_times=2, paths={rel})
@@ -569,10 +586,10 @@ def test_transient_eio_is_retried(tree):
         assert eng.counters.source_errors == 2
         assert source.reads[rel] == 3
 
-    run_engine(make_config(src, cache, source_retries=2), body, source)
+    run_engine(make_config(src, cache, policy=policy, source_retries=2), body, source)
 
 
-def test_persistent_eio_fails_after_retries(tree):
+def test_persistent_eio_fails_after_retries(tree, policy):
     src, cache, files = tree
     rel = b"top.txt"
     source = FailingSource(src, errno.EIO, fail_times=None, paths={rel})
@@ -588,11 +605,11 @@ def test_persistent_eio_fails_after_retries(tree):
         assert eng.index.get_record(eng.ns.resolve(rel).ino) is None
         assert await read_all(eng, b"big.bin") == files[b"big.bin"]
 
-    run_engine(make_config(src, cache, source_retries=1), body, source)
+    run_engine(make_config(src, cache, policy=policy, source_retries=1), body, source)
 
 
 @pytest.mark.parametrize("err,exc", [(errno.EACCES, SourceError), (errno.ENOENT, NotFound)])
-def test_permanent_errors_are_not_retried(tree, err, exc):
+def test_permanent_errors_are_not_retried(tree, err, exc, policy):
     src, cache, files = tree
     rel = b"train/cls0/img00.jpg"
     source = FailingSource(src, err, fail_times=None, paths={rel})
@@ -607,11 +624,11 @@ def test_permanent_errors_are_not_retried(tree, err, exc):
         assert eng.counters.source_retries == 0
         assert await read_all(eng, b"top.txt") == files[b"top.txt"]
 
-    run_engine(make_config(src, cache), body, source)
+    run_engine(make_config(src, cache, policy=policy), body, source)
 
 
 @pytest.mark.parametrize("revalidate", [3600.0, 0.0])
-def test_vanished_source_file_is_not_found(tree, revalidate):
+def test_vanished_source_file_is_not_found(tree, revalidate, policy):
     src, cache, files = tree
     rel = b"train/cls2/img06.jpg"
     source = CountingSource(src)
@@ -626,10 +643,10 @@ def test_vanished_source_file_is_not_found(tree, revalidate):
                 eng.ns.resolve(rel)
         assert await read_all(eng, b"top.txt") == files[b"top.txt"]
 
-    run_engine(make_config(src, cache, revalidate=revalidate), body, source)
+    run_engine(make_config(src, cache, policy=policy, revalidate=revalidate), body, source)
 
 
-def test_hanging_source_times_out(tree):
+def test_hanging_source_times_out(tree, policy):
     src, cache, files = tree
     rel = b"train/cls1/img00.jpg"
     source = HangingSource(src, paths={rel})
@@ -645,11 +662,11 @@ def test_hanging_source_times_out(tree):
         finally:
             source.release()
 
-    run_engine(make_config(src, cache, source_timeout=0.5), body, source)
+    run_engine(make_config(src, cache, policy=policy, source_timeout=0.5), body, source)
 
 
 @pytest.mark.parametrize("revalidate", [0.0, 1e-9])  # lstat of the file; re-list of its dir
-def test_hanging_namespace_call_times_out(tree, revalidate):
+def test_hanging_namespace_call_times_out(tree, revalidate, policy):
     """Regression: a hung lstat/list_dir (revalidation) must end in SourceTimeout, not hang."""
     src, cache, files = tree
     rel = b"train/cls1/img02.jpg"
@@ -666,11 +683,11 @@ def test_hanging_namespace_call_times_out(tree, revalidate):
         finally:
             source.release()
 
-    run_engine(make_config(src, cache, revalidate=revalidate, source_timeout=0.5), body,
+    run_engine(make_config(src, cache, policy=policy, revalidate=revalidate, source_timeout=0.5), body,
                source)
 
 
-def test_slow_source_within_timeout(tree):
+def test_slow_source_within_timeout(tree, policy):
     src, cache, files = tree
     source = SlowSource(src, delay=0.02)
 
@@ -683,13 +700,13 @@ def test_slow_source_within_timeout(tree):
         assert eng.counters.source_timeouts == 0
         assert sum(source.reads.values()) == len(subset)
 
-    run_engine(make_config(src, cache, source_timeout=5.0), body, source)
+    run_engine(make_config(src, cache, policy=policy, source_timeout=5.0), body, source)
 
 
 # ----- the cache disk fails ------------------------------------------------------------
 
 
-def test_disk_full_serves_from_source_and_recovers(tree, monkeypatch):
+def test_disk_full_serves_from_source_and_recovers(tree, monkeypatch, policy):
     """ENOSPC on a log append: the half-written chunk is cut off, nothing is indexed, every
     file is still served (from the source), and caching resumes after the back-off."""
     from dlcachefs.store.chunkfmt import LOG_HEADER_SIZE
@@ -715,19 +732,19 @@ def test_disk_full_serves_from_source_and_recovers(tree, monkeypatch):
         assert eng.index.n_records() == len(files)
         assert c.misses == 2 * len(files)
 
-    run_engine(make_config(src, cache), body)
+    run_engine(make_config(src, cache, policy=policy), body)
 
     async def remount(eng):
         await read_everything(eng, files)
         assert eng.counters.bytes_from_source == 0
 
-    run_engine(make_config(src, cache), remount)
+    run_engine(make_config(src, cache, policy=policy), remount)
 
 
 # ----- read-through of large files -----------------------------------------------------
 
 
-def test_large_file_is_read_through(tree):
+def test_large_file_is_read_through(tree, policy):
     src, cache, files = tree
     rel = b"big.bin"
     data = files[rel]
@@ -748,13 +765,13 @@ def test_large_file_is_read_through(tree):
         assert eng.counters.bytes_from_source == 5000 + 10
         assert await read_all(eng, b"top.txt") == files[b"top.txt"]
 
-    run_engine(make_config(src, cache, max_cached_file=100_000), body)
+    run_engine(make_config(src, cache, policy=policy, max_cached_file=100_000), body)
 
 
 # ----- eviction ------------------------------------------------------------------------
 
 
-def test_eviction_keeps_cache_within_size(tmp_path):
+def test_eviction_keeps_cache_within_size(tmp_path, policy):
     rng = random.Random(7)
     src, cache = tmp_path / "src", tmp_path / "cache"
     files = {b"d%d/f%03d" % (i % 4, i): rng.randbytes(rng.randrange(2000, 12_000))
@@ -773,24 +790,30 @@ def test_eviction_keeps_cache_within_size(tmp_path):
                 assert eng.index.counter(S.K_CHUNK_BYTES) <= cache_size, epoch
             await eng.flush()
             assert eng.index.check_invariants() == []
-        assert eng.counters.chunks_evicted > 0
+        # the cache was full: the policy made room (evicted) or kept files out (iCACHE's
+        # H-cache with no importance known refuses instead; LRU never refuses)
+        assert eng.counters.chunks_evicted > 0 or eng.counters.not_admitted > 0
         assert eng.index.counter(S.K_CHUNK_BYTES) <= cache_size
         assert eng.counters.hits > 0 and eng.counters.misses > len(files)
 
-    run_engine(make_config(src, cache, cache_size=cache_size, chunk_size=32 << 10,
+    run_engine(make_config(src, cache, policy=policy, cache_size=cache_size, chunk_size=32 << 10,
                            log_size=64 << 10), body)
 
     async def remount(eng):
         await read_everything(eng, files)
 
-    run_engine(make_config(src, cache, cache_size=cache_size, chunk_size=32 << 10,
+    run_engine(make_config(src, cache, policy=policy, cache_size=cache_size, chunk_size=32 << 10,
                            log_size=64 << 10), remount)
 
 
-def test_concurrent_seals_respect_cache_size(tmp_path):
+def test_concurrent_seals_respect_cache_size(tmp_path, policy):
     """Regression: a flush() while the writer task's seal is committing must not plan its
     eviction from stale counters (both seals chose the same victim; the cache overgrew)."""
     import time
+
+    if policy == "icache":  # see the module docstring
+        pytest.skip("iCACHE refuses samples into a full cache before any importance is "
+                    "known: nothing is evicted, the two seals cannot race for victims")
 
     rng = random.Random(1)
     files = {b"f%03d" % i: rng.randbytes(9000) for i in range(40)}
@@ -823,7 +846,7 @@ def test_concurrent_seals_respect_cache_size(tmp_path):
         assert eng.counters.chunks_evicted >= 2
         assert eng.index.counter(S.K_CHUNK_BYTES) <= cache_size
 
-    run_engine(make_config(src, cache, cache_size=cache_size, chunk_size=32 << 10,
+    run_engine(make_config(src, cache, policy=policy, cache_size=cache_size, chunk_size=32 << 10,
                            flush_interval=30.0), body)
 
 
@@ -844,7 +867,8 @@ OPS = st.lists(st.one_of(
        memory=st.sampled_from([4096, 64 << 10, 16 << 20]),
        cache_size=st.sampled_from([30_000, 100_000, 1 << 30]),
        ops=OPS)
-def test_random_workload_reads_source_bytes(seed, n_files, chunk_size, memory, cache_size, ops):
+def test_random_workload_reads_source_bytes(seed, n_files, chunk_size, memory, cache_size, ops,
+                                            policy):
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory() as tmp:
         src, cache = Path(tmp) / "src", Path(tmp) / "cache"
@@ -857,7 +881,7 @@ def test_random_workload_reads_source_bytes(seed, n_files, chunk_size, memory, c
             files[b"/".join(parts)] = rng.randbytes(size)
         write_tree(src, files)
         names = sorted(files)
-        cfg = make_config(src, cache, chunk_size=chunk_size, memory=memory,
+        cfg = make_config(src, cache, policy=policy, chunk_size=chunk_size, memory=memory,
                           cache_size=cache_size)
         # split the op list into mounts
         mounts: list[list[tuple]] = [[]]
@@ -888,7 +912,7 @@ def test_random_workload_reads_source_bytes(seed, n_files, chunk_size, memory, c
             run_engine(cfg, body)
 
 
-def test_reorder_backfill_of_a_vanished_file_does_not_end_the_engine(tmp_path):
+def test_reorder_backfill_of_a_vanished_file_does_not_end_the_engine(tmp_path, policy):
     """Regression (review): a source error while filling a next-epoch log is that log's
     problem, never the daemon's."""
     from dlcachefs.clairvoyance.reorder import NextEpochLog
@@ -919,4 +943,4 @@ def test_reorder_backfill_of_a_vanished_file_does_not_end_the_engine(tmp_path):
         # the engine still serves the other files
         assert await read_all(eng, b"train/c0/img1.jpg") == files[b"train/c0/img1.jpg"]
 
-    run_engine(make_config(src, cache), body)
+    run_engine(make_config(src, cache, policy=policy), body)
