@@ -32,13 +32,17 @@ What is held equal, so that the counts can agree exactly:
   same order (request, hit, admission, insertion at the seal, victims for the room a
   new unit needs, removal).
 
-So the counts agree exactly for policies that decide from the cache's state alone:
-``lru`` (the test holds it to equality). Policies that read the future or the samples'
-importance do not: the simulator's future view knows the next epoch from its first tick
-and its H-list is rebuilt at each epoch's start from the losses of the one before, while
+So the counts agree exactly for decisions made from the cache's state alone: ``lru``,
+and ``icache`` on a trace without losses (no importance known on either side: every
+sample is an H-sample, admitted while the H-cache has room and refused after); the
+tests hold both to equality. Not the others, by design of this mode: ``lcache``'s
+release after use retires a unit that the engine drops at its writer's next seal (a
+background task), so a re-read in between may still hit in the engine where the
+simulator has removed it at once; ``reuse-distance`` and iCACHE with losses decide from
+the future and the H-list, which the simulator knows from each epoch's first tick while
 a mount learns orders from an announced stream (replayed in another process) and
 rebuilds the H-list in a thread; that timing is not modelled here, and with nothing
-announced those policies see no future at all.
+announced the engine's policies see no future at all.
 """
 
 from __future__ import annotations
