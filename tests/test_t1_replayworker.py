@@ -9,7 +9,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dlcachefs.clairvoyance.replay import OrderReplayer, SamplerSpec  # noqa: E402
-from dlcachefs.clairvoyance.replayworker import RemoteReplayer, ReplayWorker  # noqa: E402
+from dlcachefs.clairvoyance.replayworker import (  # noqa: E402
+    RemoteReplayer,
+    ReplayClosed,
+    ReplayWorker,
+)
 
 
 @pytest.fixture(scope="module")
@@ -62,5 +66,5 @@ def test_a_dead_worker_is_replaced_and_a_closed_one_refuses():
     finally:
         w.close()
     rep3 = RemoteReplayer(w, SamplerSpec("random", seed=2), 20)
-    with pytest.raises(ValueError, match="closed"):
+    with pytest.raises(ReplayClosed, match="closed"):
         rep3.order(0)

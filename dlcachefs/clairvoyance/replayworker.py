@@ -39,6 +39,11 @@ TIMEOUT_S = 120.0  # a 1.28M-sample order takes well under a second; torch's imp
 MAX_REPLAYERS = 16  # kept in the worker
 
 
+class ReplayClosed(ValueError):
+    """A replay asked of a worker that was closed: the mount is stopping. Not a failure of
+    the order (it would have been replayed), so it is not reported as one."""
+
+
 class ReplayWorker:
     """The worker process and the pipe to it (started lazily or by :meth:`start`)."""
 
@@ -83,7 +88,7 @@ class ReplayWorker:
         sub = None if subset is None else np.asarray(subset, dtype=np.int64)
         ok, value = self._call(("order", spec, n, base_epoch, sub, epoch), TIMEOUT_S)
         if not ok:
-            raise ValueError(value)
+            raise (ReplayClosed if self._closed else ValueError)(value)
         return value.tolist()
 
     def _call(self, msg: tuple, timeout: float) -> tuple[bool, object]:

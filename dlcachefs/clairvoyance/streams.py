@@ -50,7 +50,7 @@ from dlcachefs.clairvoyance.control import JobState, StreamState, ViewDef
 from dlcachefs.clairvoyance.protocol import paths_digest
 from dlcachefs.clairvoyance.reorder import NextEpochLog
 from dlcachefs.clairvoyance.replay import SamplerSpec
-from dlcachefs.clairvoyance.replayworker import RemoteReplayer, ReplayWorker
+from dlcachefs.clairvoyance.replayworker import RemoteReplayer, ReplayClosed, ReplayWorker
 from dlcachefs.clairvoyance.samplelist import IMG_EXTENSIONS, SampleList, image_folder
 from dlcachefs.errors import DlcError
 from dlcachefs.store.schema import Entry
@@ -373,7 +373,10 @@ class StreamManager:
         except (DlcError, ValueError, OSError) as e:
             s.error = str(e)
             s.mode, s.reason = "none", str(e)
-            log.warning("stream %s: cannot replay its order: %s", s.key, e)
+            # an unmount that cuts replays still queued for the worker is not a problem
+            # of the stream's order: said at INFO, so a log watcher sees no warning
+            level = logging.INFO if isinstance(e, ReplayClosed) else logging.WARNING
+            log.log(level, "stream %s: cannot replay its order: %s", s.key, e)
             return
         if s.target_epoch != epoch or trio.current_effective_deadline() == -float("inf"):
             return  # a newer announcement replaced this one while the order was computed
