@@ -229,7 +229,7 @@ class Operations(pyfuse3.Operations):
 
     @fuse_errors
     async def statfs(self, ctx):
-        st = await self.engine.source_call(self.engine.source.statvfs)
+        st = await self.engine.calls.call(self.engine.source.statvfs)
         s = pyfuse3.StatvfsData()
         s.f_bsize, s.f_frsize = st.f_bsize, st.f_frsize
         s.f_blocks, s.f_bfree, s.f_bavail = st.f_blocks, 0, 0

@@ -23,7 +23,6 @@ the loop (microseconds); LMDB write transactions only in threads.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import time
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 import trio
 
 from dlcachefs import __version__
+from dlcachefs.cache.fetch import SourceCalls
 from dlcachefs.cache.memtier import ChunkBuf, MemoryTier
 from dlcachefs.cache.namespace import Namespace, identity, is_file
 from dlcachefs.cache.policy import CachePolicy, PolicyContext
@@ -55,10 +55,6 @@ from dlcachefs.errors import (
     DlcError,
     FormatError,
     InvalidArgument,
-    NotFound,
-    SourceChanged,
-    SourceError,
-    SourceTimeout,
 )
 from dlcachefs.importance.packer import Packer
 from dlcachefs.sim.tracelog import TraceRecorder
@@ -70,9 +66,6 @@ from dlcachefs.store.schema import Chunk, Entry, Record
 
 log = logging.getLogger(__name__)
 
-#: errno values of the source worth another try
-TRANSIENT = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ECONNRESET,
-                       errno.ENOTCONN, errno.EHOSTUNREACH, errno.ENETUNREACH})
 #: loss pairs that may wait for their dataset's sample list (about 100 MB at most)
 MAX_EARLY_LOSSES = 1 << 22
 #: fetched bytes that may wait for the chunk writer's room, in chunks (--chunk-size)
@@ -121,11 +114,11 @@ class Engine:
         self.index = Index(cfg.index_dir)
         self.logs = LogStore(cfg.logs_dir, cfg.log_size)
         self.counters = Counters()
-        self.source_limiter = trio.CapacityLimiter(cfg.source_threads)
+        # every call on the source goes through this one wrapper (limiter, timeout, retries)
+        self.calls = SourceCalls(self.source, cfg, self.counters)
         self.disk_limiter = trio.CapacityLimiter(4)
-        self.ns = Namespace(self.index, self.source, revalidate=cfg.revalidate,
-                            use_src_ino=cfg.use_source_inode, source_limiter=self.source_limiter,
-                            source_timeout=cfg.source_timeout)
+        self.ns = Namespace(self.index, self.calls, revalidate=cfg.revalidate,
+                            use_src_ino=cfg.use_source_inode)
         self.streams = StreamManager(self)
         self.scan = ScanAhead(self)
         # what the policy sees: chunks from the index, the streams' future, the losses
@@ -561,8 +554,8 @@ class Engine:
             if h.cached:
                 self.counters.bytes_from_cache += len(out)
             return out
-        data = await self._source_call(pread_checked, h.fd, offset, size, h.ident,
-                                       self.cfg.use_source_inode)
+        data = await self.calls.call(pread_checked, h.fd, offset, size, h.ident,
+                                     self.cfg.use_source_inode)
         self.counters.bytes_from_source += len(data)
         return data
 
@@ -581,8 +574,8 @@ class Engine:
         if not isinstance(self.source, LocalSource):
             raise InvalidArgument("file too large to cache and the source has no ranged reads")
         rel = self.ns.path_of(e)
-        fd, ident = await self._source_call(open_for_range_reads, self.source, rel,
-                                            self.cfg.use_source_inode)
+        fd, ident = await self.calls.call(open_for_range_reads, self.source, rel,
+                                          self.cfg.use_source_inode)
         if ident != identity(e):
             e = await trio.to_thread.run_sync(self.ns.update_identity, e, ident)
             self.ns.changed_on_source(e)
@@ -943,8 +936,7 @@ class Engine:
 
     async def _fetch_now(self, e: Entry, cache: bool = True) -> tuple[bytes, Entry]:
         rel = self.ns.path_of(e)
-        data, ident = await self._source_call(self.source.read_file, rel,
-                                              self.cfg.use_source_inode)
+        data, ident = await self.calls.read_file(rel)
         if ident != identity(e):
             # changed since it was listed: serve the new version, and tell the kernel
             e = await trio.to_thread.run_sync(self.ns.update_identity, e, ident)
@@ -1009,35 +1001,6 @@ class Engine:
         while self._later:
             await self._later_empty.wait()
         await self.writer.flush()
-
-    async def source_call(self, fn, *args):
-        """A blocking call on the source from the FUSE layer (statfs): same rules."""
-        return await self._source_call(fn, *args)
-
-    async def _source_call(self, fn, *args):
-        """Run a blocking source call in a thread: timeout, retries of transient errors."""
-        delay = 0.1
-        for attempt in range(self.cfg.source_retries + 1):
-            try:
-                with trio.fail_after(self.cfg.source_timeout):
-                    return await trio.to_thread.run_sync(
-                        fn, *args, limiter=self.source_limiter, abandon_on_cancel=True)
-            except trio.TooSlowError:
-                # a hung source: do not pile up more stuck threads by retrying
-                self.counters.source_timeouts += 1
-                raise SourceTimeout(
-                    f"source did not answer within {self.cfg.source_timeout:.0f} s",
-                    errno.ETIMEDOUT) from None
-            except (NotFound, SourceChanged):
-                raise
-            except SourceError as exc:
-                self.counters.source_errors += 1
-                if exc.errno not in TRANSIENT or attempt == self.cfg.source_retries:
-                    raise
-                self.counters.source_retries += 1
-                await trio.sleep(delay)
-                delay *= 4
-        raise AssertionError("unreachable")
 
     # ----- stats ---------------------------------------------------------------------
 

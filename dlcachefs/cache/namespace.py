@@ -19,13 +19,15 @@ A change found this way updates the snapshot (same inode for the same path and t
 and the engine never serves cached bytes whose identity differs from the entry's.
 
 Concurrency: reads of the snapshot run on the trio loop (LMDB read txns); listings and
-stats of the source, and every write txn, run in worker threads.
+stats of the source run in worker threads through the one source wrapper
+(:class:`~dlcachefs.cache.fetch.SourceCalls`: limiter, timeout, retries, counters), and
+every write txn in a worker thread. The start-up scan (:meth:`Namespace.scan`) is
+blocking and runs before the filesystem is served, with its own thread pool.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
 import os
 import stat as stat_mod
@@ -36,8 +38,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import trio
 
+from dlcachefs.cache.fetch import SourceCalls
 from dlcachefs.cache.source import Identity, Listing, Source
-from dlcachefs.errors import IsADirectory, NotADirectory, NotFound, SourceTimeout
+from dlcachefs.errors import IsADirectory, NotADirectory, NotFound
 from dlcachefs.store import schema as S
 from dlcachefs.store.index import Index, Writer
 from dlcachefs.store.schema import Entry
@@ -150,15 +153,13 @@ def merge_listing(w: Writer, dir_e: Entry, dir_rel: bytes, listing: list[Listing
 class Namespace:
     """Lookups and listings from the snapshot; refreshes from the source under the rule above."""
 
-    def __init__(self, index: Index, source: Source, *, revalidate: float = 3600.0,
-                 use_src_ino: bool = True, source_limiter: trio.CapacityLimiter | None = None,
-                 source_timeout: float | None = None) -> None:
+    def __init__(self, index: Index, calls: SourceCalls, *, revalidate: float = 3600.0,
+                 use_src_ino: bool = True) -> None:
         self.index = index
-        self.source = source
+        self.calls = calls  # every source call of a revalidation goes through it
+        self.source: Source = calls.source
         self.revalidate = revalidate
-        self.source_timeout = source_timeout
         self.use_src_ino = use_src_ino
-        self.limiter = source_limiter
         self.on_invalidate: Invalidate | None = None
         # inodes that changed on the source during this mount: the kernel may still hold
         # pages of the old version, so their next open must not ask it to keep them
@@ -247,7 +248,7 @@ class Namespace:
     async def _restat(self, e: Entry) -> Entry:
         rel = self.path_of(e)
         try:
-            st = await self._source_call(self.source.lstat, rel)
+            st = await self.calls.call(self.source.lstat, rel)
         except NotFound:
             await self.refresh_dir(e.parent)
             raise
@@ -258,23 +259,10 @@ class Namespace:
             return self.get(e.ino)
         if not _same_attrs(e, new):
             if stat_mod.S_ISLNK(new.mode):
-                new.target = await self._source_call(os.readlink, self.source_path(rel))
+                new.target = await self.calls.call(os.readlink, self.source_path(rel))
             await trio.to_thread.run_sync(self._put, new)
             self._notify("inode", e.parent, None, e.ino)
         return new
-
-    async def _source_call(self, fn, *args):
-        """A blocking source call in a thread, given up after ``source_timeout`` (a hung
-        source must not hang an open or an opendir forever)."""
-        if self.source_timeout is None:
-            return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
-        try:
-            with trio.fail_after(self.source_timeout):
-                return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter,
-                                                     abandon_on_cancel=True)
-        except trio.TooSlowError:
-            raise SourceTimeout(f"source did not answer within {self.source_timeout:.0f} s",
-                                errno.ETIMEDOUT) from None
 
     def source_path(self, rel: bytes) -> bytes:
         root = self.source.root
@@ -302,7 +290,7 @@ class Namespace:
             e = self.get(ino)
             rel = self.path_of(e)
             try:
-                listing = await self._source_call(self.source.list_dir, rel)
+                listing = await self.calls.call(self.source.list_dir, rel)
             except NotFound:
                 if ino != ROOT_INO:
                     await trio.to_thread.run_sync(self._delete, e)

@@ -16,8 +16,9 @@ uses one up), and after every H-list change, when the L-samples missed meanwhile
 background, and the L-cache keeps turning over while substitution serves the reader.
 
 Concurrency: a task in the engine's nursery, on the trio loop like the policy and the
-writer (no locks). Source reads go through the engine's ``_source_call`` (worker
-threads under the source limiter, timeout, retries), at most ``READ_CONCURRENCY`` at a
+writer (no locks). Source reads go through the one source wrapper
+(:class:`~dlcachefs.cache.fetch.SourceCalls`: worker threads under the source limiter,
+timeout, retries), at most ``READ_CONCURRENCY`` at a
 time so that the reader's own misses still find free source threads. The task wakes at
 least every ``POLL`` seconds and at once when :meth:`Packer.wake` is called (a
 substitution, an epoch start).
@@ -135,8 +136,7 @@ class Packer:
                     if e is None or not is_file(e):
                         return
                     rel = eng.ns.path_of(e)
-                    data, ident = await eng._source_call(eng.source.read_file, rel,
-                                                         eng.cfg.use_source_inode)
+                    data, ident = await eng.calls.read_file(rel)
                 except DlcError as exc:
                     log.debug("packer: %d not read: %s", ino, exc)
                     return
