@@ -34,10 +34,12 @@ import trio
 
 from dlcachefs import __version__
 from dlcachefs.cache.fetch import SourceCalls
+from dlcachefs.cache.invariants import check_cache
 from dlcachefs.cache.memtier import ChunkBuf, MemoryTier
 from dlcachefs.cache.namespace import Namespace, identity, is_file
 from dlcachefs.cache.policy import CachePolicy, PolicyContext
 from dlcachefs.cache.readplan import ReadPlanner
+from dlcachefs.cache.recovery import recover
 from dlcachefs.cache.scanahead import ScanAhead
 from dlcachefs.cache.source import (
     Identity,
@@ -58,7 +60,6 @@ from dlcachefs.errors import (
 )
 from dlcachefs.importance.packer import Packer
 from dlcachefs.sim.tracelog import TraceRecorder
-from dlcachefs.store import schema as S
 from dlcachefs.store.chunkfmt import checksum, verify_chunk
 from dlcachefs.store.index import Index
 from dlcachefs.store.logs import LogStore
@@ -178,91 +179,15 @@ class Engine:
 
     def start(self, progress: Callable[[int, int, float], None] | None = None) -> dict:
         """Blocking start-up before the filesystem is served: crash recovery, then the
-        namespace scan when there is no snapshot yet or ``--rescan`` was given."""
-        info: dict = {}
-        chunks = sorted(self.index.iter_chunks(), key=lambda c: c.chunk_id)
-        present = set(self.logs.log_ids())
-        lost = [c for c in chunks if c.log_id not in present]
-        if lost:
-            log.warning("%d chunks point at missing log files; dropping them", len(lost))
-            with self.index.write() as w:
-                for c in lost:
-                    w.drop_chunk(c.chunk_id)
-            chunks = [c for c in chunks if c.log_id in present]
-        ends: dict[int, int] = {}
-        for c in chunks:
-            ends[c.log_id] = max(ends.get(c.log_id, 0), c.offset + c.length)
-            self.logs.live[c.log_id] = self.logs.live.get(c.log_id, 0) + c.length
-            self.policy.on_insert(c.chunk_id, c.members, c.length)
-        info.update(self.logs.recover(ends))
-        info["chunks"] = len(chunks)
-        info["lost_chunks"] = len(lost)
-        if self.cfg.rescan or not self.ns.has_snapshot():
-            entries, dirs = self.ns.scan(threads=self.cfg.source_threads, progress=progress)
-            info.update(scanned_entries=entries, scanned_dirs=dirs)
-        if self.cfg.debug_invariants:
-            problems = self.index.check_invariants()
-            if problems:
-                raise RuntimeError("index invariants violated: " + "; ".join(problems[:5]))
-        # the account starts from what recovery left; a cache over a smaller --cache-size
-        # than last time is shrunk by the writer's first commit
-        self.writer.used = self.index.counter(S.K_CHUNK_BYTES)
-        self.writer.shrink_to_limit()
-        return info
-
-    # ----- invariants (--debug-invariants) ---------------------------------------------
+        namespace scan when there is no snapshot yet or ``--rescan`` was given
+        (:mod:`dlcachefs.cache.recovery`)."""
+        return recover(self.cfg, self.index, self.logs, self.ns, self.writer, self.policy,
+                       progress)
 
     def check_invariants(self) -> list[str]:
-        """Violated invariants of the cache, as readable lines (empty when all hold).
-
-        Cheap enough to run after every seal in tests (``--debug-invariants``): the
-        ``--cache-size`` account (rule A always; rule B and the account equal to the
-        index when no commit is in flight, see :mod:`dlcachefs.cache.writer`), the writer's
-        pinned/doomed/protected sets, and, between commits, the index against itself and
-        against the live logs. Runs on the trio loop (LMDB read transactions only).
-        """
-        w = self.writer
-        cap = self.cfg.cache_size
-        out: list[str] = []
-        if w.used - w.doomed_bytes + w.pending_bytes > cap:
-            out.append(f"cache account over --cache-size: used {w.used} - doomed "
-                       f"{w.doomed_bytes} + pending {w.pending_bytes} > {cap}")
-        if min(w.open_charge, w.sealing_bytes, w.reserved, w.doomed_bytes) < 0:
-            out.append(f"negative account: open {w.open_charge} sealing {w.sealing_bytes} "
-                       f"reserved {w.reserved} doomed {w.doomed_bytes}")
-        if w.open_charge != sum(r.charge for r in w.open):
-            out.append(f"open charge {w.open_charge} != the open records' "
-                       f"{sum(r.charge for r in w.open)}")
-        if w.doomed_bytes != sum(w.doomed.values()):
-            out.append("doomed bytes != the doomed chunks' lengths")
-        if any(n <= 0 for n in w.pins.values()):
-            out.append("a pin count is not positive")
-        if set(w.pins) & set(w.doomed):
-            out.append(f"pinned chunks doomed: {sorted(set(w.pins) & set(w.doomed))[:5]}")
-        if w.protected & set(w.doomed):
-            out.append(f"protected chunks doomed: {sorted(w.protected & set(w.doomed))[:5]}")
-        if not set(w.doomed) <= w.evicting:
-            out.append("a doomed chunk is still served (not in evicting)")
-        if any(w.pending.get(r.ino) is not r for r in w.open):
-            out.append("an open record is not readable from pending")
-        if w.commits == 0:  # nothing in flight: the index is the account's truth
-            chunk_bytes = self.index.counter(S.K_CHUNK_BYTES)
-            if chunk_bytes != w.used:
-                out.append(f"account used {w.used} != index chunk_bytes {chunk_bytes}")
-            if chunk_bytes > cap and not w.doomed:
-                out.append(f"index chunk_bytes {chunk_bytes} > --cache-size {cap}")
-            live: dict[int, int] = {}
-            for c in self.index.iter_chunks():
-                live[c.log_id] = live.get(c.log_id, 0) + c.length
-            for lid, n in live.items():
-                if self.logs.live.get(lid) != n:
-                    out.append(f"log {lid}: live bytes {self.logs.live.get(lid)} != its "
-                               f"indexed chunks' {n}")
-            missing = set(w.doomed) - {c.chunk_id for c in self.index.iter_chunks()}
-            if missing:
-                out.append(f"doomed chunks not in the index: {sorted(missing)[:5]}")
-            out.extend(self.index.check_invariants())
-        return out
+        """Violated invariants of the cache, as readable lines (empty when all hold); see
+        :mod:`dlcachefs.cache.invariants`. Trio loop."""
+        return check_cache(self.writer, self.index, self.logs, self.cfg.cache_size)
 
     def _after_commit(self) -> None:
         """--debug-invariants: check after every commit; a violation is an ERROR."""

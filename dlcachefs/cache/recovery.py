@@ -1,0 +1,65 @@
+"""Start-up of a cache directory: crash recovery, then the namespace scan.
+
+Runs once, blocking, before the filesystem is served (no trio loop yet, so plain calls,
+LMDB write transactions included, are fine here):
+
+1. chunks whose log file is gone are dropped from the index;
+2. each log is cut after its last indexed chunk (:meth:`LogStore.recover`): a crash
+   between a seal's append and its commit leaves an unindexed tail (see
+   :mod:`dlcachefs.cache.writer` for the order of a seal);
+3. the policy is told about every chunk that survived, and the logs' live bytes are
+   counted;
+4. the source tree is listed when there is no snapshot yet, or ``--rescan`` was given;
+5. the ``--cache-size`` account starts from what recovery left, and a cache over a
+   smaller ``--cache-size`` than last time is shrunk by the writer's first commit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from dlcachefs.cache.namespace import Namespace
+from dlcachefs.cache.writer import ChunkWriter
+from dlcachefs.config import Config
+from dlcachefs.store import schema as S
+from dlcachefs.store.index import Index
+from dlcachefs.store.logs import LogStore
+
+log = logging.getLogger(__name__)
+
+
+def recover(cfg: Config, index: Index, logs: LogStore, ns: Namespace, writer: ChunkWriter,
+            policy, progress: Callable[[int, int, float], None] | None = None) -> dict:
+    """Recover the cache directory and list the source if needed (module docstring);
+    what was found, for the daemon's start-up log line."""
+    info: dict = {}
+    chunks = sorted(index.iter_chunks(), key=lambda c: c.chunk_id)
+    present = set(logs.log_ids())
+    lost = [c for c in chunks if c.log_id not in present]
+    if lost:
+        log.warning("%d chunks point at missing log files; dropping them", len(lost))
+        with index.write() as w:
+            for c in lost:
+                w.drop_chunk(c.chunk_id)
+        chunks = [c for c in chunks if c.log_id in present]
+    ends: dict[int, int] = {}
+    for c in chunks:
+        ends[c.log_id] = max(ends.get(c.log_id, 0), c.offset + c.length)
+        logs.live[c.log_id] = logs.live.get(c.log_id, 0) + c.length
+        policy.on_insert(c.chunk_id, c.members, c.length)
+    info.update(logs.recover(ends))
+    info["chunks"] = len(chunks)
+    info["lost_chunks"] = len(lost)
+    if cfg.rescan or not ns.has_snapshot():
+        entries, dirs = ns.scan(threads=cfg.source_threads, progress=progress)
+        info.update(scanned_entries=entries, scanned_dirs=dirs)
+    if cfg.debug_invariants:
+        problems = index.check_invariants()
+        if problems:
+            raise RuntimeError("index invariants violated: " + "; ".join(problems[:5]))
+    # the account starts from what recovery left; a cache over a smaller --cache-size
+    # than last time is shrunk by the writer's first commit
+    writer.used = index.counter(S.K_CHUNK_BYTES)
+    writer.shrink_to_limit()
+    return info
