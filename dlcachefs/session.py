@@ -129,8 +129,8 @@ def _control(engine: Engine) -> ControlState:
         return e.ino
 
     control = ControlState(
-        resolve_dir, engine.streams.on_stream, dataset_size=engine.dataset_size,
-        on_loss=engine.on_loss, on_order=engine.streams.on_order,
-        loss_room=engine.early_loss_room)
-    engine.attach_control(control)
+        resolve_dir, engine.streams.on_stream, dataset_size=engine.streams.dataset_size,
+        on_loss=engine.losses.on_loss, on_order=engine.streams.on_order,
+        loss_room=engine.losses.room)
+    engine.losses.attach_control(control)
     return control

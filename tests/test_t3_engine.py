@@ -232,7 +232,7 @@ def test_cancelled_fetch_does_not_cancel_other_openers(tree, policy):
             ino = eng.ns.resolve(rel).ino
             # joins the fetch the first one started (polled: the first one may be scheduled
             # later; on a stalled machine it may already be over, then this one fetches)
-            while ino not in eng._inflight and not first_done.is_set():
+            while not eng.fetcher.in_flight(ino) and not first_done.is_set():
                 await trio.sleep(0.001)
             got.append(await read_all(eng, rel))
 

@@ -187,7 +187,7 @@ def test_two_jobs_keep_their_losses_apart(tmp_path, mount):
 
 # the out-of-range loss the test sends on purpose is dropped with a reason: in .dlcache/errors
 # (asserted below) and in the log
-@pytest.mark.daemon_log_allows(r"WARNING dlcachefs\.cache\.engine: 1 losses of job 'j' dropped: "
+@pytest.mark.daemon_log_allows(r"WARNING dlcachefs\.importance\.losses: 1 losses of job 'j' dropped: "
                                r"index out of range, dataset 'train' has 72 samples$")
 def test_losses_sent_with_the_announcement_are_kept(tmp_path, mount):
     """A script that announces and reports losses at once: the dataset's sample list is

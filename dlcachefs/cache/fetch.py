@@ -23,15 +23,27 @@ The counters are touched on the loop only.
 from __future__ import annotations
 
 import errno
+import logging
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
+from dlcachefs.cache.namespace import identity
 from dlcachefs.cache.source import Identity, Source
 from dlcachefs.cache.stats import Counters
 from dlcachefs.config import Config
 from dlcachefs.errors import NotFound, SourceChanged, SourceError, SourceTimeout
+from dlcachefs.store.schema import Entry
+
+if TYPE_CHECKING:
+    from dlcachefs.cache.buffers import Backlog
+    from dlcachefs.cache.namespace import Namespace
+    from dlcachefs.cache.policy import CachePolicy
+    from dlcachefs.cache.versions import Versions
+    from dlcachefs.cache.writer import ChunkWriter
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -79,3 +91,147 @@ class SourceCalls:
     async def read_file(self, rel: bytes) -> tuple[bytes, Identity]:
         """A whole file as one consistent version, and that version's identity."""
         return await self.call(self.source.read_file, rel, self.use_src_ino)
+
+
+class _Inflight:
+    """One fetch in progress; later opens of the same file wait for it."""
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.result: tuple[bytes, Entry] | None = None
+        self.error: BaseException | None = None
+
+
+class Fetcher:
+    """Whole files from the source: to the reader, and on to the cache.
+
+    * concurrent fetches of one file share one source read (:meth:`fetch`);
+    * a file that changed since it was listed is served in its new version, recorded in
+      the namespace, and the kernel is told (its pages of the old version go);
+    * the bytes go to the chunk writer when the policy admits them; when the writer has
+      no room, the reader does not wait for the cache disk: the file waits in the
+      :class:`~dlcachefs.cache.buffers.Backlog` (a task of this object's nursery hands it
+      over once there is room), and only past the backlog's bound does the reader wait
+      (backpressure: memory stays bounded and nothing is left uncached);
+    * ``demand_fetches`` counts readers waiting for the source right now (scan-ahead
+      then leaves them the link); ``demand_idle`` is set when it drops to 0.
+
+    Concurrency: trio loop; source reads through :class:`SourceCalls`. The backlog's
+    hand-over tasks belong to :meth:`run`'s nursery.
+    """
+
+    def __init__(self, cfg: Config, calls: SourceCalls, ns: Namespace, writer: ChunkWriter,
+                 policy: CachePolicy, versions: Versions, backlog: Backlog,
+                 counters: Counters) -> None:
+        self.cfg = cfg
+        self.calls = calls
+        self.ns = ns
+        self.writer = writer
+        self.policy = policy
+        self.versions = versions
+        self.backlog = backlog
+        self.counters = counters
+        self._inflight: dict[int, _Inflight] = {}
+        self.demand_fetches = 0
+        self.demand_idle = trio.Event()  # set (and replaced) when demand_fetches drops to 0
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Owns the backlog's hand-over tasks, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+
+    def in_flight(self, ino: int) -> bool:
+        """Whether a fetch of ``ino`` is in progress."""
+        return ino in self._inflight
+
+    async def fetch_for_reader(self, e: Entry, cache: bool = True) -> bytes:
+        """A reader's miss: :meth:`fetch`, counted as a miss and as demand on the link.
+        A fetch already in flight (a prefetch) is joined, and its bytes are cached."""
+        waits = e.ino in self._inflight
+        self.demand_fetches += 1
+        try:
+            data, _ = await self.fetch(e, cache or waits)
+        finally:
+            self.demand_fetches -= 1
+            if not self.demand_fetches:
+                self.demand_idle.set()
+                self.demand_idle = trio.Event()
+        self.counters.misses += 1
+        self.counters.fetch_waits += waits
+        return data
+
+    async def fetch(self, e: Entry, cache: bool = True) -> tuple[bytes, Entry]:
+        """Fetch a whole file from the source (concurrent fetches of one file share it);
+        its bytes and its entry (updated if the file changed since it was listed)."""
+        while (inf := self._inflight.get(e.ino)) is not None:
+            await inf.done.wait()
+            if inf.result is not None:
+                return inf.result
+            if isinstance(inf.error, Exception):
+                raise inf.error
+            # the fetching task was cancelled, not this one: never re-raise its Cancelled
+        inf = self._inflight[e.ino] = _Inflight()
+        try:
+            inf.result = await self._fetch_now(e, cache)
+            return inf.result
+        except BaseException as exc:
+            inf.error = exc
+            raise
+        finally:
+            del self._inflight[e.ino]
+            inf.done.set()
+
+    async def _fetch_now(self, e: Entry, cache: bool = True) -> tuple[bytes, Entry]:
+        rel = self.ns.path_of(e)
+        data, ident = await self.calls.read_file(rel)
+        if ident != identity(e):
+            # changed since it was listed: serve the new version, and tell the kernel
+            e = await trio.to_thread.run_sync(self.ns.update_identity, e, ident)
+            self.ns.changed_on_source(e)
+        self.counters.bytes_from_source += len(data)
+        if not cache:
+            return data, e
+        if not self.policy.admit(e.ino, len(data)):
+            self.counters.not_admitted += 1
+            return data, e
+        if not self.writer.has_room(len(data)):
+            # the reader has its bytes and does not wait for the cache disk (an fdatasync
+            # under load takes 100s of ms): the file waits for the writer's room in the
+            # background, up to the backlog's bound; past that the reader waits
+            # (backpressure: memory stays bounded and nothing is left uncached)
+            if self._submit_later(e.ino, rel, ident, data):
+                return data, e
+            await self.writer.wait_room(len(data))
+        if not self.writer.submit(e.ino, rel, ident, data):
+            self.policy.on_dropped(e.ino)
+        return data, e
+
+    def _submit_later(self, ino: int, rel: bytes, ident: Identity, data: bytes) -> bool:
+        """Queue the file for the writer in the background; False when the backlog's
+        bound is reached."""
+        if self._nursery is None or not self.backlog.try_hold(ino, ident, data):
+            return False
+        self._nursery.start_soon(self._submit_when_room, ino, rel, ident, data)
+        return True
+
+    async def _submit_when_room(self, ino: int, rel: bytes, ident: Identity,
+                                data: bytes) -> None:
+        try:
+            await self.writer.wait_room(len(data))
+            p = self.writer.pending.get(ino)
+            if self.versions.in_writer(ino, ident):
+                pass  # this version is already on its way
+            elif not self.versions.is_listed(ino, ident) or p is not None:
+                self.policy.on_dropped(ino)  # a newer version came meanwhile: not this one
+            elif not self.writer.submit(ino, rel, ident, data):
+                self.policy.on_dropped(ino)
+        except Exception:  # noqa: BLE001 - a policy's failure must not end the mount
+            log.exception("caching a fetched file failed")
+        finally:
+            self.backlog.release(ino, len(data))

@@ -35,15 +35,18 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING
 
 import trio
 
-from dlcachefs.cache.fetch import SourceCalls
 from dlcachefs.cache.source import Identity, Listing, Source
 from dlcachefs.errors import IsADirectory, NotADirectory, NotFound
 from dlcachefs.store import schema as S
 from dlcachefs.store.index import Index, Writer
 from dlcachefs.store.schema import Entry
+
+if TYPE_CHECKING:  # fetch.py imports this module
+    from dlcachefs.cache.fetch import SourceCalls
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +198,11 @@ class Namespace:
         if not is_dir(e):
             raise NotADirectory(os.fsdecode(e.name))
         return self.index.list_dir(ino)
+
+    def size_of(self, ino: int) -> int:
+        """The file's size in the snapshot (0 when it is not there)."""
+        e = self.index.get_entry(ino)
+        return e.size if e is not None else 0
 
     def path_of(self, e: Entry) -> bytes:
         """Relative source path of an entry (directory paths are cached, bounded)."""

@@ -416,8 +416,8 @@ class ReadPlan:
                     or ino in seen):
                 self.next += 1
                 continue
-            rec = eng.index.get_record(ino)
-            if rec is None or ino in eng.writer.drops or rec.size > pl.budget * MIN_USEFUL:
+            rec = eng.versions.servable(ino)  # any version: take() compares records
+            if rec is None or rec.size > pl.budget * MIN_USEFUL:
                 self.next += 1  # not cached (yet), or too large to hold: the open's job
                 continue
             # a run covers at most useful / MIN_USEFUL bytes: reserve for that
@@ -460,7 +460,7 @@ class ReadPlan:
                 for w, ok in zip(r.wants, oks, strict=True):
                     if not ok:
                         if eng.index.get_record(w.ino) == w.rec:  # pinned: real damage
-                            eng._bad(w.ino)
+                            eng.reader.bad(w.ino)
                         continue
                     a = w.rec.offset - r.offset
                     if not self.closed:

@@ -319,9 +319,9 @@ class ScanAhead:
                     await slots.acquire()
                     # a reader waiting for the source gets the link: one guess at a time
                     # then (a guess shares the link with it; it is only a guess)
-                    while eng.demand_fetches and t.active >= 1:
+                    while eng.fetcher.demand_fetches and t.active >= 1:
                         with trio.move_on_after(DEMAND_POLL_S):
-                            await eng.demand_idle.wait()
+                            await eng.fetcher.demand_idle.wait()
                     if t.done[q]:
                         slots.release()
                         continue
@@ -357,7 +357,7 @@ class ScanAhead:
 
     async def _one(self, t: _Tree, ino: int, size: int, slots: trio.Semaphore) -> None:
         try:
-            nbytes, kept = await self.engine.scan_one(ino)
+            nbytes, kept = await self.engine.prefetcher.scan_one(ino)
             if nbytes:
                 t.files += 1
                 t.bytes += nbytes

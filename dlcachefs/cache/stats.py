@@ -1,8 +1,20 @@
-"""Counters since mount. Updated on the trio loop only; read by ``.dlcache/stats``."""
+"""Counters since mount, and the ``.dlcache/stats`` document built from every part.
+
+Counters are updated on the trio loop only; :func:`stats_document` runs on the loop too
+(LMDB read transactions only).
+"""
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from dlcachefs import __version__
+
+if TYPE_CHECKING:
+    from dlcachefs.cache.engine import Engine
 
 
 @dataclass(slots=True)
@@ -46,3 +58,58 @@ class Counters:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+def stats_document(eng: Engine) -> dict:
+    """The ``.dlcache/stats`` document (counters since mount; cache state cumulative).
+    It reads every part of the engine: the one place that does."""
+    snap = eng.index.snapshot()
+    out = {
+        "version": __version__,
+        "pid": os.getpid(),
+        "source": os.fsdecode(eng.source.root),
+        "mountpoint": eng.cfg.mountpoint,
+        "cache_dir": eng.cfg.cache_dir,
+        "uptime_s": round(time.time() - eng.started, 3),
+        "files": snap["files"],
+        "bytes_total": snap["bytes_total"],
+        "cached_files": snap["records"],
+        "cached_bytes": snap["cached_bytes"],
+        "chunks": snap["chunks"],
+        "chunk_bytes": snap["chunk_bytes"],
+        "cache_limit_bytes": eng.cfg.cache_size,
+        "memory_bytes": eng.memtier.bytes,
+        "memory_limit_bytes": eng.memtier.limit,
+        # fetched, not yet in a sealed chunk (waiting for the writer's room included)
+        "pending_bytes": eng.writer.open_bytes + eng.writer.sealing_bytes
+        + eng.backlog.bytes,
+        # the --cache-size account: chunk_bytes - evicting_bytes + reserved_bytes
+        # <= cache_limit_bytes (see dlcachefs.cache.writer)
+        "reserved_bytes": eng.writer.pending_bytes,
+        "evicting_bytes": eng.writer.doomed_bytes,
+        "open_files": len(eng.handles),
+        "revalidate_s": eng.cfg.revalidate,
+        # torch loaded (at mount start, in the background): announced samplers replay
+        "sampler_replay_ready": eng.streams.replay_ready,
+        "losses_waiting": eng.losses.waiting,
+        # trees fetched ahead of readers whose order is unknown (dlcachefs.cache.scanahead)
+        "scan_ahead": eng.scan.stats(),
+    }
+    out.update(eng.counters.as_dict())
+    out["cache_disk_bytes_read"] = eng.logs.bytes_read  # every pread that serves
+    # reordered logs' chunks read back (just written) to checksum them before a seal
+    out["cache_disk_bytes_read_back"] = eng.logs.bytes_read_back
+    out["read_plans"] = eng.plans.stats()
+    out["streams"] = eng.streams.stats()
+    for key, rel in eng.scan.tree_of_groups().items():
+        if key in out["streams"]:
+            out["streams"][key]["scan_ahead"] = rel
+    out["policy"] = {"name": eng.cfg.policy, **eng.policy.stats()}
+    out["packer"] = None if eng.packer is None else eng.packer.as_dict()
+    t = eng.importance.table
+    out["importance"] = None if t is None else {
+        "dataset": eng.importance.dataset, "samples": t.n, "version": t.version(),
+        "h_samples": None if t.high is None else sum(t.high),
+        "jobs": {k: {"reported": j.reported, "benefit": j.benefit}
+                 for k, j in t.jobs.items()}}
+    return out

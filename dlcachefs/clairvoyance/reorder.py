@@ -150,14 +150,17 @@ class NextEpochLog:
         self._finish = False
         self.done = trio.Event()
 
-    async def plan(self, order_inos: list[int], max_bytes: int | None = None) -> None:
+    async def plan(self, order_inos: list[int], max_bytes: int | None = None,
+                   ranks: int = 1) -> None:
+        """Lay out the log of ``order_inos`` (the next epoch's order); ``ranks``: the
+        streams laying out their next epochs (they share the cache)."""
         eng = self.engine
         cfg = eng.cfg
         # never more than the cache holds beside a unit or two of the current epoch, shared
         # by the streams (ranks) laying out their next epochs (each log holds its own
         # samples); the reservations keep the limit whatever this estimate says
         w = eng.writer
-        ranks = max(1, sum(1 for s in eng.streams.streams.values() if s.order))
+        ranks = max(1, ranks)
         cap = max((cfg.cache_size - 2 * w.chunk_target) // ranks, w.chunk_target)
         max_bytes = cap if max_bytes is None else min(max_bytes, cap)
         self.chunks, self.slots = await trio.to_thread.run_sync(
@@ -293,7 +296,7 @@ class NextEpochLog:
             if slot is None or slot.written or self.failed or self._finish:
                 continue
             try:
-                data = await self.engine.bytes_for(slot.ino, slot.ident)
+                data = await self.engine.prefetcher.bytes_for(slot.ino, slot.ident)
             except DlcError:  # gone from the source, timed out...: its chunk stays unsealed
                 continue
             if data is None or slot.written or not self._reserve(slot):
@@ -311,7 +314,7 @@ class NextEpochLog:
             if slot.written:
                 continue
             try:
-                data = await self.engine.bytes_for(slot.ino, slot.ident)
+                data = await self.engine.prefetcher.bytes_for(slot.ino, slot.ident)
             except DlcError:
                 data = None
             if data is None or not self._reserve(slot):

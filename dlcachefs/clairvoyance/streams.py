@@ -338,7 +338,7 @@ class StreamManager:
             inos = [inos[j] for j in idx]
             labels = [labels[j] for j in idx]
             paths = [paths[j] for j in idx]
-            nbytes = sum(self.engine.size_of(i) for i in inos if i)
+            nbytes = sum(self.engine.ns.size_of(i) for i in inos if i)
         return SampleList(key, [], inos, labels, paths, nbytes)
 
     async def _configure_now(self, s: Stream, dataset: str | None, spec: SamplerSpec,
@@ -352,7 +352,7 @@ class StreamManager:
                 # first wait for torch): from here the job's losses count and the H-list
                 # is rebuilt. A learned order has no dataset (no importance, no losses).
                 s.dataset, s.begun = dataset, epoch
-                self.engine.epoch_started(s, samples)
+                self.engine.losses.epoch_started(s, samples)
                 s.used, s.substituted_before, s.substituted = set(), s.substituted, {}
             if spec.kind == "explicit":  # a copy: control may drop old epochs meanwhile
                 s.replayer = _Explicit(spec, dict(s.explicit or {}), len(samples))
@@ -391,7 +391,7 @@ class StreamManager:
         s.positions, s.consumed = positions, consumed
         s.ready = bytearray(len(order))
         s.position = s.prefetched_upto = 0
-        self.engine.drop_ready(s.key)
+        self.engine.readahead.drop_owner(s.key)
         if spec.kind == "unknown":
             s.used, s.substituted_before, s.substituted = set(), s.substituted, {}
         s.begun = None  # switched: announcing this epoch again begins it again
@@ -442,7 +442,7 @@ class StreamManager:
             if s.memory_prefetch else None
         order = await trio.to_thread.run_sync(s.replayer.order, epoch + 1)
         nl = NextEpochLog(self.engine, s.key, epoch + 1)
-        await nl.plan([samples.inos[i] for i in order], budget)
+        await nl.plan([samples.inos[i] for i in order], budget, ranks=self.ordered_streams())
         if budget is not None:
             log.info("stream %s: the cache holds %d of %d samples of epoch %d's log",
                      s.key, len(nl.slots), len(samples), epoch + 1)
@@ -567,6 +567,25 @@ class StreamManager:
 
         self._nursery.start_soon(task)
 
+    def ordered_streams(self) -> int:
+        """How many streams know their order (the ranks laying out their next epochs)."""
+        return sum(1 for s in self.streams.values() if s.order)
+
+    def dataset_size(self, rel: str) -> int | None:
+        """Samples in the ImageFolder at ``rel`` when a stream has listed it (else None)."""
+        sl = self.sample_list(rel)
+        return None if sl is None else len(sl.inos)
+
+    def substitutions_of(self, job: str) -> dict[int, int]:
+        """Requested sample -> the sample served instead, for ``job``'s streams: the last
+        epoch's substitutions, then this one's (losses are reported late)."""
+        subs: dict[int, int] = {}
+        for st in self.streams.values():
+            if st.job == job:
+                subs.update(st.substituted_before)
+                subs.update(st.substituted)
+        return subs
+
     def job_dataset(self, job: str) -> str | None:
         for s in self.streams.values():
             if s.job == job and s.dataset is not None:
@@ -585,13 +604,13 @@ class StreamManager:
         slots = trio.Semaphore(self.concurrency)
         lead_bytes = self.lead_bytes
         if s.memory_prefetch:
-            lead_bytes = min(lead_bytes, self.engine.ready_limit)
+            lead_bytes = min(lead_bytes, self.engine.readahead.limit)
         sizes_ahead = 0
         window: list[tuple[int, int]] = []  # (position, size) prefetched, for lead_bytes
         async with trio.open_nursery() as nursery:
             for p in range(len(s.order)):
                 ino = s.samples.inos[s.order[p]]
-                size = self.engine.size_of(ino) if ino else 0
+                size = self.engine.ns.size_of(ino) if ino else 0
                 # stay within `lead` samples and `lead_bytes` of the reader
                 while True:
                     while window and window[0][0] < s.position:
@@ -609,7 +628,7 @@ class StreamManager:
     async def _fetch_one(self, s: Stream, p: int, ino: int, slots: trio.Semaphore) -> None:
         try:
             if ino and not s.consumed[p]:
-                fetched = await self.engine.prefetch_one(ino, s)
+                fetched = await self.engine.prefetcher.prefetch_one(ino, s)
                 if fetched:
                     s.prefetched += 1
             s.ready[p] = 1

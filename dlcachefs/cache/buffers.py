@@ -1,0 +1,127 @@
+"""The two places fetched bytes wait in memory outside the chunk writer.
+
+* :class:`Backlog`: files fetched while the chunk writer had no room. A reader that
+  missed got its bytes and did not wait for the cache disk (an ``fdatasync`` under load
+  takes 100s of ms); its file waits here for the writer's room, in the background, up
+  to a bound (``LATER_CHUNKS`` chunks' worth). Scan-ahead's guesses also wait here
+  while they wait for room, without taking any of that bound. Opens of a file that
+  waits here are hits.
+* :class:`ReadAhead`: files read ahead of the reader and held in memory until its open
+  takes them: records read from the logs ahead of a stream (record mode), and files
+  prefetched from the source but not cached (the dataset is larger than the cache, or
+  the policy did not admit them). Bounded by ``limit`` bytes.
+
+Both are plain bookkeeping: what to put there, and when, is decided by their users
+(:mod:`dlcachefs.cache.fetch`, :mod:`dlcachefs.cache.prefetch`,
+:mod:`dlcachefs.cache.reader`, and the engine's open).
+
+Concurrency: trio loop only (no locks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import trio
+
+from dlcachefs.cache.source import Identity
+from dlcachefs.store.schema import Record
+
+#: fetched bytes that may wait for the chunk writer's room, in chunks (--chunk-size)
+LATER_CHUNKS = 2
+
+
+class Backlog:
+    """Files fetched while the chunk writer had no room, waiting for it: ino ->
+    (identity, bytes). ``bytes`` counts readers' files only (the bound)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit  # LATER_CHUNKS * --chunk-size
+        self.bytes = 0
+        self._files: dict[int, tuple[Identity, bytes]] = {}
+        self._empty = trio.Event()  # set (and replaced) when the backlog drains
+
+    def __contains__(self, ino: int) -> bool:
+        return ino in self._files
+
+    def __bool__(self) -> bool:
+        return bool(self._files)
+
+    def get(self, ino: int, ident: Identity) -> bytes | None:
+        """The waiting bytes of this version of ``ino``, or None."""
+        held = self._files.get(ino)
+        return held[1] if held is not None and held[0] == ident else None
+
+    def try_hold(self, ino: int, ident: Identity, data: bytes) -> bool:
+        """Hold a reader's file, counted against the bound; False when the bound is
+        reached (one file waits whatever its size, as the writer takes one whatever its
+        size) or the file already waits. Release it with :meth:`release`."""
+        if ino in self._files or (self._files and self.bytes + len(data) > self.limit):
+            return False
+        self._files[ino] = (ident, data)
+        self.bytes += len(data)
+        return True
+
+    def hold_guess(self, ino: int, ident: Identity, data: bytes) -> None:
+        """Hold a file fetched on a guess (scan-ahead), outside the bound: readers find it
+        while it waits. Release it with :meth:`release` (``counted=False``)."""
+        self._files[ino] = (ident, data)
+
+    def release(self, ino: int, counted: int = 0) -> None:
+        """The file no longer waits; ``counted``: the bytes :meth:`try_hold` counted."""
+        self.bytes -= counted
+        self._files.pop(ino, None)
+        if not self._files:
+            self._empty.set()
+            self._empty = trio.Event()
+
+    async def drained(self) -> None:
+        """Wait until nothing waits any more."""
+        while self._files:
+            await self._empty.wait()
+
+
+@dataclass(slots=True)
+class ReadyFile:
+    """A file read ahead of its open."""
+
+    ident: Identity
+    rec: Record | None  # the record it was read from; None: fetched from the source
+    data: bytes | memoryview
+    owner: str  # the stream it was read for
+
+
+class ReadAhead:
+    """Files read ahead of the reader, until its open takes them (or their stream's
+    epoch ends), at most ``limit`` bytes as far as the callers check :meth:`has_room`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.bytes = 0
+        self._files: dict[int, ReadyFile] = {}
+
+    def __contains__(self, ino: int) -> bool:
+        return ino in self._files
+
+    def has_room(self, nbytes: int) -> bool:
+        return self.bytes + nbytes <= self.limit
+
+    def put(self, ino: int, ident: Identity, rec: Record | None, data: bytes | memoryview,
+            owner: str) -> None:
+        old = self._files.pop(ino, None)
+        if old is not None:
+            self.bytes -= len(old.data)
+        self._files[ino] = ReadyFile(ident, rec, data, owner)
+        self.bytes += len(data)
+
+    def take(self, ino: int) -> ReadyFile | None:
+        """What was read ahead for ``ino`` (any version), no longer held."""
+        f = self._files.pop(ino, None)
+        if f is not None:
+            self.bytes -= len(f.data)
+        return f
+
+    def drop_owner(self, owner: str) -> None:
+        """Forget what was read ahead for one stream's epoch that is over."""
+        for ino in [i for i, f in self._files.items() if f.owner == owner]:
+            self.bytes -= len(self._files.pop(ino).data)

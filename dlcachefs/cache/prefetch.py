@@ -1,0 +1,148 @@
+"""Work ahead of the reader, one file at a time, for the background parts:
+
+* :meth:`Prefetcher.prefetch_one`: a stream whose order is known
+  (:mod:`dlcachefs.clairvoyance.streams`) makes sure the current version of its next
+  samples is in the cache (fetched from the source, or its chunk loaded ahead); in
+  memory only when the dataset is larger than the cache;
+* :meth:`Prefetcher.scan_one`: scan-ahead (:mod:`dlcachefs.cache.scanahead`) fetches a
+  file of a tree read in an unknown order, into free cache room only (a guess never
+  evicts, and never takes the room readers' own files wait in);
+* :meth:`Prefetcher.bytes_for`: the reorderer (:mod:`dlcachefs.clairvoyance.reorder`)
+  asks for a version of a file to fill its next epoch's log: from the cache, else the
+  source.
+
+None of them fetches a file that is cached (:mod:`dlcachefs.cache.versions`), being
+fetched, or held for its reader; an L-sample under ``--substitute`` is left to its open
+(substitution may serve it instead).
+
+Concurrency: trio loop; the work happens in the parts it calls (the fetcher's source
+threads, the reader's disk threads). Each caller runs its own tasks in its own nursery.
+"""
+
+from __future__ import annotations
+
+from dlcachefs.cache.buffers import Backlog, ReadAhead
+from dlcachefs.cache.fetch import Fetcher
+from dlcachefs.cache.namespace import Namespace, identity
+from dlcachefs.cache.policy import CachePolicy
+from dlcachefs.cache.reader import LogReader
+from dlcachefs.cache.readplan import ReadPlanner
+from dlcachefs.cache.source import Identity
+from dlcachefs.cache.stats import Counters
+from dlcachefs.cache.versions import Versions
+from dlcachefs.cache.writer import ChunkWriter
+from dlcachefs.config import Config
+from dlcachefs.store.index import Index
+
+
+class Prefetcher:
+    """Fetches ahead of readers for streams, scan-ahead and the reorderer."""
+
+    def __init__(self, cfg: Config, *, index: Index, ns: Namespace, versions: Versions,
+                 fetcher: Fetcher, reader: LogReader, writer: ChunkWriter, policy: CachePolicy,
+                 backlog: Backlog, readahead: ReadAhead, plans: ReadPlanner,
+                 counters: Counters) -> None:
+        self.cfg = cfg
+        self.index = index
+        self.ns = ns
+        self.versions = versions
+        self.fetcher = fetcher
+        self.reader = reader
+        self.writer = writer
+        self.policy = policy
+        self.backlog = backlog
+        self.readahead = readahead
+        self.plans = plans
+        self.counters = counters
+
+    def _left_to_open(self, ino: int) -> bool:
+        """An L-sample under --substitute: its open may be served by substitution."""
+        return self.cfg.substitute and self.policy.substitutable(ino)
+
+    async def prefetch_one(self, ino: int, stream) -> bool:
+        """Make sure the current version of ``ino`` is in the cache (and its chunk in the
+        memory tier, when whole chunks are being read); True if it was fetched."""
+        e = await self.ns.fresh_file(ino)
+        if (e.size > self.cfg.max_cached_file or self.fetcher.in_flight(ino)
+                or ino in self.readahead):
+            return False
+        if self.versions.is_cached(ino, identity(e)):
+            if not self.plans.wanted(stream):  # a plan reads it ahead instead
+                await self.reader.preload(ino, stream.key)
+            return False
+        if self._left_to_open(ino):
+            return False
+        await self.writer.wait_room()
+        if self.versions.is_cached(ino, identity(e)) or self.fetcher.in_flight(ino):
+            return False
+        if stream.memory_prefetch:
+            # the disk cache is kept for the logs: hold it in memory until it is read
+            data, e = await self.fetcher.fetch(e, cache=False)
+            self.readahead.put(ino, identity(e), None, data, stream.key)
+        else:
+            data, e = await self.fetcher.fetch(e)
+            if not self.versions.in_writer(ino, identity(e)) and self.readahead.has_room(
+                    len(data)):
+                # the policy did not admit it (or the writer skipped it): hold it in
+                # memory until it is read, rather than fetch it twice
+                self.readahead.put(ino, identity(e), None, data, stream.key)
+        stream.bytes_from_source += len(data)
+        self.counters.prefetched += 1
+        return True
+
+    async def scan_one(self, ino: int) -> tuple[int, bool]:
+        """Fetch ``ino`` into the cache unless it is there or on its way; (bytes fetched,
+        whether the cache kept them)."""
+        e = await self.ns.fresh_file(ino)
+        if (e.size > self.cfg.max_cached_file or self.fetcher.in_flight(ino)
+                or ino in self.readahead or self.versions.is_cached(ino, identity(e))):
+            return 0, False
+        if self._left_to_open(ino):
+            return 0, False
+        await self.writer.wait_room(e.size)
+        if self.versions.is_cached(ino, identity(e)) or self.fetcher.in_flight(ino):
+            return 0, False
+        # fetched without caching, then submitted here once the writer has room: a guess
+        # never takes the bounded room readers' own files wait in (the backlog's bound)
+        data, e = await self.fetcher.fetch(e, cache=False)
+        self.counters.scan_ahead_files += 1
+        self.counters.scan_ahead_bytes += len(data)
+        ident = identity(e)
+        if ino in self.backlog or self.versions.is_cached(ino, ident):
+            return len(data), self.versions.is_cached(ino, ident)
+        self.backlog.hold_guess(ino, ident, data)  # readers find it while it waits
+        try:
+            await self.writer.wait_room(len(data))
+            if not self.versions.is_listed(ino, ident):
+                return len(data), False  # a newer version came meanwhile
+            if self.writer.pending.get(ino) is not None:
+                return len(data), self.versions.in_writer(ino, ident)
+            if self.writer.room() < len(data) + 4096:
+                return len(data), False  # room taken meanwhile: never evict for a guess
+            if not self.policy.admit(ino, len(data)):
+                self.counters.not_admitted += 1
+                return len(data), False
+            if not self.writer.submit(ino, self.ns.path_of(e), ident, data):
+                self.policy.on_dropped(ino)
+                return len(data), False
+            return len(data), True
+        finally:
+            self.backlog.release(ino)
+
+    async def bytes_for(self, ino: int, ident: Identity) -> bytes | memoryview | None:
+        """The bytes of this version of ``ino`` from the cache, else the source; None when
+        the file is gone or no longer this version (used to fill reordered logs)."""
+        e = self.index.get_entry(ino)
+        if e is None or identity(e) != ident:
+            return None
+        rec = self.versions.record(ino, ident)
+        if rec is not None:
+            data = await self.reader.read_record(ino, rec, background=True)
+            if data is not None:
+                return data
+        data = self.versions.unsealed(ino, ident)
+        if data is not None:
+            return data
+        data, e2 = await self.fetcher.fetch(e)
+        return data if identity(e2) == ident else None
+
