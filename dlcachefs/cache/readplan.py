@@ -55,12 +55,22 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 from dlcachefs.errors import FormatError
 from dlcachefs.store.chunkfmt import checksum
 from dlcachefs.store.schema import Record
+
+if TYPE_CHECKING:
+    from dlcachefs.cache.memtier import MemoryTier
+    from dlcachefs.cache.reader import LogReader
+    from dlcachefs.cache.stats import Counters
+    from dlcachefs.cache.versions import Versions
+    from dlcachefs.cache.writer import ChunkWriter
+    from dlcachefs.store.index import Index
+    from dlcachefs.store.logs import LogStore
 
 log = logging.getLogger(__name__)
 
@@ -169,14 +179,29 @@ class _Ready:
     pos: int
 
 
+class PlanEngine(Protocol):
+    """What the read plans use of the engine (:class:`~dlcachefs.cache.engine.Engine`
+    provides it): ``versions.servable`` (which records to read), the logs and the disk
+    limiter (the reads), ``writer.pin``/``unpin`` (no eviction under a read), the memory
+    tier's ``reserve``/``unreserve`` (the budget), ``index.get_record`` (is a failed
+    record still the indexed one), ``reader.bad`` (drop a record that failed its
+    checksum) and the counters."""
+
+    index: Index
+    logs: LogStore
+    writer: ChunkWriter
+    memtier: MemoryTier
+    counters: Counters
+    disk_limiter: trio.CapacityLimiter
+    reader: LogReader
+    versions: Versions
+
+
 class ReadPlanner:
-    """Engine-wide: the read plans of all streams and their shared memory budget.
+    """Engine-wide: the read plans of all streams and their shared memory budget (see
+    :class:`PlanEngine` for what it uses of the engine)."""
 
-    ``engine`` provides ``index``, ``logs``, ``writer``, ``memtier``, ``counters``,
-    ``disk_limiter`` and ``_bad(ino)``.
-    """
-
-    def __init__(self, engine, budget: int, lead: int = 1024,
+    def __init__(self, engine: PlanEngine, budget: int, lead: int = 1024,
                  max_batch: int = 4 << 20, idle: float = IDLE) -> None:
         self.engine = engine
         self.idle = idle

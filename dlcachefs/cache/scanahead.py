@@ -40,12 +40,21 @@ import stat
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import trio
 
 from dlcachefs.cache.namespace import ROOT_INO
 from dlcachefs.errors import DlcError
+
+if TYPE_CHECKING:
+    from dlcachefs.cache.fetch import Fetcher
+    from dlcachefs.cache.namespace import Namespace
+    from dlcachefs.cache.prefetch import Prefetcher
+    from dlcachefs.cache.writer import ChunkWriter
+    from dlcachefs.config import Config
+    from dlcachefs.store.index import Index
 
 log = logging.getLogger(__name__)
 
@@ -130,12 +139,25 @@ class _Tree:
                 "files": self.files, "bytes": self.bytes}
 
 
-class ScanAhead:
-    """Watches opens not covered by a known order and scans trees ahead of them.
-    ``engine`` provides ``index``, ``ns``, ``cfg``, ``writer``, ``demand_fetches`` /
-    ``demand_idle`` and the coroutine ``scan_one(ino) -> (fetched bytes, kept)``."""
+class ScanEngine(Protocol):
+    """What :class:`ScanAhead` uses of the engine (:class:`~dlcachefs.cache.engine.Engine`
+    provides it): the index (listings, entries, which files have records), the
+    namespace's paths, ``writer.room()``, the readers' demand on the source link
+    (``fetcher.demand_fetches`` / ``fetcher.demand_idle``) and
+    ``prefetcher.scan_one(ino) -> (fetched bytes, kept)``."""
 
-    def __init__(self, engine) -> None:
+    cfg: Config
+    index: Index
+    ns: Namespace
+    writer: ChunkWriter
+    fetcher: Fetcher
+    prefetcher: Prefetcher
+
+
+class ScanAhead:
+    """Watches opens not covered by a known order and scans trees ahead of them."""
+
+    def __init__(self, engine: ScanEngine) -> None:
         self.engine = engine
         self.concurrency = engine.cfg.scan_ahead
         self.groups: OrderedDict[str, _Group] = OrderedDict()

@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -58,6 +59,15 @@ from dlcachefs.store.chunkfmt import (
     record_len,
 )
 from dlcachefs.store.schema import Chunk, Record
+
+if TYPE_CHECKING:
+    from dlcachefs.cache.policy import CachePolicy
+    from dlcachefs.cache.prefetch import Prefetcher
+    from dlcachefs.cache.stats import Counters
+    from dlcachefs.cache.writer import ChunkWriter
+    from dlcachefs.config import Config
+    from dlcachefs.store.index import Index
+    from dlcachefs.store.logs import LogStore
 
 log = logging.getLogger(__name__)
 
@@ -132,10 +142,28 @@ def plan_layout(index, inos: list[int], chunk_size: int, max_file: int, start_of
     return chunks, slots
 
 
+class ReorderEngine(Protocol):
+    """What a :class:`NextEpochLog` uses of the engine (:class:`~dlcachefs.cache.engine.Engine`
+    provides it): the writer's ``--cache-size`` account, ids and retirement
+    (``chunk_target``, ``reserve_chunk_ids``, ``reserve_log_id``, ``protected``,
+    ``try_reserve``, ``unreserve``, ``commit_external``, ``retire_chunk``), the logs'
+    file operations, index write transactions (in threads), the policy's ``on_insert``,
+    and :meth:`Prefetcher.bytes_for` to fill slots the reader did not fill."""
+
+    cfg: Config
+    index: Index
+    logs: LogStore
+    writer: ChunkWriter
+    policy: CachePolicy
+    counters: Counters
+    disk_limiter: trio.CapacityLimiter
+    prefetcher: Prefetcher
+
+
 class NextEpochLog:
     """The reordered log of one stream's next epoch."""
 
-    def __init__(self, engine, stream_key: str, epoch: int) -> None:
+    def __init__(self, engine: ReorderEngine, stream_key: str, epoch: int) -> None:
         self.engine = engine
         self.key = stream_key
         self.epoch = epoch

@@ -42,18 +42,27 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import trio
 
 from dlcachefs.clairvoyance.control import JobState, StreamState, ViewDef
 from dlcachefs.clairvoyance.protocol import paths_digest
-from dlcachefs.clairvoyance.reorder import NextEpochLog
+from dlcachefs.clairvoyance.reorder import NextEpochLog, ReorderEngine
 from dlcachefs.clairvoyance.replay import SamplerSpec
 from dlcachefs.clairvoyance.replayworker import RemoteReplayer, ReplayClosed, ReplayWorker
 from dlcachefs.clairvoyance.samplelist import IMG_EXTENSIONS, SampleList, image_folder
 from dlcachefs.errors import DlcError
 from dlcachefs.store.schema import Entry
+
+if TYPE_CHECKING:
+    from dlcachefs.cache.buffers import ReadAhead
+    from dlcachefs.cache.namespace import Namespace
+    from dlcachefs.cache.prefetch import Prefetcher
+    from dlcachefs.cache.readplan import ReadPlanner
+    from dlcachefs.cache.views import StreamFuture
+    from dlcachefs.importance.losses import Losses
 
 MAX_UNANNOUNCED = 8  # stats entries for processes that read without announcing
 MAX_LEARNED = 1 << 22  # opens remembered per epoch of a learned stream
@@ -170,11 +179,28 @@ class Stream:
                     "sealed": self.next_log.sealed, "failed": self.next_log.failed}}
 
 
-class StreamManager:
-    """Owns the streams and their prefetch tasks. ``engine`` provides ``ns``, ``writer``,
-    ``cfg`` and the coroutine ``prefetch_one(ino, stream) -> bool``."""
+class StreamEngine(ReorderEngine, Protocol):
+    """What the :class:`StreamManager` uses of the engine
+    (:class:`~dlcachefs.cache.engine.Engine` provides it), besides what it hands on to the
+    :class:`NextEpochLog` of each stream (:class:`ReorderEngine`): the namespace (sample
+    lists, sizes, paths), the index's typed listings, ``writer.retire_chunk`` (LCache's
+    release after use), the read-ahead set (``drop_owner``, ``limit``),
+    ``losses.epoch_started``, the policy clock ``future.tick``, ``plans.run`` (an epoch's
+    read plan) and ``prefetcher.prefetch_one``."""
 
-    def __init__(self, engine, lead: int = 1024, lead_bytes: int = 512 << 20,
+    ns: Namespace
+    readahead: ReadAhead
+    losses: Losses
+    future: StreamFuture
+    plans: ReadPlanner
+    prefetcher: Prefetcher
+
+
+class StreamManager:
+    """Owns the streams and their prefetch tasks (see :class:`StreamEngine` for what it
+    uses of the engine)."""
+
+    def __init__(self, engine: StreamEngine, lead: int = 1024, lead_bytes: int = 512 << 20,
                  concurrency: int | None = None) -> None:
         self.engine = engine
         self.lead = lead

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -35,6 +36,17 @@ from dlcachefs.cache.namespace import identity, is_file
 from dlcachefs.cache.source import Identity
 from dlcachefs.errors import DlcError
 from dlcachefs.store.chunkfmt import CHUNK_HEADER_SIZE, RECORD_HEADER_SIZE
+
+if TYPE_CHECKING:
+    from dlcachefs.cache.fetch import SourceCalls
+    from dlcachefs.cache.namespace import Namespace
+    from dlcachefs.cache.policy import CachePolicy
+    from dlcachefs.cache.stats import Counters
+    from dlcachefs.cache.views import InodeImportance
+    from dlcachefs.cache.writer import ChunkWriter
+    from dlcachefs.clairvoyance.streams import StreamManager
+    from dlcachefs.config import Config
+    from dlcachefs.store.index import Index
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +75,28 @@ class PackerStats:
     last_plan: int = 0  # members of the last package planned
 
 
+class PackerEngine(Protocol):
+    """What the :class:`Packer` uses of the engine (:class:`~dlcachefs.cache.engine.Engine`
+    provides it): the policy's plans and drops, the index and namespace (sizes, paths),
+    the source through ``calls.read_file``, the writer (``wait_room``,
+    ``submit_package``, ``pending``, ``sealed``), the importance table's dataset and
+    that dataset's sample list (``streams.sample_list``)."""
+
+    cfg: Config
+    index: Index
+    ns: Namespace
+    policy: CachePolicy
+    writer: ChunkWriter
+    counters: Counters
+    calls: SourceCalls
+    importance: InodeImportance
+    streams: StreamManager
+
+
 class Packer:
     """Builds the L-cache's packages in the background (one per policy plan)."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine: PackerEngine) -> None:
         self.engine = engine
         self.stats = PackerStats()
         self._wake = trio.Event()
