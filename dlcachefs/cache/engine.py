@@ -150,7 +150,7 @@ class Engine:
                                  lead=self.streams.lead,
                                  max_batch=max(4 << 20, 2 * cfg.chunk_size))
         self.prefetcher = Prefetcher(
-            cfg, index=self.index, ns=self.ns, versions=self.versions, fetcher=self.fetcher,
+            cfg, ns=self.ns, versions=self.versions, fetcher=self.fetcher,
             reader=self.reader, writer=self.writer, policy=self.policy, backlog=self.backlog,
             readahead=self.readahead, plans=self.plans, counters=self.counters)
         self.substitution = Substitution(

@@ -224,10 +224,9 @@ class Fetcher:
                                 data: bytes) -> None:
         try:
             await self.writer.wait_room(len(data))
-            p = self.writer.pending.get(ino)
             if self.versions.in_writer(ino, ident):
                 pass  # this version is already on its way
-            elif not self.versions.is_listed(ino, ident) or p is not None:
+            elif not self.versions.is_listed(ino, ident) or ino in self.writer.pending:
                 self.policy.on_dropped(ino)  # a newer version came meanwhile: not this one
             elif not self.writer.submit(ino, rel, ident, data):
                 self.policy.on_dropped(ino)

@@ -32,18 +32,16 @@ from dlcachefs.cache.stats import Counters
 from dlcachefs.cache.versions import Versions
 from dlcachefs.cache.writer import ChunkWriter
 from dlcachefs.config import Config
-from dlcachefs.store.index import Index
 
 
 class Prefetcher:
     """Fetches ahead of readers for streams, scan-ahead and the reorderer."""
 
-    def __init__(self, cfg: Config, *, index: Index, ns: Namespace, versions: Versions,
-                 fetcher: Fetcher, reader: LogReader, writer: ChunkWriter, policy: CachePolicy,
+    def __init__(self, cfg: Config, *, ns: Namespace, versions: Versions, fetcher: Fetcher,
+                 reader: LogReader, writer: ChunkWriter, policy: CachePolicy,
                  backlog: Backlog, readahead: ReadAhead, plans: ReadPlanner,
                  counters: Counters) -> None:
         self.cfg = cfg
-        self.index = index
         self.ns = ns
         self.versions = versions
         self.fetcher = fetcher
@@ -115,7 +113,7 @@ class Prefetcher:
             await self.writer.wait_room(len(data))
             if not self.versions.is_listed(ino, ident):
                 return len(data), False  # a newer version came meanwhile
-            if self.writer.pending.get(ino) is not None:
+            if ino in self.writer.pending:  # this version, or a newer one
                 return len(data), self.versions.in_writer(ino, ident)
             if self.writer.room() < len(data) + 4096:
                 return len(data), False  # room taken meanwhile: never evict for a guess
@@ -132,8 +130,8 @@ class Prefetcher:
     async def bytes_for(self, ino: int, ident: Identity) -> bytes | memoryview | None:
         """The bytes of this version of ``ino`` from the cache, else the source; None when
         the file is gone or no longer this version (used to fill reordered logs)."""
-        e = self.index.get_entry(ino)
-        if e is None or identity(e) != ident:
+        e = self.versions.listed_entry(ino, ident)
+        if e is None:
             return None
         rec = self.versions.record(ino, ident)
         if rec is not None:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from dlcachefs.cache.namespace import identity
 from dlcachefs.cache.source import Identity
 from dlcachefs.store.index import Index
-from dlcachefs.store.schema import Record
+from dlcachefs.store.schema import Entry, Record
 
 if TYPE_CHECKING:
     from dlcachefs.cache.buffers import Backlog
@@ -72,10 +72,14 @@ class Versions:
         rec = self.index.get_record(ino)
         return None if rec is None or ino in self.writer.drops else rec
 
+    def listed_entry(self, ino: int, ident: Identity) -> Entry | None:
+        """The namespace entry of ``ino`` if the snapshot still lists this version."""
+        e = self.index.get_entry(ino)
+        return e if e is not None and identity(e) == ident else None
+
     def is_listed(self, ino: int, ident: Identity) -> bool:
         """Whether the namespace snapshot still lists ``ino`` at this version."""
-        e = self.index.get_entry(ino)
-        return e is not None and identity(e) == ident
+        return self.listed_entry(ino, ident) is not None
 
     def in_writer(self, ino: int, ident: Identity) -> bool:
         """Whether the writer holds this version of ``ino``, to be sealed."""

@@ -60,6 +60,7 @@ from dlcachefs.cache.namespace import identity
 from dlcachefs.cache.policy import PACK_CHUNK
 from dlcachefs.cache.source import Identity
 from dlcachefs.cache.stats import Counters
+from dlcachefs.cache.versions import record_is_current
 from dlcachefs.config import Config
 from dlcachefs.store import schema as S
 from dlcachefs.store.chunkfmt import (
@@ -559,10 +560,8 @@ class ChunkWriter:
             self.after_commit()
 
     def _indexed(self, r: Pending) -> bool:
-        cur = self.index.get_record(r.ino)
-        if cur is None or r.ino in self.drops:
-            return False
-        if Identity(cur.size, cur.mtime_ns, cur.src_ino) != r.ident:
+        """Whether the index already holds ``r``'s version (then it is pending no more)."""
+        if not record_is_current(r.ino, self.index.get_record(r.ino), r.ident, self.drops):
             return False
         if self.pending.get(r.ino) is r:
             del self.pending[r.ino]
