@@ -1,2 +1,3 @@
-"""iCACHE's importance: per-sample scores from the training's losses, the H-list, and the
-packer that builds substitution packages of L-samples."""
+"""iCACHE's importance: per-sample scores from the training's losses (booked by the samples
+actually served, in losses), the H-list, and the packer that builds substitution packages
+of L-samples."""
