@@ -111,14 +111,7 @@ def merge_listing(w: Writer, dir_e: Entry, dir_rel: bytes, listing: list[Listing
                   use_src_ino: bool) -> MergeResult:
     """Make the snapshot of one directory equal to a fresh listing (inside a write txn)."""
     res = MergeResult()
-    prefix = S.ukey(dir_e.ino)
-    old: dict[bytes, int] = {}
-    cur = w.txn.cursor(db=w.ix.dirent)
-    if cur.set_range(prefix):
-        for k, v in cur:
-            if not k.startswith(prefix):
-                break
-            old[bytes(k[8:])] = S.unkey(v)
+    old = dict(w.list_dir(dir_e.ino))
     for item in listing:
         if dir_e.ino == ROOT_INO and item.name in RESERVED_ROOT_NAMES:
             log.warning("source has %r at its root; it is hidden behind the mount's own",

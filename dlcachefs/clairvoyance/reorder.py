@@ -361,18 +361,10 @@ class NextEpochLog:
 
         eng = self.engine
         with eng.index.write() as w:
-            prefix = f"epoch_log/{self.key}/".encode()
-            cur = w.txn.cursor(db=w.ix.meta)
-            stale = []
-            if cur.set_range(prefix):
-                for k, _ in cur:
-                    k = bytes(k)
-                    if not k.startswith(prefix):
-                        break
-                    if int(k[len(prefix):]) < self.epoch - 1:
-                        stale.append(k)
-            for k in stale:
-                w.txn.delete(k, db=w.ix.meta)
+            prefix = S.epoch_log_prefix(self.key)
+            for k in w.meta_keys(prefix):
+                if int(k[len(prefix):]) < self.epoch - 1:
+                    w.delete_meta(k)
             w.set_meta(S.epoch_log_key(self.key, self.epoch), json.dumps(
                 {"log": self.log_id, "chunks": [c.chunk_id for c in self.chunks],
                  "samples": len(self.slots)}).encode())
@@ -433,10 +425,10 @@ class NextEpochLog:
             w.bump(S.K_NEXT_CHUNK, c.chunk_id + 1)
             w.bump(S.K_NEXT_LOG, self.log_id + 1)
             for oc in old_chunks:
-                ch = w.txn.get(S.ukey(oc), db=w.ix.chunk)
+                ch = w.get_chunk(oc)
                 if ch is None:
                     continue
-                members = Chunk.unpack(oc, ch).members
+                members = ch.members
                 if all((r := w.get_record(m)) is None or r.chunk_id != oc for m in members):
                     dead.append(oc)
         eng.logs.add_live(self.log_id, c.length)

@@ -213,6 +213,21 @@ class Writer:
     def set_meta(self, key: bytes, value: bytes) -> None:
         self.txn.put(key, value, db=self.ix.meta)
 
+    def meta_keys(self, prefix: bytes) -> list[bytes]:
+        """The ``meta`` keys that start with ``prefix``, in key order."""
+        out: list[bytes] = []
+        cur = self.txn.cursor(db=self.ix.meta)
+        if cur.set_range(prefix):
+            for k in cur.iternext(keys=True, values=False):
+                if not k.startswith(prefix):
+                    break
+                out.append(bytes(k))
+        return out
+
+    def delete_meta(self, key: bytes) -> bool:
+        """Delete one ``meta`` key; False when it was not there."""
+        return self.txn.delete(key, db=self.ix.meta)
+
     def bump(self, key: bytes, value: int) -> None:
         """Raise a persistent sequence to at least ``value`` (never lowers it)."""
         v = self.txn.get(key, db=self.ix.meta)
@@ -233,6 +248,19 @@ class Writer:
     def lookup(self, parent: int, name: bytes) -> int | None:
         v = self.txn.get(dirent_key(parent, name), db=self.ix.dirent)
         return unkey(v) if v is not None else None
+
+    def list_dir(self, parent: int) -> list[tuple[bytes, int]]:
+        """(name, ino) of the children of ``parent``, sorted by name bytes (as
+        :meth:`Index.list_dir`, inside this transaction)."""
+        prefix = ukey(parent)
+        out: list[tuple[bytes, int]] = []
+        cur = self.txn.cursor(db=self.ix.dirent)
+        if cur.set_range(prefix):
+            for k, v in cur:
+                if not k.startswith(prefix):
+                    break
+                out.append((bytes(k[8:]), unkey(v)))
+        return out
 
     def put_entry(self, e: Entry) -> None:
         """Insert or update an entry (and its dirent), keeping file counters right."""
@@ -299,16 +327,19 @@ class Writer:
         self._add(S.K_CACHED_BYTES, -old.size)
         return old
 
+    def get_chunk(self, chunk_id: int) -> Chunk | None:
+        v = self.txn.get(ukey(chunk_id), db=self.ix.chunk)
+        return Chunk.unpack(chunk_id, v) if v is not None else None
+
     def put_chunk(self, c: Chunk) -> None:
         self.txn.put(ukey(c.chunk_id), c.pack(), db=self.ix.chunk)
         self._add(S.K_CHUNK_BYTES, c.length)
 
     def drop_chunk(self, chunk_id: int) -> Chunk | None:
         """Delete a chunk and every record that still points into it."""
-        v = self.txn.get(ukey(chunk_id), db=self.ix.chunk)
-        if v is None:
+        c = self.get_chunk(chunk_id)
+        if c is None:
             return None
-        c = Chunk.unpack(chunk_id, v)
         for ino in c.members:
             self.drop_record(ino, only_chunk=chunk_id)
         self.txn.delete(ukey(chunk_id), db=self.ix.chunk)

@@ -52,9 +52,14 @@ _MODE = struct.Struct("<I")  # Entry: mode at byte 8
 _U64LE = struct.Struct("<Q")  # Entry: size at byte 24
 
 
+def epoch_log_prefix(stream: str) -> bytes:
+    """meta key prefix of one stream's epoch logs (the epoch number follows)."""
+    return f"epoch_log/{stream}/".encode()
+
+
 def epoch_log_key(stream: str, epoch: int) -> bytes:
     """meta key of the chunk list of one stream's epoch log (LCache's per-epoch MetaIndex)."""
-    return f"epoch_log/{stream}/{epoch}".encode()
+    return epoch_log_prefix(stream) + str(epoch).encode()
 
 
 def ukey(n: int) -> bytes:
