@@ -4,9 +4,10 @@ Order of one seal (the crash-consistency argument):
 
 1. choose victims on the trio loop (policy; pinned chunks excluded) and stop serving them;
 2. in ONE worker thread: append the new chunks (the policy's units: one or several) to
-   the active log in one write and ``fdatasync`` it; then one LMDB write transaction drops
-   the victims' and dropped records and indexes the new records and chunks; commit (LMDB
-   fsyncs); then punch the victims' holes.
+   the active log in one write and ``fdatasync`` it; then one LMDB write transaction
+   (:func:`dlcachefs.store.seal.seal_chunks`, the reorderer's too) drops the victims' and
+   dropped records and indexes the new records and chunks; commit (LMDB fsyncs); then
+   punch the victims' holes.
 
 So the index only ever points at bytes that were already durable, and never at a punched
 range. A crash between the append and the commit leaves an unindexed tail, which
@@ -56,7 +57,6 @@ from typing import TypeVar
 import trio
 
 from dlcachefs.cache.memtier import MemoryTier
-from dlcachefs.cache.namespace import identity
 from dlcachefs.cache.policy import PACK_CHUNK
 from dlcachefs.cache.source import Identity
 from dlcachefs.cache.stats import Counters
@@ -72,6 +72,7 @@ from dlcachefs.store.chunkfmt import (
 from dlcachefs.store.index import Index
 from dlcachefs.store.logs import LogStore
 from dlcachefs.store.schema import Chunk, Record
+from dlcachefs.store.seal import NewChunk, NewRecord, seal_chunks
 
 log = logging.getLogger(__name__)
 
@@ -610,34 +611,26 @@ class ChunkWriter:
                 res.written = (log_id, off, total)
             except OSError as e:
                 res.error = e
-        with self.index.write() as w:
-            for v in victims:
-                c = w.drop_chunk(v)
-                if c is not None:
-                    res.evicted.append(c)
-            for ino in drops:
-                w.drop_record(ino)
-            if res.written is not None:
-                log_id, off, _ = res.written
-                for k, (g, (_, metas, length)) in enumerate(zip(groups, encoded, strict=True)):
-                    for m, r in zip(metas, g, strict=True):
-                        e = w.get_entry(r.ino)
-                        if e is None or identity(e) != r.ident:
-                            continue  # changed or removed while it waited: never index it
-                        cur = w.get_record(r.ino)
-                        if cur is not None and Identity(
-                                cur.size, cur.mtime_ns, cur.src_ino) == r.ident:
-                            continue  # indexed elsewhere (the reorderer moved it): keep that
-                        w.put_record(r.ino, Record(cid + k, log_id, off + m.data_offset, m.size,
-                                                   m.data_xxh, m.mtime_ns, m.src_ino))
-                        res.indexed.append(r.ino)
-                    members = tuple(r.ino for r in g)
-                    w.put_chunk(Chunk(cid + k, log_id, off, length, time.time_ns(), members))
-                    res.chunks.append((cid + k, members, length))
-                    off += length
-                w.bump(S.K_NEXT_CHUNK, cid + len(groups))
-            if new_log is not None:
-                w.bump(S.K_NEXT_LOG, new_log + 1)
+        new: list[NewChunk] = []
+        if res.written is not None:
+            log_id, off, _ = res.written
+            for k, (g, (_, metas, length)) in enumerate(zip(groups, encoded, strict=True)):
+                recs = [NewRecord(r.ino, r.ident, Record(cid + k, log_id, off + m.data_offset,
+                                                         m.size, m.data_xxh, m.mtime_ns,
+                                                         m.src_ino))
+                        for m, r in zip(metas, g, strict=True)]
+                members = tuple(r.ino for r in g)
+                new.append(NewChunk(Chunk(cid + k, log_id, off, length, time.time_ns(),
+                                          members), recs))
+                res.chunks.append((cid + k, members, length))
+                off += length
+        # keep_indexed: a record of the same version indexed elsewhere meanwhile was put
+        # there by the reorderer, in the next epoch's order: this copy is the one to waste.
+        # Sealed.dead is not used: chunks whose records were all dropped or replaced by
+        # newer versions stay until the policy evicts them (only the reorderer retires).
+        sealed = seal_chunks(self.index, new, keep_indexed=True, victims=victims, drops=drops,
+                             new_log=new_log)
+        res.indexed, res.evicted = sealed.indexed, sealed.evicted
         for c in res.evicted:
             self.logs.release(c.log_id, c.offset, c.length)
         res.disk_free = _free_bytes(self.cfg.cache_dir)

@@ -59,6 +59,7 @@ from dlcachefs.store.chunkfmt import (
     record_len,
 )
 from dlcachefs.store.schema import Chunk, Record
+from dlcachefs.store.seal import NewChunk, NewRecord, seal_chunks
 
 if TYPE_CHECKING:
     from dlcachefs.cache.policy import CachePolicy
@@ -403,34 +404,20 @@ class NextEpochLog:
         head = encode_chunk_header(c.chunk_id, len(c.slots), payload_len, checksum(payload))
         eng.logs.pwrite(self.log_id, head, c.offset)
         eng.logs.datasync(self.log_id)
-        old_chunks: set[int] = set()
-        dead: list[int] = []
         mv = memoryview(payload)
-        with eng.index.write() as w:
-            for slot in c.slots:
-                e = w.get_entry(slot.ino)
-                if e is None or identity(e) != slot.ident:
-                    continue  # changed meanwhile: never index it
-                data_off = slot.offset + RECORD_HEADER_SIZE + len(slot.key)
-                rel = data_off - c.offset - CHUNK_HEADER_SIZE
-                xxh = checksum(mv[rel : rel + slot.ident.size])
-                old = w.get_record(slot.ino)
-                if old is not None:
-                    old_chunks.add(old.chunk_id)
-                w.put_record(slot.ino, Record(c.chunk_id, self.log_id, data_off,
-                                              slot.ident.size, xxh, slot.ident.mtime_ns,
-                                              slot.ident.src_ino))
-            w.put_chunk(Chunk(c.chunk_id, self.log_id, c.offset, c.length, time.time_ns(),
-                              tuple(s.ino for s in c.slots)))
-            w.bump(S.K_NEXT_CHUNK, c.chunk_id + 1)
-            w.bump(S.K_NEXT_LOG, self.log_id + 1)
-            for oc in old_chunks:
-                ch = w.get_chunk(oc)
-                if ch is None:
-                    continue
-                members = ch.members
-                if all((r := w.get_record(m)) is None or r.chunk_id != oc for m in members):
-                    dead.append(oc)
+        recs = []
+        for slot in c.slots:
+            data_off = slot.offset + RECORD_HEADER_SIZE + len(slot.key)
+            rel = data_off - c.offset - CHUNK_HEADER_SIZE
+            xxh = checksum(mv[rel : rel + slot.ident.size])
+            recs.append(NewRecord(slot.ino, slot.ident, Record(
+                c.chunk_id, self.log_id, data_off, slot.ident.size, xxh, slot.ident.mtime_ns,
+                slot.ident.src_ino)))
+        chunk = Chunk(c.chunk_id, self.log_id, c.offset, c.length, time.time_ns(),
+                      tuple(s.ino for s in c.slots))
+        # keep_indexed=False: moving each record into the next epoch's order is the point;
+        # the chunks left without records are the caller's to retire (LCache line 16)
+        sealed = seal_chunks(eng.index, [NewChunk(chunk, recs)], keep_indexed=False,
+                             new_log=self.log_id)
         eng.logs.add_live(self.log_id, c.length)
-        return dead
-
+        return sealed.dead

@@ -198,7 +198,10 @@ class Index:
 
 
 class Writer:
-    """Mutations inside one write transaction. Keeps the counters in ``meta`` in step."""
+    """Mutations inside one write transaction. Keeps the counters in ``meta`` in step.
+
+    Code outside :mod:`dlcachefs.store` goes through these methods, never through
+    ``txn`` and the sub-databases directly: the counters and the schema stay in here."""
 
     def __init__(self, index: Index, txn: lmdb.Transaction) -> None:
         self.ix = index
