@@ -944,3 +944,46 @@ def test_reorder_backfill_of_a_vanished_file_does_not_end_the_engine(tmp_path, p
         assert await read_all(eng, b"train/c0/img1.jpg") == files[b"train/c0/img1.jpg"]
 
     run_engine(make_config(src, cache, policy=policy), body)
+
+
+def test_invariants_are_checked_after_every_reorder_seal(tmp_path, policy):
+    """--debug-invariants covers both seal paths: the reorderer's chunks are indexed
+    through ChunkWriter.commit_external, which runs the engine's check after each one,
+    as the writer's own seals do."""
+    from dlcachefs.clairvoyance.reorder import NextEpochLog
+
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    files = {f"train/c0/img{i:02d}.jpg".encode(): os.urandom(5000) for i in range(24)}
+    write_tree(src, files)
+    events: list[str] = []
+
+    async def body(eng):
+        check = eng.writer.after_commit
+        assert check is not None  # make_config turns --debug-invariants on
+
+        def after_commit():
+            events.append("check")
+            check()
+
+        eng.writer.after_commit = after_commit
+        nl = NextEpochLog(eng, "default/0", 1)
+        await nl.plan([eng.ns.resolve(r).ino for r in files])
+        seal_thread = nl._seal_thread
+
+        def sealing(c):
+            events.append("seal")
+            return seal_thread(c)
+
+        nl._seal_thread = sealing
+        eng.streams._nursery.start_soon(nl.run)
+        nl.request_finish()  # fill every slot (from the source) and seal every chunk
+        with trio.fail_after(20):
+            await nl.done.wait()
+        assert nl.sealed == len(nl.chunks) > 1 and eng.counters.reorder_chunks == nl.sealed
+        assert eng.index.get_record(eng.ns.resolve(b"train/c0/img00.jpg").ino).log_id == nl.log_id
+
+    run_engine(make_config(src, cache, policy=policy, chunk_size=16 << 10), body)
+    seals = [i for i, ev in enumerate(events) if ev == "seal"]
+    assert len(seals) > 1
+    for i in seals:  # each reorder seal is followed by a check before anything else seals
+        assert events[i + 1] == "check", events
