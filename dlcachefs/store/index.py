@@ -92,16 +92,8 @@ class Index:
 
     def list_dir(self, parent: int) -> list[tuple[bytes, int]]:
         """(name, ino) of the children of ``parent``, sorted by name bytes."""
-        prefix = ukey(parent)
-        out: list[tuple[bytes, int]] = []
         with self.env.begin(db=self.dirent) as txn:
-            cur = txn.cursor()
-            if cur.set_range(prefix):
-                for k, v in cur:
-                    if not k.startswith(prefix):
-                        break
-                    out.append((bytes(k[8:]), unkey(v)))
-        return out
+            return _children(txn.cursor(), parent)
 
     def get_record(self, ino: int) -> Record | None:
         with self.env.begin(db=self.record) as txn:
@@ -255,15 +247,7 @@ class Writer:
     def list_dir(self, parent: int) -> list[tuple[bytes, int]]:
         """(name, ino) of the children of ``parent``, sorted by name bytes (as
         :meth:`Index.list_dir`, inside this transaction)."""
-        prefix = ukey(parent)
-        out: list[tuple[bytes, int]] = []
-        cur = self.txn.cursor(db=self.ix.dirent)
-        if cur.set_range(prefix):
-            for k, v in cur:
-                if not k.startswith(prefix):
-                    break
-                out.append((bytes(k[8:]), unkey(v)))
-        return out
+        return _children(self.txn.cursor(db=self.ix.dirent), parent)
 
     def put_entry(self, e: Entry) -> None:
         """Insert or update an entry (and its dirent), keeping file counters right."""
@@ -348,6 +332,18 @@ class Writer:
         self.txn.delete(ukey(chunk_id), db=self.ix.chunk)
         self._add(S.K_CHUNK_BYTES, -c.length)
         return c
+
+
+def _children(dirents: lmdb.Cursor, parent: int) -> list[tuple[bytes, int]]:
+    """(name, ino) of the children of ``parent``, from a cursor on ``dirent``."""
+    prefix = ukey(parent)
+    out: list[tuple[bytes, int]] = []
+    if dirents.set_range(prefix):
+        for k, v in dirents:
+            if not k.startswith(prefix):
+                break
+            out.append((bytes(k[8:]), unkey(v)))
+    return out
 
 
 def _is_file(mode: int) -> bool:
