@@ -272,39 +272,22 @@ def test_alloc_sequences(ix):
 # ----- invariants broken on purpose ----------------------------------------------------
 
 
-def test_invariant_record_names_missing_chunk(ix):
+@pytest.mark.parametrize("damage,problem", [
+    (lambda w: w.put_record(17, Record(77, 1, 100, 100, 0xA, 1, 1017)), "missing chunk 77"),
+    # chunk 1 lists 17 and 19 only
+    (lambda w: w.put_record(20, Record(1, 1, 100, 300, 0xC, 1, 1020)), "does not list inode 20"),
+    (lambda w: w.put_record(17, Record(1, 1, 1000, 100, 0xA, 1, 1017)),  # 1000+100 > 40+1000
+     "outside chunk"),
+    (lambda w: w.put_record(17, Record(1, 9, 100, 100, 0xA, 1, 1017)), "names log 9"),
+    # a raw delete, bypassing delete_tree (no Writer method leaves a record behind)
+    (lambda w: w.txn.delete(ukey(19), db=w.ix.inode), "no namespace entry"),
+], ids=["record_names_missing_chunk", "chunk_does_not_list_inode", "record_outside_chunk",
+        "wrong_log", "record_without_entry"])
+def test_invariant_broken_on_purpose(ix, damage, problem):
     build_tree(ix)
     with ix.write() as w:
-        w.put_record(17, Record(77, 1, 100, 100, 0xA, 1, 1017))
-    assert any("missing chunk 77" in p for p in ix.check_invariants())
-
-
-def test_invariant_chunk_does_not_list_inode(ix):
-    build_tree(ix)
-    with ix.write() as w:
-        w.put_record(20, Record(1, 1, 100, 300, 0xC, 1, 1020))  # chunk 1 lists 17, 19 only
-    assert any("does not list inode 20" in p for p in ix.check_invariants())
-
-
-def test_invariant_record_outside_chunk(ix):
-    build_tree(ix)
-    with ix.write() as w:
-        w.put_record(17, Record(1, 1, 1000, 100, 0xA, 1, 1017))  # 1000+100 > 40+1000
-    assert any("outside chunk" in p for p in ix.check_invariants())
-
-
-def test_invariant_wrong_log(ix):
-    build_tree(ix)
-    with ix.write() as w:
-        w.put_record(17, Record(1, 9, 100, 100, 0xA, 1, 1017))
-    assert any("names log 9" in p for p in ix.check_invariants())
-
-
-def test_invariant_record_without_entry(ix):
-    build_tree(ix)
-    with ix.write() as w:  # raw delete, bypassing delete_tree
-        w.txn.delete(ukey(19), db=ix.inode)
-    assert any("no namespace entry" in p for p in ix.check_invariants())
+        damage(w)
+    assert any(problem in p for p in ix.check_invariants())
 
 
 @pytest.mark.parametrize("key", [S.K_CACHED_BYTES, S.K_CHUNK_BYTES])
