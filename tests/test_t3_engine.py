@@ -519,16 +519,20 @@ def test_changed_source_file_is_refetched(tree, same_size, policy):
     run_engine(make_config(src, cache, policy=policy, revalidate=0), body, source)
 
 
-def test_changed_source_file_seen_by_fetch(tree, policy):
-    """Without revalidation the listed identity is old; the fetch sees the new one."""
+@pytest.mark.parametrize("mode,rel", [("before", b"train/cls2/img07.jpg"),
+                                      ("during", b"train/cls0/img02.jpg")])
+def test_file_changed_while_fetched(tree, policy, mode, rel):
+    """The source file changes once as it is fetched: ``before`` (without revalidation the
+    listed identity is old; the fetch sees the new one) or ``during`` the read (read_file
+    notices and retries). Either way the reader gets the new bytes, and they are cached."""
     src, cache, files = tree
-    rel = b"train/cls2/img07.jpg"
-    source = ChangingSource(src, rel, times=1, mode="before")
+    source = ChangingSource(src, rel, times=1, mode=mode)
 
     async def body(eng):
         data = await read_all(eng, rel)
         assert source.mutations == 1
         assert data == read_source(src, rel) != files[rel]
+        assert len(data) == len(files[rel]) + source.grow
         assert eng.ns.resolve(rel).size == len(data)
         await eng.flush()
         assert eng.index.get_record(eng.ns.resolve(rel).ino).size == len(data)
@@ -541,20 +545,6 @@ def test_changed_source_file_seen_by_fetch(tree, policy):
         assert eng.counters.hits == 1
 
     run_engine(make_config(src, cache, policy=policy), remount)
-
-
-def test_file_changing_during_read_is_retried(tree, policy):
-    src, cache, files = tree
-    rel = b"train/cls0/img02.jpg"
-    source = ChangingSource(src, rel, times=1, mode="during")
-
-    async def body(eng):
-        data = await read_all(eng, rel)
-        assert source.mutations == 1
-        assert data == read_source(src, rel)
-        assert data != files[rel] and len(data) == len(files[rel]) + source.grow
-
-    run_engine(make_config(src, cache, policy=policy), body, source)
 
 
 def test_file_changing_on_every_read_raises_source_changed(tree, policy):
