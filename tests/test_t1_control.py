@@ -322,7 +322,9 @@ def test_loss_unknown_size_only_checks_sign(rec):
     assert cs.jobs["default"].losses == 1
 
 
-@pytest.mark.parametrize("line,match", [
+#: loss lines refused after ``dataset train`` (10 samples), with the reason's words
+#: (checked by test_loss_or_order_line_refused, with the order lines)
+LOSS_REFUSALS = [
     (b"loss", "INDEX VALUE pairs"),
     (b"loss 1", "expects INDEX VALUE pairs, got 1"),
     (b"loss 1 2 3", "expects INDEX VALUE pairs, got 3"),
@@ -342,12 +344,7 @@ def test_loss_unknown_size_only_checks_sign(rec):
     (b"loss 1 +Infinity", "finite"),
     (b"loss 1 1e999", "finite"),
     (b"loss 0 1\nloss 2 nan", "line 2"),
-])
-def test_loss_refused(rec, line, match):
-    rec.cs.apply(b"dataset train\n", 100)
-    refuse(rec.cs, line, match=match)
-    assert rec.losses == []
-    assert rec.cs.jobs["default"].losses == 0
+]
 
 
 def test_loss_before_dataset(rec):
@@ -480,7 +477,8 @@ def test_order_dropped_when_dataset_changes(rec):
     assert cs.order_indices == 1
 
 
-@pytest.mark.parametrize("line,match", [
+#: order lines refused after ``dataset train`` (10 samples), with the reason's words
+ORDER_REFUSALS = [
     (b"order", "needs EPOCH START"),
     (b"order 0", "needs EPOCH START"),
     (b"order x 0 1", "epoch must be an integer"),
@@ -497,11 +495,15 @@ def test_order_dropped_when_dataset_changes(rec):
     (b"order 0 0 1 2\norder 0 1 3", "line 2: order for epoch 0 continues at 2, got 1"),
     (b"order 0 0 1 2\norder 0 end 3", "has 2 indices, 'end' says 3"),
     (b"order 0 0 1 2\norder 0 end 2\norder 0 end 2", "has 0 indices"),
-])
-def test_order_refused(rec, line, match):
+]
+
+
+@pytest.mark.parametrize("line,match", LOSS_REFUSALS + ORDER_REFUSALS)
+def test_loss_or_order_line_refused(rec, line, match):
     rec.cs.apply(b"dataset train\n", 100)
     refuse(rec.cs, line, match=match)
-    assert rec.orders == []
+    assert rec.losses == [] and rec.orders == []
+    assert rec.cs.jobs["default"].losses == 0
 
 
 def test_order_refusals_against_state(rec):
