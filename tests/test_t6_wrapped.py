@@ -116,8 +116,32 @@ def _launch(script: Path, root: Path, epochs: int, mode: str) -> list[str]:
             str(root), str(epochs), mode]
 
 
-def _poll(m, pred, what: str, timeout: float = 60.0) -> dict:
-    return m.wait_stats(pred, what, timeout)
+def _same_training(script: Path, dataset: Path, m, epochs: int, mode: str,
+                   env: dict | None = None) -> dict:
+    """The script run on the dataset directly and on the mount under ``dlcachefs run``:
+    the same samples in the same order, the same weights. Returns that training."""
+    direct = _run([sys.executable, str(script), str(dataset), str(epochs), mode])
+    hooked = _run(_launch(script, m.mnt, epochs, mode), env=env)
+    assert hooked == direct
+    return direct
+
+
+def _stream_at(m, stream: str, epoch: int, position: int | None, what: str) -> dict:
+    """The mount's stats once ``stream`` is in ``epoch`` (at ``position``, when given)."""
+
+    def at(s: dict) -> bool:
+        st = s["streams"].get(stream, {})
+        return st.get("epoch") == epoch and (position is None or st.get("position") == position)
+
+    return m.wait_stats(at, what, 60.0)
+
+
+@pytest.fixture
+def script(tmp_path) -> Path:
+    """The training script (TRAIN) in a file."""
+    path = tmp_path / "train.py"
+    path.write_text(TRAIN)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -127,22 +151,17 @@ def dataset(tmp_path_factory) -> Path:
     return src
 
 
-def test_wrapped_subset_is_replayed_and_bit_identical(dataset, mount, tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(TRAIN)
+def test_wrapped_subset_is_replayed_and_bit_identical(dataset, mount, script):
     m = mount(dataset)
-    direct = _run([sys.executable, str(script), str(dataset), "2", "plain"])
-    hooked = _run(_launch(script, m.mnt, 2, "plain"))
-    assert hooked == direct  # same samples, same order, same weights with the launcher
-    n = len(direct["epochs"][0])
-    assert n == 900 and direct["epochs"][0] != direct["epochs"][1]
+    training = _same_training(script, dataset, m, 2, "plain")
+    n = len(training["epochs"][0])
+    assert n == 900 and training["epochs"][0] != training["epochs"][1]
     source = {str(p.relative_to(dataset)): hashlib.sha256(p.read_bytes()).hexdigest()
               for p in dataset.rglob("*.jpg")}
-    for epoch in hooked["epochs"]:
+    for epoch in training["epochs"]:
         for rel, digest, _label in epoch:
             assert source[rel] == digest  # every sample's bytes are the source's
-    st = _poll(m, lambda s: s["streams"].get("default/0", {}).get("position") == n
-               and s["streams"]["default/0"]["epoch"] == 1, "epoch 1 never fully replayed")
+    st = _stream_at(m, "default/0", 1, n, "epoch 1 never fully replayed")
     s0 = st["streams"]["default/0"]
     assert s0["mode"] == "replayed", s0
     assert s0["samples"] == n and s0["error"] is None
@@ -152,23 +171,17 @@ def test_wrapped_subset_is_replayed_and_bit_identical(dataset, mount, tmp_path):
     # the same script without the launcher: same training, and the mount says why it
     # cannot help instead of staying silent
     plain = _run([sys.executable, str(script), str(m.mnt), "2", "plain"])
-    assert plain == direct
+    assert plain == training
     st = m.stats()
     unannounced = [v for k, v in st["streams"].items() if k.startswith("unannounced/")]
     assert unannounced and unannounced[0]["mode"] == "none"
     assert "dlcachefs run" in unannounced[0]["reason"] and unannounced[0]["opens"] >= n
 
 
-def test_seeded_generator_lays_out_the_next_epoch(dataset, mount, tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(TRAIN)
+def test_seeded_generator_lays_out_the_next_epoch(dataset, mount, script, tmp_path):
     m = mount(dataset, "--chunk-size", "64K", cache=tmp_path / "cache2", name="mnt2")
-    direct = _run([sys.executable, str(script), str(dataset), "3", "gen"])
-    hooked = _run(_launch(script, m.mnt, 3, "gen"))
-    assert hooked == direct
-    n = len(direct["epochs"][0])
-    st = _poll(m, lambda s: s["streams"].get("default/0", {}).get("epoch") == 2
-               and s["streams"]["default/0"]["position"] == n, "epoch 2 never replayed")
+    n = len(_same_training(script, dataset, m, 3, "gen")["epochs"][0])
+    st = _stream_at(m, "default/0", 2, n, "epoch 2 never replayed")
     s0 = st["streams"]["default/0"]
     assert s0["mode"] == "replayed" and "generator's state" in s0["reason"], s0
     assert "next epoch is known" in s0["reason"]
@@ -177,26 +190,17 @@ def test_seeded_generator_lays_out_the_next_epoch(dataset, mount, tmp_path):
     assert not (m.mnt / ".dlcache" / "errors").read_text()
 
 
-def test_custom_sampler_is_learned(dataset, mount, tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(TRAIN)
+def test_custom_sampler_is_learned(dataset, mount, script, tmp_path):
     m = mount(dataset, cache=tmp_path / "cache3", name="mnt3")
-    direct = _run([sys.executable, str(script), str(dataset), "3", "custom"])
-    hooked = _run(_launch(script, m.mnt, 3, "custom"))
-    assert hooked == direct
-    n = len(direct["epochs"][0])
-    st = _poll(m, lambda s: s["streams"].get("default/0", {}).get("epoch") == 2
-               and s["streams"]["default/0"]["position"] == n, "epoch 2 never learned")
+    n = len(_same_training(script, dataset, m, 3, "custom")["epochs"][0])
+    st = _stream_at(m, "default/0", 2, n, "epoch 2 never learned")
     s0 = st["streams"]["default/0"]
     assert s0["mode"] == "learned", s0
     assert "Reversed is not replayable" in s0["reason"]
     assert "repeats: prefetched" in s0["reason"] and s0["samples"] == n
     # a wrapper the hook cannot map: learned too, and the reason says why
-    direct = _run([sys.executable, str(script), str(dataset), "3", "filtered"])
-    hooked = _run(_launch(script, m.mnt, 3, "filtered"), env={"DLCACHEFS_JOB": "filtered"})
-    assert hooked == direct
-    st = _poll(m, lambda s: s["streams"].get("filtered/0", {}).get("epoch") == 2,
-               "the filtered job never reached epoch 2")
+    _same_training(script, dataset, m, 3, "filtered", env={"DLCACHEFS_JOB": "filtered"})
+    st = _stream_at(m, "filtered/0", 2, None, "the filtered job never reached epoch 2")
     s1 = st["streams"]["filtered/0"]
     assert s1["mode"] == "learned" and "cannot be mapped" in s1["reason"], s1
     assert "changed since the last epoch" in s1["reason"]  # shuffled: nothing to prefetch
