@@ -359,12 +359,17 @@ def test_icache_pending_bytes_follow_admissions_inserts_and_drops():
     assert (pol._pending_h, pol._pending_l) == (0, 0)
 
 
-def test_icache_gives_up_used_up_packages_first():
-    cache = Cache(10_000)
+def _two_packages() -> tuple[CachePolicy, Imp]:
+    """iCACHE holding two packages of L-samples: chunk 1 = (10, 11), then 2 = (20, 21)."""
     imp = Imp({}, high=set())
-    pol = make_policy("icache:package=100", PolicyContext(cache, Future({}), imp))
+    pol = make_policy("icache:package=100", PolicyContext(Cache(10_000), Future({}), imp))
     pol.on_insert(1, (10, 11), 200)
     pol.on_insert(2, (20, 21), 200)
+    return pol, imp
+
+
+def test_icache_gives_up_used_up_packages_first():
+    pol, imp = _two_packages()
     for s in (20, 21):
         pol.on_access(2, s)
     assert pol.victims(100, ()) == [2]  # served whole this epoch, though newer
@@ -375,11 +380,7 @@ def test_icache_gives_up_used_up_packages_first():
 
 
 def test_icache_packages_that_became_mostly_h_are_given_up_after_the_rebuild():
-    cache = Cache(10_000)
-    imp = Imp({}, high=set())
-    pol = make_policy("icache:package=100", PolicyContext(cache, Future({}), imp))
-    pol.on_insert(1, (10, 11), 200)
-    pol.on_insert(2, (20, 21), 200)
+    pol, imp = _two_packages()
     assert pol.victims(100, ()) == [1]  # the oldest
     imp.high = {20, 21}  # the H-list changed: package 2 holds H-samples now
     imp.v += 1
