@@ -44,6 +44,7 @@ class Version(Protocol):
 
 
 def same_version(a: Version, b: Version) -> bool:
+    """True when ``a`` and ``b`` name the same version of a file."""
     return a.size == b.size and a.mtime_ns == b.mtime_ns and a.src_ino == b.src_ino
 
 
