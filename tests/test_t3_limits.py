@@ -225,6 +225,34 @@ def test_remount_with_a_smaller_cache_shrinks_it(tmp_path):
     run_engine(make_config(src, cache, chunk_size=8192, cache_size=20_000), smaller)
 
 
+def test_a_chunk_retired_again_after_its_eviction_is_not_doomed(tmp_path):
+    """Several paths release the same chunk (after use, when its plan ends, when its
+    records moved): once it is evicted, a later release is a no-op, never a doomed chunk
+    missing from the index (which --debug-invariants reported after the next commit)."""
+    files = dataset(4)
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    write_tree(src, files)
+
+    async def body(eng):
+        for rel in sorted(files):
+            await read_all(eng, rel)
+        await eng.flush()
+        w = eng.writer
+        cid = max(c.chunk_id for c in eng.index.iter_chunks())
+        w.retire_chunk(cid)
+        await eng.flush()  # the seal evicts it
+        assert eng.index.get_chunk(cid) is None and cid not in w.retire
+        w.retire_chunk(cid)  # released again
+        assert cid not in w.retire
+        assert w.try_reserve(w.room() + 1)  # dooms victims: indexed ones only
+        assert cid not in w.doomed
+        assert_limit(eng, 40_000)
+        await eng.flush()
+        assert_limit(eng, 40_000)
+
+    run_engine(make_config(src, cache, cache_size=40_000, chunk_size=4096), body)
+
+
 def test_check_invariants_reports_a_broken_account(tmp_path, caplog):
     """The checks catch what they claim to: an account over the limit, a mirror that
     drifted from the index, a pinned chunk doomed; --debug-invariants logs each as an

@@ -132,7 +132,7 @@ class ChunkWriter:
         self.committing = False  # a seal's commit is running in its thread
         self.pending: dict[int, Pending] = {}  # ino -> record not yet indexed
         self.drops: set[int] = set()
-        self.retire: set[int] = set()  # chunks to evict once unpinned (fully superseded)
+        self.retire: set[int] = set()  # indexed chunks to evict once unpinned (superseded)
         self.protected: set[int] = set()  # next-epoch log chunks: never the policy's victims
         self.pins: Counter[int] = Counter()  # chunk id -> in-flight reads
         self.evicting: set[int] = set()  # not served any more: doomed or being dropped
@@ -280,6 +280,11 @@ class ChunkWriter:
 
     def retire_chunk(self, chunk_id: int) -> None:
         """A chunk whose records all moved elsewhere: evict it at the next seal."""
+        # several paths release the same chunk (after use, when its plan ends, when its
+        # records moved): one that is gone already is not retired again, or it would be
+        # doomed with no bytes to give back (retire holds indexed chunks only)
+        if self.index.get_chunk(chunk_id) is None:
+            return
         self.retire.add(chunk_id)
         self._wake.set()
 
@@ -354,6 +359,7 @@ class ChunkWriter:
             self.evicting.discard(v)
         for c in res.evicted:
             self.policy.on_remove(c.chunk_id)
+            self.retire.discard(c.chunk_id)  # evicted as a victim while it waited there
         self.counters.chunks_evicted += len(res.evicted)
         self.disk_free = res.disk_free
 
