@@ -11,9 +11,9 @@ bytes may be served, or reused, only for that version:
   :class:`~dlcachefs.cache.buffers.Backlog`'s entry, carries this identity.
 
 Every place that asks "may these bytes stand for this version of this file" asks here.
-(The seal transactions check the same rule inside their LMDB write transaction, in their
-threads, against the entries as they are then: :mod:`dlcachefs.cache.writer`,
-:mod:`dlcachefs.clairvoyance.reorder`.)
+(The seal transaction checks the same rule inside its LMDB write transaction, in a
+thread, against the entries as they are then: :func:`dlcachefs.store.seal.seal_chunks`,
+for the chunk writer and the reorderer alike.)
 
 Concurrency: trio loop only (LMDB read transactions, the writer's loop-side state).
 """
