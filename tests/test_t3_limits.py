@@ -52,6 +52,21 @@ def assert_limit(eng, cap: int) -> None:
     assert eng.counters.invariant_violations == 0
 
 
+def tree(tmp_path: Path, seed: int) -> tuple[dict[bytes, bytes], Path, Path]:
+    """(files, source dir, cache dir): :func:`dataset` written under ``tmp_path``."""
+    files = dataset(seed)
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    write_tree(src, files)
+    return files, src, cache
+
+
+async def cache_all(eng, rels) -> None:
+    """Read ``rels`` through the engine, then seal what they left to cache."""
+    for rel in rels:
+        await read_all(eng, rel)
+    await eng.flush()
+
+
 class Driver:
     """Ranks of one job reading their DistributedSampler epochs through the engine."""
 
@@ -204,14 +219,10 @@ def test_cache_smaller_than_the_chunk_size_cuts_chunks(tmp_path, policy):
 
 
 def test_remount_with_a_smaller_cache_shrinks_it(tmp_path):
-    files = dataset(2)
-    src, cache = tmp_path / "src", tmp_path / "cache"
-    write_tree(src, files)
+    files, src, cache = tree(tmp_path, 2)
 
     async def fill(eng):
-        for rel in sorted(files):
-            await read_all(eng, rel)
-        await eng.flush()
+        await cache_all(eng, sorted(files))
         assert eng.index.counter(S.K_CHUNK_BYTES) > 20_000
 
     run_engine(make_config(src, cache, chunk_size=8192), fill)
@@ -229,14 +240,10 @@ def test_a_chunk_retired_again_after_its_eviction_is_not_doomed(tmp_path):
     """Several paths release the same chunk (after use, when its plan ends, when its
     records moved): once it is evicted, a later release is a no-op, never a doomed chunk
     missing from the index (which --debug-invariants reported after the next commit)."""
-    files = dataset(4)
-    src, cache = tmp_path / "src", tmp_path / "cache"
-    write_tree(src, files)
+    files, src, cache = tree(tmp_path, 4)
 
     async def body(eng):
-        for rel in sorted(files):
-            await read_all(eng, rel)
-        await eng.flush()
+        await cache_all(eng, sorted(files))
         w = eng.writer
         cid = max(c.chunk_id for c in eng.index.iter_chunks())
         w.retire_chunk(cid)
@@ -257,14 +264,10 @@ def test_check_invariants_reports_a_broken_account(tmp_path, caplog):
     """The checks catch what they claim to: an account over the limit, a mirror that
     drifted from the index, a pinned chunk doomed; --debug-invariants logs each as an
     ERROR after the next commit and counts it."""
-    files = dataset(3)
-    src, cache = tmp_path / "src", tmp_path / "cache"
-    write_tree(src, files)
+    files, src, cache = tree(tmp_path, 3)
 
     async def body(eng):
-        for rel in sorted(files)[:6]:
-            await read_all(eng, rel)
-        await eng.flush()
+        await cache_all(eng, sorted(files)[:6])
         assert eng.check_invariants() == []
         w = eng.writer
         w.reserved += 50_000  # as if a reservation never went through try_reserve
