@@ -279,7 +279,7 @@ def test_alloc_sequences(ix):
     (lambda w: w.put_record(17, Record(1, 1, 1000, 100, 0xA, 1, 1017)),  # 1000+100 > 40+1000
      "outside chunk"),
     (lambda w: w.put_record(17, Record(1, 9, 100, 100, 0xA, 1, 1017)), "names log 9"),
-    # a raw delete, bypassing delete_tree (no Writer method leaves a record behind)
+    # a raw delete, bypassing delete_tree (no IndexTxn method leaves a record behind)
     (lambda w: w.txn.delete(ukey(19), db=w.ix.inode), "no namespace entry"),
 ], ids=["record_names_missing_chunk", "chunk_does_not_list_inode", "record_outside_chunk",
         "wrong_log", "record_without_entry"])

@@ -42,7 +42,7 @@ import trio
 from dlcachefs.cache.source import Identity, Listing, Source
 from dlcachefs.errors import IsADirectory, NotADirectory, NotFound
 from dlcachefs.store import schema as S
-from dlcachefs.store.index import Index, Writer
+from dlcachefs.store.index import Index, IndexTxn
 from dlcachefs.store.schema import Entry
 
 if TYPE_CHECKING:  # fetch.py imports this module
@@ -107,7 +107,7 @@ class MergeResult:
         return bool(self.added or self.changed or self.removed)
 
 
-def merge_listing(w: Writer, dir_e: Entry, dir_rel: bytes, listing: list[Listing], now: float,
+def merge_listing(w: IndexTxn, dir_e: Entry, dir_rel: bytes, listing: list[Listing], now: float,
                   use_src_ino: bool) -> MergeResult:
     """Make the snapshot of one directory equal to a fresh listing (inside a write txn)."""
     res = MergeResult()

@@ -157,10 +157,10 @@ class Index:
     # ----- writes (worker thread only, one call = one transaction) ------------------
 
     @contextmanager
-    def write(self) -> Iterator[Writer]:
+    def write(self) -> Iterator[IndexTxn]:
         """A write transaction; commits on normal exit, aborts on exception."""
         with self.env.begin(write=True) as txn:
-            yield Writer(self, txn)
+            yield IndexTxn(self, txn)
 
     def check_invariants(self) -> list[str]:
         """Return a list of violated invariants (empty when the index is consistent)."""
@@ -189,7 +189,7 @@ class Index:
         return problems
 
 
-class Writer:
+class IndexTxn:
     """Mutations inside one write transaction. Keeps the counters in ``meta`` in step.
 
     Code outside :mod:`dlcachefs.store` goes through these methods, never through

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from dlcachefs.store import schema as S
-from dlcachefs.store.index import Index, Writer
+from dlcachefs.store.index import Index, IndexTxn
 from dlcachefs.store.schema import Chunk, Record
 
 
@@ -115,7 +115,7 @@ def seal_chunks(index: Index, chunks: Sequence[NewChunk], *, keep_indexed: bool,
     return out
 
 
-def _index_record(w: Writer, nr: NewRecord, keep_indexed: bool, lost: dict[int, None]) -> bool:
+def _index_record(w: IndexTxn, nr: NewRecord, keep_indexed: bool, lost: dict[int, None]) -> bool:
     e = w.get_entry(nr.ino)
     if e is None or not same_version(e, nr.version):
         return False  # changed or removed while its bytes waited: never index it
@@ -128,7 +128,7 @@ def _index_record(w: Writer, nr: NewRecord, keep_indexed: bool, lost: dict[int, 
     return True
 
 
-def _holds_no_record(w: Writer, chunk_id: int) -> bool:
+def _holds_no_record(w: IndexTxn, chunk_id: int) -> bool:
     """True when chunk ``chunk_id`` is indexed and none of its members' records is in it."""
     c = w.get_chunk(chunk_id)
     if c is None:  # dropped (a victim) or never indexed: not ours to report
