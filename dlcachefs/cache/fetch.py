@@ -32,6 +32,7 @@ import trio
 from dlcachefs.cache.namespace import identity
 from dlcachefs.cache.source import Identity, Source
 from dlcachefs.cache.stats import Counters
+from dlcachefs.cache.tasks import TaskOwner
 from dlcachefs.config import Config
 from dlcachefs.errors import NotFound, SourceChanged, SourceError, SourceTimeout
 from dlcachefs.store.schema import Entry
@@ -102,7 +103,7 @@ class _Inflight:
         self.error: BaseException | None = None
 
 
-class Fetcher:
+class Fetcher(TaskOwner):
     """Whole files from the source: to the reader, and on to the cache.
 
     * concurrent fetches of one file share one source read (:meth:`fetch`);
@@ -134,17 +135,7 @@ class Fetcher:
         self._inflight: dict[int, _Inflight] = {}
         self.demand_fetches = 0
         self.demand_idle = trio.Event()  # set (and replaced) when demand_fetches drops to 0
-        self._nursery: trio.Nursery | None = None
-
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Owns the backlog's hand-over tasks, until cancelled."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            try:
-                await trio.sleep_forever()
-            finally:
-                self._nursery = None
+        super().__init__()  # run() holds the backlog's hand-over tasks
 
     def in_flight(self, ino: int) -> bool:
         """Whether a fetch of ``ino`` is in progress."""
@@ -215,10 +206,9 @@ class Fetcher:
     def _submit_later(self, ino: int, rel: bytes, ident: Identity, data: bytes) -> bool:
         """Queue the file for the writer in the background; False when the backlog's
         bound is reached."""
-        if self._nursery is None or not self.backlog.try_hold(ino, ident, data):
+        if not self.running or not self.backlog.try_hold(ino, ident, data):
             return False
-        self._nursery.start_soon(self._submit_when_room, ino, rel, ident, data)
-        return True
+        return self.spawn(self._submit_when_room, ino, rel, ident, data)
 
     async def _submit_when_room(self, ino: int, rel: bytes, ident: Identity,
                                 data: bytes) -> None:

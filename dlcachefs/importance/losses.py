@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from dlcachefs.cache.stats import Counters
+from dlcachefs.cache.tasks import TaskOwner
 from dlcachefs.cache.views import InodeImportance
 from dlcachefs.clairvoyance.streams import Stream, StreamManager, dataset_key
 from dlcachefs.sim.tracelog import TraceRecorder
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 MAX_EARLY_LOSSES = 1 << 22
 
 
-class Losses:
+class Losses(TaskOwner):
     """Reported losses -> the importance table (module docstring)."""
 
     def __init__(self, importance: InodeImportance, streams: StreamManager,
@@ -57,17 +58,7 @@ class Losses:
         self.waiting = 0  # loss pairs in _early
         self._rebuilding = False
         self._rebuild_due = False
-        self._nursery: trio.Nursery | None = None
-
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Owns the importance table's rebuilds, until cancelled."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            try:
-                await trio.sleep_forever()
-            finally:
-                self._nursery = None
+        super().__init__()  # run() holds the importance table's rebuilds
 
     def attach_control(self, control: ControlState) -> None:
         """The mount's :class:`~dlcachefs.clairvoyance.control.ControlState`: jobs' datasets
@@ -93,8 +84,8 @@ class Losses:
         if b is not None and stream.job in table.jobs:
             table.jobs[stream.job].benefit = b
         self._rebuild_due = True
-        if not self._rebuilding and self._nursery is not None:
-            self._nursery.start_soon(self._rebuild_importance, table)
+        if not self._rebuilding:
+            self.spawn(self._rebuild_importance, table)
 
     async def _rebuild_importance(self, table) -> None:
         """Rebuild the AIV and H-list in a thread, one rebuild at a time (several ranks
