@@ -103,12 +103,14 @@ def _value_parser(o: Option):
 
 
 def config_from_args(a: argparse.Namespace) -> Config:
-    from dlcachefs.session import policy_factory  # noqa: PLC0415 - a bad --policy fails here
+    # the plugins alone (pure Python), not the session: the core's imports (numpy starts
+    # threads) would come before the daemon forks
+    from dlcachefs.policies import make_policy  # noqa: PLC0415 - a bad --policy fails here
 
     cli = {o.field: getattr(a, o.field) for o in OPTIONS if hasattr(a, o.field)}
     file = read_config_file(a.config) if a.config else None
     cfg = build_config(a.source, a.mountpoint, cli, file)
-    policy_factory(cfg.policy)
+    make_policy(cfg.policy)
     return cfg
 
 

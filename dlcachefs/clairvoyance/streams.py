@@ -313,6 +313,10 @@ class StreamManager:
         with cs:
             try:
                 await self._configure_now(s, dataset, spec, epoch, view, subset)
+            except ReplayClosed as e:  # the next epoch's replay, cut by an unmount
+                s.error = str(e)
+                s.mode, s.reason = "none", f"prefetch stopped: {s.error}"
+                log.info("stream %s: prefetch stopped: %s", s.key, e)
             except Exception as e:  # noqa: BLE001
                 s.error = f"{type(e).__name__}: {e}"
                 s.mode, s.reason = "none", f"prefetch stopped: {s.error}"

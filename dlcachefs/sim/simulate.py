@@ -221,13 +221,14 @@ def run_policy(trace: Trace, spec: str, capacity: int, *, chunk_size: int = 0,
                horizon_epochs: int = 1) -> Result:
     """Replay ``trace`` against the policy ``spec`` with a cache of ``capacity`` bytes."""
     # the registry is the composition root's (a policy named as a mount names it)
-    from dlcachefs.session import policy_factory  # noqa: PLC0415 - the engine's imports
+    # the registry alone (as the CLI checks a spec): no trio or lmdb for a simulation
+    from dlcachefs.policies import make_policy  # noqa: PLC0415
 
     cache = _Cache(capacity)
     fut = _Future(trace, horizon_epochs)
     imp = Importance(trace.n, h_fraction)
     iview = _Importance(imp)
-    pol = policy_factory(spec)(PolicyContext(cache, fut, iview))
+    pol = make_policy(spec, PolicyContext(cache, fut, iview))
     res = Result(spec, capacity)
     unit_of: dict[int, int] = {}  # sample -> unit (sealed or open)
     open_units: dict[int, list[int]] = {}  # pack target -> samples waiting
