@@ -39,12 +39,15 @@ def stats():
 
 out = []
 for epoch in range(epochs):
-    # the chunk writer has indexed everything (polled with a deadline, nothing timed),
-    # and the kernel holds no page of the files: every read reaches the daemon
+    # the chunk writer has indexed everything and the replay worker has imported torch
+    # (so the epoch's order is known when it is announced, however loaded the machine:
+    # the worker is niced) (polled with a deadline, nothing timed), and the kernel
+    # holds no page of the files: every read reaches the daemon
     deadline = time.monotonic() + 120
     while epoch and time.monotonic() < deadline:
         s = stats()
-        if s["cached_files"] >= n and s["pending_bytes"] == 0:
+        if (s["cached_files"] >= n and s["pending_bytes"] == 0
+                and s["sampler_replay_ready"]):
             break
         time.sleep(0.1)
     os.sync()
