@@ -1,0 +1,170 @@
+"""The index as another process sees it: read-only, for a training's zero-copy reader.
+
+The daemon stays the only writer of a cache directory (DESIGN.md). A reader in the
+training process (:mod:`dlcachefs.data`) opens the LMDB environment read-only, with
+LMDB's lock table (``lock=True``: its read transactions are registered, so the daemon's
+writer never reuses a page a reader still sees), and decides in ONE short read
+transaction per sample what an ``open`` of the same path through the mount would decide:
+
+1. the path is walked from the mount's root through the snapshot (``dirent``, ``inode``),
+   component by component as the kernel walks it: ``..`` is the parent of the directory
+   reached so far (after following links, not a textual parent), a symlink with a
+   relative target is followed from its own directory (at most :data:`MAX_LINKS`). A
+   symlink with an absolute target, a ``..`` above the root, a name not in the snapshot
+   or anything that is not a regular file at the end is :data:`UNRESOLVED`: the kernel
+   would resolve it outside this snapshot, so only the mount can answer for it;
+2. the file's directory must be fresh under the mount's ``--revalidate`` rule
+   (:mod:`dlcachefs.cache.namespace`: its listing younger than ``revalidate`` seconds,
+   never with ``revalidate == 0``); otherwise :data:`STALE`, and the open through the
+   mount re-lists it;
+3. the file's ``record`` must exist (else :data:`NOT_CACHED`) and carry the entry's
+   identity (size, mtime_ns, source inode; else :data:`STALE`).
+
+The answer is a :class:`Located` (where the bytes are and their xxh3-64), or the reason.
+Nothing here reads a log: the bytes may be gone by the time the caller reads them (an
+eviction commits between this transaction and the read), which is why the caller checks
+the checksum of what it reads (see :mod:`dlcachefs.data.reader`).
+
+Transactions stay short on purpose: LMDB cannot reuse a page freed after the oldest live
+read transaction began, so a reader that held one open would make the daemon's index
+grow. Blocking code; any thread (py-lmdb read transactions are per call here).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import lmdb
+
+from dlcachefs.store import schema as S
+from dlcachefs.store.schema import Entry, Record, ukey, unkey
+
+ROOT_INO = 1  # the namespace's root (dlcachefs.cache.namespace.ROOT_INO; store sits below cache)
+#: symlinks followed in one path, as Linux's limit (ELOOP past it)
+MAX_LINKS = 40
+#: the daemon's map size (:class:`dlcachefs.store.index.Index`): address space only. A
+#: smaller map would need reopening (MDB_MAP_RESIZED) once the daemon's file outgrows it.
+MAP_SIZE = 1 << 36
+
+#: version of the mount's description of its cache for readers (``.dlcache/zerocopy``)
+INFO_FORMAT = 1
+
+NOT_CACHED = "not_cached"
+STALE = "stale"
+UNRESOLVED = "unresolved"
+
+_Q = struct.Struct("<Q")
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """Where the cached bytes of a file's current version are: ``size`` bytes at
+    ``offset`` of log ``log_id``, whose xxh3-64 must be ``data_xxh``."""
+
+    ino: int
+    log_id: int
+    offset: int
+    size: int
+    data_xxh: int
+
+
+class IndexReader:
+    """A cache's LMDB environment opened read-only in this process.
+
+    py-lmdb refuses a second environment on the same path in one process, and LMDB's
+    environments must not be used across ``fork()``: the caller keeps one per process
+    (:mod:`dlcachefs.data.reader`)."""
+
+    def __init__(self, index_dir: str) -> None:
+        self.path = index_dir
+        self.file_id = _file_id(index_dir)
+        self.env = lmdb.open(index_dir, readonly=True, lock=True, subdir=True, create=False,
+                             max_dbs=8, readahead=False, map_size=MAP_SIZE)
+        try:
+            self.meta = self.env.open_db(S.DB_META, create=False)
+            self.inode = self.env.open_db(S.DB_INODE, create=False)
+            self.dirent = self.env.open_db(S.DB_DIRENT, create=False)
+            self.record = self.env.open_db(S.DB_RECORD, create=False)
+            with self.env.begin(buffers=False) as txn:
+                fmt = txn.get(S.K_FORMAT, db=self.meta)
+            if fmt is None or _Q.unpack(fmt)[0] != S.SCHEMA_VERSION:
+                raise lmdb.Error(f"cache index {index_dir} has schema "
+                                 f"{fmt and _Q.unpack(fmt)[0]}, this reader knows "
+                                 f"{S.SCHEMA_VERSION}")
+        except BaseException:
+            self.env.close()
+            raise
+
+    def replaced(self) -> bool:
+        """True when the index file at the path is no longer the one opened (the cache
+        directory was removed and made again): the caller opens it anew."""
+        try:
+            return _file_id(self.path) != self.file_id
+        except OSError:
+            return True
+
+    def locate(self, parts: Sequence[bytes], revalidate: float, now: float) -> Located | str:
+        """The cached bytes of the file at ``parts`` (path components from the mount's
+        root), or why they cannot be served from the cache (:data:`NOT_CACHED`,
+        :data:`STALE`, :data:`UNRESOLVED`). See the module doc for the rules."""
+        with self.env.begin(buffers=False) as txn:
+            dget = txn.cursor(db=self.dirent).get
+            iget = txn.cursor(db=self.inode).get
+            todo = list(reversed(parts))
+            cur, buf, links = ROOT_INO, None, 0
+            while todo:
+                name = todo.pop()
+                if name in (b"", b"."):
+                    continue
+                if name == b"..":
+                    if cur == ROOT_INO:
+                        return UNRESOLVED  # above the mount: outside this snapshot
+                    b = iget(ukey(cur))
+                    if b is None:
+                        return UNRESOLVED
+                    cur, buf = Entry.unpack(cur, b).parent, None
+                    continue
+                v = dget(ukey(cur) + name)
+                b = iget(v) if v is not None else None
+                if b is None:
+                    return UNRESOLVED
+                mode, _ = Entry.MODE_SIZE(b)
+                if stat.S_ISLNK(mode):
+                    links += 1
+                    target = Entry.unpack(unkey(v), b).target
+                    if links > MAX_LINKS or not target or target.startswith(b"/"):
+                        return UNRESOLVED
+                    todo.extend(reversed(target.split(b"/")))  # from the link's directory
+                    continue
+                if todo and not stat.S_ISDIR(mode):
+                    return UNRESOLVED  # "file/..." : the kernel says ENOTDIR
+                cur, buf = unkey(v), b
+            if buf is None:
+                return UNRESOLVED  # the root, or a directory reached by ".."
+            e = Entry.unpack(cur, buf)
+            if not stat.S_ISREG(e.mode):
+                return UNRESOLVED
+            pb = iget(ukey(e.parent))
+            if pb is None:
+                return UNRESOLVED
+            if revalidate <= 0 or now - Entry.unpack(e.parent, pb).checked_at > revalidate:
+                return STALE
+            rb = txn.get(ukey(cur), db=self.record)
+            if rb is None:
+                return NOT_CACHED
+            rec = Record.unpack(rb)
+            if (rec.size, rec.mtime_ns, rec.src_ino) != (e.size, e.mtime_ns, e.src_ino):
+                return STALE
+            return Located(cur, rec.log_id, rec.offset, rec.size, rec.data_xxh)
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def _file_id(index_dir: str) -> tuple[int, int]:
+    st = os.stat(os.path.join(index_dir, "data.mdb"))
+    return st.st_dev, st.st_ino
