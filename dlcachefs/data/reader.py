@@ -1,0 +1,481 @@
+"""Reading a mounted dataset's files straight from the cache directory, with the mount as
+the fallback.
+
+A :class:`CacheReader` belongs to one dlcachefs mount (found from a path inside it: the
+mount says where its cache is in ``<mount>/.dlcache/zerocopy``). ``read(path)`` returns
+the file's bytes: from the cache directory when the daemon's index says the file's
+current version is cached there (one LMDB read transaction, one ``pread`` of the record,
+its xxh3-64 checked), else by one ``open`` + ``read`` of ``path`` through the mount, which
+fills the cache exactly as any read through the mount does (prefetch, policies, stats).
+No FUSE request is made for a sample served from the cache.
+
+The safety protocol (the daemon may evict a chunk, punch its hole, move its records to
+another log or delete a log at any moment, while readers in other processes hold what
+they looked up):
+
+* **Look up, then read, then check.** The record is looked up in one read transaction
+  (:meth:`IndexReader.locate`: the file's entry, its freshness and the record's version);
+  its bytes are read with ONE ``pread`` into a new ``bytes`` object; they are returned
+  only if their xxh3-64 equals the record's checksum. The daemon never rewrites a byte
+  range in place with other data (logs are append-only; a range that leaves the index is
+  punched, reads as zeros, and is never reused; a moved record gets a new place), so a
+  range that still passes the checksum holds exactly the bytes of the version that was
+  current at the lookup: never a mix, never another file's.
+* **Anything else goes through the mount**: no record, a record of another version, a
+  directory due for revalidation, a checksum mismatch (a hole punched since the lookup, a
+  short read of a truncated log), a log that is gone, an index that cannot be read. The
+  mount then decides as it always does, and refetches what is damaged.
+* **``pread``, not ``mmap``.** A page of a mapped file that is truncated under the map
+  raises SIGBUS when touched, and CPython cannot turn that into an exception: it kills
+  the process. The daemon truncates logs (crash recovery at its next start cuts unindexed
+  tails, a failed append is cut back). ``pread`` of such a range is a short read, which
+  the checksum rejects. The cost is one copy, kernel to user, per sample; a 110 KB copy
+  is a few microseconds next to the ~2 ms of decoding it. No copy is made on our side:
+  the ``bytes`` from ``pread`` go to the decoder as they are (``io.BytesIO`` shares a
+  ``bytes`` object instead of copying it), ``memoryview`` and ``numpy.frombuffer`` views
+  of it are free.
+* **Descriptors of deleted logs are closed.** A log the daemon deleted keeps its disk
+  space while any descriptor is open on it; every :data:`SWEEP_EVERY` reads, descriptors
+  whose file has no link left (``st_nlink == 0``) are closed, once no thread is reading
+  through them. The index file is checked too: a cache directory made anew (removed and
+  mounted again) is reopened: its identity (device, inode) is checked at every read.
+
+Processes and threads: each process opens its own LMDB environment and descriptors, at
+its first read, one per cache per process, shared by every reader object and thread
+(py-lmdb refuses a second environment on the same files in one process). LMDB
+environments must not cross a ``fork()``, and a forked child could not open its own
+while it holds an inherited one (py-lmdb's guard is inherited too), so no child ever
+inherits one: just before ``fork()`` (``os.register_at_fork``) the parent waits for its
+lookups in flight (microseconds), closes its environment, and holds new lookups back
+until the fork is done; it reopens at its next read. The child (a DataLoader worker)
+closes its copies of the log descriptors, lets go of the parent's counter file and
+opens its own at its first read. Spawned workers unpickle a reader that holds only
+paths. Threads share the per-process state: a lookup is one LMDB read transaction (any
+thread), a read one ``pread`` on a shared descriptor; small locks guard the descriptor
+table (a descriptor is closed only when no thread reads through it), the count of
+lookups in flight, opening the index, and the counters.
+
+Counting (``zerocopy`` in the daemon's stats): each process counts its hits and its
+fallbacks by reason in a small memory-mapped file in the cache directory
+(:mod:`dlcachefs.store.tally`), which the daemon sums when its stats are read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from dlcachefs.store.chunkfmt import checksum
+from dlcachefs.store.readonly import INFO_FORMAT, IndexReader, Located
+from dlcachefs.store.tally import FIELDS, TallyWriter
+
+#: the mount's description of its cache for zero-copy readers, below the mount root
+INFO = (".dlcache", "zerocopy")
+#: reads between checks for deleted logs and a replaced index (per process)
+SWEEP_EVERY = 256
+#: reads between attempts to open an index that could not be opened (per process)
+RETRY_EVERY = 1024
+#: log descriptors kept open per process before unused ones are closed
+MAX_FDS = 256
+
+_F = {name: i for i, name in enumerate(FIELDS)}
+HITS, HIT_BYTES, MISMATCH, MISSING_LOG, ERRORS = (
+    _F["hits"], _F["hit_bytes"], _F["mismatch"], _F["missing_log"], _F["errors"])
+UNRESOLVED = _F["unresolved"]
+
+#: the read of a record's bytes (a seam for tests: evict between lookup and read)
+_pread = os.pread
+
+
+def _warn(msg: str) -> None:
+    warnings.warn(f"dlcachefs.data: {msg}", RuntimeWarning, stacklevel=4)
+
+
+def find_mount(path: str | os.PathLike) -> str | None:
+    """The root of the dlcachefs mount holding ``path`` (``path`` itself or an
+    ancestor, taken lexically as :func:`os.path.abspath` gives it), or None."""
+    cur = os.path.abspath(os.fspath(path))
+    while True:
+        if os.path.exists(os.path.join(cur, *INFO)):
+            return cur
+        parent = os.path.dirname(cur)
+        if parent == cur:
+            return None
+        cur = parent
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """What a mount tells zero-copy readers (``.dlcache/zerocopy``, JSON)."""
+
+    index_dir: str
+    logs_dir: str
+    tally_dir: str
+    revalidate_s: float
+
+    @classmethod
+    def from_json(cls, doc: Mapping) -> CacheInfo:
+        if doc.get("format") != INFO_FORMAT:
+            raise ValueError(f"zero-copy description format {doc.get('format')!r}, this "
+                             f"reader knows {INFO_FORMAT}")
+        return cls(str(doc["index_dir"]), str(doc["logs_dir"]), str(doc["tally_dir"]),
+                   float(doc["revalidate_s"]))
+
+
+class CacheReader:
+    """Reads files of one dlcachefs mount from its cache directory, or through the mount.
+
+    Holds only paths (pickles small, for spawned DataLoader workers); what a process
+    opens is kept per process (see the module doc). Thread-safe.
+    """
+
+    def __init__(self, mount_root: str | os.PathLike, info: CacheInfo) -> None:
+        self.mount_root = os.path.abspath(os.fspath(mount_root))
+        self.info = info
+        self._prefix = os.fsencode(self.mount_root.rstrip("/") + "/")
+
+    @classmethod
+    def for_path(cls, path: str | os.PathLike) -> CacheReader | None:
+        """The reader of the mount holding ``path``; None (with a warning when the mount
+        is there but unusable) when ``path`` is not on a dlcachefs mount."""
+        root = find_mount(path)
+        if root is None:
+            return None
+        try:
+            with open(os.path.join(root, *INFO), "rb") as f:
+                info = CacheInfo.from_json(json.loads(f.read()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            _warn(f"{root} does not describe its cache ({e}); reading through the mount")
+            return None
+        return cls(root, info)
+
+    # ----- reads ---------------------------------------------------------------------------
+
+    def read(self, path: str | bytes | os.PathLike) -> bytes:
+        """The bytes of the file at ``path`` (inside the mount): from the cache when its
+        current version is there and intact, else by ``open`` + ``read`` through the
+        mount (whose errors, e.g. FileNotFoundError, are raised as they are)."""
+        data = self.read_cached(path)
+        if data is None:
+            with open(path, "rb") as f:
+                data = f.read()
+        return data
+
+    def read_cached(self, path: str | bytes | os.PathLike) -> bytes | None:
+        """The bytes from the cache, checked against their checksum; None when they must
+        be read through the mount (the reason is counted)."""
+        proc = _process(self.info)
+        parts = self._parts(path)
+        if parts is None:
+            proc.count(UNRESOLVED)
+            return None
+        got = proc.locate(parts, self.info.revalidate_s)
+        if got is None:
+            proc.count(ERRORS)
+            return None
+        if not isinstance(got, Located):
+            proc.count(_F[got])
+            return None
+        try:
+            data = proc.logs.pread(got.log_id, got.size, got.offset)
+        except FileNotFoundError:
+            proc.count(MISSING_LOG)
+            return None
+        except OSError:
+            proc.count(ERRORS)
+            return None
+        # the one check that makes the bytes trustworthy (see the module doc)
+        if len(data) != got.size or checksum(data) != got.data_xxh:
+            proc.count(MISMATCH)
+            return None
+        proc.count(HITS)
+        proc.count(HIT_BYTES, got.size)
+        return data
+
+    def counts(self) -> dict[str, int]:
+        """What this process counted for this mount's cache (hits, fallbacks by reason)."""
+        return _process(self.info).counts()
+
+    def close(self) -> None:
+        """Close what this process opened for this mount's cache (its index environment,
+        log descriptors; counting ends). Only once no thread of the process reads it any
+        more; a later read opens them again."""
+        with _procs_lock:
+            p = _procs.pop(self.info.index_dir, None)
+        if p is not None:
+            p.close()
+
+    def _parts(self, path: str | bytes | os.PathLike) -> list[bytes] | None:
+        p = os.fsencode(path)
+        if not p.startswith(b"/"):
+            p = os.getcwdb() + b"/" + p  # what open() would resolve it against now
+        if not p.startswith(self._prefix):
+            return None
+        return p[len(self._prefix):].split(b"/")
+
+    def __repr__(self) -> str:
+        return f"CacheReader({self.mount_root!r})"
+
+
+# ----- per-process state -------------------------------------------------------------------
+
+class _LogFiles:
+    """Read-only descriptors of one cache's log files, shared by the threads of a process.
+
+    Protocol (``_lock`` guards both tables): a descriptor is taken (``users`` + 1) for
+    one ``pread`` and given back. :meth:`sweep` retires descriptors of deleted logs
+    (``st_nlink == 0``): a retired one leaves ``_fds`` at once (the next read of that log
+    opens the file anew, or finds it gone) and is closed when its last user gives it
+    back, so a descriptor number is never closed, and reused by another ``open``, under
+    a ``pread``."""
+
+    def __init__(self, directory: str) -> None:
+        self.dir = directory
+        self._lock = threading.Lock()
+        self._fds: dict[int, list[int]] = {}  # log id -> [fd, users, retired]
+        self._busy: list[list[int]] = []  # retired while in use: closed by their last user
+
+    def pread(self, log_id: int, size: int, offset: int) -> bytes:
+        with self._lock:
+            slot = self._fds.get(log_id)
+            if slot is None:
+                fd = os.open(os.path.join(self.dir, f"{log_id:08d}.log"),
+                             os.O_RDONLY | os.O_CLOEXEC)  # FileNotFoundError: gone
+                slot = self._fds[log_id] = [fd, 0, 0]
+            slot[1] += 1
+        try:
+            return _pread(slot[0], size, offset)
+        finally:
+            with self._lock:
+                slot[1] -= 1
+                if slot[2] and slot[1] == 0:
+                    self._busy.remove(slot)
+                    _close(slot[0])
+
+    def sweep(self, everything: bool = False) -> None:
+        """Retire descriptors of deleted logs (every one with ``everything``; every
+        one when more than :data:`MAX_FDS` are open)."""
+        with self._lock:
+            everything = everything or len(self._fds) > MAX_FDS
+            for log_id, slot in list(self._fds.items()):
+                try:
+                    gone = everything or os.fstat(slot[0]).st_nlink == 0
+                except OSError:
+                    gone = True
+                if gone:
+                    del self._fds[log_id]
+                    slot[2] = 1
+                    if slot[1]:
+                        self._busy.append(slot)
+                    else:
+                        _close(slot[0])
+
+    def abandon(self) -> None:
+        """In a forked child: close the copies it inherited (no lock: the forking thread
+        is the only one, and a lock held by another thread at fork stays held)."""
+        for slot in [*self._fds.values(), *self._busy]:
+            _close(slot[0])
+        self._fds, self._busy = {}, []
+
+    def open_count(self) -> int:
+        """Descriptors open now (tests)."""
+        with self._lock:
+            return len(self._fds) + len(self._busy)
+
+
+def _close(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+class _NoTally:
+    """Counts kept in this process only (the cache directory is not writable for us)."""
+
+    def __init__(self) -> None:
+        self._vals = [0] * len(FIELDS)
+        self._lock = threading.Lock()
+
+    def add(self, field: int, n: int = 1) -> None:
+        with self._lock:
+            self._vals[field] += n
+
+    def values(self) -> dict[str, int]:
+        with self._lock:
+            return dict(zip(FIELDS, self._vals, strict=True))
+
+    def abandon(self) -> None:
+        pass
+
+    close = abandon
+
+
+class _Process:
+    """What one process holds for one cache: its LMDB environment, log descriptors and
+    counter file, made at its first read. ``_lock`` guards opening them."""
+
+    def __init__(self, info: CacheInfo) -> None:
+        self.info = info
+        self.logs = _LogFiles(info.logs_dir)
+        self._lock = threading.Lock()
+        # lookups in flight, so that a fork waits for them before closing the index
+        self._gate = threading.Condition(threading.Lock())
+        self._lookups = 0
+        self._index: IndexReader | None = None
+        self._retired: list[IndexReader] = []  # replaced: never closed under a reader
+        self._failed_at: int | None = None
+        self._tally: TallyWriter | _NoTally | None = None
+        self._reads = 0
+
+    def locate(self, parts: list[bytes], revalidate: float) -> Located | str | None:
+        """One lookup (:meth:`IndexReader.locate`); None when the index cannot be read."""
+        with self._gate:
+            self._lookups += 1
+        try:
+            ix = self.index()
+            if ix is None:
+                return None
+            try:
+                return ix.locate(parts, revalidate, time.time())
+            except Exception:  # noqa: BLE001 - lmdb.Error and friends: the mount answers
+                self.index_failed(ix)
+                return None
+        finally:
+            with self._gate:
+                self._lookups -= 1
+                if not self._lookups:
+                    self._gate.notify_all()
+
+    def before_fork(self) -> None:
+        """In the parent, just before ``fork()``: wait for lookups in flight, close the
+        index (reopened at the next read), and hold the gate until the fork is done, so
+        the child inherits no LMDB environment (see the module doc)."""
+        self._gate.acquire()
+        while self._lookups:
+            self._gate.wait()
+        with self._lock:
+            for ix in [self._index, *self._retired]:
+                if ix is not None:
+                    ix.close()
+            self._index, self._retired = None, []
+
+    def after_fork_in_parent(self) -> None:
+        self._gate.release()
+
+    def index(self) -> IndexReader | None:
+        """The index to look up in, checked to still be the cache directory's (one
+        ``stat``: a cache removed and made anew must not be read from its old files)."""
+        ix = self._index
+        self._reads += 1  # racy across threads: only paces the sweeps
+        if ix is not None and self._reads % SWEEP_EVERY and not ix.replaced():
+            return ix
+        with self._lock:
+            if self._index is not None:
+                self.logs.sweep()
+                if self._index.replaced():
+                    self._retired.append(self._index)
+                    self._index = None
+                    self.logs.sweep(everything=True)  # its logs are other files now
+            if self._index is None and (self._failed_at is None
+                                        or self._reads - self._failed_at >= RETRY_EVERY):
+                try:
+                    self._index = IndexReader(self.info.index_dir)
+                    self._failed_at = None
+                except Exception as e:  # noqa: BLE001 - lmdb.Error, OSError: the mount answers
+                    if self._failed_at is None:
+                        _warn(f"cannot open the cache index {self.info.index_dir} ({e}); "
+                              f"reading through the mount")
+                    self._failed_at = self._reads
+            return self._index
+
+    def index_failed(self, ix: IndexReader) -> None:
+        """A lookup raised: open the index again at the next read (an LMDB error such as
+        MDB_MAP_RESIZED or a full reader table)."""
+        with self._lock:
+            if self._index is ix:
+                self._retired.append(ix)
+                self._index = None
+
+    def count(self, field: int, n: int = 1) -> None:
+        t = self._tally
+        if t is None:
+            with self._lock:
+                if self._tally is None:
+                    try:
+                        self._tally = TallyWriter(self.info.tally_dir)
+                    except OSError as e:
+                        _warn(f"cannot count in {self.info.tally_dir} ({e}); the mount's "
+                              f"stats will not show this process's zero-copy reads")
+                        self._tally = _NoTally()
+                t = self._tally
+        t.add(field, n)
+
+    def counts(self) -> dict[str, int]:
+        t = self._tally
+        return t.values() if t is not None else dict.fromkeys(FIELDS, 0)
+
+    def close(self) -> None:
+        self.logs.sweep(everything=True)
+        with self._lock:
+            for ix in [self._index, *self._retired]:
+                if ix is not None:
+                    ix.close()
+            self._index, self._retired = None, []
+            if self._tally is not None:
+                self._tally.close()
+
+    def abandon(self) -> None:
+        """In a forked child (see the module doc)."""
+        self.logs.abandon()
+        if self._tally is not None:
+            self._tally.abandon()
+
+
+_procs: dict[str, _Process] = {}  # index dir -> this process's state
+_procs_pid = os.getpid()
+_procs_lock = threading.Lock()
+#: what a forked child inherited: kept referenced, never used (see the module doc)
+_inherited: list[_Process] = []
+
+
+def _process(info: CacheInfo) -> _Process:
+    if os.getpid() != _procs_pid:  # forked without the at-fork hooks (a C-level fork)
+        _after_fork_in_child()
+    p = _procs.get(info.index_dir)
+    if p is None:
+        with _procs_lock:
+            p = _procs.get(info.index_dir)
+            if p is None:
+                p = _procs[info.index_dir] = _Process(info)
+    return p
+
+
+def _before_fork() -> None:
+    _procs_lock.acquire()  # no new state while forking; released after, in both
+    for p in _procs.values():
+        p.before_fork()
+
+
+def _after_fork_in_parent() -> None:
+    for p in _procs.values():
+        p.after_fork_in_parent()
+    _procs_lock.release()
+
+
+def _after_fork_in_child() -> None:
+    global _procs_pid, _procs_lock
+    _procs_lock = threading.Lock()  # the parent's was held through the fork
+    _procs_pid = os.getpid()
+    for p in _procs.values():
+        p.abandon()
+        _inherited.append(p)
+    _procs.clear()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
