@@ -189,6 +189,8 @@ class Operations(pyfuse3.Operations):
             data = (json.dumps(self.engine.stats(), indent=2) + "\n").encode()
         elif inode == V.ERRORS_INO:
             data = self.control.errors_text()
+        elif inode == V.ZEROCOPY_INO:
+            data = V.zerocopy_info(self.engine.cfg)
         else:
             data = b"" if writing else self.control.state_text()
         fh = self._next_vfh

@@ -5,29 +5,39 @@ torchvision's ImageFolder does not take it for a class. Its files:
 
 * ``stats``   (0444) the engine's counters as JSON, a fresh snapshot at each open;
 * ``control`` (0600, owner only) accepts control lines; reading shows the accepted state;
-* ``errors``  (0444) the last refused control writes with their reasons.
+* ``errors``  (0444) the last refused control writes with their reasons;
+* ``zerocopy`` (0444) where the cache is, for readers in the training process that read
+  cached samples from it directly (:mod:`dlcachefs.data`), as JSON (:func:`zerocopy_info`).
 
 Virtual files are opened with ``direct_io`` (their size is reported as 0, like /proc).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import time
+
+from dlcachefs.config import Config
+from dlcachefs.store.readonly import INFO_FORMAT
+from dlcachefs.store.tally import TALLY_DIR
 
 VDIR_INO = 2
 STATS_INO = 3
 CONTROL_INO = 4
 ERRORS_INO = 5
+ZEROCOPY_INO = 6
 
 VDIR_NAME = b".dlcache"
-FILES: dict[bytes, int] = {b"stats": STATS_INO, b"control": CONTROL_INO, b"errors": ERRORS_INO}
+FILES: dict[bytes, int] = {b"stats": STATS_INO, b"control": CONTROL_INO, b"errors": ERRORS_INO,
+                           b"zerocopy": ZEROCOPY_INO}
 MODES: dict[int, int] = {
     VDIR_INO: stat.S_IFDIR | 0o555,
     STATS_INO: stat.S_IFREG | 0o444,
     CONTROL_INO: stat.S_IFREG | 0o600,
     ERRORS_INO: stat.S_IFREG | 0o444,
+    ZEROCOPY_INO: stat.S_IFREG | 0o444,
 }
 VIRTUAL = frozenset(MODES)
 
@@ -42,3 +52,19 @@ class VirtualAttrs:
         self.uid = os.getuid()
         self.gid = os.getgid()
         self.time_ns = time.time_ns()
+
+
+def zerocopy_info(cfg: Config) -> bytes:
+    """The ``zerocopy`` file: the cache's index and logs (read-only for readers), where
+    readers count (:mod:`dlcachefs.store.tally`), and the freshness window the mount's
+    opens apply (``--revalidate``), which readers apply too."""
+    return (json.dumps({
+        "format": INFO_FORMAT,
+        "cache_dir": cfg.cache_dir,
+        "index_dir": cfg.index_dir,
+        "logs_dir": cfg.logs_dir,
+        "tally_dir": os.path.join(cfg.cache_dir, TALLY_DIR),
+        "revalidate_s": cfg.revalidate,
+        "mountpoint": cfg.mountpoint,
+        "pid": os.getpid(),
+    }, indent=2) + "\n").encode()

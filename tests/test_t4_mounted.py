@@ -251,7 +251,7 @@ def test_dlcache_is_hidden_but_reachable(src, mount):
     m = mount(src)
     assert ".dlcache" not in os.listdir(m.mnt)
     assert sorted(os.listdir(m.mnt)) == sorted(os.listdir(src))
-    assert sorted(os.listdir(m.mnt / ".dlcache")) == ["control", "errors", "stats"]
+    assert sorted(os.listdir(m.mnt / ".dlcache")) == ["control", "errors", "stats", "zerocopy"]
     st = json.loads(subprocess.run(["cat", str(m.mnt / ".dlcache" / "stats")],
                                    capture_output=True, check=True).stdout)
     for key in ["files", "bytes_total", "cached_files", "cached_bytes", "hits", "misses",

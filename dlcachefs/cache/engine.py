@@ -79,6 +79,7 @@ from dlcachefs.sim.tracelog import TraceRecorder
 from dlcachefs.store.index import Index
 from dlcachefs.store.logs import LogStore
 from dlcachefs.store.schema import Entry
+from dlcachefs.store.tally import TALLY_DIR, TallyReader
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,8 @@ class Engine:
         plans = type(self.policy).plan_package is not CachePolicy.plan_package
         self.packer = Packer(self) if cfg.substitute and plans else None
         self.trace = TraceRecorder(cfg.trace) if cfg.trace else None
+        # zero-copy readers' counts (dlcachefs.data): their files' counts at start are the base
+        self.zerocopy = TallyReader(os.path.join(cfg.cache_dir, TALLY_DIR))
         # fetched bytes held in memory: waiting for the writer's room; read ahead of opens
         self.backlog = Backlog(LATER_CHUNKS * cfg.chunk_size)
         self.readahead = ReadAhead(max(cfg.memory // 4, cfg.chunk_size))

@@ -100,6 +100,8 @@ def stats_document(eng: Engine) -> dict:
     # reordered logs' chunks read back (just written) to checksum them before a seal
     out["cache_disk_bytes_read_back"] = eng.logs.bytes_read_back
     out["read_plans"] = eng.plans.stats()
+    # samples training processes read from the cache directly, and their fallbacks
+    out["zerocopy"] = eng.zerocopy.collect()
     out["streams"] = eng.streams.stats()
     for key, rel in eng.scan.tree_of_groups().items():
         if key in out["streams"]:
