@@ -491,3 +491,33 @@ def test_paths_resolve_as_the_kernel_resolves_them(tmp_path, classes, data):
     assert c["errors"] == c["mismatch"] == c["missing_log"] == 0
     event(f"some paths resolved through links: {any(kernel_walk(src, a) for a, _ in links)}")
     event(f"some paths left for the kernel: {c['unresolved'] > 0}")
+
+
+def test_an_index_error_reopens_the_index(src, tmp_path, monkeypatch):
+    """A lookup that raises (an LMDB error: a full reader table, a map resized) is read
+    through the mount, and the next reads use a fresh environment (the failed one is
+    closed once no lookup runs: py-lmdb would refuse the same files twice)."""
+    from dlcachefs.store import readonly
+
+    cache = tmp_path / "cache"
+    fill_cache(src, cache)
+    real = readonly.IndexReader.locate
+    calls = []
+
+    def flaky(self, *a):
+        calls.append(self)
+        if len(calls) == 2:
+            import lmdb
+
+            raise lmdb.ReadersFullError("mdb_txn_begin: MDB_READERS_FULL")
+        return real(self, *a)
+
+    monkeypatch.setattr(readonly.IndexReader, "locate", flaky)
+    with reading(src, cache) as r:
+        for k, v in FILES.items():
+            assert r.read(src / os.fsdecode(k)) == v
+        c = r.counts()
+        assert c["errors"] == 1 and c["hits"] == len(FILES) - 1
+        assert calls[0] is not calls[-1]  # another environment after the error
+        with pytest.raises(Exception):  # noqa: B017 - the failed one is closed
+            calls[0].env.info()

@@ -327,7 +327,7 @@ class _Process:
         self._gate = threading.Condition(threading.Lock())
         self._lookups = 0
         self._index: IndexReader | None = None
-        self._retired: list[IndexReader] = []  # replaced: never closed under a reader
+        self._retired: list[IndexReader] = []  # replaced: closed once no lookup runs
         self._failed_at: int | None = None
         self._tally: TallyWriter | _NoTally | None = None
         self._reads = 0
@@ -349,7 +349,18 @@ class _Process:
             with self._gate:
                 self._lookups -= 1
                 if not self._lookups:
+                    if self._retired:  # nobody can be using them now (gate held)
+                        self._close_retired()
                     self._gate.notify_all()
+
+    def _close_retired(self) -> None:
+        """Close replaced environments (py-lmdb would refuse to open the files again
+        while one is open); called with no lookup in flight."""
+        with self._lock:
+            retired, self._retired = self._retired, []
+        for ix in retired:
+            with contextlib.suppress(Exception):
+                ix.close()
 
     def before_fork(self) -> None:
         """In the parent, just before ``fork()``: wait for lookups in flight, close the
@@ -359,10 +370,10 @@ class _Process:
         while self._lookups:
             self._gate.wait()
         with self._lock:
-            for ix in [self._index, *self._retired]:
-                if ix is not None:
-                    ix.close()
-            self._index, self._retired = None, []
+            if self._index is not None:
+                self._retired.append(self._index)
+                self._index = None
+        self._close_retired()
 
     def after_fork_in_parent(self) -> None:
         self._gate.release()
@@ -387,10 +398,13 @@ class _Process:
                     self._index = IndexReader(self.info.index_dir)
                     self._failed_at = None
                 except Exception as e:  # noqa: BLE001 - lmdb.Error, OSError: the mount answers
-                    if self._failed_at is None:
-                        _warn(f"cannot open the cache index {self.info.index_dir} ({e}); "
-                              f"reading through the mount")
-                    self._failed_at = self._reads
+                    if self._retired:
+                        pass  # its files are still open (py-lmdb refuses): retry once closed
+                    else:
+                        if self._failed_at is None:
+                            _warn(f"cannot open the cache index {self.info.index_dir} ({e});"
+                                  f" reading through the mount")
+                        self._failed_at = self._reads
             return self._index
 
     def index_failed(self, ix: IndexReader) -> None:
@@ -422,12 +436,13 @@ class _Process:
     def close(self) -> None:
         self.logs.sweep(everything=True)
         with self._lock:
-            for ix in [self._index, *self._retired]:
-                if ix is not None:
-                    ix.close()
-            self._index, self._retired = None, []
+            if self._index is not None:
+                self._retired.append(self._index)
+                self._index = None
             if self._tally is not None:
                 self._tally.close()
+                self._tally = None
+        self._close_retired()
 
     def abandon(self) -> None:
         """In a forked child (see the module doc)."""

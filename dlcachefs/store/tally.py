@@ -141,6 +141,11 @@ class TallyReader:
         self.dir = directory
         self._base: dict[str, list[int]] = {}  # file -> its counts when we started
         self._folded = [0] * len(FIELDS)  # counts of readers that ended since
+        with contextlib.suppress(OSError):  # made by a reader that died before its rename
+            for name in os.listdir(self.dir):
+                tmp = os.path.join(self.dir, name)
+                if name.startswith(".") and name.endswith(".tmp") and not owner_alive(tmp):
+                    os.unlink(tmp)
         for name in self._names():
             path = os.path.join(self.dir, name)
             counts = read_counts(path)
