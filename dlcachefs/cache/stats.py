@@ -1,7 +1,7 @@
 """Counters since mount, and the ``.dlcache/stats`` document built from every part.
 
 Counters are updated on the trio loop only; :func:`stats_document` runs on the loop too
-(LMDB read transactions only).
+(LMDB read transactions, and the zero-copy readers' small counter files).
 """
 
 from __future__ import annotations
@@ -100,7 +100,10 @@ def stats_document(eng: Engine) -> dict:
     # reordered logs' chunks read back (just written) to checksum them before a seal
     out["cache_disk_bytes_read_back"] = eng.logs.bytes_read_back
     out["read_plans"] = eng.plans.stats()
-    # samples training processes read from the cache directly, and their fallbacks
+    # samples training processes read from the cache directly, and their fallbacks.
+    # Blocking on the loop on purpose, as the LMDB reads: a listing and two small opens
+    # of a local file per reading process (tens of microseconds each), only when stats
+    # are read
     out["zerocopy"] = eng.zerocopy.collect()
     out["streams"] = eng.streams.stats()
     for key, rel in eng.scan.tree_of_groups().items():
