@@ -470,12 +470,14 @@ def test_paths_resolve_as_the_kernel_resolves_them(tmp_path, classes, data):
         links.append((f"{where}/{lname}" if where else lname, target))
     samplelist.build(src, [], [], links)
     fill_cache(src, base / "cache")
-    paths = sorted({os.path.relpath(os.path.join(d, f), src)
-                    for d, _, fs in os.walk(src, followlinks=True) for f in fs}
-                   | {a for a, _ in links})
+    paths = {a for a, _ in links}
+    for d, dirs, fs in os.walk(src, followlinks=True):
+        if len(Path(d).relative_to(src).parts) >= 4:
+            dirs[:] = []  # a link to a directory above it is a loop: bounded, not endless
+        paths.update(os.path.relpath(os.path.join(d, f), src) for f in fs)
     expect_hits = 0
     with reading(src, base / "cache") as r:
-        for rel in paths:
+        for rel in sorted(paths):
             try:
                 want: bytes | type = (src / rel).read_bytes()
             except OSError as e:
@@ -521,3 +523,36 @@ def test_an_index_error_reopens_the_index(src, tmp_path, monkeypatch):
         assert calls[0] is not calls[-1]  # another environment after the error
         with pytest.raises(Exception):  # noqa: B017 - the failed one is closed
             calls[0].env.info()
+
+
+def test_links_loops_and_dotdot(tmp_path):
+    """Fixed shapes: a directory link looping to its parent, ``..`` through a linked
+    directory (the kernel's ``..`` is the physical parent), an absolute link (left to
+    the kernel), a link chain, a dangling link, a link loop, ``..`` above the root."""
+    src = tmp_path / "src"
+    write_tree(src, {b"c/a.jpg": b"A" * 100, b"d/sub/b.jpg": b"B" * 50, b"d/e.jpg": b"E"})
+    for name, target in (("c/loop", "../c"), ("c/up", ".."), ("c/abs.jpg", str(src / "c/a.jpg")),
+                         ("c/chain.jpg", "chain2.jpg"), ("c/chain2.jpg", "../d/e.jpg"),
+                         ("c/dangling.jpg", "nope.jpg"), ("c/self.jpg", "self.jpg"),
+                         ("c/sublink", "../d/sub")):
+        os.symlink(target, src / name)
+    fill_cache(src, tmp_path / "cache")
+    cases = {  # path -> served from the cache?
+        "c/loop/loop/loop/a.jpg": True, "c/up/d/e.jpg": True, "c/chain.jpg": True,
+        "c/sublink/../e.jpg": True,  # .. of d/sub (physical), not of c
+        "c/sublink/b.jpg": True, "c/abs.jpg": False, "c/dangling.jpg": False,
+        "c/self.jpg": False, "../src/c/a.jpg": False, "c/a.jpg/x": False}
+    with reading(src, tmp_path / "cache") as r:
+        for rel, cached in cases.items():
+            p = os.path.join(src, rel)
+            try:
+                want: bytes | type = Path(p).read_bytes()
+            except OSError as e:
+                want = type(e)
+            assert (r.read_cached(p) is not None) == cached, rel
+            try:
+                got: bytes | type = r.read(p)
+            except OSError as e:
+                got = type(e)
+            assert got == want, rel
+        assert r.counts()["hits"] == 2 * sum(cases.values())
