@@ -1,7 +1,7 @@
 """Zero-copy reads (``dlcachefs.data``) against the local copy and the mount, warm, side by
 side in one run.
 
-    python -m bench.zerocopy [--files 3000] [--threads 1,8] [--workers 2]
+    python -m bench.zerocopy [--files 3000] [--threads 1,8] [--workers 2] [--rounds 5]
                              [--out bench/results/zerocopy.json]
     python -m bench.zerocopy --files 60 --threads 8 --smoke     # a quick check, no numbers
 
@@ -9,8 +9,9 @@ One JPEG ImageFolder dataset (``bench.make_dataset``, ~110 KB files), mounted wi
 dlcachefs over its local copy (the source is local on purpose: this measures the read
 path, not a slow link). Warm-up: every file read once through the mount (so it is
 cached), the chunk writer idle, then every configuration below run once untimed (the
-page cache holds the local copy, the cache's logs, the mount's files). Then, timed, in
-this order, every file once in one fixed random permutation:
+page cache holds the local copy, the cache's logs, the mount's files). Then ``--rounds``
+timed rounds (the systems' order rotated per round), each reading every file once in one
+fixed random permutation; ``median_files_per_s`` and ``ratios`` are over the rounds:
 
 * ``raw`` (``bench.readers.read_all``, N threads pulling from one queue), per ``--threads``:
   ``zerocopy``: ``CacheReader.read(path)`` (LMDB lookup, one ``pread``, xxh3 check; no FUSE
@@ -42,6 +43,7 @@ import math
 import os
 import random
 import shutil
+import statistics
 import sys
 import time
 
@@ -174,9 +176,13 @@ def run(a: argparse.Namespace) -> dict:
         ds0 = BytesFolder(train["local"], zero_copy=False)
         index_of = {os.path.relpath(p, root): i for i, (p, _) in enumerate(ds0.samples)}
         order = [index_of[r] for r in order_rels]
-        for warm in (True, False):  # an untimed round first: every page cache warm
+        # an untimed round first (every page cache warm), then --rounds timed rounds; the
+        # systems' order rotates per round so none always runs right after another
+        for rnd in range(a.rounds + 1):
+            warm = rnd == 0
+            systems = SYSTEMS[rnd % 3:] + SYSTEMS[:rnd % 3]
             for t in threads:
-                for system in SYSTEMS:
+                for system in systems:
                     kw = {"reader": fns[system]} if fns[system] else {}
                     start = m.probe_start()
                     res = read_all(paths[system], threads=t, **kw)
@@ -187,12 +193,12 @@ def run(a: argparse.Namespace) -> dict:
                         raise Failed(f"zero-copy run: {d['zerocopy_hits']} of {len(rels)} "
                                      f"from the cache, {d['file_opens']} opens through FUSE")
                     if not warm:
-                        doc["raw"].append({"system": system, "threads": t,
+                        doc["raw"].append({"system": system, "threads": t, "round": rnd,
                                            **res.summary(), **d})
                         log(f"raw {system:9s} {t} threads: "
                             f"{res.summary()['files_per_s']} files/s")
             if a.workers >= 0:
-                for system in SYSTEMS:
+                for system in systems:
                     start = m.probe_start()
                     res = loader_run(train[system], system == "zerocopy", order, a.workers,
                                      expected)
@@ -201,17 +207,35 @@ def run(a: argparse.Namespace) -> dict:
                         raise Failed(f"zero-copy loader: {d['file_opens']} opens through FUSE")
                     if not warm:
                         doc["loader"].append({"system": system, "workers": a.workers,
-                                              **res, **d})
+                                              "round": rnd, **res, **d})
                         log(f"loader {system:9s} {a.workers} workers: "
                             f"{res['files_per_s']} files/s")
+    doc["median_files_per_s"] = medians(doc)
     doc["ratios"] = ratios(doc)
     return doc
 
 
-def ratios(doc: dict) -> dict:
+def medians(doc: dict) -> dict:
+    """Per part, system and thread/worker count: the median files/s over the timed rounds
+    (runs are short and the machine is shared: one round alone is noise)."""
     out: dict = {}
     for part, key in (("raw", "threads"), ("loader", "workers")):
-        by = {(r["system"], r[key]): r["files_per_s"] for r in doc[part]}
+        by: dict = {}
+        for r in doc[part]:
+            by.setdefault((r["system"], r[key]), []).append(r["files_per_s"])
+        for (system, k), v in by.items():
+            out[f"{part} {key}={k}: {system}"] = round(statistics.median(v), 1)
+    return out
+
+
+def ratios(doc: dict) -> dict:
+    """Zero-copy's median files/s over the local copy's and the mount's."""
+    out: dict = {}
+    for part, key in (("raw", "threads"), ("loader", "workers")):
+        by: dict = {}
+        for r in doc[part]:
+            by.setdefault((r["system"], r[key]), []).append(r["files_per_s"])
+        by = {k: statistics.median(v) for k, v in by.items()}
         for (system, k), fps in by.items():
             if system != "zerocopy":
                 continue
@@ -229,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--mean-kb", type=float, default=110.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="timed rounds after the untimed one; medians are reported (default 5)")
     p.add_argument("--threads", default="1,8", help="raw reader threads, comma separated")
     p.add_argument("--workers", type=int, default=2,
                    help="DataLoader workers (-1: no loader rows)")
