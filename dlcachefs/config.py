@@ -33,6 +33,25 @@ def default_cache_dir(source: str) -> str:
     return os.path.join(base, "dlcachefs", f"{name}-{tag}")
 
 
+def peer_list(text: str) -> list[tuple[str, int]]:
+    """``"h1:11211,[::1]:11212"`` -> ``[("h1", 11211), ("::1", 11212)]``, duplicates
+    refused. Raises ValueError naming the bad entry."""
+    out: list[tuple[str, int]] = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        host, sep, port = item.rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"--peers: not HOST:PORT: {item!r}")
+        if (host, int(port)) in out:
+            raise ValueError(f"--peers: {item!r} is listed twice")
+        out.append((host, int(port)))
+    if not out:
+        raise ValueError("--peers: no server given")
+    return out
+
+
 def _opt(default: Any = dataclasses.MISSING, text: str = "", **spec: Any) -> Any:
     """A Config field that is a mount option; ``spec`` holds :class:`Option`'s other
     attributes (``name``, ``kind``, ``short``, ``metavar``, ``choices``, ``show_default``);
@@ -89,6 +108,28 @@ class Config:
            "N at a time, into free cache room only; 0 = off", metavar="N")
     reorder: bool = _opt(
         True, "do not lay out each next epoch's log in its order (LCache)", name="no-reorder")
+    peers: str | None = _opt(
+        None, "memcached servers of the cluster's shared peer tier, HOST:PORT,... (the same "
+              "list on every node): a file missing here is looked up at its owner (rendezvous "
+              "hash of path, size and mtime) before the source, and what this node reads from "
+              "the source is stored there in the background (needs pymemcache)",
+        metavar="HOST:PORT,...")
+    peer_timeout: float = _opt(
+        1.0, "a peer that does not answer within this long is marked down", metavar="SECONDS")
+    peer_dead_time: float = _opt(
+        30.0, "a peer marked down is probed again after this long (in the background)",
+        metavar="SECONDS")
+    peer_lease: float = _opt(
+        10.0, "on a miss at the owner one node takes a lease and reads the source; the others "
+              "wait for its value up to this long, then read the source themselves",
+        metavar="SECONDS")
+    peer_item_max: int = _opt(
+        1 << 20, "the servers' item size limit (memcached -I); larger files skip the tier",
+        kind="size")
+    peer_namespace: str | None = _opt(
+        None, "names this dataset in the tier (default: the source's real path; give the "
+              "same name on every node when nodes mount it at different paths)",
+        metavar="NAME", show_default=False)
     foreground: bool = _opt(False, "do not daemonize", short="-f")
     allow_other: bool = _opt(
         False, "let other users use the mount (with default_permissions)")
@@ -116,6 +157,12 @@ class Config:
             raise ValueError("--scan-ahead must be >= 0")
         if not 0.0 < self.h_fraction <= 1.0:
             raise ValueError("--h-fraction must be within (0, 1]")
+        if self.peers is not None:
+            peer_list(self.peers)  # raises ValueError naming the bad entry
+        if self.peer_timeout <= 0 or self.peer_dead_time <= 0 or self.peer_lease <= 0:
+            raise ValueError("--peer-timeout, --peer-dead-time and --peer-lease must be > 0")
+        if self.peer_item_max < 4096:
+            raise ValueError("--peer-item-max must be at least 4K")
 
     @property
     def index_dir(self) -> str:

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PKGS=(fuse3 libfuse3-dev pkg-config python3-venv python3-dev gcc)
+APT_PKGS=(fuse3 libfuse3-dev pkg-config python3-venv python3-dev gcc memcached)
 # Used by bench/ only (a slow remote over sshfs, rclone as a peer, MPI for DLIO).
 BENCH_PKGS=(sshfs openssh-server openssh-client rclone iproute2 procps openmpi-bin libopenmpi-dev)
 
@@ -34,7 +34,7 @@ if ! .venv/bin/python -c "import torch, torchvision" >/dev/null 2>&1; then
   # shellcheck disable=SC2086
   "${VPIP[@]}" install $TORCH_PIN
 fi
-"${VPIP[@]}" install -e ".[test,bench,torch]"
+"${VPIP[@]}" install -e ".[test,bench,torch,peers]"
 if [ -n "${DLCACHEFS_BENCH:-}" ]; then
   # DLIO (bench/dlio.py) in its own venv, never in .venv: bench/out/dlio-venv
   # (mpi4py is built from source against Open MPI: a few minutes the first time)

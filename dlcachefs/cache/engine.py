@@ -11,7 +11,8 @@ Read path of one file (``open`` does the work, ``read`` only slices):
    or from the memory tier or the log (:mod:`dlcachefs.cache.reader`);
 4. a record that is stale or fails its checksum is dropped and counted, never served;
 5. bytes fetched but not sealed yet (the writer's pending records, the backlog);
-6. otherwise the file is fetched whole from the source (:mod:`dlcachefs.cache.fetch`),
+6. otherwise the file is fetched whole (:mod:`dlcachefs.cache.fetch`): from the peer
+   tier when ``--peers`` names one (:mod:`dlcachefs.peers.tier`), else from the source,
    served, and handed to the chunk writer (:mod:`dlcachefs.cache.writer`).
 
 Under ``--substitute`` a missed L-sample may be served with another sample first
@@ -146,8 +147,13 @@ class Engine:
         self.versions = Versions(self.index, self.writer, self.backlog)
         self.reader = LogReader(self.index, self.logs, self.memtier, self.writer, self.policy,
                                 self.counters, self.disk_limiter, self.readahead)
+        # the cluster's shared tier (--peers): pymemcache is imported only then
+        self.peers = None
+        if cfg.peers is not None:
+            from dlcachefs.peers.tier import PeerTier  # noqa: PLC0415 - optional dependency
+            self.peers = PeerTier(cfg, self.source.root)
         self.fetcher = Fetcher(cfg, self.calls, self.ns, self.writer, self.policy,
-                               self.versions, self.backlog, self.counters)
+                               self.versions, self.backlog, self.counters, self.peers)
         # planned reads of known orders (issue 9): half of --memory, taken from the tier
         self.plans = ReadPlanner(self, min(cfg.memory // 2, self.streams.lead_bytes),
                                  lead=self.streams.lead,
@@ -195,6 +201,8 @@ class Engine:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.writer.run)
             await nursery.start(self.fetcher.run)
+            if self.peers is not None:
+                await nursery.start(self.peers.run)
             await nursery.start(self.losses.run)
             await nursery.start(self.streams.run)
             await nursery.start(self.scan.run)
@@ -228,6 +236,8 @@ class Engine:
         with trio.move_on_after(10):  # what readers were served is worth keeping
             await self.flush()
         await self.writer.close()
+        if self.peers is not None:
+            await self.peers.close()  # the stores still queued, bounded
         if self.trace is not None:
             await trio.to_thread.run_sync(self.trace.save, self.ns.size_of)
 

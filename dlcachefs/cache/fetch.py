@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from dlcachefs.cache.policy import CachePolicy
     from dlcachefs.cache.versions import Versions
     from dlcachefs.cache.writer import ChunkWriter
+    from dlcachefs.peers.tier import PeerTier
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,8 @@ class Fetcher(TaskOwner):
       :class:`~dlcachefs.cache.buffers.Backlog` (a task of this object's nursery hands it
       over once there is room), and only past the backlog's bound does the reader wait
       (backpressure: memory stays bounded and nothing is left uncached);
+    * whole files are read through :meth:`read_whole`: the peer tier (``--peers``) first,
+      then the source;
     * ``demand_fetches`` counts readers waiting for the source right now (scan-ahead
       then leaves them the link); ``demand_idle`` is set when it drops to 0.
 
@@ -123,9 +126,10 @@ class Fetcher(TaskOwner):
 
     def __init__(self, cfg: Config, calls: SourceCalls, ns: Namespace, writer: ChunkWriter,
                  policy: CachePolicy, versions: Versions, backlog: Backlog,
-                 counters: Counters) -> None:
+                 counters: Counters, peers: PeerTier | None = None) -> None:
         self.cfg = cfg
         self.calls = calls
+        self.peers = peers  # the cluster's shared tier (--peers), looked up before the source
         self.ns = ns
         self.writer = writer
         self.policy = policy
@@ -178,14 +182,38 @@ class Fetcher(TaskOwner):
             del self._inflight[e.ino]
             inf.done.set()
 
+    async def read_whole(self, e: Entry, rel: bytes) -> tuple[bytes, Identity]:
+        """One version of the whole file ``e`` (at ``rel``) and its identity, from the
+        peer tier when there is one and it holds the entry's version
+        (:mod:`dlcachefs.peers.tier`), else from the source; what comes from the source
+        is stored in the tier in the background. Counted in ``bytes_from_peers`` or
+        ``bytes_from_source``. The one place whole files are read (fetches, the packer)."""
+        peers = self.peers
+        want = identity(e)
+        if peers is None or not peers.fits(rel, want):
+            data, ident = await self.calls.read_file(rel)
+            self.counters.bytes_from_source += len(data)
+            return data, ident
+        got = await peers.lookup(rel, want)
+        if got.data is not None:
+            self.counters.bytes_from_peers += len(got.data)
+            return got.data, want
+        try:
+            data, ident = await self.calls.read_file(rel)
+        except BaseException:
+            peers.release(got)  # the others stop waiting for a value that will not come
+            raise
+        self.counters.bytes_from_source += len(data)
+        peers.store_later(rel, ident, data, got)
+        return data, ident
+
     async def _fetch_now(self, e: Entry, cache: bool = True) -> tuple[bytes, Entry]:
         rel = self.ns.path_of(e)
-        data, ident = await self.calls.read_file(rel)
+        data, ident = await self.read_whole(e, rel)
         if ident != identity(e):
             # changed since it was listed: serve the new version, and tell the kernel
             e = await trio.to_thread.run_sync(self.ns.update_identity, e, ident)
             self.ns.changed_on_source(e)
-        self.counters.bytes_from_source += len(data)
         if not cache:
             return data, e
         if not self.policy.admit(e.ino, len(data)):

@@ -28,6 +28,7 @@ class Counters:
     prefetch_hits: int = 0         # opens served from memory, fetched ahead of the reader
                                    # and not cached (the dataset is larger than the cache)
     bytes_from_source: int = 0
+    bytes_from_peers: int = 0      # whole files served by the peer tier (--peers) instead
     bytes_from_cache: int = 0      # bytes returned to readers from cached data
     chunk_reads: int = 0           # whole-chunk reads from the logs
     sequential_chunk_reads: int = 0  # chunk reads asked for next to one (id +-1) of the last 64
@@ -110,6 +111,8 @@ def stats_document(eng: Engine) -> dict:
         if key in out["streams"]:
             out["streams"][key]["scan_ahead"] = rel
     out["policy"] = {"name": eng.cfg.policy, **eng.policy.stats()}
+    # the cluster's shared tier (--peers): per server and lease counts
+    out["peers"] = None if eng.peers is None else eng.peers.stats()
     out["packer"] = None if eng.packer is None else eng.packer.as_dict()
     t = eng.importance.table
     out["importance"] = None if t is None else {

@@ -16,9 +16,9 @@ uses one up), and after every H-list change, when the L-samples missed meanwhile
 background, and the L-cache keeps turning over while substitution serves the reader.
 
 Concurrency: a task in the engine's nursery, on the trio loop like the policy and the
-writer (no locks). Source reads go through the one source wrapper
-(:class:`~dlcachefs.cache.fetch.SourceCalls`: worker threads under the source limiter,
-timeout, retries), at most ``READ_CONCURRENCY`` at a
+writer (no locks). Whole files are read through the fetcher
+(:meth:`~dlcachefs.cache.fetch.Fetcher.read_whole`: the peer tier if any, else the one
+source wrapper with its worker threads, limiter, timeout, retries), at most ``READ_CONCURRENCY`` at a
 time so that the reader's own misses still find free source threads. The task wakes at
 least every ``POLL`` seconds and at once when :meth:`Packer.wake` is called (a
 substitution, an epoch start).
@@ -38,7 +38,7 @@ from dlcachefs.errors import DlcError
 from dlcachefs.store.chunkfmt import CHUNK_HEADER_SIZE, RECORD_HEADER_SIZE
 
 if TYPE_CHECKING:
-    from dlcachefs.cache.fetch import SourceCalls
+    from dlcachefs.cache.fetch import Fetcher
     from dlcachefs.cache.namespace import Namespace
     from dlcachefs.cache.policy import CachePolicy
     from dlcachefs.cache.stats import Counters
@@ -78,7 +78,7 @@ class PackerStats:
 class PackerEngine(Protocol):
     """What the :class:`Packer` uses of the engine (:class:`~dlcachefs.cache.engine.Engine`
     provides it): the policy's plans and drops, the index and namespace (sizes, paths),
-    the source through ``calls.read_file``, the writer (``wait_room``,
+    whole files through ``fetcher.read_whole`` (the peer tier, else the source), the writer (``wait_room``,
     ``submit_package``, ``pending``, ``sealed``), the importance table's dataset and
     that dataset's sample list (``streams.sample_list``)."""
 
@@ -88,7 +88,7 @@ class PackerEngine(Protocol):
     policy: CachePolicy
     writer: ChunkWriter
     counters: Counters
-    calls: SourceCalls
+    fetcher: Fetcher
     importance: InodeImportance
     streams: StreamManager
 
@@ -166,7 +166,7 @@ class Packer:
                     if e is None or not is_file(e):
                         return
                     rel = eng.ns.path_of(e)
-                    data, ident = await eng.calls.read_file(rel)
+                    data, ident = await eng.fetcher.read_whole(e, rel)
                 except DlcError as exc:
                     log.debug("packer: %d not read: %s", ino, exc)
                     return
@@ -185,8 +185,7 @@ class Packer:
                 eng.policy.on_dropped(ino)
         if not recs:
             return False
-        nbytes = sum(len(r[3]) for r in recs)
-        eng.counters.bytes_from_source += nbytes
+        nbytes = sum(len(r[3]) for r in recs)  # counted by read_whole (source or peers)
         await eng.writer.wait_room(nbytes)
         # the writer reserves its room in --cache-size (dooming the policy's victims:
         # used-up packages, or the side over its share); one that cannot get room is not

@@ -1,0 +1,137 @@
+"""The memcached servers of the peer tier, as pymemcache clients: who owns a key, and the
+blocking calls on one server.
+
+Why not ``pymemcache.HashClient`` itself: it is what this wraps, part by part, with its
+semantics kept but made safe for concurrent threads and visible in stats:
+
+* routing is HashClient's: :class:`~pymemcache.client.rendezvous.RendezvousHash` over the
+  servers' ``"host:port"`` names, so a plain ``HashClient(servers)`` given the same key
+  finds the same server (operators and tests can read and write the tier with it); a
+  server marked down is left out of the hash, so its keys go to the next server by
+  rendezvous order (HashClient's ``remove_server``), and only its share moves;
+* each server is a :class:`~pymemcache.client.base.PooledClient` (HashClient's
+  ``use_pooling=True``): a pool of connections, safe to use from several threads, a
+  connection that failed is dropped from the pool;
+* ``retry_attempts=0`` and ``dead_timeout``: the first connection error or timeout marks
+  the server down at once (a dead or hung peer costs at most its timeout once), and it is
+  probed again after ``--peer-dead-time`` by the tier's background task, never by a
+  reader; ``ignore_exc``: errors are never raised to a reader, they are misses (the
+  source serves) and are counted per server.
+
+HashClient keeps its failure bookkeeping (``_failed_clients``, ``_dead_clients``, the
+hasher's node list) in plain dicts and lists changed by whichever thread saw the failure:
+two threads failing on the same server at once make ``remove_server`` raise (the node is
+removed twice), and a reader's thread would pay a dead server's timeout again at each
+``dead_timeout``. Here that state is the tier's, on the trio loop
+(:mod:`dlcachefs.peers.tier`).
+
+Concurrency: :meth:`Servers.owner` is called on the loop with the current set of servers
+that are up; everything else blocks on the network and runs in worker threads. The
+clients are made once and never changed; pymemcache's pools hold their own locks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from dlcachefs.peers.valuefmt import BadValue, ContentKey, decode, encode
+
+
+def _pymemcache() -> Any:
+    """pymemcache, imported only when a mount has ``--peers`` (an optional dependency)."""
+    try:
+        import pymemcache.client.base as base  # noqa: PLC0415
+        import pymemcache.client.rendezvous as rendezvous  # noqa: PLC0415
+        import pymemcache.exceptions as exceptions  # noqa: PLC0415
+    except ModuleNotFoundError:
+        raise RuntimeError("--peers needs pymemcache: pip install 'dlcachefs[peers]'") from None
+    return base, rendezvous, exceptions
+
+
+class ServerDown(Exception):
+    """A server that did not answer (connection refused or reset, timeout): mark it down."""
+
+
+class ServerError(Exception):
+    """A server that answered with an error (the item too large, out of memory): count it,
+    the server stays up."""
+
+
+class Servers:
+    """The tier's servers: names, owners, and one blocking call each (in threads)."""
+
+    def __init__(self, servers: list[tuple[str, int]], timeout: float,
+                 pool_size: int = 16) -> None:
+        base, rendezvous, exceptions = _pymemcache()
+        self._rendezvous = rendezvous.RendezvousHash
+        self._closed_errors = (exceptions.MemcacheUnexpectedCloseError,)
+        self._errors = exceptions.MemcacheError
+        self.names = [f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in servers]
+        self.clients = {
+            name: base.PooledClient(
+                srv, connect_timeout=timeout, timeout=timeout, no_delay=True,
+                max_pool_size=pool_size, default_noreply=False)
+            for name, srv in zip(self.names, servers, strict=True)}
+        self._hashes: dict[frozenset[str], Any] = {}
+
+    def owner(self, key: str, down: frozenset[str]) -> str | None:
+        """The server that owns ``key`` among those not ``down`` (None: all are down).
+        Trio loop (a rendezvous hash over each live server: microseconds per server)."""
+        h = self._hashes.get(down)
+        if h is None:
+            h = self._hashes[down] = self._rendezvous(
+                nodes=[n for n in self.names if n not in down])
+        return h.get_node(key)
+
+    # ----- blocking calls, in worker threads ---------------------------------------------
+
+    def _call(self, name: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return getattr(self.clients[name], method)(*args, **kwargs)
+        except (OSError, *self._closed_errors) as e:  # TimeoutError is an OSError
+            raise ServerDown(f"{name}: {e!r}") from e
+        except self._errors as e:
+            raise ServerError(f"{name}: {e!r}") from e
+
+    def get_or_lease(self, name: str, ck: ContentKey, lease_s: int, take: bool
+                     ) -> tuple[str, memoryview | str | None]:
+        """Look ``ck`` up on ``name`` (one thread hop, at most two round trips):
+        ``("hit", bytes)``, ``("bad", reason)`` for a value that must not be served,
+        ``("lease", None)`` when this caller won the lease (it reads the source and stores
+        the value), ``("wait", None)`` when another node holds it (``take``: try for the
+        lease on a miss; else ``("miss", None)``)."""
+        got = self._call(name, "get_many", [ck.key, ck.lease])
+        value = got.get(ck.key)
+        if value is not None:
+            try:
+                return "hit", decode(value, ck)
+            except BadValue as e:
+                return "bad", e.reason
+        if not take:
+            return "miss", None
+        if ck.lease in got:
+            return "wait", None
+        won = self._call(name, "add", ck.lease, b"1", expire=lease_s, noreply=False)
+        return ("lease", None) if won else ("wait", None)
+
+    def store(self, name: str, ck: ContentKey, data: bytes | memoryview | None,
+              lease: bool) -> bool:
+        """Store ``data`` under ``ck`` on ``name`` (None: store nothing), then drop the
+        lease on it if this caller held it. True if a value was stored."""
+        stored = False
+        if data is not None:
+            stored = bool(self._call(name, "set", ck.key, encode(ck, data), expire=0,
+                                     noreply=False))
+        if lease:
+            self._call(name, "delete", ck.lease, noreply=False)
+        return stored
+
+    def probe(self, name: str) -> None:
+        """A round trip to ``name`` (raises :class:`ServerDown` if it does not answer)."""
+        self._call(name, "version")
+
+    def close(self) -> None:
+        for c in self.clients.values():
+            with contextlib.suppress(Exception):  # closing sockets of a dead server
+                c.close()

@@ -1,0 +1,394 @@
+"""The peer tier of a mount: files looked up at their owner's memcached before the
+source, and files read from the source stored there, so each file leaves the remote once
+per cluster (iCACHE III-E, Lobster 4.5, KSPEED III-B: the nodes' caches pooled).
+
+Read path of a whole-file fetch (:meth:`dlcachefs.cache.fetch.Fetcher.read_whole`): the
+local cache has missed; :meth:`PeerTier.lookup` asks the owner of the file's content key
+(:mod:`dlcachefs.peers.valuefmt`) in one thread hop:
+
+* a value that checks out: served (``bytes_from_peers``);
+* a miss: ``add`` of the lease key (atomic on the owner, expiring after ``--peer-lease``)
+  decides who reads the source. The winner reads it and stores the value; the others poll
+  the owner for the value (and the lease) until ``--peer-lease`` has passed, then read the
+  source themselves. A lease that disappears without a value (its holder failed) is taken
+  over by the next poller;
+* a value that must not be served (another version, partial, damaged): the source, and
+  the good value replaces it;
+* the owner down or failing: the source at once.
+
+What this node reads from the source is stored at the owner by :meth:`store_later`, in
+the background, never on the reader's path: a queue bounded in bytes (a value that does
+not fit is dropped and counted in ``store_dropped``; a lease is always released). A file
+whose value would not fit the servers' item limit (``--peer-item-max``) skips the tier.
+
+A server that does not answer (refused, reset, ``--peer-timeout``) is marked down at the
+first failure: its keys go to the next server by rendezvous order (only its share moves)
+until a probe in the background finds it up again (every ``--peer-dead-time``). So a dead
+or hung peer costs a reader at most its timeout once; nothing a client sees changes but
+speed.
+
+Concurrency rules: the tier's state (which servers are down, the store queue, the
+counters) lives on the trio loop and is touched only there. Every memcached call blocks
+and runs in a worker thread (``trio.to_thread.run_sync``): lookups and polls under
+:attr:`PeerTier.limiter` (``LOOKUP_THREADS``), stores in ``STORE_WORKERS`` tasks of
+:meth:`PeerTier.run`, one thread each, probes in one. A thread does only network I/O on
+a pool of connections (thread-safe) and the value's encoding and checksum, and returns
+its outcome; the loop books it. A call is bounded on the loop by ``--peer-timeout`` (the
+sockets by the same timeout, so an abandoned thread ends soon after).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import trio
+
+from dlcachefs.cache.source import Identity
+from dlcachefs.config import Config, peer_list
+from dlcachefs.peers.servers import ServerDown, ServerError, Servers
+from dlcachefs.peers.valuefmt import ContentKey, content_key, fits, value_size
+
+log = logging.getLogger(__name__)
+
+#: threads looking values up at once (the reader's path and prefetch)
+LOOKUP_THREADS = 8
+#: tasks storing values at once (the background)
+STORE_WORKERS = 2
+#: bytes of values waiting to be stored; past it a value is dropped (and counted)
+STORE_QUEUE_BYTES = 64 << 20
+#: the first and the longest pause between two polls of a lease's value
+POLL_FIRST, POLL_MAX = 0.01, 0.2
+#: how long an orderly unmount waits for stores still queued
+DRAIN_S = 10.0
+
+
+@dataclass(slots=True)
+class PeerCounters:
+    """One server's counts since mount (``stats`` -> ``peers`` -> ``servers``)."""
+
+    hits: int = 0  # values served
+    misses: int = 0  # lookups that found no value
+    bytes: int = 0  # bytes of values served
+    stored: int = 0  # values stored
+    stored_bytes: int = 0
+    rejected: int = 0  # values refused: another version, partial, damaged
+    errors: int = 0  # failed calls (the server down, or an error answer)
+    marked_down: int = 0  # times it was marked down
+    down_since: float | None = None  # monotonic time it was marked down (None: up)
+    down_s: float = 0.0  # seconds it was down, until it was last found up
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        since = d.pop("down_since")
+        d["state"] = "up" if since is None else "down"
+        d["marked_down_s"] = round(self.down_s + (
+            0.0 if since is None else time.monotonic() - since), 3)
+        d.pop("down_s")
+        return d
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """The tier's counts since mount (``stats`` -> ``peers``)."""
+
+    lookups: int = 0  # whole-file fetches that asked the tier
+    skipped_large: int = 0  # fetches of files too large for an item
+    no_server: int = 0  # lookups with every server down
+    leases: int = 0  # leases won: this node read the source for the cluster
+    lease_waits: int = 0  # lookups that found another node's lease and waited
+    lease_wait_hits: int = 0  # ... and got its value
+    lease_wait_timeouts: int = 0  # ... and read the source themselves after --peer-lease
+    lease_takeovers: int = 0  # leases taken after their holder's disappeared without a value
+    store_queued: int = 0
+    store_dropped: int = 0  # values not stored: the queue's bytes were full
+    store_dropped_bytes: int = 0
+
+
+@dataclass(slots=True)
+class Lookup:
+    """What :meth:`PeerTier.lookup` found: the file's bytes (a hit), or None and whether
+    this caller holds the lease (then it must pass ``lease=True`` to :meth:`store_later`
+    or call :meth:`release`)."""
+
+    data: bytes | None
+    lease: bool = False
+    key: ContentKey | None = None
+    owner: str | None = None
+
+
+class PeerTier:
+    """The cluster's shared tier, as one mount uses it (see the module docstring)."""
+
+    def __init__(self, cfg: Config, source_root: bytes) -> None:
+        assert cfg.peers is not None
+        self.cfg = cfg
+        self.namespace = (cfg.peer_namespace.encode() if cfg.peer_namespace
+                          else source_root)
+        self.timeout = cfg.peer_timeout
+        self.lease_s = max(1, math.ceil(cfg.peer_lease))
+        self.servers = Servers(peer_list(cfg.peers), cfg.peer_timeout)
+        self.per_server = {n: PeerCounters() for n in self.servers.names}
+        self.counters = TierCounters()
+        self._down: frozenset[str] = frozenset()
+        self._down_until: dict[str, float] = {}
+        self.limiter = trio.CapacityLimiter(LOOKUP_THREADS)
+        # (owner, key, data or None, holds the lease) waiting for a store worker
+        self._queue: deque[tuple[str, ContentKey, bytes | None, bool]] = deque()
+        self.queue_bytes = 0
+        self._storing = 0
+        self._queued = trio.Event()  # set when the queue gets an item
+        self._idle = trio.Event()  # set when the queue is empty and no store runs
+        self._idle.set()
+        self._running = False
+
+    # ----- routing, and servers marked down ------------------------------------------
+
+    def key_of(self, rel: bytes, ident: Identity) -> ContentKey:
+        return content_key(self.namespace, rel, ident.size, ident.mtime_ns)
+
+    def fits(self, rel: bytes, ident: Identity) -> bool:
+        """Whether the file's value fits an item (else it skips the tier, counted)."""
+        if fits(self.key_of(rel, ident), self.cfg.peer_item_max):
+            return True
+        self.counters.skipped_large += 1
+        return False
+
+    def owner(self, ck: ContentKey) -> str | None:
+        return self.servers.owner(ck.key, self._down)
+
+    def _mark_down(self, name: str, why: object) -> None:
+        c = self.per_server[name]
+        c.errors += 1
+        if c.down_since is not None:
+            return
+        c.down_since = time.monotonic()
+        c.marked_down += 1
+        self._down = self._down | {name}
+        self._down_until[name] = c.down_since + self.cfg.peer_dead_time
+        log.warning("peer %s marked down for %.0f s: %s", name, self.cfg.peer_dead_time, why)
+
+    def _mark_up(self, name: str) -> None:
+        c = self.per_server[name]
+        if c.down_since is None:
+            return
+        c.down_s += time.monotonic() - c.down_since
+        c.down_since = None
+        self._down = self._down - {name}
+        self._down_until.pop(name, None)
+        log.info("peer %s is up again", name)
+
+    async def _in_thread(self, fn, *args, limiter: trio.CapacityLimiter | None = None):
+        """``fn(*args)`` in a worker thread, bounded by --peer-timeout on the loop:
+        :class:`ServerDown` when it does not return in time."""
+        with trio.move_on_after(self.timeout):
+            return await trio.to_thread.run_sync(
+                fn, *args, limiter=limiter or self.limiter, abandon_on_cancel=True)
+        raise ServerDown(f"no answer within {self.timeout:g} s")
+
+    async def _ask(self, owner: str, ck: ContentKey, take: bool) -> tuple[str, Any]:
+        """One lookup on ``owner``, booked; ``("error", None)`` when it failed."""
+        c = self.per_server[owner]
+        try:
+            kind, got = await self._in_thread(
+                self.servers.get_or_lease, owner, ck, self.lease_s, take)
+        except ServerDown as e:
+            self._mark_down(owner, e)
+            return "error", None
+        except ServerError as e:
+            c.errors += 1
+            log.debug("peer %s: %s", owner, e)
+            return "error", None
+        if kind == "hit":
+            c.hits += 1
+            c.bytes += len(got)
+        elif kind == "bad":
+            c.rejected += 1
+            log.warning("peer %s: refused a value of %r: %s", owner, ck.content[-200:], got)
+        else:
+            c.misses += 1
+        return kind, got
+
+    # ----- the read path ---------------------------------------------------------------
+
+    async def lookup(self, rel: bytes, ident: Identity) -> Lookup:
+        """The file's bytes from its owner, or who reads the source (module docstring).
+        Never raises for a peer's failure."""
+        self.counters.lookups += 1
+        ck = self.key_of(rel, ident)
+        owner = self.owner(ck)
+        if owner is None:
+            self.counters.no_server += 1
+            return Lookup(None)
+        kind, got = await self._ask(owner, ck, take=True)
+        if kind == "hit":
+            return Lookup(bytes(got), key=ck, owner=owner)
+        if kind == "lease":
+            self.counters.leases += 1
+            return Lookup(None, lease=True, key=ck, owner=owner)
+        if kind != "wait":  # an error, or a value that must not be served
+            return Lookup(None, key=ck, owner=owner)
+        # another node reads the source: wait for its value, bounded
+        self.counters.lease_waits += 1
+        deadline = trio.current_time() + self.cfg.peer_lease
+        pause = POLL_FIRST
+        while trio.current_time() < deadline:
+            await trio.sleep(min(pause, max(0.0, deadline - trio.current_time())))
+            pause = min(POLL_MAX, pause * 1.5)
+            if self.owner(ck) != owner:
+                break  # the owner went down meanwhile: read the source
+            kind, got = await self._ask(owner, ck, take=True)
+            if kind == "hit":
+                self.counters.lease_wait_hits += 1
+                return Lookup(bytes(got), key=ck, owner=owner)
+            if kind == "lease":  # its holder gave up (or its lease expired): ours now
+                self.counters.leases += 1
+                self.counters.lease_takeovers += 1
+                return Lookup(None, lease=True, key=ck, owner=owner)
+            if kind != "wait":
+                return Lookup(None, key=ck, owner=owner)
+        self.counters.lease_wait_timeouts += 1
+        return Lookup(None, key=ck, owner=owner)
+
+    def store_later(self, rel: bytes, ident: Identity, data: bytes | memoryview,
+                    got: Lookup | None = None) -> None:
+        """Store this version of ``rel``, read from the source, at its owner, in the
+        background; release ``got``'s lease (after the store). Never blocks, never raises."""
+        ck = self.key_of(rel, ident)
+        if got is not None and got.lease and got.key != ck:
+            self.release(got)  # the file changed: the lease was on the old version
+            got = None
+        lease = got is not None and got.lease
+        owner = got.owner if lease and got is not None else self.owner(ck)
+        if owner is None or not fits(ck, self.cfg.peer_item_max):
+            if lease:
+                self.release(got)
+            return
+        size = value_size(ck)
+        if not self._running or self.queue_bytes + size > STORE_QUEUE_BYTES:
+            self.counters.store_dropped += 1
+            self.counters.store_dropped_bytes += size
+            if lease:
+                self.release(got)
+            return
+        self.counters.store_queued += 1
+        self.queue_bytes += size
+        self._push((owner, ck, bytes(data), lease))
+
+    def release(self, got: Lookup | None) -> None:
+        """Give up ``got``'s lease (its holder will not store a value): the others stop
+        waiting for it at their next poll. In the background."""
+        if got is None or not got.lease or got.key is None or got.owner is None:
+            return
+        got.lease = False
+        if self._running:
+            self._push((got.owner, got.key, None, True))
+
+    def _push(self, item: tuple[str, ContentKey, bytes | None, bool]) -> None:
+        self._queue.append(item)
+        self._idle = trio.Event() if self._idle.is_set() else self._idle
+        self._queued.set()
+
+    # ----- background: stores and probes ----------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The store workers and the prober, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            store_limiter = trio.CapacityLimiter(STORE_WORKERS)
+            for _ in range(STORE_WORKERS):
+                nursery.start_soon(self._store_worker, store_limiter)
+            nursery.start_soon(self._prober)
+            self._running = True
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._running = False
+
+    async def _store_worker(self, limiter: trio.CapacityLimiter) -> None:
+        while True:
+            while not self._queue:
+                if self._queued.is_set():  # never replace an event a worker waits on
+                    self._queued = trio.Event()
+                await self._queued.wait()
+            owner, ck, data, lease = self._queue.popleft()
+            self._storing += 1
+            try:
+                await self._store(owner, ck, data, lease, limiter)
+            finally:
+                self._storing -= 1
+                if data is not None:
+                    self.queue_bytes -= value_size(ck)
+                if not self._queue and not self._storing:
+                    self._idle.set()
+
+    async def _store(self, owner: str, ck: ContentKey, data: bytes | None, lease: bool,
+                     limiter: trio.CapacityLimiter) -> None:
+        if owner in self._down:
+            # its holder's owner is down: the lease is gone with it; the value goes to the
+            # key's owner now (the next server by rendezvous order)
+            owner2 = self.owner(ck)
+            if owner2 is None or data is None:
+                return
+            owner, lease = owner2, False
+        c = self.per_server[owner]
+        try:
+            stored = await self._in_thread(self.servers.store, owner, ck, data, lease,
+                                           limiter=limiter)
+        except ServerDown as e:
+            self._mark_down(owner, e)
+            return
+        except ServerError as e:
+            c.errors += 1
+            log.debug("peer %s: store refused: %s", owner, e)
+            return
+        if stored:
+            c.stored += 1
+            c.stored_bytes += len(data or b"")
+
+    async def _prober(self) -> None:
+        """Probe servers marked down once their --peer-dead-time has passed; one answer
+        brings a server back (its keys return to it)."""
+        limiter = trio.CapacityLimiter(1)
+        while True:
+            await trio.sleep(min(1.0, self.cfg.peer_dead_time))
+            now = time.monotonic()
+            for name, until in list(self._down_until.items()):
+                if until > now:
+                    continue
+                try:
+                    await self._in_thread(self.servers.probe, name, limiter=limiter)
+                except (ServerDown, ServerError):
+                    self._down_until[name] = time.monotonic() + self.cfg.peer_dead_time
+                    continue
+                self._mark_up(name)
+
+    async def drain(self, timeout: float = DRAIN_S) -> bool:
+        """Wait until the queued stores are done (tests, an orderly unmount); False if
+        they were not within ``timeout``."""
+        with trio.move_on_after(timeout):
+            while not self._idle.is_set():
+                await self._idle.wait()
+            return True
+        return False
+
+    async def close(self) -> None:
+        """Finish the queued stores (bounded), then close the connections (in a thread)."""
+        if self._running:
+            await self.drain()
+        await trio.to_thread.run_sync(self.servers.close)
+
+    # ----- stats -------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **asdict(self.counters),
+            "store_queue_bytes": self.queue_bytes,
+            "store_pending": len(self._queue) + self._storing,
+            "item_max": self.cfg.peer_item_max,
+            "servers": {n: c.as_dict() for n, c in self.per_server.items()},
+        }

@@ -1,0 +1,192 @@
+"""Tier 3: the peer tier (--peers) in the core, over real memcached servers (extstore on
+temp files) and engines with a counting source: files read by one node are served to the
+others by their owner; what must not be served (another version, a damaged or foreign
+value) is not; a hung server costs its timeout once and is marked down."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+pymemcache = pytest.importorskip("pymemcache")
+
+from pymemcache.client.hash import HashClient  # noqa: E402
+
+from dlcachefs.peers.valuefmt import content_key, encode  # noqa: E402
+from dlcachefs.testing.fakes import (  # noqa: E402
+    CountingSource,
+    make_config,
+    read_all,
+    run_engine,
+    write_tree,
+)
+from dlcachefs.testing.memcached import Memcached, memcached_available  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not memcached_available(), reason="needs memcached")
+
+
+def _tree(n: int = 40) -> dict[bytes, bytes]:
+    return {b"c%d/f%03d.bin" % (i % 3, i): os.urandom(1000 + 997 * i) for i in range(n)}
+
+
+@pytest.fixture
+def servers(tmp_path):
+    ms = [Memcached(tmp_path / "mc") for _ in range(3)]
+    try:
+        for m in ms:
+            m.start()
+        yield ms
+    finally:
+        for m in ms:
+            m.stop()
+
+
+def _read_everything(files, cfg, src, drain=True):
+    async def body(eng):
+        out = {rel: await read_all(eng, rel) for rel in files}
+        if drain:
+            assert await eng.peers.drain()
+        return out
+    return run_engine(cfg, body, src)
+
+
+def _cfg(tmp_path, name, peers, **kw):
+    return make_config(tmp_path / "src", tmp_path / name, peers=",".join(peers),
+                       peer_item_max=8 << 20, **kw)
+
+
+def test_a_file_leaves_the_source_once_for_the_cluster(tmp_path, servers):
+    files = _tree()
+    write_tree(tmp_path / "src", files)
+    peers = [m.address for m in servers]
+    total = sum(map(len, files.values()))
+    src_a = CountingSource(tmp_path / "src")
+    got, a = _read_everything(files, _cfg(tmp_path, "a", peers), src_a)
+    assert got == files
+    assert a.counters.bytes_from_source == total and a.counters.bytes_from_peers == 0
+    st = a.peers.stats()
+    assert st["leases"] == len(files) and st["store_dropped"] == 0
+    assert sum(s["stored"] for s in st["servers"].values()) == len(files)
+    # every server owns a share (rendezvous over 3)
+    assert all(s["stored"] > 0 for s in st["servers"].values())
+
+    for name in ("b", "c"):  # other nodes, their own caches: the tier serves everything
+        src = CountingSource(tmp_path / "src")
+        got, eng = _read_everything(files, _cfg(tmp_path, name, peers), src)
+        assert got == files
+        assert src.calls["read_file"] == 0
+        assert eng.counters.bytes_from_source == 0
+        assert eng.counters.bytes_from_peers == total
+        st = eng.peers.stats()
+        assert sum(s["hits"] for s in st["servers"].values()) == len(files)
+        assert st["leases"] == 0
+
+
+def test_a_damaged_or_foreign_value_is_never_served(tmp_path, servers):
+    files = _tree(12)
+    write_tree(tmp_path / "src", files)
+    peers = [m.address for m in servers]
+    cfg_a = _cfg(tmp_path, "a", peers)
+    _read_everything(files, cfg_a, CountingSource(tmp_path / "src"))
+    # overwrite every value, each a different way, directly with pymemcache (a plain
+    # HashClient finds the same owner as the mount: the same rendezvous hash)
+    hc = HashClient([tuple(a.split(":")) for a in peers], default_noreply=False)
+    ns = os.fsencode(os.path.realpath(tmp_path / "src"))
+    bad = {}
+    for i, (rel, data) in enumerate(sorted(files.items())):
+        st = os.stat(tmp_path / "src" / os.fsdecode(rel))
+        ck = content_key(ns, rel, st.st_size, st.st_mtime_ns)
+        good = encode(ck, data)
+        kind = i % 6
+        if kind == 0:  # one flipped bit in the file bytes
+            v = bytearray(good)
+            v[-1] ^= 1
+        elif kind == 1:  # cut short
+            v = good[:-10]
+        elif kind == 2:  # trailing bytes
+            v = good + b"x"
+        elif kind == 3:  # another file's value under this key
+            other = sorted(files)[(i + 1) % len(files)]
+            ost = os.stat(tmp_path / "src" / os.fsdecode(other))
+            v = encode(content_key(ns, other, ost.st_size, ost.st_mtime_ns), files[other])
+        elif kind == 4:  # another version of this file (older mtime)
+            v = encode(content_key(ns, rel, st.st_size, st.st_mtime_ns - 1), data)
+        else:  # not ours at all
+            v = b"hello"
+        assert hc.get(ck.key) is not None  # the mount stored it where HashClient looks
+        hc.set(ck.key, bytes(v))
+        bad[rel] = kind
+    src = CountingSource(tmp_path / "src")
+    got, eng = _read_everything(files, _cfg(tmp_path, "b", peers), src)
+    assert got == files  # exact: every damaged value was refused
+    assert eng.counters.bytes_from_peers == 0
+    assert src.calls["read_file"] == len(files)
+    st = eng.peers.stats()
+    assert sum(s["rejected"] for s in st["servers"].values()) == len(files)
+    # and the node that refused them stored the good value again
+    got, c = _read_everything(files, _cfg(tmp_path, "c", peers), CountingSource(tmp_path / "src"))
+    assert got == files and c.counters.bytes_from_source == 0
+
+
+@pytest.mark.daemon_log_allows("marked down")
+def test_a_hung_server_costs_its_timeout_once(tmp_path, servers, caplog):
+    files = _tree(30)
+    write_tree(tmp_path / "src", files)
+    # a server that accepts connections (the kernel's backlog) and never answers
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(64)
+    try:
+        addr = f"127.0.0.1:{hung.getsockname()[1]}"
+        peers = [servers[0].address, addr, servers[1].address]
+        src = CountingSource(tmp_path / "src")
+        cfg = _cfg(tmp_path, "a", peers, peer_timeout=0.5, peer_dead_time=600)
+        got, eng = _read_everything(files, cfg, src)
+        assert got == files
+        st = eng.peers.stats()["servers"][addr]
+        assert st["state"] == "down" and st["marked_down"] == 1
+        assert st["hits"] == st["misses"] == st["stored"] == 0
+        # its share went to the others: each file was stored by a live server
+        live = [eng.peers.stats()["servers"][m.address] for m in servers[:2]]
+        assert sum(s["stored"] for s in live) == len(files)
+        # a second node never waits on it again... after its own first timeout
+        src_b = CountingSource(tmp_path / "src")
+        got, b = _read_everything(files, _cfg(tmp_path, "b", peers, peer_timeout=0.5,
+                                              peer_dead_time=600), src_b)
+        assert got == files
+        # the files the hung server owned first, which moved on: served by the others
+        # except the ones looked up before it was marked down
+        sb = b.peers.stats()["servers"][addr]
+        assert sb["marked_down"] == 1
+        assert b.counters.bytes_from_peers + b.counters.bytes_from_source == sum(
+            map(len, files.values()))
+        assert src_b.calls["read_file"] <= 8  # at most the lookups in flight when it hung
+    finally:
+        hung.close()
+
+
+def test_without_peers_nothing_changes(tmp_path):
+    files = _tree(5)
+    write_tree(tmp_path / "src", files)
+    cfg = make_config(tmp_path / "src", tmp_path / "a")
+
+    async def body(eng):
+        assert eng.peers is None and eng.fetcher.peers is None
+        assert eng.stats()["peers"] is None
+        return {rel: await read_all(eng, rel) for rel in files}
+    got, eng = run_engine(cfg, body, CountingSource(tmp_path / "src"))
+    assert got == files
+    assert eng.counters.bytes_from_peers == 0
+
+
+def test_the_content_key_names_one_version():
+    """The content key is the listed version's: a changed mtime is another key."""
+    ns = b"/x"
+    a = content_key(ns, b"a/b", 10, 5)
+    assert a == content_key(ns, b"a/b", 10, 5)
+    assert a.key != content_key(ns, b"a/b", 10, 6).key
+    assert a.key != content_key(ns, b"a/c", 10, 5).key
+    assert a.key != content_key(b"/y", b"a/b", 10, 5).key
+    assert len(a.key) < 250 and a.key.isascii() and " " not in a.key
