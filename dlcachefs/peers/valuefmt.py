@@ -32,7 +32,8 @@ import xxhash
 
 MAGIC = b"DLCP"
 VERSION = 1
-HEADER = struct.Struct("<4sB3xIQQ")
+HEADER = struct.Struct("<4sB3sIQQ")
+_RESERVED = b"\0\0\0"
 #: what memcached adds to an item besides key and value (item header, CAS, suffix), rounded up
 ITEM_OVERHEAD = 1024
 #: memcached keys of this format start with this (readable in ``stats cachedump``)
@@ -91,7 +92,7 @@ def encode(ck: ContentKey, data: bytes | memoryview) -> bytes:
     """The value of ``data`` under ``ck`` (one copy of the bytes)."""
     if len(data) != ck.size:
         raise ValueError(f"{len(data)} bytes for a content key of {ck.size}")
-    head = HEADER.pack(MAGIC, VERSION, len(ck.content), len(data), _checksum(ck.content, data))
+    head = HEADER.pack(MAGIC, VERSION, _RESERVED, len(ck.content), len(data), _checksum(ck.content, data))
     return b"".join((head, ck.content, data))
 
 
@@ -100,10 +101,10 @@ def decode(value: bytes, ck: ContentKey) -> memoryview:
     :class:`BadValue`. A view into ``value`` (no copy)."""
     if len(value) < HEADER.size:
         raise BadValue("short")
-    magic, version, key_len, data_len, checksum = HEADER.unpack_from(value)
+    magic, version, reserved, key_len, data_len, checksum = HEADER.unpack_from(value)
     if magic != MAGIC:
         raise BadValue("magic")
-    if version != VERSION:
+    if version != VERSION or reserved != _RESERVED:
         raise BadValue("version")
     mv = memoryview(value)
     start = HEADER.size + key_len
