@@ -130,7 +130,6 @@ def test_a_damaged_or_foreign_value_is_never_served(tmp_path, servers):
     assert got == files and c.counters.bytes_from_source == 0
 
 
-@pytest.mark.daemon_log_allows("marked down")
 def test_a_hung_server_costs_its_timeout_once(tmp_path, servers, caplog):
     files = _tree(30)
     write_tree(tmp_path / "src", files)

@@ -1,0 +1,267 @@
+"""Tier 4: a cluster on one machine. Three memcached servers on 127.0.0.1 (extstore on temp
+files) and three dlcachefs mounts of one source, each with its own cache dir, all with
+``--peers`` naming the three servers: a file leaves the source once for the cluster
+(read by one node, then by the others; read by all at once, the lease decides), a
+DistributedSampler world of 3 (one process per rank, each through its own mount) reads
+epoch 2 with nothing from the source, ``kill -9`` of a server mid-epoch costs only its
+share and no client error, and a damaged value is never served. Every byte is compared
+with the source; source reads are counted by the mounts' ``bytes_from_source``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import requires_fuse
+
+from dlcachefs.testing.memcached import Memcached, memcached_available
+
+pymemcache = pytest.importorskip("pymemcache")
+
+from dlcachefs.peers.valuefmt import content_key  # noqa: E402
+
+pytestmark = [requires_fuse,
+              pytest.mark.skipif(not memcached_available(), reason="needs memcached")]
+
+NODES = 3
+# a killed server is logged once per node that saw it fail
+DOWN = pytest.mark.daemon_log_allows(r"peer 127\.0\.0\.1:\d+ marked down")
+
+
+def make_tree(root: Path, n: int = 150, seed: int = 7) -> list[Path]:
+    rnd = random.Random(seed)
+    files = []
+    for i in range(n):
+        p = root / "train" / f"class{i % 5}" / f"{i:04d}.jpg"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(rnd.randbytes(rnd.randint(1_000, 60_000)))
+        files.append(p)
+    return files
+
+
+@pytest.fixture
+def servers(tmp_path):
+    ms = [Memcached(tmp_path / "memcached") for _ in range(NODES)]
+    try:
+        for m in ms:
+            m.start()
+        yield ms
+    finally:
+        for m in ms:
+            m.stop()
+
+
+@pytest.fixture
+def make_cluster(tmp_path, mount, servers):
+    """Factory: (source, files, [mounts]): NODES mounts of one source, each its own
+    cache, with ``extra`` mount options."""
+    def make(*extra: str):
+        src = tmp_path / "src"
+        files = make_tree(src)
+        peers = ",".join(m.address for m in servers)
+        mounts = [mount(src, "--peers", peers, "--peer-item-max", "8M", "--peer-lease", "60",
+                        "--peer-timeout", "2", *extra, name=f"mnt{i}",
+                        cache=tmp_path / f"cache{i}")
+                  for i in range(NODES)]
+        return src, files, mounts
+    return make
+
+
+@pytest.fixture
+def cluster(make_cluster):
+    """(source, files, [mounts]) with scan-ahead on (the default)."""
+    return make_cluster()
+
+
+def read_exact(m, src: Path, files: list[Path]) -> None:
+    for p in files:
+        assert (m.mnt / p.relative_to(src)).read_bytes() == p.read_bytes(), p
+
+
+def drained(m) -> dict:
+    """Stats once the node's stores to the tier are done (they run in the background)."""
+    return m.wait_stats(lambda st: st["peers"]["store_pending"] == 0, "stores not done")
+
+
+def total(files: list[Path]) -> int:
+    return sum(p.stat().st_size for p in files)
+
+
+def test_files_read_by_one_node_come_from_the_tier_on_the_others(cluster):
+    src, files, (a, b, c) = cluster
+    read_exact(a, src, files)
+    st = drained(a)
+    assert st["bytes_from_source"] == total(files) and st["bytes_from_peers"] == 0
+    assert st["peers"]["store_dropped"] == 0
+    for m in (b, c):
+        order = files[:]
+        random.Random(m.mnt.name).shuffle(order)
+        read_exact(m, src, order)
+        st = m.stats()
+        assert st["bytes_from_source"] == 0, "a file left the source twice"
+        assert st["bytes_from_peers"] == total(files)
+        servers = st["peers"]["servers"].values()
+        assert sum(s["hits"] for s in servers) == len(files)
+        assert all(s["hits"] > 0 and s["errors"] == 0 for s in servers)  # each owns a share
+
+
+READER = r"""
+import hashlib, json, os, sys
+mnt, listing = sys.argv[1], sys.argv[2]
+out = {}
+for rel in open(listing).read().split("\n"):
+    if rel:
+        with open(os.path.join(mnt, rel), "rb") as f:
+            out[rel] = hashlib.sha256(f.read()).hexdigest()
+print(json.dumps(out))
+"""
+
+
+def run_ranks(mounts, lists: list[list[str]], tmp: Path) -> list[dict[str, str]]:
+    """One reader process per rank, all at once, each through its own mount: the sha256
+    of every file of its list."""
+    procs = []
+    for r, (m, rels) in enumerate(zip(mounts, lists, strict=True)):
+        listing = tmp / f"rank{r}.txt"
+        listing.write_text("\n".join(rels))
+        procs.append(subprocess.Popen([sys.executable, "-c", READER, str(m.mnt), str(listing)],
+                                      stdout=subprocess.PIPE, text=True))
+    outs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0
+        outs.append(json.loads(out))
+    return outs
+
+
+def sha_of(src: Path, rel: str) -> str:
+    return hashlib.sha256((src / rel).read_bytes()).hexdigest()
+
+
+def test_all_nodes_at_once_the_lease_lets_one_read_the_source(cluster, tmp_path):
+    """Concurrent first epoch, overlapping: every rank reads every file, each in its own
+    order, at the same time. Each file leaves the source exactly once: the bytes read
+    from the source over the cluster are the dataset's (each file must be read once by
+    someone, so a file read twice would show as more)."""
+    src, files, mounts = cluster
+    rels = [str(p.relative_to(src)) for p in files]
+    lists = []
+    for r in range(NODES):
+        order = rels[:]
+        random.Random(r).shuffle(order)
+        lists.append(order)
+    outs = run_ranks(mounts, lists, tmp_path)
+    for out in outs:
+        assert out == {rel: sha_of(src, rel) for rel in rels}
+    stats = [drained(m) for m in mounts]
+    assert sum(st["bytes_from_source"] for st in stats) == total(files)
+    assert sum(st["bytes_from_peers"] for st in stats) == (NODES - 1) * total(files)
+    assert sum(st["peers"]["leases"] for st in stats) == len(files)
+    assert any(st["peers"]["lease_wait_hits"] > 0 for st in stats)  # the lease was used
+    assert all(st["peers"]["lease_wait_timeouts"] == 0 for st in stats)
+
+
+def test_distributed_sampler_epoch_two_reads_nothing_from_the_source(cluster, tmp_path):
+    """DistributedSampler, world 3, one process per rank through its own mount: epoch 1's
+    shards are disjoint, so the cluster reads the dataset once; epoch 2 reshuffles, so a
+    rank reads mostly samples another node fetched: all of them from the tier."""
+    torch_data = pytest.importorskip("torch.utils.data")
+    src, files, mounts = cluster
+    rels = [str(p.relative_to(src)) for p in files]
+    before = [0] * NODES
+    for epoch in range(2):
+        lists = []
+        for r in range(NODES):
+            s = torch_data.DistributedSampler(range(len(rels)), num_replicas=NODES, rank=r,
+                                              seed=0)
+            s.set_epoch(epoch)
+            lists.append([rels[i] for i in s])
+        outs = run_ranks(mounts, lists, tmp_path)
+        for out, lst in zip(outs, lists, strict=True):
+            assert out == {rel: sha_of(src, rel) for rel in lst}
+        stats = [drained(m) for m in mounts]
+        from_source = sum(st["bytes_from_source"] for st in stats) - sum(before)
+        if epoch == 0:
+            assert from_source == total(files)
+            before = [st["bytes_from_source"] for st in stats]
+        else:
+            assert from_source == 0, "epoch 2 read from the source"
+            assert sum(st["bytes_from_peers"] for st in stats) > 0
+
+
+def owner_shares(src: Path, files: list[Path], servers) -> dict[str, list[Path]]:
+    """Which server owns each file (the mounts' rendezvous hash over the content key)."""
+    from pymemcache.client.rendezvous import RendezvousHash  # noqa: PLC0415
+    h = RendezvousHash(nodes=[m.address for m in servers])
+    ns = os.fsencode(os.path.realpath(src))
+    out: dict[str, list[Path]] = {m.address: [] for m in servers}
+    for p in files:
+        st = p.stat()
+        ck = content_key(ns, os.fsencode(p.relative_to(src)), st.st_size, st.st_mtime_ns)
+        out[h.get_node(ck.key)].append(p)
+    return out
+
+
+@DOWN
+def test_kill_9_of_a_server_mid_epoch_costs_only_its_share(make_cluster, servers):
+    """Node a fills the tier; b reads half, one server is killed (-9), b reads the rest,
+    then c reads everything. No client error, every byte exact; the dead server's share
+    is read from the source again, each file once (by b after the kill, or by c for the
+    files b had from the dead server), the rest still comes from the tier. Scan-ahead is
+    off so that b's second half is read after the kill, not fetched ahead before it."""
+    src, files, (a, b, c) = make_cluster("--scan-ahead", "0")
+    read_exact(a, src, files)
+    drained(a)
+    shares = owner_shares(src, files, servers)
+    victim = servers[1]
+    lost = shares[victim.address]
+    assert lost and len(lost) < len(files)
+    half = len(files) // 2
+    read_exact(b, src, files[:half])
+    victim.kill9()  # mid-epoch: b has read half
+    read_exact(b, src, files[half:])  # no client error, every byte exact
+    st_b = drained(b)
+    read_exact(c, src, files)
+    st_c = c.stats()
+    # only the dead server's share was read again, each file once over b and c; b read
+    # the rest of its share from the source (the survivors own it now and got it from b)
+    lost_after = [p for p in lost if p in files[half:]]
+    assert st_b["bytes_from_source"] == total(lost_after) > 0
+    assert st_b["bytes_from_source"] + st_c["bytes_from_source"] == total(lost)
+    assert st_c["bytes_from_peers"] == total(files) - total(lost) + total(lost_after)
+    down = st_b["peers"]["servers"][victim.address]
+    assert down["state"] == "down" and down["marked_down"] == 1
+    assert st_c["peers"]["servers"][victim.address]["marked_down"] <= 1
+
+
+@pytest.mark.daemon_log_allows(r"peer 127\.0\.0\.1:\d+: refused a value of")
+def test_a_damaged_value_is_never_served_through_the_mount(cluster, servers):
+    """Values overwritten directly with pymemcache under the mount's keys (a flipped bit,
+    a cut value) are refused: the node reads the source, and the bytes are exact."""
+    from pymemcache.client.hash import HashClient  # noqa: PLC0415
+
+    from dlcachefs.peers.valuefmt import encode  # noqa: PLC0415
+    src, files, (a, b, _) = cluster
+    read_exact(a, src, files)
+    drained(a)
+    hc = HashClient([tuple(m.address.split(":")) for m in servers], default_noreply=False)
+    ns = os.fsencode(os.path.realpath(src))
+    for i, p in enumerate(files):
+        st = p.stat()
+        ck = content_key(ns, os.fsencode(p.relative_to(src)), st.st_size, st.st_mtime_ns)
+        v = bytearray(encode(ck, p.read_bytes()))
+        if i % 2:
+            v[len(v) // 2] ^= 0x10
+        else:
+            v = v[: len(v) - 1]
+        assert hc.set(ck.key, bytes(v))
+    read_exact(b, src, files)
+    st = b.stats()
+    assert st["bytes_from_peers"] == 0 and st["bytes_from_source"] == total(files)
+    assert sum(s["rejected"] for s in st["peers"]["servers"].values()) == len(files)
