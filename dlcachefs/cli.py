@@ -7,6 +7,7 @@ where pyfuse3 is not installed.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -111,6 +112,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
     file = read_config_file(a.config) if a.config else None
     cfg = build_config(a.source, a.mountpoint, cli, file)
     make_policy(cfg.policy)
+    if cfg.peers is not None and importlib.util.find_spec("pymemcache") is None:
+        raise ValueError("--peers needs pymemcache: pip install 'dlcachefs[peers]'")
     return cfg
 
 
@@ -333,9 +336,29 @@ def cmd_stats(mountpoint: str, as_json: bool) -> int:
     sizes = {k for k in st if k.endswith("bytes") or k.startswith("bytes_")}
     width = max(len(k) for k in st)
     for k, v in st.items():
+        if k == "peers" and v:
+            continue  # a table of its own, below
         shown = f"{format_size(v)} ({v:,})" if k in sizes and isinstance(v, int) else v
         print(f"{k:<{width}}  {shown}")
+    if st.get("peers"):
+        print_peers(st["peers"])
     return 0
+
+
+def print_peers(peers: dict) -> None:
+    """The ``peers`` section of the stats: the tier's counts, then one line per server."""
+    print("\npeer tier (--peers):")
+    for k, v in peers.items():
+        if k != "servers":
+            print(f"  {k:<22}  {v}")
+    cols = ("state", "hits", "misses", "bytes", "stored", "rejected", "errors",
+            "marked_down", "marked_down_s")
+    servers = peers.get("servers", {})
+    w = max([len(n) for n in servers] + [6])
+    print(f"  {'server':<{w}}  " + "  ".join(f"{c:>13}" for c in cols))
+    for name, s in servers.items():
+        cells = [format_size(s[c]) if c == "bytes" else s[c] for c in cols]
+        print(f"  {name:<{w}}  " + "  ".join(f"{c!s:>13}" for c in cells))
 
 
 # ----- mount.dlcachefs (for /etc/fstab) ------------------------------------------------

@@ -219,7 +219,7 @@ def values(o):
     if o.kind == "flag":
         return st.just(o.const)
     if o.kind == "size":
-        lo = 4096 if o.field == "chunk_size" else 0
+        lo = 4096 if o.field in ("chunk_size", "peer_item_max") else 0
         return st.one_of(st.integers(lo, 1 << 50), st.integers(max(1, lo >> 20), 4096).map(
             lambda n: n << 20))
     if o.kind == "int":
@@ -231,6 +231,10 @@ def values(o):
         return st.sampled_from(["/ssd/cache", "/ssd/a,b", "/x/é y"])
     if o.field == "policy":
         return st.sampled_from(["lru", "lcache", "icache:package=1M,h_ratio=0.9"])
+    if o.field == "peers":  # commas: quoted in fstab
+        return st.sampled_from(["h1:11211", "h1:11211,10.0.0.2:11211,[::1]:11212"])
+    if o.field == "peer_namespace":
+        return st.sampled_from(["imagenet", "/nfs/imagenet"])
     return st.sampled_from(o.choices)
 
 
@@ -284,3 +288,36 @@ def test_option_lookup_accepts_both_spellings():
     assert option("no_reorder").field == "reorder"
     assert option("reorder") is None and option("config") is None
     assert Path(default_cache_dir(SRC)).name.startswith("src-")
+
+
+# ----- the peer tier's options ----------------------------------------------------------------
+
+def test_peers_are_parsed_and_checked(capsys):
+    from dlcachefs.config import peer_list
+
+    assert peer_list("a:1, b.example:11211,[::1]:2,") == [
+        ("a", 1), ("b.example", 11211), ("::1", 2)]
+    cfg = cfg_of("--peers", "h1:11211,h2:11211", "--peer-timeout", "0.25",
+                 "--peer-item-max", "8M", "--peer-lease", "5", "--peer-namespace", "ds")
+    assert (cfg.peers, cfg.peer_timeout, cfg.peer_item_max, cfg.peer_lease,
+            cfg.peer_namespace) == ("h1:11211,h2:11211", 0.25, 8 << 20, 5.0, "ds")
+    assert cfg_of().peers is None  # no --peers: no tier
+    for bad in ("h1", "h1:", ":11211", "h1:0", "h1:70000", "h1:x", "h1:1,h1:1", ","):
+        with pytest.raises(ValueError, match="--peers"):
+            peer_list(bad)
+        assert main(["mount", SRC, MNT, "--peers", bad]) == 2
+        assert "--peers" in capsys.readouterr().err
+    for args in (["--peer-timeout", "0"], ["--peer-item-max", "1K"], ["--peer-lease", "-1"],
+                 ["--peer-dead-time", "0"]):
+        assert main(["mount", SRC, MNT, "--peers", "h:1", *args]) == 2
+        assert args[0] in capsys.readouterr().err
+
+
+def test_the_core_does_not_import_pymemcache_without_peers():
+    import subprocess
+    import sys
+
+    code = ("import sys, dlcachefs.cache.engine, dlcachefs.session, dlcachefs.cli; "
+            "assert 'pymemcache' not in sys.modules, 'imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

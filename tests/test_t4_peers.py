@@ -109,6 +109,12 @@ def test_files_read_by_one_node_come_from_the_tier_on_the_others(cluster):
         servers = st["peers"]["servers"].values()
         assert sum(s["hits"] for s in servers) == len(files)
         assert all(s["hits"] > 0 and s["errors"] == 0 for s in servers)  # each owns a share
+    # the human stats show the tier, one line per server
+    out = subprocess.run([sys.executable, "-m", "dlcachefs.cli", "stats", str(c.mnt)],
+                         capture_output=True, text=True, check=True).stdout
+    assert "bytes_from_peers" in out and "peer tier (--peers):" in out
+    for name in st["peers"]["servers"]:
+        assert any(line.split()[:2] == [name, "up"] for line in out.splitlines()), out
 
 
 READER = r"""
@@ -160,7 +166,8 @@ def test_all_nodes_at_once_the_lease_lets_one_read_the_source(cluster, tmp_path)
     for out in outs:
         assert out == {rel: sha_of(src, rel) for rel in rels}
     stats = [drained(m) for m in mounts]
-    assert sum(st["bytes_from_source"] for st in stats) == total(files)
+    assert sum(st["bytes_from_source"] for st in stats) == total(files), [
+        st["peers"] for st in stats]
     assert sum(st["bytes_from_peers"] for st in stats) == (NODES - 1) * total(files)
     assert sum(st["peers"]["leases"] for st in stats) == len(files)
     assert any(st["peers"]["lease_wait_hits"] > 0 for st in stats)  # the lease was used

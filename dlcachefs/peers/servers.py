@@ -101,19 +101,32 @@ class Servers:
         ``("lease", None)`` when this caller won the lease (it reads the source and stores
         the value), ``("wait", None)`` when another node holds it (``take``: try for the
         lease on a miss; else ``("miss", None)``)."""
-        got = self._call(name, "get_many", [ck.key, ck.lease])
-        value = got.get(ck.key)
-        if value is not None:
-            try:
-                return "hit", decode(value, ck)
-            except BadValue as e:
-                return "bad", e.reason
-        if not take:
-            return "miss", None
+        # the lease before the value (memcached reads a multi-get's keys in order): a
+        # holder stores the value, then deletes its lease, so "no lease" read first and
+        # "no value" read after mean no holder has finished yet
+        got = self._call(name, "get_many", [ck.lease, ck.key])
+        found = self._found(got.get(ck.key), ck)
+        if found is not None or not take:
+            return found or ("miss", None)
         if ck.lease in got:
             return "wait", None
-        won = self._call(name, "add", ck.lease, b"1", expire=lease_s, noreply=False)
-        return ("lease", None) if won else ("wait", None)
+        if not self._call(name, "add", ck.lease, b"1", expire=lease_s, noreply=False):
+            return "wait", None
+        # won: a holder that finished between the two calls stored the value already
+        found = self._found(self._call(name, "get", ck.key), ck)
+        if found is not None:
+            self._call(name, "delete", ck.lease, noreply=False)
+            return found
+        return "lease", None
+
+    @staticmethod
+    def _found(value: bytes | None, ck: ContentKey) -> tuple[str, memoryview | str] | None:
+        if value is None:
+            return None
+        try:
+            return "hit", decode(value, ck)
+        except BadValue as e:
+            return "bad", e.reason
 
     def store(self, name: str, ck: ContentKey, data: bytes | memoryview | None,
               lease: bool) -> bool:

@@ -31,7 +31,8 @@ Concurrency rules: the tier's state (which servers are down, the store queue, th
 counters) lives on the trio loop and is touched only there. Every memcached call blocks
 and runs in a worker thread (``trio.to_thread.run_sync``): lookups and polls under
 :attr:`PeerTier.limiter` (``LOOKUP_THREADS``), stores in ``STORE_WORKERS`` tasks of
-:meth:`PeerTier.run`, one thread each, probes in one. A thread does only network I/O on
+:meth:`PeerTier.run`, one thread each, probes in one (see :meth:`PeerTier._in_thread`
+for how admission, timeouts and abandoned threads are bounded). A thread does only network I/O on
 a pool of connections (thread-safe) and the value's encoding and checksum, and returns
 its outcome; the loop books it. A call is bounded on the loop by ``--peer-timeout`` (the
 sockets by the same timeout, so an abandoned thread ends soon after).
@@ -136,7 +137,10 @@ class PeerTier:
         self.counters = TierCounters()
         self._down: frozenset[str] = frozenset()
         self._down_until: dict[str, float] = {}
-        self.limiter = trio.CapacityLimiter(LOOKUP_THREADS)
+        self.limiter = trio.CapacityLimiter(LOOKUP_THREADS)  # lookups admitted at once
+        # threads of every call: the admitted ones (lookups, stores, the probe) and room
+        # for abandoned ones (see _in_thread)
+        self._threads = trio.CapacityLimiter(3 * (LOOKUP_THREADS + STORE_WORKERS + 1))
         # (owner, key, data or None, holds the lease) waiting for a store worker
         self._queue: deque[tuple[str, ContentKey, bytes | None, bool]] = deque()
         self.queue_bytes = 0
@@ -182,12 +186,20 @@ class PeerTier:
         self._down_until.pop(name, None)
         log.info("peer %s is up again", name)
 
-    async def _in_thread(self, fn, *args, limiter: trio.CapacityLimiter | None = None):
+    async def _in_thread(self, fn, *args, admit: trio.CapacityLimiter | None = None):
         """``fn(*args)`` in a worker thread, bounded by --peer-timeout on the loop:
-        :class:`ServerDown` when it does not return in time."""
-        with trio.move_on_after(self.timeout):
-            return await trio.to_thread.run_sync(
-                fn, *args, limiter=limiter or self.limiter, abandon_on_cancel=True)
+        :class:`ServerDown` when it does not return in time.
+
+        A call is admitted by ``admit`` (:attr:`limiter` by default) *before* its timeout
+        starts, so a call queued behind others never counts its wait against a server. A
+        call that times out is abandoned (its thread ends with its socket's timeout, the
+        same) and gives its admission back; its thread still holds a token of
+        :attr:`_threads`, which has room for the abandoned calls of a hung server next to
+        the admitted ones (a server is marked down at its first timeout)."""
+        async with admit or self.limiter:
+            with trio.move_on_after(self.timeout):
+                return await trio.to_thread.run_sync(
+                    fn, *args, limiter=self._threads, abandon_on_cancel=True)
         raise ServerDown(f"no answer within {self.timeout:g} s")
 
     async def _ask(self, owner: str, ck: ContentKey, take: bool) -> tuple[str, Any]:
@@ -338,7 +350,7 @@ class PeerTier:
         c = self.per_server[owner]
         try:
             stored = await self._in_thread(self.servers.store, owner, ck, data, lease,
-                                           limiter=limiter)
+                                           admit=limiter)
         except ServerDown as e:
             self._mark_down(owner, e)
             return
@@ -361,7 +373,7 @@ class PeerTier:
                 if until > now:
                     continue
                 try:
-                    await self._in_thread(self.servers.probe, name, limiter=limiter)
+                    await self._in_thread(self.servers.probe, name, admit=limiter)
                 except (ServerDown, ServerError):
                     self._down_until[name] = time.monotonic() + self.cfg.peer_dead_time
                     continue
