@@ -272,3 +272,47 @@ def test_a_damaged_value_is_never_served_through_the_mount(cluster, servers):
     st = b.stats()
     assert st["bytes_from_peers"] == 0 and st["bytes_from_source"] == total(files)
     assert sum(s["rejected"] for s in st["peers"]["servers"].values()) == len(files)
+
+
+@DOWN
+def test_kill_9_of_a_server_while_all_ranks_read(cluster, servers, tmp_path):
+    """The same kill, while three rank processes read every file at once: no reader sees
+    an error, every byte is exact, and the nodes mark the server down (once each)."""
+    src, files, mounts = cluster
+    rels = [str(p.relative_to(src)) for p in files]
+    lists = []
+    for r in range(NODES):
+        order = rels[:]
+        random.Random(10 + r).shuffle(order)
+        lists.append(order)
+    victim = servers[2]
+    procs = []
+    for r, (m, rel_list) in enumerate(zip(mounts, lists, strict=True)):
+        listing = tmp_path / f"rank{r}.txt"
+        listing.write_text("\n".join(rel_list))
+        procs.append(subprocess.Popen([sys.executable, "-c", READER, str(m.mnt), str(listing)],
+                                      stdout=subprocess.PIPE, text=True))
+    try:
+        # mid-epoch: once the first node has served a third of the files
+        mounts[0].wait_stats(lambda st: st["hits"] + st["misses"] >= len(files) // 3,
+                             "rank 0 made no progress")
+        victim.kill9()
+        outs = []
+        for p in procs:
+            out, _ = p.communicate(timeout=300)
+            assert p.returncode == 0  # no client error
+            outs.append(json.loads(out))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    want = {rel: sha_of(src, rel) for rel in rels}
+    assert all(out == want for out in outs)
+    stats = [drained(m) for m in mounts]
+    assert sum(st["peers"]["servers"][victim.address]["marked_down"] for st in stats) <= NODES
+    # at most the dead server's share (and the lookups in flight at the kill) read again
+    shares = owner_shares(src, files, servers)
+    lost = total(shares[victim.address])
+    assert sum(st["bytes_from_source"] for st in stats) <= total(files) + lost + NODES * 8 * max(
+        p.stat().st_size for p in files)
