@@ -1,0 +1,206 @@
+"""Three nodes on one machine over one slow remote: three independent dlcachefs mounts
+against three mounts sharing a peer tier (``--peers``, three memcached servers with
+extstore), side by side in one run. Remote bytes, epoch-1 and epoch-2 times.
+
+    sudo .venv/bin/python -m bench.peers [--files 1500] [--size 110000] [--epochs 2]
+        [--workload distributed|full] [--remote delay|sshfs] [--delay-ms 4] [--rate 400mbit]
+        [--threads 4] [--out bench/results/peers-<ts>.json]
+
+* The remote: ``delay`` (default) is ``bench.passthrough --delay-ms`` over the dataset
+  directory (every open waits, concurrent opens overlap: an object store's per-request
+  latency, no bandwidth limit); ``sshfs`` is ``bench.remote.slow_remote`` (an sshd in a
+  network namespace, both directions shaped to ``--rate``; needs root). Each node's
+  dlcachefs mounts the same remote mount, each with its own cache directory.
+* ``--workload distributed``: DistributedSampler, world 3: each epoch a permutation
+  (seed + epoch) cut into 3 disjoint shards, node r reads shard r (``--threads``
+  threads), the three nodes at once. Epoch 1 reads the dataset once over the cluster
+  either way; epoch 2 reshuffles, so a node reads ~2/3 of its shard from somewhere else:
+  the remote (independent) or the tier (peers). ``full``: every node reads the whole
+  dataset each epoch, in its own order (three jobs on one dataset).
+* Reported per configuration and epoch: wall time (the slowest node), files/s over the
+  cluster, bytes from the remote (``bytes_from_source`` summed over the nodes, and as a
+  multiple of the dataset), bytes from the tier (``bytes_from_peers``), errors and
+  mismatches (every file's sha256 is compared with the dataset's); then ratios
+  peers / independent. The page cache is not dropped: both configurations see the same.
+
+One machine (2 cores here) runs the remote, three daemons, three memcached and the
+readers: read the ratios and the remote bytes, not the absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+
+from dlcachefs.testing.memcached import Memcached, memcached_available
+
+from .dlcmount import DlcMount
+from .readers import read_all
+from .remote import ensure_random_files, log, reference_hashes
+from .util import machine_info, write_json
+
+NODES = 3
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def shards(n: int, epoch: int, workload: str, seed: int = 0) -> list[list[int]]:
+    """Each node's indices of one epoch (DistributedSampler-style, or the whole set)."""
+    if workload == "full":
+        out = []
+        for r in range(NODES):
+            order = list(range(n))
+            random.Random(seed * 1000 + epoch * 10 + r).shuffle(order)
+            out.append(order)
+        return out
+    order = list(range(n))
+    random.Random(seed + epoch).shuffle(order)
+    per = -(-n // NODES)
+    order += order[: per * NODES - n]  # padded as DistributedSampler pads
+    return [order[r::NODES] for r in range(NODES)]
+
+
+def run_epoch(mounts, rels, expected, idx_lists, threads: int) -> dict:
+    """The nodes read their lists at once; per-node results and the cluster's totals."""
+    results: list[dict | None] = [None] * NODES
+
+    def node(r: int) -> None:
+        paths = [os.path.join(mounts[r].mnt, rels[i]) for i in idx_lists[r]]
+        res = read_all(paths, threads=threads)
+        bad = sum(1 for h, i in zip(res.hashes, idx_lists[r], strict=True)
+                  if h != expected[i])
+        results[r] = {**res.summary(), "mismatches": bad}
+
+    before = [m.stats() for m in mounts]
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=node, args=(r,)) for r in range(NODES)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    wall = time.perf_counter() - t0
+    after = [m.stats() for m in mounts]
+    files = sum(len(x) for x in idx_lists)
+    src = sum(a["bytes_from_source"] - b["bytes_from_source"] for a, b in zip(after, before, strict=True))
+    peers = sum(a.get("bytes_from_peers", 0) - b.get("bytes_from_peers", 0)
+                for a, b in zip(after, before, strict=True))
+    return {
+        "wall_s": round(wall, 3), "files": files, "files_per_s": round(files / wall, 1),
+        "remote_bytes": src, "peer_bytes": peers,
+        "errors": sum(r["errors"] for r in results),
+        "mismatches": sum(r["mismatches"] for r in results),
+        "nodes": [{"wall_s": r["wall_s"], "files_per_s": r["files_per_s"],
+                   "p50_ms": r["latency_ms"]["p50"], "p99_ms": r["latency_ms"]["p99"]}
+                  for r in results],
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
+
+
+def run_config(label: str, remote_mnt: str, work: str, rels, expected, a,
+               peers: list[str] | None) -> dict:
+    extra = ["--ignore-source-inode", "--cache-size", "4G"]
+    if peers:
+        extra += ["--peers", ",".join(peers), "--peer-item-max", "8M"]
+    out = {"label": label, "epochs": []}
+    with contextlib.ExitStack() as stack:
+        mounts = []
+        for r in range(NODES):
+            m = DlcMount(remote_mnt, os.path.join(work, f"{label}-mnt{r}"),
+                         os.path.join(work, f"{label}-cache{r}"), extra)
+            stack.enter_context(m)
+            mounts.append(m)
+        for epoch in range(a.epochs):
+            ep = run_epoch(mounts, rels, expected, shards(len(rels), epoch, a.workload),
+                           a.threads)
+            ep["epoch"] = epoch + 1
+            ep["remote_x_dataset"] = round(ep["remote_bytes"] / (len(rels) * a.size), 3)
+            log(f"{label:<12} epoch {epoch + 1}: {ep['wall_s']:>7} s  "
+                f"{ep['files_per_s']:>7} files/s  remote {ep['remote_x_dataset']}x dataset  "
+                f"peers {ep['peer_bytes'] / 1e6:.1f} MB  errors {ep['errors']} "
+                f"mismatches {ep['mismatches']}")
+            out["epochs"].append(ep)
+            if peers:  # the stores of this epoch are done before the next (background)
+                for m in mounts:
+                    deadline = time.monotonic() + 60
+                    while (m.stats()["peers"]["store_pending"] and
+                           time.monotonic() < deadline):
+                        time.sleep(0.1)
+        if peers:
+            out["peers"] = [m.stats()["peers"] for m in mounts]
+    return out
+
+
+@contextlib.contextmanager
+def the_remote(a, data: str, work: str):
+    mnt = os.path.join(work, "remote")
+    if a.remote == "sshfs":
+        from .remote import slow_remote  # noqa: PLC0415
+        with slow_remote(data, mnt, rate=a.rate):
+            yield mnt
+    else:
+        from .passthrough import passthrough_mount  # noqa: PLC0415
+        with passthrough_mount(data, mnt, delay_ms=a.delay_ms):
+            yield mnt
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.peers", description=__doc__.split("\n\n")[0])
+    p.add_argument("--files", type=int, default=1500)
+    p.add_argument("--size", type=int, default=110_000)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--workload", choices=("distributed", "full"), default="distributed")
+    p.add_argument("--remote", choices=("delay", "sshfs"), default="delay")
+    p.add_argument("--delay-ms", type=float, default=4.0)
+    p.add_argument("--rate", default="400mbit")
+    p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--data", default=os.path.join(HERE, "out", "peers", "data"))
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    if not memcached_available():
+        print("bench.peers: needs memcached (apt-get install memcached)", file=sys.stderr)
+        return 2
+    rels = ensure_random_files(a.data, a.files, size=a.size)
+    expected = reference_hashes(a.data, rels)
+    work = tempfile.mkdtemp(prefix="peers-", dir=os.path.join(HERE, "out", "peers"))
+    doc = {"bench": "peers", "args": vars(a), "machine": machine_info(os.path.dirname(HERE)),
+           "dataset_bytes": a.files * a.size, "configs": []}
+    try:
+        with the_remote(a, a.data, work) as remote_mnt:
+            doc["configs"].append(run_config("independent", remote_mnt, work, rels, expected,
+                                             a, None))
+            with contextlib.ExitStack() as stack:
+                servers = [stack.enter_context(Memcached(os.path.join(work, "mc"),
+                                                         memory_mb=256, item_mb=8,
+                                                         ext_mb=1024))
+                           for _ in range(NODES)]
+                doc["configs"].append(run_config("peers", remote_mnt, work, rels, expected,
+                                                 a, [s.address for s in servers]))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    ind, peer = (c["epochs"] for c in doc["configs"])
+    doc["ratios"] = [{
+        "epoch": i + 1,
+        "remote_bytes_peers_over_independent": round(
+            peer[i]["remote_bytes"] / max(1, ind[i]["remote_bytes"]), 3),
+        "wall_peers_over_independent": round(peer[i]["wall_s"] / ind[i]["wall_s"], 3),
+    } for i in range(len(ind))]
+    out = a.out or os.path.join(HERE, "results", f"peers-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    write_json(out, doc)
+    print(json.dumps({"ratios": doc["ratios"],
+                      "epochs": {c["label"]: [{k: e[k] for k in (
+                          "epoch", "wall_s", "files_per_s", "remote_x_dataset", "peer_bytes",
+                          "errors", "mismatches")} for e in c["epochs"]]
+                          for c in doc["configs"]}}, indent=2))
+    print(f"bench.peers: wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
