@@ -4,7 +4,7 @@ extstore), side by side in one run. Remote bytes, epoch-1 and epoch-2 times.
 
     sudo .venv/bin/python -m bench.peers [--files 1500] [--size 110000] [--epochs 2]
         [--workload distributed|full] [--remote delay|sshfs] [--delay-ms 4] [--rate 400mbit]
-        [--threads 4] [--out bench/results/peers-<ts>.json]
+        [--threads 4] [--scan-ahead N] [--out bench/results/peers-<ts>.json]
 
 * The remote: ``delay`` (default) is ``bench.passthrough --delay-ms`` over the dataset
   directory (every open waits, concurrent opens overlap: an object store's per-request
@@ -106,6 +106,8 @@ def run_epoch(mounts, rels, expected, idx_lists, threads: int) -> dict:
 def run_config(label: str, remote_mnt: str, work: str, rels, expected, a,
                peers: list[str] | None) -> dict:
     extra = ["--ignore-source-inode", "--cache-size", "4G"]
+    if a.scan_ahead is not None:
+        extra += ["--scan-ahead", str(a.scan_ahead)]
     if peers:
         extra += ["--peers", ",".join(peers), "--peer-item-max", "8M"]
     out = {"label": label, "epochs": []}
@@ -160,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delay-ms", type=float, default=4.0)
     p.add_argument("--rate", default="400mbit")
     p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--scan-ahead", type=int, help="the mounts' --scan-ahead (default theirs)")
     p.add_argument("--data", default=os.path.join(HERE, "out", "peers", "data"))
     p.add_argument("--out")
     a = p.parse_args(argv)

@@ -14,6 +14,7 @@ pymemcache = pytest.importorskip("pymemcache")
 
 from pymemcache.client.hash import HashClient  # noqa: E402
 
+from dlcachefs.peers.servers import Rendezvous  # noqa: E402
 from dlcachefs.peers.valuefmt import content_key, encode  # noqa: E402
 from dlcachefs.testing.fakes import (  # noqa: E402
     CountingSource,
@@ -92,7 +93,8 @@ def test_a_damaged_or_foreign_value_is_never_served(tmp_path, servers):
     _read_everything(files, cfg_a, CountingSource(tmp_path / "src"))
     # overwrite every value, each a different way, directly with pymemcache (a plain
     # HashClient finds the same owner as the mount: the same rendezvous hash)
-    hc = HashClient([tuple(a.split(":")) for a in peers], default_noreply=False)
+    hc = HashClient([tuple(a.split(":")) for a in peers], default_noreply=False,
+                    hasher=Rendezvous)
     ns = os.fsencode(os.path.realpath(tmp_path / "src"))
     bad = {}
     for i, (rel, data) in enumerate(sorted(files.items())):

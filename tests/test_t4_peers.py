@@ -204,8 +204,8 @@ def test_distributed_sampler_epoch_two_reads_nothing_from_the_source(cluster, tm
 
 def owner_shares(src: Path, files: list[Path], servers) -> dict[str, list[Path]]:
     """Which server owns each file (the mounts' rendezvous hash over the content key)."""
-    from pymemcache.client.rendezvous import RendezvousHash  # noqa: PLC0415
-    h = RendezvousHash(nodes=[m.address for m in servers])
+    from dlcachefs.peers.servers import Rendezvous  # noqa: PLC0415
+    h = Rendezvous([m.address for m in servers])
     ns = os.fsencode(os.path.realpath(src))
     out: dict[str, list[Path]] = {m.address: [] for m in servers}
     for p in files:
@@ -253,11 +253,13 @@ def test_a_damaged_value_is_never_served_through_the_mount(cluster, servers):
     a cut value) are refused: the node reads the source, and the bytes are exact."""
     from pymemcache.client.hash import HashClient  # noqa: PLC0415
 
+    from dlcachefs.peers.servers import Rendezvous  # noqa: PLC0415
     from dlcachefs.peers.valuefmt import encode  # noqa: PLC0415
     src, files, (a, b, _) = cluster
     read_exact(a, src, files)
     drained(a)
-    hc = HashClient([tuple(m.address.split(":")) for m in servers], default_noreply=False)
+    hc = HashClient([tuple(m.address.split(":")) for m in servers], default_noreply=False,
+                    hasher=Rendezvous)
     ns = os.fsencode(os.path.realpath(src))
     for i, p in enumerate(files):
         st = p.stat()

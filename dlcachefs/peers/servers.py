@@ -4,9 +4,10 @@ blocking calls on one server.
 Why not ``pymemcache.HashClient`` itself: it is what this wraps, part by part, with its
 semantics kept but made safe for concurrent threads and visible in stats:
 
-* routing is HashClient's: :class:`~pymemcache.client.rendezvous.RendezvousHash` over the
-  servers' ``"host:port"`` names, so a plain ``HashClient(servers)`` given the same key
-  finds the same server (operators and tests can read and write the tier with it); a
+* routing is HashClient's: rendezvous hashing (:class:`Rendezvous`, pymemcache's
+  ``RendezvousHash`` with a faster hash) over the servers' ``"host:port"`` names, so
+  ``HashClient(servers, hasher=Rendezvous)`` given the same key finds the same server
+  (operators and tests can read and write the tier with it); a
   server marked down is left out of the hash, so its keys go to the next server by
   rendezvous order (HashClient's ``remove_server``), and only its share moves;
 * each server is a :class:`~pymemcache.client.base.PooledClient` (HashClient's
@@ -35,18 +36,30 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import xxhash
+
 from dlcachefs.peers.valuefmt import BadValue, ContentKey, decode, encode
 
+try:  # only a mount with --peers imports this module (pymemcache is optional)
+    from pymemcache.client.base import PooledClient
+    from pymemcache.client.rendezvous import RendezvousHash
+    from pymemcache.exceptions import MemcacheError, MemcacheUnexpectedCloseError
+except ModuleNotFoundError as _e:  # pragma: no cover - the CLI checks first
+    raise ModuleNotFoundError("--peers needs pymemcache: pip install 'dlcachefs[peers]'") from _e
 
-def _pymemcache() -> Any:
-    """pymemcache, imported only when a mount has ``--peers`` (an optional dependency)."""
-    try:
-        import pymemcache.client.base as base  # noqa: PLC0415
-        import pymemcache.client.rendezvous as rendezvous  # noqa: PLC0415
-        import pymemcache.exceptions as exceptions  # noqa: PLC0415
-    except ModuleNotFoundError:
-        raise RuntimeError("--peers needs pymemcache: pip install 'dlcachefs[peers]'") from None
-    return base, rendezvous, exceptions
+
+def _xxh3(text: str, seed: int) -> int:
+    return xxhash.xxh3_64_intdigest(text.encode(), seed)
+
+
+class Rendezvous(RendezvousHash):
+    """HashClient's rendezvous hash (highest score of ``"{server}-{key}"`` wins) with xxh3
+    in place of its pure-Python murmur3, which costs ~3.5 ms per key over 64 servers on
+    this machine (46 us with xxh3) and runs on the trio loop here. To find the same
+    owners from outside: ``HashClient(servers, hasher=Rendezvous)``."""
+
+    def __init__(self, nodes: list[str] | None = None, seed: int = 0) -> None:
+        super().__init__(nodes, seed, hash_function=_xxh3)
 
 
 class ServerDown(Exception):
@@ -63,13 +76,9 @@ class Servers:
 
     def __init__(self, servers: list[tuple[str, int]], timeout: float,
                  pool_size: int = 16) -> None:
-        base, rendezvous, exceptions = _pymemcache()
-        self._rendezvous = rendezvous.RendezvousHash
-        self._closed_errors = (exceptions.MemcacheUnexpectedCloseError,)
-        self._errors = exceptions.MemcacheError
         self.names = [f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in servers]
         self.clients = {
-            name: base.PooledClient(
+            name: PooledClient(
                 srv, connect_timeout=timeout, timeout=timeout, no_delay=True,
                 max_pool_size=pool_size, default_noreply=False)
             for name, srv in zip(self.names, servers, strict=True)}
@@ -80,8 +89,7 @@ class Servers:
         Trio loop (a rendezvous hash over each live server: microseconds per server)."""
         h = self._hashes.get(down)
         if h is None:
-            h = self._hashes[down] = self._rendezvous(
-                nodes=[n for n in self.names if n not in down])
+            h = self._hashes[down] = Rendezvous([n for n in self.names if n not in down])
         return h.get_node(key)
 
     # ----- blocking calls, in worker threads ---------------------------------------------
@@ -89,9 +97,9 @@ class Servers:
     def _call(self, name: str, method: str, *args: Any, **kwargs: Any) -> Any:
         try:
             return getattr(self.clients[name], method)(*args, **kwargs)
-        except (OSError, *self._closed_errors) as e:  # TimeoutError is an OSError
+        except (OSError, MemcacheUnexpectedCloseError) as e:  # TimeoutError is an OSError
             raise ServerDown(f"{name}: {e!r}") from e
-        except self._errors as e:
+        except MemcacheError as e:
             raise ServerError(f"{name}: {e!r}") from e
 
     def get_or_lease(self, name: str, ck: ContentKey, lease_s: int, take: bool
