@@ -163,12 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", default="400mbit")
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--scan-ahead", type=int, help="the mounts' --scan-ahead (default theirs)")
-    p.add_argument("--data", default=os.path.join(HERE, "out", "peers", "data"))
+    p.add_argument("--data", help="dataset directory (default bench/out/peers/data-FILES-SIZE: "
+                                  "only the files read, or scan-ahead would fetch others)")
     p.add_argument("--out")
     a = p.parse_args(argv)
     if not memcached_available():
         print("bench.peers: needs memcached (apt-get install memcached)", file=sys.stderr)
         return 2
+    a.data = a.data or os.path.join(HERE, "out", "peers", f"data-{a.files}-{a.size}")
     rels = ensure_random_files(a.data, a.files, size=a.size)
     expected = reference_hashes(a.data, rels)
     work = tempfile.mkdtemp(prefix="peers-", dir=os.path.join(HERE, "out", "peers"))

@@ -241,6 +241,7 @@ class PeerTier:
             return Lookup(bytes(got), key=ck, owner=owner)
         if kind == "lease":
             self.counters.leases += 1
+            log.debug("lease on %s (%s) at %s", ck.key, rel, owner)
             return Lookup(None, lease=True, key=ck, owner=owner)
         if kind != "wait":  # an error, or a value that must not be served
             return Lookup(None, key=ck, owner=owner)
@@ -260,6 +261,7 @@ class PeerTier:
             if kind == "lease":  # its holder gave up (or its lease expired): ours now
                 self.counters.leases += 1
                 self.counters.lease_takeovers += 1
+                log.debug("lease taken over on %s (%s) at %s", ck.key, rel, owner)
                 return Lookup(None, lease=True, key=ck, owner=owner)
             if kind != "wait":
                 return Lookup(None, key=ck, owner=owner)
@@ -296,6 +298,7 @@ class PeerTier:
         waiting for it at their next poll. In the background."""
         if got is None or not got.lease or got.key is None or got.owner is None:
             return
+        log.debug("lease released without a value on %s", got.key)
         got.lease = False
         if self._running:
             self._push((got.owner, got.key, None, True))
