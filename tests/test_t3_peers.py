@@ -191,3 +191,35 @@ def test_the_content_key_names_one_version():
     assert a.key != content_key(ns, b"a/c", 10, 5).key
     assert a.key != content_key(b"/y", b"a/b", 10, 5).key
     assert len(a.key) < 250 and a.key.isascii() and " " not in a.key
+
+
+def test_a_server_back_up_is_found_by_the_probe_and_owns_its_share_again(tmp_path, servers):
+    """A killed server is marked down at its first failure; once it answers again the
+    background probe (every --peer-dead-time) brings it back, and its keys return to it:
+    the files it owns are stored there again."""
+    import trio
+
+    files = _tree(30)
+    write_tree(tmp_path / "src", files)
+    peers = [m.address for m in servers]
+    victim = servers[0]
+    victim.kill9()
+    cfg = _cfg(tmp_path, "a", peers, peer_timeout=0.5, peer_dead_time=0.2)
+    rels = sorted(files)
+
+    async def body(eng):
+        first = {rel: await read_all(eng, rel) for rel in rels[:15]}
+        st = eng.peers.stats()["servers"][victim.address]
+        assert st["state"] == "down" and st["marked_down"] == 1 and st["stored"] == 0
+        await trio.to_thread.run_sync(victim.restart)
+        with trio.fail_after(30):
+            while eng.peers.stats()["servers"][victim.address]["state"] != "up":
+                await trio.sleep(0.05)
+        rest = {rel: await read_all(eng, rel) for rel in rels[15:]}
+        assert await eng.peers.drain()
+        return {**first, **rest}
+    got, eng = run_engine(cfg, body, CountingSource(tmp_path / "src"))
+    assert got == files
+    st = eng.peers.stats()["servers"][victim.address]
+    assert st["marked_down"] == 1 and st["marked_down_s"] > 0
+    assert st["stored"] > 0  # its share of the second half went to it

@@ -89,6 +89,8 @@ class Servers:
         Trio loop (a rendezvous hash over each live server: microseconds per server)."""
         h = self._hashes.get(down)
         if h is None:
+            if len(self._hashes) >= 64:  # down-sets seen: a few, unless servers flap
+                self._hashes.clear()
             h = self._hashes[down] = Rendezvous([n for n in self.names if n not in down])
         return h.get_node(key)
 

@@ -52,10 +52,11 @@ class Memcached:
             argv[1:1] = ["-u", "root"]  # memcached refuses to run as root without it
         return argv
 
-    def start(self, timeout: float = 10.0) -> Memcached:
+    def start(self, timeout: float = 10.0, port: int = 0) -> Memcached:
+        """Start on ``port`` (0: a free one), wait until it answers."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        for _ in range(5):  # a free port may be taken between the probe and the bind
-            self.port = _free_port()
+        for _ in range(1 if port else 5):  # a free port may be taken before the bind
+            self.port = port or _free_port()
             self.proc = subprocess.Popen(self.argv(), stdout=subprocess.DEVNULL,
                                          stderr=subprocess.PIPE, start_new_session=True)
             deadline = time.monotonic() + timeout
@@ -72,6 +73,11 @@ class Memcached:
             if "Address already in use" not in err:
                 raise RuntimeError(f"memcached did not start: {err.strip()}")
         raise RuntimeError("memcached: no free port")
+
+    def restart(self) -> Memcached:
+        """Start again on the same port, empty (memcached keeps nothing across restarts)."""
+        self.stop()
+        return self.start(port=self.port)
 
     def kill9(self) -> None:
         """``kill -9`` (a node's tier dying mid-epoch)."""
@@ -91,7 +97,7 @@ class Memcached:
         if self.proc.stderr is not None:
             self.proc.stderr.close()
         self.proc = None
-        (self.workdir / f"ext-{self.port}").unlink(missing_ok=True)
+        (self.workdir / f"ext-{self.port}").unlink(missing_ok=True)  # keeps .port
 
     def __enter__(self) -> Memcached:
         return self.start()
