@@ -223,3 +223,39 @@ def test_a_server_back_up_is_found_by_the_probe_and_owns_its_share_again(tmp_pat
     st = eng.peers.stats()["servers"][victim.address]
     assert st["marked_down"] == 1 and st["marked_down_s"] > 0
     assert st["stored"] > 0  # its share of the second half went to it
+
+
+def test_a_server_back_from_down_is_refilled_from_the_next_one(tmp_path, servers):
+    """Node a reads everything while one server is dead (its share is stored at the
+    next server by rendezvous order); the server comes back empty; node b reads
+    everything: the dead server's share is found at the next server (and stored at its
+    owner again), nothing is read from the source twice."""
+    import trio
+
+    files = _tree(30)
+    write_tree(tmp_path / "src", files)
+    peers = [m.address for m in servers]
+    victim = servers[1]
+    victim.kill9()
+    kw = dict(peer_timeout=0.5, peer_dead_time=0.2)
+    _, a = _read_everything(files, _cfg(tmp_path, "a", peers, **kw),
+                            CountingSource(tmp_path / "src"))
+    assert a.counters.bytes_from_source == sum(map(len, files.values()))
+    victim.restart()
+    src = CountingSource(tmp_path / "src")
+
+    async def body(eng):
+        # the node sees the server down once, then up again (the probe)
+        eng.peers._mark_down(victim.address, "test: seen down")
+        with trio.fail_after(30):
+            while eng.peers.stats()["servers"][victim.address]["state"] != "up":
+                await trio.sleep(0.05)
+        out = {rel: await read_all(eng, rel) for rel in files}
+        assert await eng.peers.drain()
+        return out
+    got, b = run_engine(_cfg(tmp_path, "b", peers, **kw), body, src)
+    assert got == files
+    assert src.calls["read_file"] == 0 and b.counters.bytes_from_source == 0
+    st = b.peers.stats()
+    assert st["refills"] > 0
+    assert st["servers"][victim.address]["stored"] == st["refills"]  # its share, back

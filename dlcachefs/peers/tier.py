@@ -14,7 +14,10 @@ local cache has missed; :meth:`PeerTier.lookup` asks the owner of the file's con
   over by the next poller;
 * a value that must not be served (another version, partial, damaged): the source, and
   the good value replaces it;
-* the owner down or failing: the source at once.
+* the owner down or failing: the source at once;
+* a miss at an owner that came back from down (empty: memcached keeps nothing across a
+  restart): the next server by rendezvous order, which held its keys meanwhile, is asked
+  too, and a value found there is stored at the owner again (``refills``).
 
 What this node reads from the source is stored at the owner by :meth:`store_later`, in
 the background, never on the reader's path: a queue bounded in bytes (a value that does
@@ -66,6 +69,8 @@ STORE_QUEUE_BYTES = 64 << 20
 POLL_FIRST, POLL_MAX = 0.01, 0.2
 #: how long an orderly unmount waits for stores still queued
 DRAIN_S = 10.0
+#: how long after a server came back a miss there asks the next server too (see _refill)
+REFILL_S = 3600.0
 
 
 @dataclass(slots=True)
@@ -105,6 +110,7 @@ class TierCounters:
     lease_wait_hits: int = 0  # ... and got its value
     lease_wait_timeouts: int = 0  # ... and read the source themselves after --peer-lease
     lease_takeovers: int = 0  # leases taken after their holder's disappeared without a value
+    refills: int = 0  # misses at a server back from down found at the next one (see _refill)
     store_queued: int = 0
     store_dropped: int = 0  # values not stored: the queue's bytes were full
     store_dropped_bytes: int = 0
@@ -137,6 +143,7 @@ class PeerTier:
         self.counters = TierCounters()
         self._down: frozenset[str] = frozenset()
         self._down_until: dict[str, float] = {}
+        self._back_at: dict[str, float] = {}  # servers found up again, and when
         self.limiter = trio.CapacityLimiter(LOOKUP_THREADS)  # lookups admitted at once
         # threads of every call: the admitted ones (lookups, stores, the probe) and room
         # for abandoned ones (see _in_thread)
@@ -184,6 +191,7 @@ class PeerTier:
         c.down_since = None
         self._down = self._down - {name}
         self._down_until.pop(name, None)
+        self._back_at[name] = time.monotonic()  # empty, probably: see _refill
         log.info("peer %s is up again", name)
 
     async def _in_thread(self, fn, *args, admit: trio.CapacityLimiter | None = None):
@@ -242,7 +250,8 @@ class PeerTier:
         if kind == "lease":
             self.counters.leases += 1
             log.debug("lease on %s (%s) at %s", ck.key, rel, owner)
-            return Lookup(None, lease=True, key=ck, owner=owner)
+            got = Lookup(None, lease=True, key=ck, owner=owner)
+            return await self._refill(got) if owner in self._back_at else got
         if kind != "wait":  # an error, or a value that must not be served
             return Lookup(None, key=ck, owner=owner)
         # another node reads the source: wait for its value, bounded
@@ -268,11 +277,35 @@ class PeerTier:
         self.counters.lease_wait_timeouts += 1
         return Lookup(None, key=ck, owner=owner)
 
+    async def _refill(self, got: Lookup) -> Lookup:
+        """A miss (lease won) at an owner that came back less than ``REFILL_S`` ago: it
+        came back empty, and while it was down its keys were stored at the next server by
+        rendezvous order. Ask that one (a get, no lease); a value found there is served
+        and stored at the owner again (releasing the lease), so a server's comeback does
+        not cost its share from the remote a second time."""
+        assert got.key is not None and got.owner is not None
+        if time.monotonic() - self._back_at[got.owner] > REFILL_S:
+            del self._back_at[got.owner]
+            return got
+        alt = self.servers.owner(got.key.key, self._down | {got.owner})
+        if alt is None:
+            return got
+        kind, data = await self._ask(alt, got.key, take=False)
+        if kind != "hit":
+            return got
+        self.counters.refills += 1
+        value = bytes(data)
+        self._store_key(got.key, value, got)  # at the owner; then its lease goes
+        return Lookup(value, key=got.key, owner=alt)
+
     def store_later(self, rel: bytes, ident: Identity, data: bytes | memoryview,
                     got: Lookup | None = None) -> None:
         """Store this version of ``rel``, read from the source, at its owner, in the
         background; release ``got``'s lease (after the store). Never blocks, never raises."""
-        ck = self.key_of(rel, ident)
+        self._store_key(self.key_of(rel, ident), data, got)
+
+    def _store_key(self, ck: ContentKey, data: bytes | memoryview,
+                   got: Lookup | None) -> None:
         if got is not None and got.lease and got.key != ck:
             self.release(got)  # the file changed: the lease was on the old version
             got = None
