@@ -318,3 +318,26 @@ def test_kill_9_of_a_server_while_all_ranks_read(cluster, servers, tmp_path):
     lost = total(shares[victim.address])
     assert sum(st["bytes_from_source"] for st in stats) <= total(files) + lost + NODES * 8 * max(
         p.stat().st_size for p in files)
+
+
+@DOWN
+def test_a_hung_server_costs_its_timeout_once_and_no_client_error(make_cluster, servers):
+    """A server that accepts connections and never answers (SIGSTOP): node b reads
+    everything; its first lookup there waits --peer-timeout, then the server is marked
+    down and its share comes from the source (the survivors do not hold it), read once;
+    no reader sees an error and every byte is exact."""
+    src, files, (a, b, _) = make_cluster("--scan-ahead", "0", "--peer-timeout", "1")
+    read_exact(a, src, files)
+    drained(a)
+    shares = owner_shares(src, files, servers)
+    victim = servers[0]
+    victim.pause()
+    try:
+        read_exact(b, src, files)
+        st = drained(b)
+    finally:
+        victim.resume()
+    sv = st["peers"]["servers"][victim.address]
+    assert sv["state"] == "down" and sv["marked_down"] == 1 and sv["hits"] == 0
+    assert st["bytes_from_source"] == total(shares[victim.address])
+    assert st["bytes_from_peers"] == total(files) - total(shares[victim.address])

@@ -79,6 +79,16 @@ class Memcached:
         self.stop()
         return self.start(port=self.port)
 
+    def pause(self) -> None:
+        """SIGSTOP: a hung server (connections are still accepted by the kernel, nothing
+        answers). :meth:`resume` undoes it; :meth:`stop` resumes it first."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
     def kill9(self) -> None:
         """``kill -9`` (a node's tier dying mid-epoch)."""
         if self.proc is not None and self.proc.poll() is None:
@@ -89,6 +99,7 @@ class Memcached:
         if self.proc is None:
             return
         if self.proc.poll() is None:
+            self.resume()  # a paused one would not see its SIGTERM
             self.proc.terminate()
             try:
                 self.proc.wait(10)
