@@ -35,10 +35,12 @@ counters) lives on the trio loop and is touched only there. Every memcached call
 and runs in a worker thread (``trio.to_thread.run_sync``): lookups and polls under
 :attr:`PeerTier.limiter` (``LOOKUP_THREADS``), stores in ``STORE_WORKERS`` tasks of
 :meth:`PeerTier.run`, one thread each, probes in one (see :meth:`PeerTier._in_thread`
-for how admission, timeouts and abandoned threads are bounded). A thread does only network I/O on
-a pool of connections (thread-safe) and the value's encoding and checksum, and returns
+for how admission, timeouts and abandoned threads are bounded). A thread does only
+network I/O on a pool of connections (thread-safe) and the value's encoding and checksum, and returns
 its outcome; the loop books it. A call is bounded on the loop by ``--peer-timeout`` (the
-sockets by the same timeout, so an abandoned thread ends soon after).
+sockets by the same timeout, so an abandoned thread ends soon after). A lookup abandoned
+after its thread won a lease (cancelled, or timed out) leaves that lease to expire: the
+other nodes then wait at most ``--peer-lease`` before reading the source themselves.
 """
 
 from __future__ import annotations
