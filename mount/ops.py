@@ -26,6 +26,15 @@ from dlcachefs.store.schema import Entry
 
 log = logging.getLogger(__name__)
 
+#: the operations counted in ``fuse_ops``: every one the kernel may send a read-only
+#: mount. ``lookup``, ``getattr``, ``open``, ``read`` and ``release`` count the mirror's
+#: files only; those of ``.dlcache/`` (reading stats included) count under ``dlcache``, so
+#: that watching the counters does not change them. Not seen here: requests libfuse
+#: answers itself (FUSE_IOCTL, ENOSYS: Python's open() sends one per file, isatty's TCGETS)
+OPS = ("lookup", "getattr", "setattr", "readlink", "forget", "opendir", "readdir",
+       "releasedir", "open", "read", "write", "release", "flush", "fsync", "access",
+       "statfs", "getxattr", "listxattr", "dlcache")
+
 
 class _VHandle:
     __slots__ = ("ino", "data", "pid")
@@ -56,6 +65,9 @@ class Operations(pyfuse3.Operations):
         self._inval_ready = trio.Event()
         self.ns.on_invalidate = self._queue_invalidation
         self.initialized = trio.Event()
+        # requests received per operation (``fuse_ops`` in stats): what a file costs in
+        # round trips. One dict increment per request, on the loop.
+        self.ops: dict[str, int] = dict.fromkeys(OPS, 0)
 
     def init(self) -> None:
         """FUSE INIT: called on the loop before the reply goes to the kernel."""
@@ -100,21 +112,27 @@ class Operations(pyfuse3.Operations):
     @fuse_errors
     async def lookup(self, parent_inode, name, ctx=None):
         if parent_inode == ROOT_INO and name == V.VDIR_NAME:
+            self.ops["dlcache"] += 1
             return self._vattrs(V.VDIR_INO)
         if parent_inode == V.VDIR_INO:
+            self.ops["dlcache"] += 1
             if name in V.FILES:
                 return self._vattrs(V.FILES[name])
             raise NotFound(os.fsdecode(name))
+        self.ops["lookup"] += 1
         return self._attrs(self.ns.lookup(parent_inode, name))
 
     @fuse_errors
     async def getattr(self, inode, ctx=None):
         if inode in V.VIRTUAL:
+            self.ops["dlcache"] += 1
             return self._vattrs(inode)
+        self.ops["getattr"] += 1
         return self._attrs(self.ns.get(inode))
 
     @fuse_errors
     async def setattr(self, inode, attr, fields, fh, ctx):
+        self.ops["setattr"] += 1
         # The only change allowed anywhere: truncating the control file to 0, which
         # `echo ... > control` asks for. It has no effect (writes are not stored).
         if (inode == V.CONTROL_INO and fields.update_size and attr.st_size == 0
@@ -124,6 +142,7 @@ class Operations(pyfuse3.Operations):
 
     @fuse_errors
     async def readlink(self, inode, ctx):
+        self.ops["readlink"] += 1
         e = self.ns.get(inode)
         if not stat.S_ISLNK(e.mode):
             raise pyfuse3.FUSEError(errno.EINVAL)
@@ -131,12 +150,14 @@ class Operations(pyfuse3.Operations):
 
     @fuse_errors
     async def forget(self, inode_list):
+        self.ops["forget"] += 1
         return  # inodes are persistent; nothing to free
 
     # ----- directories -------------------------------------------------------------------
 
     @fuse_errors
     async def opendir(self, inode, ctx):
+        self.ops["opendir"] += 1
         if inode == V.VDIR_INO:
             listing = [(b".", inode), (b"..", ROOT_INO), *sorted(V.FILES.items())]
         else:
@@ -150,6 +171,7 @@ class Operations(pyfuse3.Operations):
 
     @fuse_errors
     async def readdir(self, fh, start_id, token):
+        self.ops["readdir"] += 1
         listing = self._dirs[fh]
         for i in range(start_id, len(listing)):
             name, ino = listing[i]
@@ -162,6 +184,7 @@ class Operations(pyfuse3.Operations):
 
     @fuse_errors
     async def releasedir(self, fh):
+        self.ops["releasedir"] += 1
         self._dirs.pop(fh, None)
 
     # ----- files -------------------------------------------------------------------------
@@ -169,7 +192,9 @@ class Operations(pyfuse3.Operations):
     @fuse_errors
     async def open(self, inode, flags, ctx):
         if inode in V.VIRTUAL:
+            self.ops["dlcache"] += 1
             return self._open_virtual(inode, flags, ctx)
+        self.ops["open"] += 1
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
             raise ReadOnly("read-only mirror")
         r = await self.engine.open(inode, ctx.pid)
@@ -186,7 +211,9 @@ class Operations(pyfuse3.Operations):
         if inode == V.STATS_INO:
             import json  # noqa: PLC0415  (only here)
 
-            data = (json.dumps(self.engine.stats(), indent=2) + "\n").encode()
+            doc = self.engine.stats()
+            doc["fuse_ops"] = dict(self.ops)
+            data = (json.dumps(doc, indent=2) + "\n").encode()
         elif inode == V.ERRORS_INO:
             data = self.control.errors_text()
         elif inode == V.ZEROCOPY_INO:
@@ -201,11 +228,14 @@ class Operations(pyfuse3.Operations):
     @fuse_errors
     async def read(self, fh, off, size):
         if fh >= V.VFH_BASE:
+            self.ops["dlcache"] += 1
             return self._vfh[fh].data[off : off + size]
+        self.ops["read"] += 1
         return await self.engine.read(fh, off, size)
 
     @fuse_errors
     async def write(self, fh, off, buf):
+        self.ops["write"] += 1
         vh = self._vfh.get(fh) if fh >= V.VFH_BASE else None
         if vh is None or vh.ino != V.CONTROL_INO:
             raise ReadOnly("read-only mirror")
@@ -214,23 +244,29 @@ class Operations(pyfuse3.Operations):
     @fuse_errors
     async def release(self, fh):
         if fh >= V.VFH_BASE:
+            self.ops["dlcache"] += 1
             self._vfh.pop(fh, None)
         else:
+            self.ops["release"] += 1
             self.engine.release(fh)
 
     async def flush(self, fh):
+        self.ops["flush"] += 1
         raise pyfuse3.FUSEError(errno.ENOSYS)  # the kernel then stops sending FLUSH
 
     async def fsync(self, fh, datasync):
+        self.ops["fsync"] += 1
         return
 
     @fuse_errors
     async def access(self, inode, mode, ctx):
+        self.ops["access"] += 1
         if mode & os.W_OK and inode != V.CONTROL_INO:
             raise ReadOnly("read-only mirror")
 
     @fuse_errors
     async def statfs(self, ctx):
+        self.ops["statfs"] += 1
         st = await self.engine.calls.call(self.engine.source.statvfs)
         s = pyfuse3.StatvfsData()
         s.f_bsize, s.f_frsize = st.f_bsize, st.f_frsize
@@ -244,9 +280,11 @@ class Operations(pyfuse3.Operations):
     # ENOSYS once, and the kernel stops asking (no_getxattr/no_listxattr): `ls -l` looks up
     # an ACL xattr of every file, and these would otherwise be one request per file
     async def getxattr(self, inode, name, ctx):
+        self.ops["getxattr"] += 1
         raise pyfuse3.FUSEError(errno.ENOSYS)
 
     async def listxattr(self, inode, ctx):
+        self.ops["listxattr"] += 1
         raise pyfuse3.FUSEError(errno.ENOSYS)
 
     # ----- every modification: EROFS -----------------------------------------------------

@@ -1,0 +1,135 @@
+"""Mounted tests: how many FUSE requests a file costs (``fuse_ops`` in stats), and that
+the cuts that keep the count low never cost exact bytes or freshness.
+
+Each request is a round trip through the kernel to a single-threaded Python daemon, so
+the count per file bounds files/s (DESIGN.md, "FUSE facts"). What the kernel sends is
+decided by what the daemon answers: entry and attribute timeouts (lookups and getattrs
+cached for ``--revalidate`` seconds), ``keep_cache`` (a cached file's pages survive the
+next open, so a warm read sends no READ), FLUSH answered once with ENOSYS.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import requires_fuse
+
+from dlcachefs.testing.mounting import drop_page_cache, wait_until
+
+pytestmark = requires_fuse
+
+N_FILES = 24
+
+
+@pytest.fixture
+def src(tmp_path):
+    root = tmp_path / "src"
+    for i in range(N_FILES):
+        d = root / f"c{i % 3}"
+        d.mkdir(parents=True, exist_ok=True)
+        # sizes below and above one 128 KiB request, and an empty file
+        (d / f"{i:02d}.bin").write_bytes(os.urandom((0, 1000, 70_000, 200_000)[i % 4]))
+    return root
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*.bin"))
+
+
+def _ops(m) -> dict[str, int]:
+    return m.stats()["fuse_ops"]
+
+
+def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in after if after[k] != before[k]}
+
+
+def _read_python(p: Path) -> bytes:
+    with open(p, "rb") as f:
+        return f.read()
+
+
+def _read_cat(p: Path) -> bytes:
+    return subprocess.run(["cat", str(p)], capture_output=True, check=True).stdout
+
+
+def _pass(m, src: Path, rels: list[str], read) -> dict[str, int]:
+    """Read every file through the mount (checking its bytes); the requests it cost,
+    once every RELEASE arrived (the kernel sends them after close returns)."""
+    before = _ops(m)
+    for rel in rels:
+        assert read(m.mnt / rel) == (src / rel).read_bytes(), rel
+    wait_until(lambda: _delta(before, _ops(m)).get("release", 0) >= len(rels),
+               "releases of the pass")
+    d = _delta(before, _ops(m))
+    d.pop("dlcache", None)  # reading the stats themselves
+    return d
+
+
+@pytest.mark.parametrize("reader", [_read_python, _read_cat], ids=["python", "cat"])
+def test_warm_file_costs_an_open_and_a_release(src, mount, reader):
+    m = mount(src)
+    rels = _files(src)
+    first = _pass(m, src, rels, reader)
+    assert first["open"] == len(rels)
+    assert first["lookup"] >= len(rels)  # every name once (and the directories)
+    m.wait_cached(len(rels))
+    # cached now: keep_cache keeps the pages the first pass read, and the kernel still
+    # holds every entry and attribute (long timeouts): no LOOKUP, no READ. Reads of the
+    # first pass invalidated each inode's atime (the mount is not `ro`): at most one
+    # GETATTR per file, then none. (Up to 10 tries: anything on the machine that drops the
+    # page cache or the dentries, e.g. a benchmark's drop_caches, makes one pass send
+    # lookups and reads again; a daemon that breaks the rule does it on every pass.)
+    passes = []
+    for _ in range(10):
+        d = _pass(m, src, rels, reader)
+        passes.append(d)
+        assert d["open"] == len(rels) and d["release"] == len(rels), d
+        assert d.get("getattr", 0) <= len(rels), d
+        if set(d) <= {"open", "release"}:
+            break
+    assert set(passes[-1]) <= {"open", "release"}, passes
+    assert _ops(m)["flush"] <= 1  # answered ENOSYS once; the kernel stops sending it
+
+
+def test_dropped_pages_are_read_again_once(src, mount):
+    m = mount(src)
+    rels = _files(src)
+    _pass(m, src, rels, _read_python)
+    m.wait_cached(len(rels))
+    drop_page_cache()  # as the kernel does to pages nobody touched for a while
+    d = _pass(m, src, rels, _read_python)
+    nonempty = sum(1 for r in rels if (src / r).stat().st_size)
+    assert nonempty <= d.get("read", 0) <= 2 * nonempty, d
+    assert d["open"] == len(rels), d
+
+
+def test_changed_source_file_is_served_new_after_revalidation(tmp_path, mount):
+    """The long kernel timeouts and keep_cache hold only within ``--revalidate``: a file
+    changed on the source is served new (and whole) once its directory is revalidated,
+    even when the kernel held pages of the old version."""
+    root = tmp_path / "src"
+    (root / "d").mkdir(parents=True)
+    f = root / "d" / "x.bin"
+    f.write_bytes(b"a" * 50_000)
+    m = mount(root, "--revalidate", "1")
+    assert (m.mnt / "d" / "x.bin").read_bytes() == b"a" * 50_000
+    m.wait_cached(1)
+    assert (m.mnt / "d" / "x.bin").read_bytes() == b"a" * 50_000  # kept pages
+    new = b"b" * 70_000
+    f.write_bytes(new)
+    os.utime(f, ns=(time.time_ns(), time.time_ns() + 5_000_000_000))
+    seen = []
+
+    def served_new() -> bool:
+        data = (m.mnt / "d" / "x.bin").read_bytes()
+        seen.append(data)
+        assert data in (b"a" * 50_000, new), f"{len(data)} bytes, neither version"
+        return data == new
+
+    wait_until(served_new, "the new version through the mount", timeout=30, interval=0.3)
+    assert (m.mnt / "d" / "x.bin").read_bytes() == new
