@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import pyfuse3
 import trio
+from dlcachefs.mount import fuseloop
 from dlcachefs.mount.ops import Operations
 
 from dlcachefs import mountctl
@@ -123,6 +124,7 @@ def run(cfg: Config, report: Reporter) -> int:
             engine.close_files()
         lock.release()
         return 1
+    fuseloop.install()  # a cheaper lock around each wait for a request
     try:
         trio.run(_serve, engine, ops, report)
     finally:
