@@ -92,7 +92,7 @@ def helper(pid: int, cache_dir: str, ready_path: str, stats_path: str) -> int:
         fcntl.ioctl(dev, FUSE_DEV_IOC_CLONE, struct.pack("I", session))
     except OSError as e:
         stats["errors"].append(f"FUSE_DEV_IOC_CLONE: {e}")
-        json.dump(stats, open(stats_path, "w"))
+        _dump(stats, stats_path)
         return 1
     os.close(session)  # the clone holds the connection; the daemon keeps its own fd
     env = lmdb.open(os.path.join(cache_dir, "meta.lmdb"), readonly=True, lock=True,
@@ -147,8 +147,18 @@ def helper(pid: int, cache_dir: str, ready_path: str, stats_path: str) -> int:
         stats["reads"] += 1
         stats["bytes"] += len(piece)
         del n, ln
-    json.dump(stats, open(stats_path, "w"))
+    _dump(stats, stats_path)
     return 0
+
+
+def _dump(doc: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(doc, f)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 # ----- the driver --------------------------------------------------------------------------
@@ -194,8 +204,7 @@ def run(a: argparse.Namespace) -> dict:
                     got = os.pread(fds[i], sizes[i] + 1, 0)
                 except OSError as e:
                     return f"{rels[i]}: {e}"
-                with open(os.path.join(src, rels[i]), "rb") as f:
-                    return got == f.read() or f"{rels[i]}: bytes differ"
+                return got == _read(os.path.join(src, rels[i])) or f"{rels[i]}: bytes differ"
 
             with ThreadPoolExecutor(a.threads) as ex:
                 results = list(ex.map(read_one, range(len(rels))))
@@ -212,7 +221,7 @@ def run(a: argparse.Namespace) -> dict:
                             got = f.read()
                     except OSError as e:
                         return f"{type(e).__name__}: {e}"
-                    return got == open(os.path.join(src, rels[i]), "rb").read() or "differ"
+                    return got == _read(os.path.join(src, rels[i])) or "differ"
 
                 with ThreadPoolExecutor(a.threads) as ex:
                     mixed = list(ex.map(by_path, range(min(len(rels), 60))))
@@ -229,10 +238,10 @@ def run(a: argparse.Namespace) -> dict:
         doc["daemon_reads"] = ops1["read"] - ops0["read"]
         if "mixed" in doc:  # the daemon's side of the by-path phase
             doc["mixed"]["daemon_opens"] = ops1["open"] - ops0["open"]
-        doc["helper"] = json.load(open(statf)) if os.path.exists(statf) else None
-        with open(os.path.join(mnt, rels[0]), "rb") as f:  # after the helper left
-            doc["mount_works_after_helper"] = f.read() == open(os.path.join(src, rels[0]),
-                                                                 "rb").read()
+        doc["helper"] = json.loads(_read(statf)) if os.path.exists(statf) else None
+        # after the helper left: the daemon alone
+        doc["mount_works_after_helper"] = (_read(os.path.join(mnt, rels[0]))
+                                           == _read(os.path.join(src, rels[0])))
     return doc
 
 
