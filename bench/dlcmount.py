@@ -47,6 +47,9 @@ def counter_delta(before: dict, after: dict) -> dict:
     """after - before for every numeric counter (not the state keys)."""
     out = {}
     for k, v in after.items():
+        if k == "fuse_ops" and isinstance(v, dict):  # FUSE requests per operation
+            out[k] = {op: n - before.get(k, {}).get(op, 0) for op, n in v.items()}
+            continue
         if k in STATE_KEYS or not isinstance(v, (int, float)) or isinstance(v, bool):
             continue
         out[k] = v - before.get(k, 0)

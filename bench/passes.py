@@ -8,8 +8,14 @@ For each thread count (``--threads 1,8``), in this order:
                     comes from the source and is written into chunks;
 * ``dlc pass2``     the same mount after the chunk writer went idle, page cache dropped:
                     every file comes from the chunk logs (or the daemon's memory tier);
+* ``dlc warm``      the same mount again at once, nothing dropped: cached files keep
+                    their pages (``keep_cache``), so a file costs an OPEN and a RELEASE;
 * ``dlc remount``   after unmount + mount of the same cache, page cache dropped: served
-                    from the logs, nothing from the source (``bytes_from_source`` 0).
+                    from the logs, nothing from the source (``bytes_from_source`` 0);
+* ``passthrough cold`` / ``passthrough warm``  ``bench.passthrough`` (a minimal pyfuse3
+                    daemon) over the source, page cache dropped / not: every read reaches
+                    it (it never keeps pages across opens). The floor of a Python FUSE
+                    daemon; ``ratios`` compares dlcachefs with it per repetition.
 
 Every file is read whole (``open(...).read()``) in one fixed random permutation
 (``--order same``; ``--order epoch`` draws a new permutation per pass, as a shuffling
@@ -36,13 +42,21 @@ import traceback
 
 from . import make_dataset as md
 from .dlcmount import DlcMount, dlcachefs_exe
+from .passthrough import passthrough_mount
 from .readers import READERS, ReadResult, read_all
-from .util import drop_page_cache, fs_of, machine_info, tree_digest, write_json
+from .util import (
+    drop_page_cache,
+    fs_of,
+    machine_info,
+    proc_cpu_seconds,
+    tree_digest,
+    write_json,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_WORK = os.path.join(REPO, "bench", "out", "passes")
 DEFAULT_OUT = os.path.join(REPO, "bench", "results", "passes.json")
-SYSTEMS = ("direct", "dlcachefs")
+SYSTEMS = ("direct", "passthrough", "dlcachefs")
 
 
 class BenchFailure(RuntimeError):
@@ -152,7 +166,7 @@ class Checker:
 
 def run_one(label: str, system: str, phase: str, threads: int, root: str, rels: list[str],
             checker: Checker, reader_name: str, drop: bool, mount: DlcMount | None,
-            drop_roots: list[str]) -> dict:
+            drop_roots: list[str], cpu_pid: int | None = None) -> dict:
     """Read every file of ``rels`` (in that order) under ``root`` once, after emptying the
     page cache when ``drop``; return the run's record."""
     page_cache = "warm"
@@ -162,7 +176,9 @@ def run_one(label: str, system: str, phase: str, threads: int, root: str, rels: 
             page_cache = "not dropped"
     paths = [os.path.join(root, r) for r in rels]
     probe = mount.probe_start() if mount else None
+    cpu0 = proc_cpu_seconds(cpu_pid) if cpu_pid else None
     res = read_all(paths, threads, READERS[reader_name])
+    cpu1 = proc_cpu_seconds(cpu_pid) if cpu_pid else None
     daemon = mount.probe_end(probe) if mount else None
     digest = checker.check(f"{label} x{threads}", rels, res)
     rec = {
@@ -174,6 +190,15 @@ def run_one(label: str, system: str, phase: str, threads: int, root: str, rels: 
     }
     if daemon is not None:
         rec["dlcachefs"] = daemon
+        rec["daemon_cpu_s"] = daemon["daemon_cpu_s"]
+        ops = daemon["stats_delta"].get("fuse_ops")
+        if isinstance(ops, dict):
+            rec["fuse_requests_per_file"] = {k: round(v / len(rels), 2)
+                                             for k, v in ops.items() if v}
+    if cpu0 is not None and cpu1 is not None:
+        rec["daemon_cpu_s"] = round(cpu1 - cpu0, 3)
+    if rec.get("daemon_cpu_s") is not None:
+        rec["daemon_cpu_ms_per_file"] = round(1000 * rec["daemon_cpu_s"] / len(rels), 3)
     d = rec.get("dlcachefs", {}).get("stats_delta", {})
     log(f"{label:<13} x{threads}: {rec['files_per_s']:>8.1f} files/s {rec['mb_per_s']:>7.1f} MB/s "
         f"p50 {rec['latency_ms']['p50']:.3f} ms p99 {rec['latency_ms']['p99']:.3f} ms"
@@ -195,7 +220,7 @@ def expectations(rec: dict, nfiles: int) -> list[str]:
         out.append(f"{where}: hits + misses = {opens}, expected {nfiles} (one open per file)")
     if rec["phase"] == "pass1" and d.get("misses") != nfiles:
         out.append(f"{where}: {d.get('misses')} misses on a fresh cache, expected {nfiles}")
-    if rec["phase"] in ("pass2", "remount"):
+    if rec["phase"] in ("pass2", "warm", "remount"):
         if d.get("bytes_from_source"):
             out.append(f"{where}: {d['bytes_from_source']} bytes from the source, expected 0")
         if d.get("misses"):
@@ -270,6 +295,13 @@ def run(a: argparse.Namespace, doc: dict) -> dict:
                                 a.reader, True, None, [root]), rep)
                     add(run_one("direct warm", "direct", "warm", t, root, order(1), checker,
                                 a.reader, False, None, [root]), rep)
+            if "passthrough" in systems:
+                for t in threads:
+                    with passthrough_mount(root, mnt, read_ahead_kb=1024) as pid:
+                        add(run_one("passthrough cold", "passthrough", "cold", t, mnt, order(0),
+                                    checker, a.reader, True, None, [root], pid), rep)
+                        add(run_one("passthrough warm", "passthrough", "warm", t, mnt, order(1),
+                                    checker, a.reader, False, None, [root], pid), rep)
             if "dlcachefs" in systems:
                 for t in threads:
                     cache = os.path.join(a.work, f"cache-x{t}")
@@ -283,6 +315,8 @@ def run(a: argparse.Namespace, doc: dict) -> dict:
                         rec["dlcachefs"]["writer_settle_s"] = round(m.wait_idle(), 3)
                         add(run_one("dlc pass2", "dlcachefs", "pass2", t, mnt, order(1),
                                     checker, a.reader, True, m, drop_roots), rep)
+                        add(run_one("dlc warm", "dlcachefs", "warm", t, mnt, order(1),
+                                    checker, a.reader, False, m, drop_roots), rep)
                     doc["mounts"].append(_mount_info(m, t, rep, "pass1+pass2"))
                     with DlcMount(root, mnt, cache, a.mount_arg, exe) as m:
                         log(f"remounted {mnt} (daemon {m.pid}, {m.mount_s:.2f} s)")
@@ -298,7 +332,31 @@ def run(a: argparse.Namespace, doc: dict) -> dict:
         doc["reference_digest"] = checker.digest
         doc["total_seconds"] = round(time.perf_counter() - t_start, 2)
         doc["summary"] = summarize(runs)
+        doc["ratios"] = ratios(runs)
     return doc
+
+
+#: (numerator run, denominator run): the comparisons issue 11 asks for, per repetition
+RATIOS = (("dlc pass2", "passthrough warm"), ("dlc warm", "passthrough warm"),
+          ("dlc pass2", "passthrough cold"), ("dlc pass2", "direct cold"),
+          ("dlc warm", "direct cold"))
+
+
+def ratios(runs: list[dict]) -> list[dict]:
+    """files/s of one run over another's, per thread count, for every repetition (so that
+    "every run" can be checked: ``min``), with the median."""
+    by = {(r["label"], r["threads"], r.get("rep", 0)): r["files_per_s"] for r in runs}
+    out = []
+    for num, den in RATIOS:
+        for t in sorted({r["threads"] for r in runs}):
+            vals = [round(by[(num, t, rep)] / by[(den, t, rep)], 3)
+                    for (lab, th, rep) in sorted(by) if lab == num and th == t
+                    and (den, t, rep) in by and by[(den, t, rep)]]
+            if vals:
+                s = sorted(vals)
+                out.append({"ratio": f"{num} / {den}", "threads": t, "per_rep": vals,
+                            "median": s[(len(s) - 1) // 2], "min": s[0]})
+    return out
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -332,7 +390,7 @@ def _r(x: float | None) -> float | None:
 def markdown(doc: dict) -> str:
     cols = ["run", "thr", "files/s", "MB/s", "p50 ms", "p99 ms", "max ms", "wall s",
             "src MB", "hits", "misses", "chunk_reads", "record_reads", "daemon CPU s",
-            "daemon peak RSS MB"]
+            "daemon CPU ms/file", "FUSE requests/file", "daemon peak RSS MB"]
     summary = doc.get("summary") or summarize(doc["runs"])
     reps = max((g["reps"] for g in summary), default=1)
     if reps > 1:
@@ -352,7 +410,10 @@ def markdown(doc: dict) -> str:
                f"{r['wall_s']:.2f}",
                "" if d is None else f"{s.get('bytes_from_source', 0) / 1e6:.1f}",
                v("hits"), v("misses"), v("chunk_reads"), v("record_reads"),
-               "" if d is None else f"{d['daemon_cpu_s']:.2f}",
+               "" if r.get("daemon_cpu_s") is None else f"{r['daemon_cpu_s']:.2f}",
+               "" if r.get("daemon_cpu_ms_per_file") is None
+               else f"{r['daemon_cpu_ms_per_file']:.3f}",
+               " ".join(f"{k} {v:g}" for k, v in r.get("fuse_requests_per_file", {}).items()),
                "" if d is None else f"{d['daemon_peak_rss_mb']:.0f}"]
         if reps > 1:
             row.insert(3, f"{g['files_per_s_min']:.0f}-{g['files_per_s_max']:.0f}")
@@ -363,9 +424,17 @@ def markdown(doc: dict) -> str:
     lines.append(f"{ds.get('files')} files, {ds.get('total_bytes', 0) / 1e6:.0f} MB "
                  f"({m['cpu_model']}, {m['cpus_usable']} CPUs, {m['memory_gb']} GB, "
                  f"kernel {m['kernel']}); reader `{doc['config']['reader']}`; "
-                 "page cache dropped before every run but `direct warm`; "
+                 "page cache dropped before every run but `direct warm`, `passthrough warm` "
+                 "and `dlc warm`; "
                  f"order `{doc['dataset'].get('order', {}).get('mode')}`"
                  + (f"; median of {reps} repetitions by files/s." if reps > 1 else "."))
+    if doc.get("ratios"):
+        lines += ["", "| ratio (files/s) | threads | per repetition | median | min |",
+                  "|---|---|---|---|---|"]
+        for q in doc["ratios"]:
+            lines.append(f"| {q['ratio']} | {q['threads']} | "
+                         f"{', '.join(f'{x:.2f}' for x in q['per_rep'])} | {q['median']:.2f} | "
+                         f"{q['min']:.2f} |")
     return "\n".join(lines)
 
 
@@ -433,8 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use this existing directory as the dataset instead of generating one")
     p.add_argument("--threads", default="1,8",
                    help="comma-separated reader thread counts (default 1,8)")
-    p.add_argument("--systems", default="direct,dlcachefs",
-                   help="what to measure, comma-separated: direct, dlcachefs (default both)")
+    p.add_argument("--systems", default="direct,passthrough,dlcachefs",
+                   help="what to measure, comma-separated: direct, passthrough, dlcachefs "
+                        "(default all three)")
     p.add_argument("--order", choices=["same", "epoch"], default="same",
                    help="reading order of the passes: one fixed random permutation for all "
                         "(same, default), or a new permutation per pass (epoch)")
