@@ -162,6 +162,13 @@ class Namespace:
         self.changed: set[int] = set()
         self._dir_paths: OrderedDict[int, bytes] = OrderedDict()
         self._refreshing: dict[int, trio.Event] = {}
+        # directory ino -> its checked_at, so that an open of a file checks its parent's
+        # freshness without an LMDB read (each read on the loop also lets go of the GIL).
+        # Written and dropped on the loop only; a directory's checked_at changes only in a
+        # merge, and refresh_dir drops the entry after the merge's write transaction
+        # returned: a value read before that commit was stored before the drop (the
+        # loop runs one task at a time), so what stays is never older than the index.
+        self._dir_checked: dict[int, float] = {}
 
     # ----- snapshot reads (trio loop) -----------------------------------------------
 
@@ -240,9 +247,14 @@ class Namespace:
             raise IsADirectory(os.fsdecode(e.name))
         if self.revalidate == 0:
             return await self._restat(e)
-        parent = self.get(e.parent)
-        if self._stale(parent):
-            await self.refresh_dir(parent.ino)
+        checked = self._dir_checked.get(e.parent)
+        if checked is None:
+            checked = self.get(e.parent).checked_at
+            if len(self._dir_checked) >= 100_000:
+                self._dir_checked.clear()  # bounded; refilled from the index as needed
+            self._dir_checked[e.parent] = checked
+        if time.time() - checked > self.revalidate:
+            await self.refresh_dir(e.parent)
             e = self.get(ino)  # NotFound if it vanished
         return e
 
@@ -295,9 +307,13 @@ class Namespace:
             except NotFound:
                 if ino != ROOT_INO:
                     await trio.to_thread.run_sync(self._delete, e)
+                    self._dir_checked.clear()  # a subtree went: rare, start afresh
                     self._notify("entry", e.parent, e.name, e.ino)
                 raise
             res = await trio.to_thread.run_sync(self._merge, e, rel, listing)
+            self._dir_checked.pop(ino, None)  # after the commit: see __init__
+            for _ino, _sub in res.subdirs:
+                self._dir_checked.pop(_ino, None)
             for name, child in res.added + res.removed:
                 if name:
                     self._notify("entry", ino, name, child)

@@ -1,0 +1,111 @@
+"""Tier 3: an open checks its directory's freshness from memory, and the ``--revalidate``
+rule still holds exactly (the namespace's directory cache, dlcachefs.cache.namespace).
+
+A fake wall clock (the namespace's ``time``) moves past the window instead of sleeping."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import trio
+
+from dlcachefs.cache import namespace as ns_mod
+from dlcachefs.testing.fakes import CountingSource, make_config, read_all, run_engine, write_tree
+
+
+class Clock:
+    """``time`` as the namespace sees it: a wall clock we move; monotonic stays real."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+        self.monotonic = time.monotonic
+        self.perf_counter = time.perf_counter
+
+    def time(self) -> float:
+        return self.now
+
+    def time_ns(self) -> int:
+        return int(self.now * 1e9)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = Clock()
+    monkeypatch.setattr(ns_mod, "time", c)
+    return c
+
+
+def test_open_reads_the_directory_freshness_from_memory_and_revalidates_on_time(
+        tmp_path, clock):
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    write_tree(src, {b"d/x.bin": b"a" * 3000, b"d/y.bin": b"b" * 5000, b"e/z.bin": b"z"})
+    source = CountingSource(str(src))
+
+    async def body(eng):
+        # the mount's scan left every directory unchecked: the first open lists d
+        assert await read_all(eng, b"d/x.bin") == b"a" * 3000
+        lists = source.calls["list_dir"]
+        gets = 0
+        real_get = eng.index.get_entry
+
+        def counting_get(ino):
+            nonlocal gets
+            gets += 1
+            return real_get(ino)
+
+        d = eng.ns.resolve(b"d")
+        y = eng.ns.resolve(b"d/y.bin")
+        eng.index.get_entry = counting_get
+        for _ in range(5):  # fresh: no listing, and the parent's entry is not read
+            r = await eng.open(y.ino)
+            assert bytes(await eng.read(r.fh, 0, 1 << 20)) == b"b" * 5000
+            eng.release(r.fh)
+        assert source.calls["list_dir"] == lists
+        assert gets == 5  # the file's own entry, once per open; never the directory's
+        eng.index.get_entry = real_get
+        # the source changes; within the window the snapshot is trusted
+        (src / "d" / "y.bin").write_bytes(b"c" * 7000)
+        os.utime(src / "d" / "y.bin", ns=(1, 2_000_000_000_000_000_000))
+        (src / "d" / "new.bin").write_bytes(b"n")
+        clock.now += 50
+        assert await read_all(eng, b"d/y.bin") == b"b" * 5000
+        assert source.calls["list_dir"] == lists
+        # past the window: listed again at the next open, and the new version served
+        clock.now += 60
+        assert await read_all(eng, b"d/y.bin") == b"c" * 7000
+        assert source.calls["list_dir"] == lists + 1
+        assert eng.ns.lookup(d.ino, b"new.bin").size == 1
+        # the listing's own time is what the next opens see: no second listing
+        for _ in range(3):
+            assert await read_all(eng, b"d/x.bin") == b"a" * 3000
+        assert source.calls["list_dir"] == lists + 1
+        # another directory keeps its own time
+        clock.now += 101
+        assert await read_all(eng, b"e/z.bin") == b"z"
+        assert await read_all(eng, b"d/x.bin") == b"a" * 3000
+        assert source.calls["list_dir"] == lists + 3
+
+    run_engine(make_config(src, cache, revalidate=100), body, source)
+
+
+def test_a_vanished_directory_is_not_found_after_revalidation(tmp_path, clock):
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    write_tree(src, {b"top/d/x.bin": b"a" * 300, b"top/keep.bin": b"k"})
+    source = CountingSource(str(src))
+
+    async def body(eng):
+        assert await read_all(eng, b"top/d/x.bin") == b"a" * 300
+        x = eng.ns.resolve(b"top/d/x.bin")
+        os.remove(src / "top" / "d" / "x.bin")
+        os.rmdir(src / "top" / "d")
+        clock.now += 1000
+        assert await read_all(eng, b"top/keep.bin") == b"k"  # lists top: d is gone
+        from dlcachefs.errors import NotFound  # noqa: PLC0415
+
+        with pytest.raises(NotFound):
+            await eng.open(x.ino)
+        await trio.sleep(0)
+
+    run_engine(make_config(src, cache, revalidate=100), body, source)
