@@ -513,6 +513,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take the metadata part from a `python -m bench.metadata` result "
                         "instead of measuring it again")
     p.add_argument("--no-rclone", action="store_true", help="skip rclone")
+    p.add_argument("--remote-name", default="dlcbench",
+                   help="network namespace and link names of the slow remote (default "
+                        "dlcbench; another name lets two runs share a machine)")
     p.add_argument("--rclone-default-files", type=int, default=None,
                    help="files read by rclone with default options (default 100; quick 40)")
     p.add_argument("--mount-arg", action="append", default=[],
@@ -577,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
                    "sizes": [sizes_by_rel[r] for r in order],
                    "total_bytes": manifest["total_bytes"], "verifier": Verifier(manifest)}
             rmnt = os.path.join(a.work, "mnt-remote")
-            with slow_remote(root, rmnt, rate=a.rate) as remote:
+            with slow_remote(root, rmnt, rate=a.rate, name=a.remote_name) as remote:
                 ctx["iface"] = f"{remote.name}-h"
                 doc["remote"] = remote.describe()
                 log(f"remote up: sshfs pid {remote.sshfs_pid} on {rmnt}, rate {a.rate}")
