@@ -1,18 +1,26 @@
-"""A cheaper lock in pyfuse3's main loop (one per FUSE request).
+"""Cheaper per-request overhead in pyfuse3's main loop.
 
-pyfuse3's session loop (``pyfuse3/internal.pxi``, ``_wait_fuse_readable``) takes a
-``trio.Lock`` around every wait for ``/dev/fuse`` to become readable, so that one task at a
-time waits on the fd. ``trio.Lock`` is built for generality (KeyboardInterrupt protection,
-a parking lot with lot breakers that inspect the owner's coroutine state, a checkpoint on
-every acquire): ~8% of the daemon's CPU on a warm 8-reader pass (py-spy), 3-5 us of CPU
-per request in isolation (``FifoLock`` vs ``trio.Lock``, acquire + release around a
-yield: 9.2 -> 4.4 us with one task, 11.6 -> 8.6 us with 8).
+pyfuse3's session loop (``pyfuse3/internal.pxi``, ``_wait_fuse_readable``) runs, for every
+request, ``async with trio.Lock(): await trio.lowlevel.wait_readable(session_fd)`` before it
+reads the request. Two costs of that, measured in isolation (CPU per call, this machine):
 
-pyfuse3 looks the lock class up as ``trio.Lock`` in its module global ``trio`` at the first
-request: the hook its own asyncio mode uses (``pyfuse3.asyncio.enable`` replaces that
-global). :func:`install` puts a copy of trio's namespace there whose ``Lock`` is
-:class:`FifoLock`, which does only what that loop needs. Best effort: if a later pyfuse3
-has no such global, :func:`install` says so in the log and the daemon runs as before.
+* ``trio.Lock`` is built for generality (KeyboardInterrupt protection, a parking lot with
+  lot breakers that inspect the owner's coroutine state, a checkpoint on every acquire):
+  acquire + release around a yield 9.2 us with one task, 11.6 with 8; :class:`FifoLock`,
+  which does only what the loop needs, 4.4 and 8.6 (py-spy: the lock was ~8% of the
+  daemon's CPU on a warm 8-reader pass).
+* ``wait_readable`` re-arms the fd in epoll (one ``epoll_ctl``) and parks the task until
+  the next ``epoll_wait``, even when a request is already waiting, which is the common
+  case with several readers: 8.1 us; :func:`wait_readable` first asks ``poll`` with no
+  timeout and, when the fd is readable, only yields once (a trio checkpoint, so other
+  tasks still run and cancellation still lands): 5.0 us.
+
+pyfuse3 looks both up through its module global ``trio`` (``trio.Lock`` at the first
+request, ``trio.lowlevel.wait_readable`` at each): the hook its own asyncio mode uses
+(``pyfuse3.asyncio.enable`` replaces that global). :func:`install` puts a copy of trio's
+namespace there with these two replaced; everything else is trio's own. Best effort: if a
+later pyfuse3 has no such global, :func:`install` says so in the log and the daemon runs
+as before.
 
 (Measured and left alone: trio sets the OS thread name twice per ``to_thread`` job, through
 ctypes; turning that off changed nothing measurable next to the ~70 us of CPU a thread hop
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import select
 import types
 
 import pyfuse3
@@ -69,14 +78,36 @@ class FifoLock:
             self._held = False
 
 
+_polls: dict[int, select.poll] = {}
+
+
+async def wait_readable(fd: int) -> None:
+    """``trio.lowlevel.wait_readable`` that returns after one checkpoint when ``fd`` is
+    readable already, else waits as trio does (so ``notify_closing`` still ends the wait
+    with ClosedResourceError, and a hung-up fd is trio's to report). Trio loop."""
+    p = _polls.get(fd)
+    if p is None:
+        p = _polls[fd] = select.poll()
+        p.register(fd, select.POLLIN)
+    ready = p.poll(0)
+    if ready and ready[0][1] & select.POLLIN:
+        await trio.lowlevel.checkpoint()
+        return
+    await trio.lowlevel.wait_readable(fd)
+
+
 def install() -> bool:
-    """Give pyfuse3's session loop :class:`FifoLock` (before ``pyfuse3.main``). True when
-    installed."""
+    """Give pyfuse3's session loop :class:`FifoLock` and :func:`wait_readable` (before
+    ``pyfuse3.main``). True when installed."""
     if getattr(pyfuse3, "trio", None) is not trio:
-        log.info("pyfuse3 has no module global 'trio' to give a cheaper lock; left as is")
+        log.info("pyfuse3 has no module global 'trio' to give a cheaper loop; left as is")
         return False
+    lowlevel = types.ModuleType("trio.lowlevel")
+    lowlevel.__dict__.update(trio.lowlevel.__dict__)
+    lowlevel.wait_readable = wait_readable  # type: ignore[attr-defined]
     shim = types.ModuleType("trio")
     shim.__dict__.update(trio.__dict__)
     shim.Lock = FifoLock  # type: ignore[attr-defined]
+    shim.lowlevel = lowlevel  # type: ignore[attr-defined]
     pyfuse3.trio = shim  # type: ignore[attr-defined]
     return True

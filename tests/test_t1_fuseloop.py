@@ -5,11 +5,13 @@ installs it); the concurrent-reader ones (test_t4_requests, bench) put many task
 
 from __future__ import annotations
 
+import os
+
 import pyfuse3
 import pytest
 import trio
 from dlcachefs.mount import fuseloop
-from dlcachefs.mount.fuseloop import FifoLock
+from dlcachefs.mount.fuseloop import FifoLock, wait_readable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,8 +22,11 @@ def test_install_gives_pyfuse3_the_lock_and_keeps_the_rest_of_trio():
         assert fuseloop.install() is True
         shim = pyfuse3.trio
         assert shim.Lock is FifoLock
+        assert shim.lowlevel.wait_readable is fuseloop.wait_readable
         # everything else pyfuse3's loop uses is trio's own
-        assert shim.lowlevel is trio.lowlevel
+        for name in ("current_task", "current_trio_token", "notify_closing", "checkpoint"):
+            assert getattr(shim.lowlevel, name) is getattr(trio.lowlevel, name)
+        assert trio.lowlevel.wait_readable is not fuseloop.wait_readable  # trio untouched
         assert shim.open_nursery is trio.open_nursery
         assert shim.ClosedResourceError is trio.ClosedResourceError
         assert fuseloop.install() is False  # a second call leaves it (no shim of a shim)
@@ -129,3 +134,60 @@ def test_an_exception_inside_releases_to_the_next():
         assert got == [1] and not lock.locked()
 
     trio.run(main)
+
+
+def test_wait_readable_returns_at_once_when_readable_and_waits_otherwise():
+    r, w = os.pipe()
+
+    async def main():
+        os.write(w, b"x")
+        await wait_readable(r)  # readable: returns after one checkpoint
+        os.read(r, 1)
+        woke = []
+
+        async def waiter():
+            await wait_readable(r)
+            woke.append(os.read(r, 1))
+
+        async with trio.open_nursery() as n:
+            n.start_soon(waiter)
+            await trio.testing.wait_all_tasks_blocked()
+            assert woke == []  # nothing to read: it waits, as trio's does
+            os.write(w, b"y")
+        assert woke == [b"y"]
+
+    import trio.testing  # noqa: F401, PLC0415
+    try:
+        trio.run(main)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_wait_readable_still_checkpoints_and_ends_on_notify_closing():
+    r, w = os.pipe()
+
+    async def main():
+        os.write(w, b"x")
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await wait_readable(r)  # readable, but the scope is cancelled: it must land
+            raise AssertionError("not cancelled")
+        assert scope.cancelled_caught
+        os.read(r, 1)
+
+        async def closer():
+            await trio.testing.wait_all_tasks_blocked()
+            trio.lowlevel.notify_closing(r)  # what pyfuse3.terminate() does
+
+        async with trio.open_nursery() as n:
+            n.start_soon(closer)
+            with pytest.raises(trio.ClosedResourceError):
+                await wait_readable(r)
+
+    import trio.testing  # noqa: F401, PLC0415
+    try:
+        trio.run(main)
+    finally:
+        os.close(r)
+        os.close(w)
