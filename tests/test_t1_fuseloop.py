@@ -191,3 +191,51 @@ def test_wait_readable_still_checkpoints_and_ends_on_notify_closing():
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_wait_readable_stops_asking_poll_after_a_miss_and_asks_again_later(monkeypatch):
+    r, w = os.pipe()
+    polls = 0
+    real_poll = fuseloop.select.poll
+
+    class CountingPoll:
+        def __init__(self) -> None:
+            self.p = real_poll()
+
+        def register(self, *a) -> None:
+            self.p.register(*a)
+
+        def poll(self, *a):
+            nonlocal polls
+            polls += 1
+            return self.p.poll(*a)
+
+    monkeypatch.setattr(fuseloop.select, "poll", CountingPoll)
+    monkeypatch.setattr(fuseloop, "_polls", {})
+    monkeypatch.setattr(fuseloop, "_skip", 0)
+
+    async def main():
+        nonlocal polls
+
+        async def writer():
+            await trio.testing.wait_all_tasks_blocked()
+            os.write(w, b"x")
+
+        async with trio.open_nursery() as n:  # a miss: nothing to read yet
+            n.start_soon(writer)
+            await wait_readable(r)
+        os.read(r, 1)
+        assert polls == 1
+        os.write(w, b"y" * (fuseloop.SKIP_AFTER_MISS + 1))
+        for _ in range(fuseloop.SKIP_AFTER_MISS):
+            await wait_readable(r)  # straight to trio's wait: no poll
+        assert polls == 1
+        await wait_readable(r)  # asks again
+        assert polls == 2
+
+    import trio.testing  # noqa: F401, PLC0415
+    try:
+        trio.run(main)
+    finally:
+        os.close(r)
+        os.close(w)
