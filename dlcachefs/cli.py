@@ -14,6 +14,7 @@ import re
 import sys
 
 from dlcachefs import mountctl
+from dlcachefs.admin.commands import ADMIN_COMMANDS, add_admin_commands, run_admin_command
 from dlcachefs.config import OPTIONS, Config, Option, build_config, option, read_config_file
 from dlcachefs.units import format_size, parse_size
 
@@ -45,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("stats", help="show a mount's statistics")
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true", help="print the raw JSON")
+
+    add_admin_commands(sub)
 
     r = sub.add_parser("run", help="run a training command with the sampler hook installed "
                                    "(no edit to the script)")
@@ -130,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_run(a.command, a.job)
         if a.cmd == "simulate":
             return cmd_simulate(a)
+        if a.cmd in ADMIN_COMMANDS:
+            return run_admin_command(a)
         if a.cmd == "verify":
             from dlcachefs.store.verify import cmd_verify  # noqa: PLC0415
 

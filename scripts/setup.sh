@@ -34,7 +34,7 @@ if ! .venv/bin/python -c "import torch, torchvision" >/dev/null 2>&1; then
   # shellcheck disable=SC2086
   "${VPIP[@]}" install $TORCH_PIN
 fi
-"${VPIP[@]}" install -e ".[test,bench,torch,peers]"
+"${VPIP[@]}" install -e ".[test,bench,torch,peers,ops]"
 if [ -n "${DLCACHEFS_BENCH:-}" ]; then
   # DLIO (bench/dlio.py) in its own venv, never in .venv: bench/out/dlio-venv
   # (mpi4py is built from source against Open MPI: a few minutes the first time)

@@ -79,6 +79,7 @@ def stats_document(eng: Engine) -> dict:
         "chunks": snap["chunks"],
         "chunk_bytes": snap["chunk_bytes"],
         "cache_limit_bytes": eng.cfg.cache_size,
+        "max_cached_file": eng.cfg.max_cached_file,  # larger files are read through
         "memory_bytes": eng.memtier.bytes,
         "memory_limit_bytes": eng.memtier.limit,
         # fetched, not yet in a sealed chunk (waiting for the writer's room included)

@@ -1,0 +1,430 @@
+"""``dlcachefs warmup MNT [PATH...] [--order FILE]``: fill the cache before training.
+
+How: each file to warm is opened through the mount and one byte of it is read. The
+daemon's ``open`` fetches the whole file from the source and hands it to the chunk writer
+(:mod:`dlcachefs.cache.engine`), so the open is the warm-up and nothing else is needed:
+no control command, and the files are cached exactly as a training's reads cache them
+(same policy, same chunks, same checksums). ``--jobs`` opens run at once (threads; the
+daemon bounds the source reads with ``--source-threads``).
+
+What is cached already is asked of the cache's index, opened read-only from this process
+(:class:`dlcachefs.store.readonly.IndexReader`, where ``.dlcache/zerocopy`` says it is),
+with the rule an ``open`` through the mount applies: the path resolved through the
+snapshot, its directory fresh, the record of the file's current version present. Those
+files are skipped, so an interrupted warm-up resumes where it stopped. When the index
+cannot be opened here (another user's cache, no lmdb), nothing is skipped; an open of a
+cached file is then a cache hit, which costs no source read.
+
+What fits: the files are taken in order (``--order FILE``, else the paths given, each
+directory walked in sorted order), and the cache's budget (``--cache-size``) is spent on
+them from the first: the warm-up stops before the first file that would take the total of
+the files warmed (cached ones included) past the budget, since warming more would evict
+files warmed earlier. Files larger than ``--max-cached-file`` are never cached and are
+left out. ``--dry-run`` prints this plan and reads nothing.
+
+Standard library, plus :mod:`rich` for the progress bar when it is installed and stderr
+is a terminal; lmdb only to ask what is cached. No trio.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import stat
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from dlcachefs.admin import mountinfo
+from dlcachefs.units import format_size
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """A file to warm: its path relative to the mount's root and its size."""
+
+    rel: str
+    size: int
+
+
+@dataclass
+class Plan:
+    """The warm-up of a list of files, split by what will happen to each."""
+
+    files: list[Item]            # every file asked for, in order
+    to_fetch: list[Item]         # not cached, within the budget: opened
+    cached: list[Item]           # cached already, within the budget: skipped
+    left_out: list[Item]         # past the budget (would evict files warmed earlier)
+    too_large: list[Item]        # > --max-cached-file: never cached
+    budget: int                  # --cache-size of the mount
+    max_cached_file: int | None
+    cached_known: bool           # False: the index could not be read, nothing is skipped
+
+    def as_dict(self) -> dict:
+        def part(items: list[Item]) -> dict:
+            return {"files": len(items), "bytes": sum(i.size for i in items)}
+
+        return {"files": part(self.files), "to_fetch": part(self.to_fetch),
+                "cached": part(self.cached), "left_out": part(self.left_out),
+                "too_large": part(self.too_large), "budget_bytes": self.budget,
+                "max_cached_file": self.max_cached_file, "cached_known": self.cached_known,
+                "last_fitting": (self.to_fetch + self.cached)[-1].rel
+                if (self.to_fetch or self.cached) else None}
+
+
+# ----- which files ---------------------------------------------------------------------
+
+def _rel_of(mnt: str, path: str) -> str:
+    """``path`` (absolute inside ``mnt``, or relative to it) as a path relative to
+    ``mnt``; ValueError when it is outside."""
+    full = os.path.normpath(path if os.path.isabs(path) else os.path.join(mnt, path))
+    rel = os.path.relpath(full, mnt)
+    if rel == ".":
+        return ""
+    if rel.startswith(".."):
+        raise ValueError(f"{path} is not inside the mount {mnt}")
+    return rel
+
+
+def _walk(mnt: str, rel: str) -> Iterator[Item]:
+    """Regular files under ``rel``, depth first in sorted order (links not followed; the
+    mount lists from its snapshot, so this reads nothing from the source)."""
+    stack = [rel]
+    while stack:
+        d = stack.pop()
+        try:
+            with os.scandir(os.path.join(mnt, d)) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError as e:
+            raise ValueError(f"cannot list {os.path.join(mnt, d)}: {e.strerror}") from None
+        subdirs = []
+        for e in entries:
+            r = os.path.join(d, e.name) if d else e.name
+            if e.is_dir(follow_symlinks=False):
+                subdirs.append(r)
+            elif e.is_file(follow_symlinks=False):
+                yield Item(r, e.stat(follow_symlinks=False).st_size)
+        stack.extend(reversed(subdirs))
+
+
+def _one(mnt: str, rel: str) -> Iterator[Item]:
+    full = os.path.join(mnt, rel)
+    try:
+        st = os.stat(full)
+    except OSError as e:
+        raise ValueError(f"{full}: {e.strerror}") from None
+    if stat.S_ISDIR(st.st_mode):
+        yield from _walk(mnt, rel)
+    elif stat.S_ISREG(st.st_mode):
+        yield Item(rel, st.st_size)
+    else:
+        raise ValueError(f"{full} is neither a file nor a directory")
+
+
+def read_order(path: str) -> list[str]:
+    """The paths of an order file: one a line, relative to the mount (or absolute inside
+    it); blank lines and lines starting with ``#`` are skipped."""
+    try:
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
+            lines = [ln.rstrip("\n") for ln in f]
+    except OSError as e:
+        raise ValueError(f"--order {path}: {e.strerror}") from None
+    return [ln for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def collect(mnt: str, paths: Iterable[str] = (), order: list[str] | None = None) -> list[Item]:
+    """The files to warm, in order, each once: the order file's paths (files, or
+    directories walked), else ``paths``, else the whole mount."""
+    todo = order if order is not None else (list(paths) or [mnt])
+    out: list[Item] = []
+    seen: set[str] = set()
+    for p in todo:
+        for it in _one(mnt, _rel_of(mnt, p)):
+            if it.rel not in seen:
+                seen.add(it.rel)
+                out.append(it)
+    return out
+
+
+# ----- what is cached ------------------------------------------------------------------
+
+class CachedCheck:
+    """Whether a file's current version is in the cache, asked of the mount's index
+    opened read-only (see the module doc). ``known`` is False when it cannot be opened."""
+
+    def __init__(self, mnt: str) -> None:
+        self.reader = None
+        self.why: str | None = None
+        try:
+            info = mountinfo.cache_info(mnt)
+            from dlcachefs.store.readonly import IndexReader  # noqa: PLC0415 - lmdb
+
+            self.revalidate = float(info["revalidate_s"])
+            self.reader = IndexReader(str(info["index_dir"]))
+        except Exception as e:  # noqa: BLE001 - any reason: warm without skipping
+            self.why = f"{type(e).__name__}: {e}"
+
+    @property
+    def known(self) -> bool:
+        return self.reader is not None
+
+    def __call__(self, rel: str) -> bool:
+        if self.reader is None:
+            return False
+        from dlcachefs.store.readonly import Located  # noqa: PLC0415
+
+        parts = os.fsencode(rel).split(b"/")
+        return isinstance(self.reader.locate(parts, self.revalidate, time.time()), Located)
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+
+
+def make_plan(files: list[Item], stats: dict, is_cached, cached_known: bool = True) -> Plan:
+    """Split ``files`` (in order) by the budget and by what ``is_cached(rel)`` says."""
+    budget = int(stats.get("cache_limit_bytes") or 0)
+    max_file = stats.get("max_cached_file")
+    to_fetch: list[Item] = []
+    cached: list[Item] = []
+    left_out: list[Item] = []
+    too_large: list[Item] = []
+    total = 0
+    for it in files:
+        if max_file is not None and it.size > max_file:
+            too_large.append(it)
+            continue
+        if left_out or total + it.size > budget:
+            left_out.append(it)  # the order is kept: nothing after the first that misses
+            continue
+        total += it.size
+        (cached if is_cached(it.rel) else to_fetch).append(it)
+    return Plan(files, to_fetch, cached, left_out, too_large, budget, max_file, cached_known)
+
+
+# ----- warming -------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    fetched: int = 0
+    fetched_bytes: int = 0
+    errors: list[tuple[str, str]] = field(default_factory=list)
+    seconds: float = 0.0
+    interrupted: bool = False
+    cached_after: int | None = None  # files of the plan found cached at the end
+
+    def as_dict(self) -> dict:
+        return {"fetched": self.fetched, "fetched_bytes": self.fetched_bytes,
+                "errors": [{"path": p, "error": e} for p, e in self.errors],
+                "seconds": round(self.seconds, 3),
+                "bytes_per_s": round(self.fetched_bytes / self.seconds, 1)
+                if self.seconds > 0 else None,
+                "interrupted": self.interrupted, "cached_after": self.cached_after}
+
+
+def touch(path: str) -> None:
+    """Open ``path`` through the mount and read one byte: the daemon's open fetches and
+    caches the whole file (see the module doc)."""
+    with open(path, "rb", buffering=0) as f:
+        f.read(1)
+
+
+class _Progress:
+    """A rich progress bar (files, bytes, throughput, ETA) on a terminal; otherwise a
+    line every ``every`` seconds on stderr."""
+
+    def __init__(self, total_files: int, total_bytes: int, enabled: bool,
+                 every: float = 10.0) -> None:
+        self.files, self.bytes = total_files, total_bytes
+        self.done_files = self.done_bytes = 0
+        self.t0 = time.monotonic()
+        self.last = self.t0
+        self.every = every
+        self.enabled = enabled
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            try:
+                from rich.console import Console  # noqa: PLC0415
+                from rich.progress import (  # noqa: PLC0415
+                    BarColumn,
+                    DownloadColumn,
+                    MofNCompleteColumn,
+                    Progress,
+                    TextColumn,
+                    TimeRemainingColumn,
+                    TransferSpeedColumn,
+                )
+            except ImportError:
+                pass
+            else:
+                self.bar = Progress(TextColumn("warmup"), BarColumn(), DownloadColumn(),
+                                    TransferSpeedColumn(), TextColumn("{task.fields[files]}"),
+                                    MofNCompleteColumn(), TextColumn("ETA"),
+                                    TimeRemainingColumn(), console=Console(stderr=True))
+                self.task = self.bar.add_task("warmup", total=max(total_bytes, 1),
+                                              files="files")
+                self.bar.start()
+
+    def advance(self, size: int) -> None:
+        self.done_files += 1
+        self.done_bytes += size
+        if self.bar is not None:
+            self.bar.update(self.task, advance=size)
+            return
+        now = time.monotonic()
+        if self.enabled and now - self.last >= self.every:
+            self.last = now
+            rate = self.done_bytes / max(now - self.t0, 1e-9)
+            eta = (self.bytes - self.done_bytes) / rate if rate > 0 else float("inf")
+            print(f"warmup: {self.done_files:,}/{self.files:,} files, "
+                  f"{format_size(self.done_bytes)}/{format_size(self.bytes)}, "
+                  f"{format_size(rate)}/s, ETA {eta:.0f} s", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def warm(mnt: str, items: list[Item], jobs: int, progress: bool = True) -> Result:
+    """Open each of ``items`` through the mount, ``jobs`` at a time. Ctrl-C stops after
+    the opens in progress (what was fetched stays cached)."""
+    res = Result()
+    it = iter(items)
+    lock = threading.Lock()
+    stop = threading.Event()
+    done: queue.Queue = queue.Queue()
+
+    def worker() -> None:
+        while not stop.is_set():
+            with lock:
+                item = next(it, None)
+            if item is None:
+                break
+            try:
+                touch(os.path.join(mnt, item.rel))
+                done.put((item, None))
+            except OSError as e:
+                done.put((item, e.strerror or str(e)))
+        done.put(None)
+
+    bar = _Progress(len(items), sum(i.size for i in items), progress)
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=worker, daemon=True, name=f"warmup-{i}")
+               for i in range(max(1, jobs))]
+    for t in threads:
+        t.start()
+    running = len(threads)
+    try:
+        while running:
+            got = done.get()
+            if got is None:
+                running -= 1
+                continue
+            item, err = got
+            if err is None:
+                res.fetched += 1
+                res.fetched_bytes += item.size
+            else:
+                res.errors.append((item.rel, err))
+            bar.advance(item.size)
+    except KeyboardInterrupt:
+        stop.set()
+        res.interrupted = True
+    finally:
+        bar.close()
+        res.seconds = time.monotonic() - t0
+    return res
+
+
+def wait_settled(mnt: str, timeout: float = 30.0) -> bool:
+    """Wait until the daemon has sealed what it fetched (``pending_bytes`` 0 in stats),
+    so the index answers for it; False after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if not mountinfo.stats(mnt).get("pending_bytes"):
+                return True
+        except mountinfo.NotAMount:
+            return False
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
+# ----- the command ---------------------------------------------------------------------
+
+def print_plan(mnt: str, plan: Plan, out=sys.stdout) -> None:
+    def line(label: str, items: list[Item]) -> None:
+        print(f"  {label:<16} {len(items):>10,} files  {format_size(sum(i.size for i in items)):>9}",
+              file=out)
+
+    print(f"warmup plan for {mnt}:", file=out)
+    line("asked for", plan.files)
+    if plan.cached_known:
+        line("already cached", plan.cached)
+    else:
+        print("  already cached   unknown (the cache index cannot be read here; "
+              "cached files are opened again, as hits)", file=out)
+    line("to fetch", plan.to_fetch)
+    print(f"  cache budget     {format_size(plan.budget):>27} (--cache-size)", file=out)
+    fit = plan.as_dict()["last_fitting"]
+    if plan.left_out:
+        line("do not fit", plan.left_out)
+        print(f"  the budget ends after {fit!r}; the rest would evict files warmed "
+              "earlier", file=out)
+    else:
+        print("  everything fits", file=out)
+    if plan.too_large:
+        line("too large", plan.too_large)
+        print(f"  (larger than --max-cached-file {format_size(plan.max_cached_file or 0)}: "
+              "read through, never cached)", file=out)
+
+
+def main(mnt: str, paths: list[str], order_file: str | None, dry_run: bool, jobs: int,
+         as_json: bool = False, wait: bool = True) -> int:
+    """The ``dlcachefs warmup`` command; its exit status."""
+    mnt = os.path.abspath(mnt)
+    st = mountinfo.stats(mnt)  # NotAMount (a ValueError) when it is not a mount
+    if jobs < 1:
+        raise ValueError("--jobs must be >= 1")
+    order = read_order(order_file) if order_file else None
+    files = collect(mnt, paths, order)
+    check = CachedCheck(mnt)
+    try:
+        plan = make_plan(files, st, check, check.known)
+        if check.why:
+            print(f"dlcachefs warmup: cannot read the cache index ({check.why}); cached "
+                  "files are not skipped", file=sys.stderr)
+        if dry_run:
+            if as_json:
+                print(json.dumps({"plan": plan.as_dict()}, indent=2))
+            else:
+                print_plan(mnt, plan)
+            return 0
+        res = warm(mnt, plan.to_fetch, jobs, progress=not as_json)
+        if wait and not res.interrupted and check.known and wait_settled(mnt):
+            fits = plan.to_fetch + plan.cached
+            res.cached_after = sum(1 for it in fits if check(it.rel))
+    finally:
+        check.close()
+    if as_json:
+        print(json.dumps({"plan": plan.as_dict(), "result": res.as_dict()}, indent=2))
+    else:
+        rate = f", {format_size(res.fetched_bytes / res.seconds)}/s" if res.seconds > 0 else ""
+        print(f"warmup: fetched {res.fetched:,} files ({format_size(res.fetched_bytes)}) in "
+              f"{res.seconds:.1f} s{rate}; skipped {len(plan.cached):,} cached, "
+              f"{len(plan.left_out):,} past the budget, {len(plan.too_large):,} too large; "
+              f"{len(res.errors)} errors"
+              + (f"; cached now: {res.cached_after:,} of "
+                 f"{len(plan.to_fetch) + len(plan.cached):,}"
+                 if res.cached_after is not None else "")
+              + ("; interrupted (run it again to resume)" if res.interrupted else ""))
+        for rel, err in res.errors[:20]:
+            print(f"  {rel}: {err}", file=sys.stderr)
+    if res.interrupted:
+        return 130
+    return 1 if res.errors else 0

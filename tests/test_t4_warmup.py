@@ -1,0 +1,156 @@
+"""``dlcachefs warmup`` over real mounts: what it fetches, what it skips, what fits."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import requires_fuse
+
+from dlcachefs.admin.warmup import Item, make_plan, read_order
+from dlcachefs.testing.mounting import DLCACHEFS
+
+pytestmark = requires_fuse
+
+
+def make_src(root: Path, n: int = 40, size: int = 20_000, seed: int = 3) -> dict[str, bytes]:
+    rnd = random.Random(seed)
+    files = {}
+    for i in range(n):
+        d = root / f"c{i % 3}"
+        d.mkdir(parents=True, exist_ok=True)
+        data = rnd.randbytes(size + i)
+        (d / f"s{i:03d}.bin").write_bytes(data)
+        files[f"c{i % 3}/s{i:03d}.bin"] = data
+    return files
+
+
+def warmup(mnt: Path, *args: str) -> dict:
+    r = subprocess.run([*DLCACHEFS, "warmup", str(mnt), *args, "--json"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.fixture
+def src(tmp_path):
+    root = tmp_path / "src"
+    files = make_src(root)
+    return root, files
+
+
+def test_warmup_fetches_everything_then_skips_it(src, mount):
+    root, files = src
+    m = mount(root)
+    first = warmup(m.mnt)
+    assert first["plan"]["files"]["files"] == len(files)
+    assert first["plan"]["to_fetch"]["files"] == len(files)
+    assert first["result"]["fetched"] == len(files)
+    assert first["result"]["errors"] == []
+    assert first["result"]["cached_after"] == len(files)  # sealed and indexed
+    st = m.stats()
+    assert st["cached_files"] == len(files)
+    assert st["bytes_from_source"] == sum(len(b) for b in files.values())
+    # resumable: a second run fetches nothing and opens nothing
+    misses, hits = st["misses"], st["hits"]
+    second = warmup(m.mnt)
+    assert second["plan"]["cached"]["files"] == len(files)
+    assert second["result"]["fetched"] == 0
+    st2 = m.stats()
+    assert (st2["misses"], st2["hits"]) == (misses, hits)
+    assert st2["bytes_from_source"] == st["bytes_from_source"]
+    # what the training reads afterwards: every byte as the source, all hits
+    for rel, data in files.items():
+        assert (m.mnt / rel).read_bytes() == data
+    assert m.stats()["misses"] == misses
+
+
+def test_warmup_of_paths_and_resume_after_a_partial_run(src, mount):
+    root, files = src
+    m = mount(root)
+    part = warmup(m.mnt, "c1", str(m.mnt / "c2" / "s002.bin"))
+    want = {r for r in files if r.startswith("c1/")} | {"c2/s002.bin"}
+    assert part["result"]["fetched"] == len(want)
+    assert m.stats()["cached_files"] == len(want)
+    rest = warmup(m.mnt)
+    assert rest["plan"]["cached"]["files"] == len(want)
+    assert rest["result"]["fetched"] == len(files) - len(want)
+    assert m.stats()["bytes_from_source"] == sum(len(b) for b in files.values())
+
+
+def test_dry_run_reads_nothing_and_the_budget_keeps_the_order(tmp_path, mount):
+    root = tmp_path / "src"
+    files = make_src(root, n=30, size=100_000)
+    # a cache of 1M holds 10 of the 30 files of ~100 KB
+    m = mount(root, "--cache-size", "1M", "--chunk-size", "256K")
+    order = sorted(files, reverse=True)
+    (tmp_path / "order.txt").write_text("# newest first\n" + "\n".join(order) + "\n\n")
+    plan = warmup(m.mnt, "--order", str(tmp_path / "order.txt"), "--dry-run")["plan"]
+    fit = [r for r in order]
+    total, n_fit = 0, 0
+    for r in fit:
+        if total + len(files[r]) > (1 << 20):
+            break
+        total += len(files[r])
+        n_fit += 1
+    assert plan["to_fetch"] == {"files": n_fit, "bytes": total}
+    assert plan["left_out"]["files"] == len(files) - n_fit
+    assert plan["last_fitting"] == order[n_fit - 1]
+    st = m.stats()
+    assert st["misses"] == st["hits"] == st["bytes_from_source"] == 0  # read nothing
+    res = warmup(m.mnt, "--order", str(tmp_path / "order.txt"))
+    assert res["result"]["fetched"] == n_fit
+    assert res["result"]["cached_after"] == n_fit
+    # exactly the first files of the order were fetched
+    assert m.stats()["bytes_from_source"] == total
+    for r in order[:n_fit]:
+        assert (m.mnt / r).read_bytes() == files[r]
+    assert m.stats()["bytes_from_source"] == total
+
+
+def test_text_output_and_errors(src, mount, tmp_path):
+    root, files = src
+    m = mount(root)
+    r = subprocess.run([*DLCACHEFS, "warmup", str(m.mnt), "--dry-run"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "everything fits" in r.stdout and f"{len(files):,} files" in r.stdout
+    r = subprocess.run([*DLCACHEFS, "warmup", str(m.mnt), "nope"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "nope" in r.stderr
+    r = subprocess.run([*DLCACHEFS, "warmup", str(m.mnt), "/etc"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "not inside the mount" in r.stderr
+    r = subprocess.run([*DLCACHEFS, "warmup", str(tmp_path)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "not a dlcachefs mount" in r.stderr
+    # a file removed from the source after the listing: the open fails, the rest is warmed
+    os.unlink(root / "c0" / "s000.bin")
+    r = subprocess.run([*DLCACHEFS, "warmup", str(m.mnt), "c0"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1
+    assert "c0/s000.bin" in r.stderr
+    assert "fetched 13 files" in r.stdout and "1 errors" in r.stdout
+
+
+def test_plan_units():
+    items = [Item(f"f{i}", s) for i, s in enumerate([10, 20, 500, 30, 5])]
+    st = {"cache_limit_bytes": 65, "max_cached_file": 100}
+    p = make_plan(items, st, lambda rel: rel == "f1")
+    assert [i.rel for i in p.too_large] == ["f2"]
+    assert [i.rel for i in p.cached] == ["f1"]
+    assert [i.rel for i in p.to_fetch] == ["f0", "f3", "f4"]  # 10+20+30+5 = 65 fits exactly
+    p = make_plan(items, {"cache_limit_bytes": 59}, lambda rel: False)
+    # no max_cached_file known: f2 (500) is past the budget, and so is all after it
+    assert [i.rel for i in p.to_fetch] == ["f0", "f1"]
+    assert [i.rel for i in p.left_out] == ["f2", "f3", "f4"]
+
+
+def test_read_order(tmp_path):
+    f = tmp_path / "o"
+    f.write_text("a/b\n# c\n\n  \nd e\n")
+    assert read_order(str(f)) == ["a/b", "d e"]
