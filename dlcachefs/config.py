@@ -133,6 +133,12 @@ class Config:
     foreground: bool = _opt(False, "do not daemonize", short="-f")
     allow_other: bool = _opt(
         False, "let other users use the mount (with default_permissions)")
+    metrics_port: int = _opt(
+        0, "serve Prometheus metrics over HTTP on this port (/metrics); 0 = off",
+        metavar="PORT")
+    metrics_addr: str = _opt(
+        "127.0.0.1", "address the metrics server listens on (0.0.0.0: every interface)",
+        metavar="ADDR")
     log_level: str = _opt("info", "daemon log level",
                           choices=("debug", "info", "warning", "error"))
     debug_invariants: bool = _opt(
@@ -155,6 +161,8 @@ class Config:
             raise ValueError("--flush-interval must be > 0")
         if self.scan_ahead < 0:
             raise ValueError("--scan-ahead must be >= 0")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError("--metrics-port must be within 0..65535")
         if not 0.0 < self.h_fraction <= 1.0:
             raise ValueError("--h-fraction must be within (0, 1]")
         if self.peers is not None:

@@ -103,6 +103,7 @@ def run(cfg: Config, report: Reporter) -> int:
     ``progress ...`` while scanning, ``ready`` once mounted, ``error ...`` on failure."""
     lock = CacheLock(cfg.cache_dir)
     engine: Engine | None = None
+    metrics = None
     try:
         check_mountpoint(cfg.mountpoint)
         lock.acquire(cfg.mountpoint)
@@ -114,30 +115,42 @@ def run(cfg: Config, report: Reporter) -> int:
 
         info = engine.start(progress=progress)
         log.info("started: %s", info)
+        if cfg.metrics_port:
+            # bound before the mount: a port in use fails the mount with the reason
+            from dlcachefs.admin.metrics import MetricsServer  # noqa: PLC0415
+
+            metrics = MetricsServer(cfg.metrics_addr, cfg.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", *metrics.address)
 
         ops = Operations(engine, session.control)
         pyfuse3.init(ops, cfg.mountpoint, fuse_options(cfg))
-    except (DlcError, OSError, RuntimeError, ValueError) as e:
+    except (DlcError, OSError, RuntimeError, ValueError, ImportError) as e:
         report(f"error {e}")
         log.error("mount failed: %s", e)
+        if metrics is not None:
+            metrics.close()
         if engine is not None:
             engine.close_files()
         lock.release()
         return 1
     fuseloop.install()  # a cheaper lock around each wait for a request
     try:
-        trio.run(_serve, engine, ops, report)
+        trio.run(_serve, engine, ops, report, metrics)
     finally:
+        if metrics is not None:
+            metrics.close()  # before the index closes: no scrape reaches a closed engine
         engine.close_files()
         lock.release()
         log.info("stopped; index committed")
     return 0
 
 
-async def _serve(engine: Engine, ops: Operations, report: Reporter) -> None:
+async def _serve(engine: Engine, ops: Operations, report: Reporter, metrics=None) -> None:
     signalled = stopping = False
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
+        if metrics is not None:  # scrapes build the stats on this loop (admin.metrics)
+            metrics.attach(engine.stats, trio.lowlevel.current_trio_token())
         nursery.start_soon(ops.invalidation_worker)
 
         async def on_signals() -> None:
@@ -176,6 +189,8 @@ async def _serve(engine: Engine, ops: Operations, report: Reporter) -> None:
             # answers; after a crash of a task, clients get an error, not ENOTCONN forever);
             # then what is pending is sealed and committed.
             stopping = True
+            if metrics is not None:
+                metrics.detach()  # scrapes from now on: dlcachefs_up 0
             pyfuse3.close(unmount=not clean)
             with trio.CancelScope(shield=True):
                 await engine.close()

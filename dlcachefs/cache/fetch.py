@@ -11,7 +11,8 @@ layer's ``statfs``):
   more stuck threads);
 * retried on transient errors (:data:`TRANSIENT`), at most ``--source-retries`` times,
   0.1 s, 0.4 s, 1.6 s ... apart;
-* counted: ``source_errors``, ``source_retries``, ``source_timeouts``.
+* counted: ``source_errors``, ``source_retries``, ``source_timeouts``; every attempt's
+  time goes to a latency histogram per kind of call (``latency``, by the function's name).
 
 :class:`~dlcachefs.errors.NotFound` and :class:`~dlcachefs.errors.SourceChanged` are
 answers, not failures: raised at once, neither retried nor counted.
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
+from dlcachefs.cache.latency import Latencies
 from dlcachefs.cache.namespace import identity
 from dlcachefs.cache.source import Identity, Source
 from dlcachefs.cache.stats import Counters
@@ -64,11 +66,14 @@ class SourceCalls:
         self.use_src_ino = cfg.use_source_inode
         self.counters = counters
         self.limiter = trio.CapacityLimiter(cfg.source_threads)
+        self.latency = Latencies()  # per attempt, by fn.__name__ (stats: source_latency)
 
     async def call(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` (blocking, on the source) in a thread: timeout, retries, counters."""
         delay = 0.1
+        op = getattr(fn, "__name__", "call")
         for attempt in range(self.retries + 1):
+            t0 = trio.current_time()
             try:
                 with trio.fail_after(self.timeout):
                     return await trio.to_thread.run_sync(
@@ -86,8 +91,12 @@ class SourceCalls:
                 if exc.errno not in TRANSIENT or attempt == self.retries:
                     raise
                 self.counters.source_retries += 1
-                await trio.sleep(delay)
-                delay *= 4
+            finally:
+                # the attempt, the wait for a thread of the limiter included (what the
+                # caller waited), not the pause before a retry
+                self.latency.observe(op, trio.current_time() - t0)
+            await trio.sleep(delay)
+            delay *= 4
         raise AssertionError("unreachable")
 
     async def read_file(self, rel: bytes) -> tuple[bytes, Identity]:

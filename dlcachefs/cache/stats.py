@@ -102,6 +102,7 @@ def stats_document(eng: Engine) -> dict:
     # reordered logs' chunks read back (just written) to checksum them before a seal
     out["cache_disk_bytes_read_back"] = eng.logs.bytes_read_back
     out["read_plans"] = eng.plans.stats()
+    out["source_latency"] = eng.calls.latency.as_dict()  # seconds per attempt, by call
     # samples training processes read from the cache directly, and their fallbacks.
     # Blocking on the loop on purpose, as the LMDB reads: a listing and two small opens
     # of a local file per reading process (tens of microseconds each), only when stats
