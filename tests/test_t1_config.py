@@ -235,6 +235,8 @@ def values(o):
         return st.sampled_from(["h1:11211", "h1:11211,10.0.0.2:11211,[::1]:11212"])
     if o.field == "peer_namespace":
         return st.sampled_from(["imagenet", "/nfs/imagenet"])
+    if o.field == "metrics_addr":
+        return st.sampled_from(["127.0.0.1", "0.0.0.0", "::1"])
     return st.sampled_from(o.choices)
 
 
