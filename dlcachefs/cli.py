@@ -347,6 +347,10 @@ def cmd_stats(mountpoint: str, as_json: bool) -> int:
         print(f"{k:<{width}}  {shown}")
     if st.get("peers"):
         print_peers(st["peers"])
+    from dlcachefs.admin import advise  # noqa: PLC0415 - loader-worker advice (Algorithm 2)
+
+    for a in advise.advise(st):
+        print(advise.text(a))
     return 0
 
 

@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from dlcachefs.admin import mountinfo
+from dlcachefs.admin import advise, mountinfo
 from dlcachefs.units import format_size
 
 
@@ -120,14 +120,17 @@ def frame(cur: dict, prev: dict | None, dt: float, mnt: str) -> Frame:
     f.sections.append(("source latency" + (" (this interval)" if prev else ""),
                        lat or [("", "no source calls")]))
     f.stream_cols = ["stream", "mode", "epoch", "position", "lead", "stall s", "from source",
-                     "workers"]
+                     "num_workers (advice)"]
+    cores = advise.usable_cores()
     for name, s in sorted((cur.get("streams") or {}).items()):
         if not isinstance(s, dict):
             continue
-        adv = s.get("advice") or {}
         workers = "-"
-        if adv.get("recommended") is not None:
-            workers = f"{adv.get('current', '?')} -> {adv['recommended']}"
+        if s.get("loader"):  # DLCache's Algorithm 2 on the stream's measurements
+            adv = advise.measure(name, s, cores)
+            if adv.recommended is not None:
+                workers = f"{adv.current} -> {adv.recommended}" + (
+                    "+" if adv.bound == "lower" else "")
         pos = s.get("position")
         f.streams.append([
             name, str(s.get("mode", "")), str(s.get("epoch", "-")),

@@ -296,7 +296,9 @@ class Engine:
             stream.next_log.consumed(ino, data, identity(e))
         if stream is not None:
             stream.used.add(ino)
-            stream.note_latency(cached, time.monotonic() - t0)
+            t1 = time.monotonic()
+            stream.note_latency(cached, t1 - t0)
+            stream.pace.note(pid, t0, t1, stream.target_epoch)  # the loader's t_fetch
         if stream is not None and waited:
             stream.stall_seconds += time.monotonic() - t0
             if not cached:

@@ -48,6 +48,7 @@ import numpy as np
 import trio
 
 from dlcachefs.clairvoyance.control import JobState, StreamState, ViewDef
+from dlcachefs.clairvoyance.pace import Pace
 from dlcachefs.clairvoyance.protocol import paths_digest
 from dlcachefs.clairvoyance.reorder import NextEpochLog, ReorderEngine
 from dlcachefs.clairvoyance.replay import SamplerSpec
@@ -131,6 +132,7 @@ class Stream:
     learn_stable: bool = False  # the last two epochs opened in the same order
     learn_compared: bool = False  # two complete epochs were compared
     learn_pair: tuple[list[int], list[int]] | None = None  # epochs still to compare
+    pace: Pace = field(default_factory=Pace)  # the loader's fetch timings (DLCache Alg. 2)
 
     def note_latency(self, cached: bool, seconds: float) -> None:
         if cached:
@@ -173,7 +175,7 @@ class Stream:
                 "stall_seconds": round(self.stall_seconds, 3),
                 "bytes_from_source": self.bytes_from_source, "dataset": self.dataset,
                 "substitutions": {str(k): v for k, v in sorted(self.substitutions.items())},
-                "error": self.error,
+                "error": self.error, "loader": self.pace.stats(),
                 "next_log": None if self.next_log is None else {
                     "epoch": self.next_log.epoch, "chunks": len(self.next_log.chunks),
                     "sealed": self.next_log.sealed, "failed": self.next_log.failed}}
@@ -260,6 +262,7 @@ class StreamManager:
         if s is None:
             s = self.streams[(st.job, st.rank)] = Stream(st.job, st.rank)
         s.pids.add(pid)
+        s.pace.hint(st.batch, st.workers, st.prefetch_factor)
         self._pid_stream.clear()  # attribution may have changed
         if self.unannounced:  # its process group has announced now
             self.unannounced.pop(_pgid(_tgid(pid)), None)

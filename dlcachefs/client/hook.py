@@ -182,18 +182,33 @@ def _claim(job: str, key: str, weak: bool) -> bool:
     return True
 
 
+def _batch_hint(loader) -> list[str]:
+    """The ``batch B workers=K prefetch_factor=F`` hint of ``loader`` (the mount measures
+    its workers' fetch times against it: ``dlcachefs advise``), or nothing."""
+    size = getattr(loader, "batch_size", None) if loader is not None else None
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        return []  # a custom batch sampler: no fixed batch size
+    nw = getattr(loader, "num_workers", None)
+    nw = nw if isinstance(nw, int) and not isinstance(nw, bool) and nw >= 0 else None
+    pf = getattr(loader, "prefetch_factor", None)
+    pf = pf if nw and isinstance(pf, int) and not isinstance(pf, bool) and pf >= 0 else None
+    return [_p.batch_line(size, nw, pf)]
+
+
 def _send(t: Target, lines: list[str], job: str | None = None,
           extra_defs: Sequence[tuple[str, Callable[[], list[str]]]] = (),
-          weak: bool = False) -> bool:
+          weak: bool = False, loader=None) -> bool:
     """``job`` + the view's ``dataset`` line + ``lines`` as one write, after the view's
     definition (and ``extra_defs``: (id, a function returning its writes)) unless this
     process sent them already (they are only encoded when they are sent).
     A refusal that may come from a new daemon (it lost the definitions) is retried once
-    with them. ``weak``: see :func:`_claim`. Never raises: False and a warning once."""
+    with them. ``weak``: see :func:`_claim`. ``loader``: its batch hint goes with the
+    lines (same write: a ``batch`` line alone would restart the stream's set-up). Never
+    raises: False and a warning once."""
     job = job or os.environ.get(ENV_JOB) or "default"
     if not _claim(job, t.vid, weak):
         return False
-    text = _p.text([_p.job_line(job), t.dataset_line(), *lines])
+    text = _p.text([_p.job_line(job), t.dataset_line(), *lines, *_batch_hint(loader)])
     defs = [(t.vid, t.definition), *extra_defs]
     for attempt in range(2):
         had_all = all((t.mount, key) in _sent for key, _ in defs)
@@ -337,7 +352,7 @@ def _patch(data_module) -> None:
             g = torch.Generator()
             g.manual_seed(seed)
             _send(t, [_p.sampler_line("random", seed=seed, per_epoch=True, **size),
-                      _p.epoch_line(epoch)])
+                      _p.epoch_line(epoch)], loader=_loader_of(self))
             proxy = copy.copy(self)
             proxy.generator = g
             yield from orig_random_iter(proxy)
@@ -348,7 +363,7 @@ def _patch(data_module) -> None:
                 state = encode_state(g.get_state())
                 _send(t, [_p.sampler_line("random", state=state, **size,
                                           loader_draws=_draws(_loader_of(self), g)),
-                          _p.epoch_line(epoch)])
+                          _p.epoch_line(epoch)], loader=_loader_of(self))
             else:
                 _unknown(dataset_of(self, self.data_source),
                          f"RandomSampler with a {g.device.type} generator", epoch)
@@ -380,7 +395,8 @@ def _patch(data_module) -> None:
                 if fields is not None:
                     _send(t, [_p.sampler_line("subset_random", index=lid, **fields),
                               _p.epoch_line(epoch)],
-                          extra_defs=[(lid, lambda: _p.index_writes(lid, idx))])
+                          extra_defs=[(lid, lambda: _p.index_writes(lid, idx))],
+                          loader=loader)
         except Exception as e:  # noqa: BLE001 - never break the training
             _warn_once("hook", f"sampler hook failed: {e}")
         yield from orig_subset_iter(self)
@@ -393,7 +409,7 @@ def _patch(data_module) -> None:
                                           world=self.num_replicas, rank=self.rank,
                                           shuffle=bool(self.shuffle),
                                           drop_last=bool(self.drop_last)),
-                          _p.epoch_line(self.epoch)])
+                          _p.epoch_line(self.epoch)], loader=_loader_of(self))
         except Exception as e:  # noqa: BLE001
             _warn_once("hook", f"sampler hook failed: {e}")
         return orig_dist_iter(self)
@@ -423,7 +439,7 @@ def _patch(data_module) -> None:
             t = usable(ds, loader)
             if t is not None:
                 _send(t, [_p.sampler_line("sequential"), _p.epoch_line(_next_epoch(loader))],
-                      weak=True)
+                      weak=True, loader=loader)
             return
         else:
             reason = f"sampler {type(inner).__name__} is not replayable"

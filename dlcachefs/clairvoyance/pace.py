@@ -1,0 +1,102 @@
+"""How fast a stream's loader workers fetch, measured from their opens (DLCache's t_fetch).
+
+A PyTorch DataLoader worker (a process) takes a batch index, then loads the batch's
+samples one after the other: for a map-style dataset over files (ImageFolder), one
+``open`` per sample, then the sample is read and processed (decoded, transformed) before
+the next ``open``. So the time between two consecutive opens of one worker *within a
+batch* is one sample's fetch time, I/O and processing included: what DLCache calls
+t_fetch per sample (Algorithm 2 takes it per batch: ``batch`` times this). Between the
+last open of a batch and the first of the worker's next batch the worker may also have
+waited for an index (the training is slower than the loader): those gaps are kept apart.
+
+With the ``batch B`` hint (``batch B workers=K prefetch_factor=F``, sent by the torch
+hook with the epoch), the k-th open of a worker (counted from 0 in the epoch) starts a
+batch when ``k % B == 0``. Without the hint, nothing is split and only the totals are
+kept. A worker is a reader's pid as FUSE gives it (a DataLoader worker loads in its
+main thread, so the pid is the process's).
+
+Per epoch: opens, the span from the first open to the last, the sum and count of the
+in-batch gaps, of the between-batch gaps, and of the daemon's own time per open; the
+last complete epoch is kept next to the current one, so a reading right after an epoch
+ended describes that epoch. O(1) per open. Trio loop only (called from
+:meth:`dlcachefs.cache.engine.Engine.open`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: worker pids remembered per epoch (more workers than this are not told apart)
+MAX_WORKERS = 1024
+
+
+@dataclass
+class _Epoch:
+    epoch: int | None
+    opens: int = 0
+    first: float = 0.0
+    last: float = 0.0
+    intra_s: float = 0.0   # in-batch gaps: one sample's fetch (I/O + processing)
+    intra_n: int = 0
+    inter_s: float = 0.0   # gaps across a batch boundary (may include waiting for work)
+    inter_n: int = 0
+    io_s: float = 0.0      # the daemon's time per open (cache or source)
+    workers: dict[int, tuple[int, float]] = field(default_factory=dict)  # pid -> (k, t)
+
+    def as_dict(self) -> dict:
+        return {"epoch": self.epoch, "opens": self.opens, "workers_seen": len(self.workers),
+                "span_s": round(self.last - self.first, 6),
+                "sample_fetch_s": round(self.intra_s / self.intra_n, 6) if self.intra_n
+                else None, "in_batch_gaps": self.intra_n,
+                "between_batches_s": round(self.inter_s / self.inter_n, 6) if self.inter_n
+                else None, "between_batch_gaps": self.inter_n,
+                "open_s": round(self.io_s / self.opens, 6) if self.opens else None,
+                "worker_pids": sorted(self.workers)[:64]}
+
+
+class Pace:
+    """The fetch timings of one stream's readers (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.batch: int | None = None
+        self.workers: int | None = None
+        self.prefetch_factor: int | None = None
+        self.cur: _Epoch | None = None
+        self.prev: _Epoch | None = None
+
+    def hint(self, batch: int | None, workers: int | None,
+             prefetch_factor: int | None) -> None:
+        """The ``batch`` hint of the stream's announcement."""
+        self.batch, self.workers, self.prefetch_factor = batch, workers, prefetch_factor
+
+    def note(self, pid: int, start: float, end: float, epoch: int | None) -> None:
+        """An open by ``pid`` of this stream, from ``start`` to ``end`` (monotonic s)."""
+        cur = self.cur
+        if cur is None or cur.epoch != epoch:
+            if cur is not None and cur.opens:
+                self.prev = cur
+            cur = self.cur = _Epoch(epoch, first=start)
+        cur.opens += 1
+        cur.last = start
+        cur.io_s += end - start
+        w = cur.workers.get(pid)
+        if w is None:
+            if len(cur.workers) < MAX_WORKERS:
+                cur.workers[pid] = (1, start)
+            return
+        k, t = w
+        gap = start - t
+        if self.batch and k % self.batch == 0:
+            cur.inter_s += gap
+            cur.inter_n += 1
+        else:
+            cur.intra_s += gap
+            cur.intra_n += 1
+        cur.workers[pid] = (k + 1, start)
+
+    def stats(self) -> dict:
+        """The hints and both epochs' measurements (``current``, ``previous``)."""
+        return {"batch": self.batch, "workers": self.workers,
+                "prefetch_factor": self.prefetch_factor,
+                "current": None if self.cur is None else self.cur.as_dict(),
+                "previous": None if self.prev is None else self.prev.as_dict()}
