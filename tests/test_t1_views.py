@@ -303,8 +303,8 @@ def hooked(monkeypatch):
     saved = {c: c.__dict__["__iter__"] for c in classes}
     sent: list[list[str]] = []
     monkeypatch.setattr(hook, "target_of", lambda ds: object())
-    monkeypatch.setattr(hook, "_send", lambda t, lines, job=None, extra_defs=(), weak=False:
-                        sent.append(lines) or True)
+    monkeypatch.setattr(hook, "_send", lambda t, lines, job=None, extra_defs=(), weak=False,
+                        loader=None: sent.append(lines) or True)
     hook._patch(data)
     try:
         yield sent
