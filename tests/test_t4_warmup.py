@@ -154,3 +154,15 @@ def test_read_order(tmp_path):
     f = tmp_path / "o"
     f.write_text("a/b\n# c\n\n  \nd e\n")
     assert read_order(str(f)) == ["a/b", "d e"]
+
+
+def test_progress_lines_off_a_terminal(capsys):
+    from dlcachefs.admin.warmup import _Progress
+
+    p = _Progress(4, 4000, enabled=True, every=0.0)
+    for _ in range(2):
+        p.advance(1000)
+    p.close()
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("warmup: 2/4 files, 2000/3.9K, ")
+    assert "/s, ETA " in err[-1]

@@ -252,7 +252,6 @@ class _Progress:
                 from rich.progress import (  # noqa: PLC0415
                     BarColumn,
                     DownloadColumn,
-                    MofNCompleteColumn,
                     Progress,
                     TextColumn,
                     TimeRemainingColumn,
@@ -263,17 +262,17 @@ class _Progress:
             else:
                 self.bar = Progress(TextColumn("warmup"), BarColumn(), DownloadColumn(),
                                     TransferSpeedColumn(), TextColumn("{task.fields[files]}"),
-                                    MofNCompleteColumn(), TextColumn("ETA"),
-                                    TimeRemainingColumn(), console=Console(stderr=True))
+                                    TextColumn("ETA"), TimeRemainingColumn(),
+                                    console=Console(stderr=True))
                 self.task = self.bar.add_task("warmup", total=max(total_bytes, 1),
-                                              files="files")
+                                              files=self._files())
                 self.bar.start()
 
     def advance(self, size: int) -> None:
         self.done_files += 1
         self.done_bytes += size
         if self.bar is not None:
-            self.bar.update(self.task, advance=size)
+            self.bar.update(self.task, advance=size, files=self._files())
             return
         now = time.monotonic()
         if self.enabled and now - self.last >= self.every:
@@ -283,6 +282,9 @@ class _Progress:
             print(f"warmup: {self.done_files:,}/{self.files:,} files, "
                   f"{format_size(self.done_bytes)}/{format_size(self.bytes)}, "
                   f"{format_size(rate)}/s, ETA {eta:.0f} s", file=sys.stderr, flush=True)
+
+    def _files(self) -> str:
+        return f"{self.done_files:,}/{self.files:,} files"
 
     def close(self) -> None:
         if self.bar is not None:
