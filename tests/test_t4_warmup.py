@@ -164,5 +164,5 @@ def test_progress_lines_off_a_terminal(capsys):
         p.advance(1000)
     p.close()
     err = capsys.readouterr().err.splitlines()
-    assert err[-1].startswith("warmup: 2/4 files, 2000/3.9K, ")
+    assert err[-1].startswith("warmup: 2/4 files, 2.0K/3.9K, ")
     assert "/s, ETA " in err[-1]
