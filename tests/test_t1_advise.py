@@ -147,3 +147,39 @@ def test_hook_batch_hint():
         "batch 32 workers=0"]
     assert _batch_hint(SimpleNamespace(batch_size=None, num_workers=2)) == []
     assert _batch_hint(None) == []
+
+
+def test_measure_prefers_the_trainings_own_pace():
+    # the workers look busy (the loader is the bottleneck), but the training said how long
+    # its step takes: 20 ms a batch; t_fetch 80 ms -> 4 workers, no lower bound needed
+    s = loader(between=0.0105)
+    s["loader"]["training"] = {"iters": 50, "steps": 50, "wait_s": 3.0, "train_s": 1.0,
+                               "age_s": 1.0}
+    a = measure("j/0", s, cores=8, pss=lambda p: None)
+    assert a.t_req_from == "training" and a.t_req == pytest.approx(0.02)
+    assert a.stall == pytest.approx(0.75)
+    assert a.bound is None and a.recommended == 4
+    assert "waiting 75% of its time for data" in text(a)
+
+
+def test_pace_control_line():
+    from dlcachefs.clairvoyance.control import ControlError, ControlState
+    from dlcachefs.clairvoyance.protocol import pace_line
+
+    calls = []
+    cs = ControlState(lambda rel: 1)
+    cs.on_stream = lambda st, js, pid: calls.append(st)
+    cs.apply(b"job j\ndataset d\nsampler sequential\nbatch 8 workers=2\nepoch 0\n", 1)
+    assert len(calls) == 1
+    line = pace_line(10, 9, 0.5, 1.25)
+    assert line == "pace iters=10 steps=9 wait=0.500000 train=1.250000"
+    cs.apply(f"job j\n{line}\n".encode(), 1)
+    assert len(calls) == 1  # a measurement never restarts the stream
+    assert cs.streams[("j", 0)].train_pace[:4] == (10, 9, 0.5, 1.25)
+    cs.apply(f"job j\n{pace_line(3, 3, 0.0, 0.3, rank=5)}\n".encode(), 1)  # no such stream
+    assert ("j", 5) not in cs.streams
+    for bad in ("pace iters=0 steps=1 wait=0 train=0", "pace iters=1 steps=1 wait=nan train=0",
+                "pace iters=1 steps=1 wait=-1 train=0", "pace iters=1 wait=0 train=0",
+                "pace iters=1 steps=1 wait=0 train=0 x=1"):
+        with pytest.raises(ControlError):
+            cs.apply(f"job j\n{bad}\n".encode(), 1)

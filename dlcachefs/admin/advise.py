@@ -23,7 +23,10 @@ Where the inputs come from (:func:`measure`, from the stream's ``loader`` entry 
   the torch hook sends with each epoch (``dlcachefs run``);
 * t_fetch = B * t_sample, t_sample the mean time between two consecutive opens of one
   worker within a batch (a sample's open, read, decode and transform);
-* t_req: a worker's full cycle over one batch is t_cycle = (B - 1) * t_sample + g, g the
+* t_req: measured in the training when it runs under the torch hook (``dlcachefs run``):
+  its ``pace`` reports give the seconds between a ``next()`` of the loader returning and
+  the next call (the training's step) per batch, as DLCache's own DataLoader measures
+  it. Otherwise from the opens: a worker's full cycle over one batch is t_cycle = (B - 1) * t_sample + g, g the
   mean gap across its batch boundaries (which holds any wait for the next index); with ω
   workers taking batches in turn the training asks for one every t_req = t_cycle / ω.
   The workers are busy t_fetch / t_cycle of the time. When they are busy (>= 90%), the
@@ -106,6 +109,8 @@ class Advice:
     t_req: float | None = None
     t_cycle: float | None = None
     busy: float | None = None
+    t_req_from: str = "workers"     # "training": the hook's pace report; "workers": the opens
+    stall: float | None = None      # share of the training's time spent waiting for data
     cores: int | None = None
     mem_total: int | None = None
     mem_up: int | None = None
@@ -179,20 +184,31 @@ def measure(name: str, s: dict, cores: int, mem_limit: int | None = None,
     a.t_sample = m["sample_fetch_s"]
     a.t_fetch = b * a.t_sample
     gap = m.get("between_batches_s")
-    if gap is None:
+    tr = loader.get("training")
+    if gap is None and not (tr and tr.get("steps")):
         a.why.append("no batch boundary measured yet; ask again after more batches")
         return a
-    if omega == 0:
+    if gap is not None and omega > 0:
+        a.t_cycle = (b - 1) * a.t_sample + gap
+        a.busy = a.t_fetch / a.t_cycle if a.t_cycle > 0 else 1.0
+    if tr and tr.get("steps"):
+        # the training's own measurement (the torch hook's pace line): DLCache's t_req
+        a.t_req = tr["train_s"] / tr["steps"]
+        if a.t_req <= 0:
+            a.t_req = a.t_sample / 100
+        total = tr["wait_s"] + tr["train_s"]
+        a.stall = tr["wait_s"] / total if total > 0 else 0.0
+        a.t_req_from = "training"
+    elif omega == 0:
         a.t_req = gap - a.t_sample
         if a.t_req <= 0:
             a.t_req = a.t_sample / 100  # the training step is lost in the measurement
         a.why.append("num_workers=0: the main process loads; t_req = the gap between its "
                      "batches minus one sample's processing")
     else:
-        a.t_cycle = (b - 1) * a.t_sample + gap
+        assert a.t_cycle is not None
         workers = max(1, min(a.workers_seen, omega)) if a.workers_seen else omega
         a.t_req = a.t_cycle / workers
-        a.busy = a.t_fetch / a.t_cycle if a.t_cycle > 0 else 1.0
     pids = [p for p in m.get("worker_pids", []) if p]
     sizes = [x for x in (pss(p) for p in pids) if x]
     if omega > 0 and sizes and len(sizes) >= min(omega, len(pids)):
@@ -206,7 +222,7 @@ def measure(name: str, s: dict, cores: int, mem_limit: int | None = None,
                    a.prefetch_factor)
     a.decision = asdict(d)
     a.recommended = d.workers
-    if a.busy is not None and a.busy >= BUSY:
+    if a.t_req_from == "workers" and a.busy is not None and a.busy >= BUSY:
         a.bound = "lower"
         # at least one more worker, under the same caps as line 2 and lines 4-5
         more = algorithm2(omega, omega + 1, 1.0, cores, a.mem_total, a.mem_up,
@@ -245,6 +261,9 @@ def text(a: Advice) -> str:
                      "(open, read and processing of a sample in a worker)")
     if a.t_req is not None:
         extra = f"; workers busy {100 * a.busy:.0f}%" if a.busy is not None else ""
+        if a.t_req_from == "training":
+            extra += (f"; measured in the training: its step between batches, waiting "
+                      f"{100 * (a.stall or 0):.0f}% of its time for data")
         lines.append(f"  t_req   = {_ms(a.t_req)} between batches the training takes"
                      + (" (at most)" if a.bound == "lower" else "") + extra)
     if a.decision is not None:

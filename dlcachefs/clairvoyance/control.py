@@ -12,6 +12,7 @@ lines and ``#`` comments are ignored. The lines::
     sampler sequential
     sampler explicit         # the orders come from ``order`` lines (no fields)
     batch B [workers=K] [prefetch_factor=F]     # hints
+    pace iters=N steps=M wait=S train=S [rank=R]  # the training's measured pace
     epoch E                  # the epoch this process starts now (0-based)
     loss I V [I V ...]       # per-sample training losses: dataset index I, finite float V
     order E START I1 I2 ...  # a chunk of epoch E's explicit sample order, from position START
@@ -129,7 +130,7 @@ MAX_ROOTS = 1024  # roots of one view
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _INT_RE = re.compile(r"^-?\d{1,20}$")
 COMMANDS = ("job", "dataset", "sampler", "batch", "epoch", "loss", "order", "index", "root",
-            "view")
+            "view", "pace")
 _ID_RE = re.compile(rf"^[0-9a-f]{{{ID_HEX}}}$")
 _HEX_RE = re.compile(r"^[0-9a-f]{64}$")
 _STATE_RE = re.compile(r"^[A-Za-z0-9+/]{1,12000}={0,2}$")
@@ -181,6 +182,8 @@ class StreamState:
     batch: int | None = None
     workers: int | None = None
     prefetch_factor: int | None = None
+    #: the training's last ``pace`` report: (iters, steps, wait_s, train_s, time.time())
+    train_pace: tuple[int, int, float, float, float] | None = None
     #: completed explicit orders (``order`` lines): epoch -> dataset indices, oldest first
     orders: dict[int, array] = field(default_factory=dict)
     #: orders still being received: epoch -> the indices so far, oldest first
@@ -240,6 +243,17 @@ def _bool(n: int, key: str, text: str) -> bool:
     if low in ("false", "0", "no"):
         return False
     raise ControlError(f"line {n}: {key} must be true or false, got {text[:40]!r}")
+
+
+def _seconds(n: int, key: str, text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise ControlError(f"line {n}: {key} must be a number of seconds, got "
+                           f"{text[:40]!r}") from None
+    if not math.isfinite(v) or not 0.0 <= v <= 1e9:
+        raise ControlError(f"line {n}: {key} must be within 0..1e9 seconds, got {text[:40]!r}")
+    return v
 
 
 def _kv(n: int, args: list[str], allowed: set[str]) -> dict[str, str]:
@@ -427,6 +441,14 @@ class ControlState:
                 idx.extend(op.arg)  # type: ignore[arg-type]
                 vals.extend(op.extra[0])
                 js.losses += len(op.extra[0])
+                continue
+            if op.verb == "pace":
+                # a measurement of a known stream: stored, never a restart of the stream
+                # (no on_stream); a stream not announced yet drops it
+                prank = op.extra[0] if op.extra[0] is not None else rank
+                pst = self.streams.get((job, prank))
+                if pst is not None:
+                    pst.train_pace = (*op.arg, time.time())  # type: ignore[misc]
                 continue
             st = self.streams.setdefault((job, rank), StreamState(job, rank))
             st.updated = time.time()
@@ -654,6 +676,15 @@ class ControlState:
             pf = _int(n, "prefetch_factor", kv["prefetch_factor"], 0, 4096) \
                 if "prefetch_factor" in kv else None
             return _Op("batch", b, (workers, pf))
+        if verb == "pace":
+            kv = _kv(n, args, {"iters", "steps", "wait", "train", "rank"})
+            if not {"iters", "steps", "wait", "train"} <= kv.keys():
+                raise ControlError(f"line {n}: 'pace' needs iters=N steps=M wait=S train=S")
+            iters = _int(n, "iters", kv["iters"], 1, 1 << 40)
+            steps = _int(n, "steps", kv["steps"], 0, 1 << 40)
+            prank = _int(n, "rank", kv["rank"], 0, 1 << 20) if "rank" in kv else None
+            return _Op("pace", (iters, steps, _seconds(n, "wait", kv["wait"]),
+                                _seconds(n, "train", kv["train"])), (prank,))
         if verb == "loss":
             return self._parse_loss(n, args)
         if verb == "order":

@@ -15,6 +15,11 @@ batch when ``k % B == 0``. Without the hint, nothing is split and only the total
 kept. A worker is a reader's pid as FUSE gives it (a DataLoader worker loads in its
 main thread, so the pid is the process's).
 
+The training's own side comes from the torch hook: ``pace iters=N steps=M wait=S
+train=S`` (:func:`dlcachefs.clairvoyance.protocol.pace_line`), kept on the stream's
+control state (``StreamState.train_pace``) and shown here as ``training``: the seconds it
+waited for batches and the seconds of its own step between them (DLCache's t_req).
+
 Per epoch: opens, the span from the first open to the last, the sum and count of the
 in-batch gaps, of the between-batch gaps, and of the daemon's own time per open; the
 last complete epoch is kept next to the current one, so a reading right after an epoch
@@ -24,6 +29,7 @@ ended describes that epoch. O(1) per open. Trio loop only (called from
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 #: worker pids remembered per epoch (more workers than this are not told apart)
@@ -63,6 +69,7 @@ class Pace:
         self.prefetch_factor: int | None = None
         self.cur: _Epoch | None = None
         self.prev: _Epoch | None = None
+        self.state = None  # the stream's control state (its ``train_pace``), once announced
 
     def hint(self, batch: int | None, workers: int | None,
              prefetch_factor: int | None) -> None:
@@ -96,7 +103,11 @@ class Pace:
 
     def stats(self) -> dict:
         """The hints and both epochs' measurements (``current``, ``previous``)."""
+        tp = getattr(self.state, "train_pace", None)
+        training = None if tp is None else {
+            "iters": tp[0], "steps": tp[1], "wait_s": round(tp[2], 6),
+            "train_s": round(tp[3], 6), "age_s": round(max(0.0, time.time() - tp[4]), 3)}
         return {"batch": self.batch, "workers": self.workers,
-                "prefetch_factor": self.prefetch_factor,
+                "prefetch_factor": self.prefetch_factor, "training": training,
                 "current": None if self.cur is None else self.cur.as_dict(),
                 "previous": None if self.prev is None else self.prev.as_dict()}

@@ -140,6 +140,15 @@ def batch_line(size: int, workers: int | None = None, prefetch_factor: int | Non
             + (f" prefetch_factor={prefetch_factor}" if prefetch_factor is not None else ""))
 
 
+def pace_line(iters: int, steps: int, wait_s: float, train_s: float, rank: int | None = None
+              ) -> str:
+    """The training's own pace over its last ``iters`` batches: ``wait_s`` seconds blocked
+    in the loader's ``next()`` (its data stall), ``train_s`` seconds between ``next()``
+    calls over ``steps`` intervals (its step). A measurement: it never restarts a stream."""
+    return (f"pace iters={iters} steps={steps} wait={wait_s:.6f} train={train_s:.6f}"
+            + (f" rank={rank}" if rank is not None else ""))
+
+
 def root_line(vid: str, rel: str, root: RootLike) -> str:
     """Root ``rel`` of view ``vid``, with the training's digest of its sample list."""
     return (f"root {vid} {quote_rel(rel)} count={root.count} sha={root.sha} "

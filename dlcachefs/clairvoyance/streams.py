@@ -263,6 +263,7 @@ class StreamManager:
             s = self.streams[(st.job, st.rank)] = Stream(st.job, st.rank)
         s.pids.add(pid)
         s.pace.hint(st.batch, st.workers, st.prefetch_factor)
+        s.pace.state = st  # the training's pace reports land there
         self._pid_stream.clear()  # attribution may have changed
         if self.unannounced:  # its process group has announced now
             self.unannounced.pop(_pgid(_tgid(pid)), None)

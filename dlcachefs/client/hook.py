@@ -25,6 +25,11 @@ unchanged, bit for bit:
   batch sampler (a ``SubsetRandomSampler`` has no dataset of its own), announces
   ``sampler sequential`` for a ``SequentialSampler``, and ``sampler unknown reason=...``
   for a sampler it cannot replay (the mount then learns the order from the opens).
+  With an announcement it sends the loader's ``batch B workers=K prefetch_factor=F``.
+* ``_BaseDataLoaderIter.__next__`` is timed (two clock reads per batch) for a loader
+  that announced: every 5 s and at the end of an epoch the training's own pace (seconds
+  waiting in ``next()``, seconds of its step between ``next()`` calls) is written as a
+  ``pace`` line, for the mount's loader-worker advice (``dlcachefs advise``).
 
 ``dlcachefs run -- python train.py`` installs this without editing the script (through
 a ``sitecustomize`` on ``PYTHONPATH`` that patches torch when ``torch.utils.data`` is
@@ -39,7 +44,9 @@ import importlib.abc
 import importlib.util
 import math
 import os
+import re
 import sys
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -195,6 +202,57 @@ def _batch_hint(loader) -> list[str]:
     return [_p.batch_line(size, nw, pf)]
 
 
+_RANK = re.compile(r"\brank=(\d+)")
+
+
+class _PaceReport:
+    """The training's pace over one loader's batches, reported to the mount its loader
+    announced to: seconds blocked in ``next()`` (the data stall) and seconds between a
+    ``next()`` returning and the next call (the training's step; DLCache's t_req). A
+    ``pace`` line every :attr:`EVERY` seconds and at the end of each epoch."""
+
+    EVERY = 5.0
+
+    def __init__(self, loader) -> None:
+        self.loader = weakref.ref(loader)
+        self.iters = self.steps = 0
+        self.wait = self.train = 0.0
+        self.last_end: float | None = None
+        self.sent = time.monotonic()
+
+    def step(self, t0: float, t1: float, done: bool) -> None:
+        """One ``next()`` from ``t0`` to ``t1``; ``done``: it ended the epoch."""
+        if self.last_end is not None:
+            self.train += t0 - self.last_end
+            self.steps += 1
+        if done:
+            self.last_end = None
+            self.flush(t1)
+            return
+        self.wait += t1 - t0
+        self.iters += 1
+        self.last_end = t1
+        if t1 - self.sent >= self.EVERY:
+            self.flush(t1)
+
+    def flush(self, now: float) -> None:
+        if self.iters:
+            loader = self.loader()
+            target = loader.__dict__.get("_dlcachefs_target") if loader is not None else None
+            if target is not None:
+                mount, job, rank = target
+                text = _p.text([_p.job_line(job), _p.pace_line(
+                    self.iters, self.steps, self.wait, self.train, rank)])
+                try:
+                    write_control(mount, [text.encode()])
+                except OSError as e:
+                    _warn_once(f"pace:{mount}", f"could not report the training's pace to "
+                               f"{mount} ({e})")
+        self.iters = self.steps = 0
+        self.wait = self.train = 0.0
+        self.sent = now
+
+
 def _send(t: Target, lines: list[str], job: str | None = None,
           extra_defs: Sequence[tuple[str, Callable[[], list[str]]]] = (),
           weak: bool = False, loader=None) -> bool:
@@ -218,6 +276,10 @@ def _send(t: Target, lines: list[str], job: str | None = None,
                     write_control(t.mount, [w.encode() for w in make()])
                     _sent.add((t.mount, key))
             write_control(t.mount, [text.encode()])
+            if loader is not None and hasattr(loader, "__dict__"):
+                m = next((_RANK.search(x) for x in lines if x.startswith("sampler ")), None)
+                loader.__dict__["_dlcachefs_target"] = (t.mount, job,
+                                                        int(m.group(1)) if m else None)
             return True
         except OSError as e:
             if e.errno == errno.EINVAL and attempt == 0 and had_all:
@@ -450,13 +512,46 @@ def _patch(data_module) -> None:
             bind(self)
         except Exception as e:  # noqa: BLE001 - never break the training
             _warn_once("bind", f"DataLoader hook failed: {e}")
-        return orig_loader_iter(self)
+        it = orig_loader_iter(self)
+        d = getattr(it, "__dict__", None)
+        if isinstance(d, dict) and not isinstance(d.get("_dlcachefs_pace"), _PaceReport):
+            d["_dlcachefs_pace"] = _PaceReport(self)
+        return it
 
     RandomSampler.__iter__ = random_iter
     DistributedSampler.__iter__ = dist_iter
     SubsetRandomSampler.__iter__ = subset_iter
     DataLoader.__iter__ = loader_iter
+    _time_next(getattr(getattr(data_module, "dataloader", None), "_BaseDataLoaderIter", None))
     RandomSampler._dlcachefs_patched = True
+
+
+def _time_next(cls) -> None:
+    """Time ``cls.__next__`` (torch's loader iterator) for iterators given a
+    :class:`_PaceReport`; once per class."""
+    if cls is None or cls.__dict__.get("_dlcachefs_timed"):
+        return
+    orig_next = cls.__next__
+
+    def timed_next(self):
+        rec = self.__dict__.get("_dlcachefs_pace")
+        if rec is None:
+            return orig_next(self)
+        t0 = time.perf_counter()
+        done = False
+        try:
+            return orig_next(self)
+        except StopIteration:
+            done = True
+            raise
+        finally:
+            try:
+                rec.step(t0, time.perf_counter(), done)
+            except Exception as e:  # noqa: BLE001 - never break the training
+                _warn_once("pace", f"pace report failed: {e}")
+
+    cls.__next__ = timed_next
+    cls._dlcachefs_timed = True
 
 
 def install() -> None:
