@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 from conftest import requires_fuse
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dlcachefs.admin.warmup import Item, make_plan, read_order
 from dlcachefs.testing.mounting import DLCACHEFS
-
-pytestmark = requires_fuse
 
 
 def make_src(root: Path, n: int = 40, size: int = 20_000, seed: int = 3) -> dict[str, bytes]:
@@ -43,6 +43,7 @@ def src(tmp_path):
     return root, files
 
 
+@requires_fuse
 def test_warmup_fetches_everything_then_skips_it(src, mount):
     root, files = src
     m = mount(root)
@@ -69,6 +70,7 @@ def test_warmup_fetches_everything_then_skips_it(src, mount):
     assert m.stats()["misses"] == misses
 
 
+@requires_fuse
 def test_warmup_of_paths_and_resume_after_a_partial_run(src, mount):
     root, files = src
     m = mount(root)
@@ -82,6 +84,7 @@ def test_warmup_of_paths_and_resume_after_a_partial_run(src, mount):
     assert m.stats()["bytes_from_source"] == sum(len(b) for b in files.values())
 
 
+@requires_fuse
 def test_dry_run_reads_nothing_and_the_budget_keeps_the_order(tmp_path, mount):
     root = tmp_path / "src"
     files = make_src(root, n=30, size=100_000)
@@ -112,6 +115,7 @@ def test_dry_run_reads_nothing_and_the_budget_keeps_the_order(tmp_path, mount):
     assert m.stats()["bytes_from_source"] == total
 
 
+@requires_fuse
 def test_text_output_and_errors(src, mount, tmp_path):
     root, files = src
     m = mount(root)
@@ -166,3 +170,22 @@ def test_progress_lines_off_a_terminal(capsys):
     err = capsys.readouterr().err.splitlines()
     assert err[-1].startswith("warmup: 2/4 files, 2.0K/3.9K, ")
     assert "/s, ETA " in err[-1]
+
+
+@given(sizes=st.lists(st.integers(0, 1000), max_size=40), budget=st.integers(0, 5000),
+       max_file=st.one_of(st.none(), st.integers(0, 1000)), seed=st.integers(0, 1 << 16))
+def test_plan_is_the_longest_prefix_within_the_budget(sizes, budget, max_file, seed):
+    rnd = random.Random(seed)
+    items = [Item(f"f{i}", s) for i, s in enumerate(sizes)]
+    cached = {it.rel for it in items if rnd.random() < 0.3}
+    st_ = {"cache_limit_bytes": budget, "max_cached_file": max_file}
+    p = make_plan(items, st_, lambda rel: rel in cached)
+    eligible = [it for it in items if max_file is None or it.size <= max_file]
+    taken = [it for it in eligible if it in p.to_fetch or it in p.cached]
+    assert taken == eligible[:len(taken)]  # a prefix, in order
+    assert sum(it.size for it in taken) <= budget
+    if len(taken) < len(eligible):  # the next one would not fit
+        assert sum(it.size for it in taken) + eligible[len(taken)].size > budget
+    assert p.left_out == eligible[len(taken):]
+    assert {it.rel for it in p.cached} == {it.rel for it in taken} & cached
+    assert len(p.to_fetch) + len(p.cached) + len(p.left_out) + len(p.too_large) == len(items)

@@ -160,8 +160,10 @@ class CachedCheck:
         self.why: str | None = None
         try:
             info = mountinfo.cache_info(mnt)
-            from dlcachefs.store.readonly import IndexReader  # noqa: PLC0415 - lmdb
+            # lmdb, only for this command
+            from dlcachefs.store.readonly import IndexReader, Located  # noqa: PLC0415
 
+            self._located = Located
             self.revalidate = float(info["revalidate_s"])
             self.reader = IndexReader(str(info["index_dir"]))
         except Exception as e:  # noqa: BLE001 - any reason: warm without skipping
@@ -174,10 +176,9 @@ class CachedCheck:
     def __call__(self, rel: str) -> bool:
         if self.reader is None:
             return False
-        from dlcachefs.store.readonly import Located  # noqa: PLC0415
-
         parts = os.fsencode(rel).split(b"/")
-        return isinstance(self.reader.locate(parts, self.revalidate, time.time()), Located)
+        return isinstance(self.reader.locate(parts, self.revalidate, time.time()),
+                          self._located)
 
     def close(self) -> None:
         if self.reader is not None:
