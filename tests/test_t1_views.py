@@ -415,7 +415,7 @@ def test_custom_sampler_is_announced_unknown(hooked, monkeypatch):
     import dlcachefs.client.hook as hook
 
     unknown: list[tuple[str, int]] = []
-    monkeypatch.setattr(hook, "_unknown", lambda ds, reason, epoch: unknown.append(
+    monkeypatch.setattr(hook, "_unknown", lambda ds, reason, epoch, loader=None: unknown.append(
         (reason, epoch)))
 
     class Evens(data.Sampler):

@@ -23,9 +23,20 @@ import sys, time, torch
 from torchvision import datasets, transforms
 ds = datasets.ImageFolder(sys.argv[1], transform=transforms.Compose(
     [transforms.Resize((16, 16)), transforms.ToTensor()]))
+class Backwards(torch.utils.data.Sampler):  # not replayable: the mount learns its order
+    def __iter__(self):
+        return iter(range(len(ds) - 1, -1, -1))
+
+    def __len__(self):
+        return len(ds)
+
 g = torch.Generator()
 g.manual_seed(5)
-dl = torch.utils.data.DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, generator=g)
+if sys.argv[2] == "custom":
+    dl = torch.utils.data.DataLoader(ds, batch_size=4, sampler=Backwards(), num_workers=2)
+else:
+    dl = torch.utils.data.DataLoader(ds, batch_size=4, shuffle=True, num_workers=2,
+                                     generator=g)
 n = 0
 for x, y in dl:
     time.sleep(0.05)  # the training step
@@ -34,15 +45,18 @@ print(n)
 '''
 
 
-def test_advise_after_an_epoch(tmp_path, mount):
+@pytest.mark.parametrize("sampler", ["shuffle", "custom"])
+def test_advise_after_an_epoch(tmp_path, mount, sampler):
     make_images(tmp_path / "src", classes=2, per_class=40)
     m = mount(tmp_path / "src")
     (tmp_path / "train.py").write_text(TRAIN)
     r = subprocess.run([*DLCACHEFS, "run", "--", sys.executable, str(tmp_path / "train.py"),
-                        str(m.mnt)], capture_output=True, text=True, timeout=600)
+                        str(m.mnt), sampler], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split()[-1] == "80"
-    loader = m.stats()["streams"]["default/0"]["loader"]
+    stream = m.stats()["streams"]["default/0"]
+    assert stream["mode"] == ("learned" if sampler == "custom" else "replayed"), stream
+    loader = stream["loader"]
     assert (loader["batch"], loader["workers"], loader["prefetch_factor"]) == (4, 2, 2)
     ep = loader["current"]
     assert ep["opens"] == 80 and ep["workers_seen"] == 2

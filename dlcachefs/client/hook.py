@@ -320,7 +320,7 @@ def _mount_hint(ds) -> str | None:
     return None
 
 
-def _unknown(ds, reason: str, epoch: int) -> None:
+def _unknown(ds, reason: str, epoch: int, loader=None) -> None:
     """Tell the mount that this process reads in an order it cannot replay (it learns the
     order from the opens); warns once with the reason."""
     t = target_of(ds)
@@ -333,9 +333,11 @@ def _unknown(ds, reason: str, epoch: int) -> None:
     _warn_once(f"unknown:{reason}", f"the mount cannot replay this training's order "
                f"({reason}); it learns it from the files read")
     text = _p.text([_p.job_line(job), _p.sampler_line("unknown", reason=reason[:200]),
-                    _p.epoch_line(epoch)])
+                    _p.epoch_line(epoch), *_batch_hint(loader)])
     try:
         write_control(mount, [text.encode()])
+        if loader is not None and hasattr(loader, "__dict__"):  # its pace goes there too
+            loader.__dict__["_dlcachefs_target"] = (mount, job, None)
     except OSError as e:
         _warn_once(f"write:{mount}", f"could not announce to {mount} ({e})")
 
@@ -505,7 +507,7 @@ def _patch(data_module) -> None:
             return
         else:
             reason = f"sampler {type(inner).__name__} is not replayable"
-        _unknown(ds, reason, _next_epoch(loader))
+        _unknown(ds, reason, _next_epoch(loader), loader)
 
     def loader_iter(self):
         try:
