@@ -50,12 +50,16 @@ def test_advise_after_an_epoch(tmp_path, mount, sampler):
     make_images(tmp_path / "src", classes=2, per_class=40)
     m = mount(tmp_path / "src")
     (tmp_path / "train.py").write_text(TRAIN)
+    # the epoch's order is replayed once the replay worker has imported torch
+    m.wait_stats(lambda st: st["sampler_replay_ready"], "replay worker not ready", 300)
     r = subprocess.run([*DLCACHEFS, "run", "--", sys.executable, str(tmp_path / "train.py"),
                         str(m.mnt), sampler], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split()[-1] == "80"
-    stream = m.stats()["streams"]["default/0"]
-    assert stream["mode"] == ("learned" if sampler == "custom" else "replayed"), stream
+    # the stream's set-up runs in the background: wait for its mode (not a timing check)
+    mode = "learned" if sampler == "custom" else "replayed"
+    stream = m.wait_stats(lambda st: st["streams"].get("default/0", {}).get("mode") == mode,
+                          f"stream not {mode}", 300)["streams"]["default/0"]
     loader = stream["loader"]
     assert (loader["batch"], loader["workers"], loader["prefetch_factor"]) == (4, 2, 2)
     ep = loader["current"]
