@@ -183,3 +183,23 @@ def test_pace_control_line():
                 "pace iters=1 steps=1 wait=0 train=0 x=1"):
         with pytest.raises(ControlError):
             cs.apply(f"job j\n{bad}\n".encode(), 1)
+
+
+def test_pace_report_keeps_the_process_rank():
+    # a rank-3 process's pace write ("job j" + "pace ... rank=3") must leave it bound to
+    # rank 3: its next write without a sampler line (an epoch) is rank 3's, not rank 0's
+    from dlcachefs.clairvoyance.control import ControlState
+    from dlcachefs.clairvoyance.protocol import pace_line
+
+    cs = ControlState(lambda rel: 1)
+    cs.apply(b"job j\ndataset d\nsampler distributed seed=1 world=4 rank=3\nepoch 0\n", 7)
+    cs.apply(f"job j\n{pace_line(4, 3, 0.1, 0.3, rank=3)}\n".encode(), 7)
+    assert cs.streams[("j", 3)].train_pace[:2] == (4, 3)
+    assert cs.binding_of(7) == ("j", 3)
+    cs.apply(b"epoch 1\n", 7)
+    assert cs.streams[("j", 3)].epoch == 1
+    assert ("j", 0) not in cs.streams
+    # without rank= (a rank-0 loader) the job line's rank 0 stands
+    cs.apply(b"job j\nsampler sequential\nepoch 0\n", 8)
+    cs.apply(f"job j\n{pace_line(1, 0, 0.0, 0.0)}\n".encode(), 8)
+    assert cs.binding_of(8) == ("j", 0) and cs.streams[("j", 0)].train_pace[0] == 1

@@ -28,9 +28,12 @@ in :mod:`dlcachefs.clairvoyance.protocol`; this module parses and applies.
 
 See :mod:`dlcachefs.clairvoyance.replay` for what the sampler fields mean. Each (job, rank) is one
 stream: a ``distributed`` sampler line binds the writing process to its rank, other
-samplers to rank 0. A write is attributed to a job: the one its own ``job`` line names,
-else the job this process named last, else ``default``; and to the rank this process
-was bound to last. Reads are attributed to streams by process (the writer and its
+samplers to rank 0; a ``job`` line binds it to rank 0 of that job, and a ``pace`` line's
+``rank=R`` to rank R (the training process repeats its whole binding, ``job`` and
+``rank=``, with each pace report, so that report leaves the binding as its announcement
+set it). A write is attributed to a job: the one its own ``job`` line names, else the
+job this process named last, else ``default``; and to the rank this process was bound
+to last. Reads are attributed to streams by process (the writer and its
 descendants, such as DataLoader workers): see :mod:`dlcachefs.clairvoyance.streams`.
 
 ``loss`` and ``order`` indices are indices into the job's dataset sample list (as
@@ -422,6 +425,8 @@ class ControlState:
             elif op.verb == "sampler":
                 assert isinstance(op.arg, SamplerSpec)
                 rank = op.arg.rank if op.arg.kind == "distributed" else 0
+            elif op.verb == "pace" and op.extra[0] is not None:
+                rank = int(op.extra[0])  # its rank binds, as a distributed sampler's does
             js = self.jobs.setdefault(job, JobState(job))
             js.updated = time.time()
             if op.verb == "dataset":
@@ -445,8 +450,7 @@ class ControlState:
             if op.verb == "pace":
                 # a measurement of a known stream: stored, never a restart of the stream
                 # (no on_stream); a stream not announced yet drops it
-                prank = op.extra[0] if op.extra[0] is not None else rank
-                pst = self.streams.get((job, prank))
+                pst = self.streams.get((job, rank))
                 if pst is not None:
                     pst.train_pace = (*op.arg, time.time())  # type: ignore[misc]
                 continue
@@ -542,6 +546,8 @@ class ControlState:
             elif op.verb == "sampler":
                 assert isinstance(op.arg, SamplerSpec)
                 rank = op.arg.rank if op.arg.kind == "distributed" else 0
+            elif op.verb == "pace" and op.extra[0] is not None:
+                rank = int(op.extra[0])  # as in apply()
             if job not in self.jobs:
                 new_jobs.add(job)
             if op.verb in ("sampler", "epoch", "batch", "order") \
