@@ -106,9 +106,12 @@ import numpy as np
 
 from dlcachefs.clairvoyance.protocol import (
     ID_HEX,
+    MAX_BATCH,
     MAX_LINE,
     MAX_LOSS_PAIRS,
+    MAX_PREFETCH_FACTOR,
     MAX_SAMPLER_LINE,
+    MAX_WORKERS,
     MAX_WRITE,
     index_list_id,
     view_id,
@@ -676,10 +679,11 @@ class ControlState:
         if verb == "batch":
             if not args:
                 raise ControlError(f"line {n}: 'batch' needs a batch size")
-            b = _int(n, "batch size", args[0], 1, 1 << 24)
+            b = _int(n, "batch size", args[0], 1, MAX_BATCH)
             kv = _kv(n, args[1:], {"workers", "prefetch_factor"})
-            workers = _int(n, "workers", kv["workers"], 0, 4096) if "workers" in kv else None
-            pf = _int(n, "prefetch_factor", kv["prefetch_factor"], 0, 4096) \
+            workers = _int(n, "workers", kv["workers"], 0, MAX_WORKERS) \
+                if "workers" in kv else None
+            pf = _int(n, "prefetch_factor", kv["prefetch_factor"], 0, MAX_PREFETCH_FACTOR) \
                 if "prefetch_factor" in kv else None
             return _Op("batch", b, (workers, pf))
         if verb == "pace":

@@ -34,6 +34,9 @@ MAX_WRITE = 64 * 1024  # bytes of one write(); a write is applied whole or refus
 MAX_LINE = 4096  # characters of one line, except a sampler line
 MAX_SAMPLER_LINE = 16384  # a "sampler ... state=B64" line carries a 5056-byte state
 MAX_LOSS_PAIRS = 100_000  # loss pairs of one write
+MAX_BATCH = 1 << 24  # "batch B": 1 <= B <= MAX_BATCH
+MAX_WORKERS = 4096  # "batch B workers=K": 0 <= K <= MAX_WORKERS
+MAX_PREFETCH_FACTOR = 4096  # "batch B prefetch_factor=F": 0 <= F <= MAX_PREFETCH_FACTOR
 ID_HEX = 24  # hex digits of index-list and view ids
 LOSS_FORMAT = ".9g"  # 9 significant digits: exact for float32 losses
 
