@@ -548,3 +548,127 @@ def test_learned_order_similarity(n, seed, jitter):
     other = base[:]
     rnd.shuffle(other)
     assert not _similar(other, base)
+
+
+# ----- the hook never raises, never wastes the mount's error list ---------------------------
+
+
+class _Loader:
+    """Just what a pace report reads of a DataLoader (weakly referenced, a __dict__)."""
+
+
+def test_pace_reports_stop_at_a_mount_that_refuses_them(monkeypatch):
+    # a daemon older than the pace line refuses it (EINVAL): one refusal, then no more
+    # (each would push a real error out of the mount's bounded .dlcache/errors)
+    import errno
+
+    import dlcachefs.client.hook as hook
+
+    calls: list[str] = []
+
+    def write_control(mount, writes):
+        calls.append(mount)
+        raise OSError(errno.EINVAL if mount == "/old" else errno.EIO, "refused")
+
+    monkeypatch.setattr(hook, "write_control", write_control)
+    monkeypatch.setattr(hook, "_no_pace", set())
+    recs = {}
+    for mount in ("/old", "/flaky"):
+        loader = _Loader()
+        loader.__dict__["_dlcachefs_target"] = (mount, "j", None)
+        recs[mount] = (hook._PaceReport(loader), loader)
+    with pytest.warns(RuntimeWarning):
+        for k in range(3):
+            for rec, _loader in recs.values():
+                rec.step(2.0 * k, 2.0 * k + 1, False)
+                rec.flush(2.0 * k + 1)
+    assert calls.count("/old") == 1
+    assert calls.count("/flaky") == 3  # a transient error does not stop the reports
+
+
+def test_pace_restarts_with_a_persistent_iterator(hooked, monkeypatch):
+    # persistent_workers: DataLoader.__iter__ returns the same iterator each epoch; after
+    # an epoch left early, the time until the next epoch is not a training step
+    import dlcachefs.client.hook as hook
+
+    monkeypatch.setattr(hook._PaceReport, "EVERY", float("inf"))  # no flush mid-test
+    dl = data.DataLoader(Idx(12), batch_size=2, num_workers=1, persistent_workers=True)
+    try:
+        it = iter(dl)
+        for _ in range(3):
+            next(it)
+        rec = it.__dict__["_dlcachefs_pace"]
+        assert (rec.iters, rec.steps) == (3, 2)
+        it2 = iter(dl)  # the next epoch, after a break
+        assert it2 is it
+        assert [int(i) for i in next(it2)] == [0, 1]
+        assert (rec.iters, rec.steps) == (4, 2)  # the gap between epochs is not a step
+        next(it2)
+        assert (rec.iters, rec.steps) == (5, 3)
+    finally:
+        del dl, it
+        import gc
+        gc.collect()
+
+
+def test_loader_iter_never_raises_from_the_pace_report(hooked, monkeypatch):
+    import dlcachefs.client.hook as hook
+
+    class Broken:
+        def __init__(self, loader):
+            raise RuntimeError("broken pace report")
+
+    monkeypatch.setattr(hook, "_PaceReport", Broken)
+    dl = data.DataLoader(Idx(6), batch_size=4)
+    with pytest.warns(RuntimeWarning, match="pace"):
+        assert [[int(i) for i in b] for b in dl] == [[0, 1, 2, 3], [4, 5]]
+
+
+def test_batch_hint_stays_within_the_parsers_limits():
+    from types import SimpleNamespace as NS
+
+    from dlcachefs.client.hook import _batch_hint
+
+    assert _batch_hint(data.DataLoader(Idx(3), batch_size=P.MAX_BATCH + 1)) == []
+    assert _batch_hint(NS(batch_size=32, num_workers=P.MAX_WORKERS + 1, prefetch_factor=2)
+                       ) == ["batch 32"]
+    assert _batch_hint(NS(batch_size=32, num_workers=4,
+                          prefetch_factor=P.MAX_PREFETCH_FACTOR + 1)) == ["batch 32 workers=4"]
+
+    class Odd:
+        batch_size = 8
+
+        @property
+        def num_workers(self):
+            raise RuntimeError("a property that raises")
+
+    with pytest.warns(RuntimeWarning, match="batch hint"):
+        assert _batch_hint(Odd()) == []
+
+
+@given(st.integers(-2, P.MAX_BATCH + 2) | st.none(),
+       st.integers(-2, P.MAX_WORKERS + 2) | st.none(),
+       st.integers(-2, P.MAX_PREFETCH_FACTOR + 2) | st.none())
+def test_batch_hint_is_always_accepted(size, workers, pf):
+    from types import SimpleNamespace as NS
+
+    from dlcachefs.client.hook import _batch_hint
+
+    for line in _batch_hint(NS(batch_size=size, num_workers=workers, prefetch_factor=pf)):
+        cs = ControlState(resolve_dir)
+        cs.apply(f"job j\n{line}\n".encode(), 1)  # raises ControlError when refused
+        assert cs.streams[("j", 0)].batch == size
+
+
+def test_send_never_raises():
+    import dlcachefs.client.hook as hook
+
+    class BadTarget:
+        vid = "bad-target-for-send"
+        mount = "/nowhere"
+
+        def dataset_line(self):
+            raise RuntimeError("broken view")
+
+    with pytest.warns(RuntimeWarning, match="could not announce"):
+        assert hook._send(BadTarget(), ["epoch 0"]) is False

@@ -191,18 +191,35 @@ def _claim(job: str, key: str, weak: bool) -> bool:
 
 def _batch_hint(loader) -> list[str]:
     """The ``batch B workers=K prefetch_factor=F`` hint of ``loader`` (the mount measures
-    its workers' fetch times against it: ``dlcachefs advise``), or nothing."""
-    size = getattr(loader, "batch_size", None) if loader is not None else None
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        return []  # a custom batch sampler: no fixed batch size
-    nw = getattr(loader, "num_workers", None)
-    nw = nw if isinstance(nw, int) and not isinstance(nw, bool) and nw >= 0 else None
-    pf = getattr(loader, "prefetch_factor", None)
-    pf = pf if nw and isinstance(pf, int) and not isinstance(pf, bool) and pf >= 0 else None
-    return [_p.batch_line(size, nw, pf)]
+    its workers' fetch times against it: ``dlcachefs advise``), or nothing. Within the
+    parser's limits (:data:`protocol.MAX_BATCH` ...): a value outside them would make the
+    mount refuse the whole announcement, so it is left out (the whole hint for a batch
+    size, the field for the others). Never raises (a loader's attribute may be a property
+    that does)."""
+    try:
+        size = getattr(loader, "batch_size", None) if loader is not None else None
+        if not _in_range(size, 1, _p.MAX_BATCH):
+            return []  # a custom batch sampler (no fixed batch size), or beyond the limit
+        nw = getattr(loader, "num_workers", None)
+        nw = nw if _in_range(nw, 0, _p.MAX_WORKERS) else None
+        pf = getattr(loader, "prefetch_factor", None)
+        pf = pf if nw and _in_range(pf, 0, _p.MAX_PREFETCH_FACTOR) else None
+        return [_p.batch_line(size, nw, pf)]
+    except Exception as e:  # noqa: BLE001 - never break the training
+        _warn_once("batch-hint", f"no batch hint for this loader: {e}")
+        return []
+
+
+def _in_range(x: object, lo: int, hi: int) -> bool:
+    """``x`` is an int (not a bool) with ``lo <= x <= hi``."""
+    return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
 
 
 _RANK = re.compile(r"\brank=(\d+)")
+#: mounts that refused a pace report (EINVAL: a daemon older than the ``pace`` line). No
+#: more reports go there from this process: each refusal would land in the mount's bounded
+#: ``.dlcache/errors`` list and push the real errors out.
+_no_pace: set[str] = set()
 
 
 class _PaceReport:
@@ -219,6 +236,12 @@ class _PaceReport:
         self.wait = self.train = 0.0
         self.last_end: float | None = None
         self.sent = time.monotonic()
+
+    def restart(self) -> None:
+        """The loader's iterator starts an epoch again (``persistent_workers``: the same
+        iterator is reused): the time since the last batch of an epoch that was left
+        early (a ``break``, then validation) is not a training step."""
+        self.last_end = None
 
     def step(self, t0: float, t1: float, done: bool) -> None:
         """One ``next()`` from ``t0`` to ``t1``; ``done``: it ended the epoch."""
@@ -239,15 +262,20 @@ class _PaceReport:
         if self.iters:
             loader = self.loader()
             target = loader.__dict__.get("_dlcachefs_target") if loader is not None else None
-            if target is not None:
+            if target is not None and target[0] not in _no_pace:
                 mount, job, rank = target
+                # the job line and rank= together: the write leaves this process bound
+                # to its (job, rank) (see the grammar in clairvoyance.control)
                 text = _p.text([_p.job_line(job), _p.pace_line(
                     self.iters, self.steps, self.wait, self.train, rank)])
                 try:
                     write_control(mount, [text.encode()])
                 except OSError as e:
+                    if e.errno == errno.EINVAL:
+                        _no_pace.add(mount)
                     _warn_once(f"pace:{mount}", f"could not report the training's pace to "
-                               f"{mount} ({e})")
+                               f"{mount} ({e})" + ("; no more pace reports go there (an "
+                               "older dlcachefs daemon?)" if e.errno == errno.EINVAL else ""))
         self.iters = self.steps = 0
         self.wait = self.train = 0.0
         self.sent = now
@@ -263,6 +291,17 @@ def _send(t: Target, lines: list[str], job: str | None = None,
     with them. ``weak``: see :func:`_claim`. ``loader``: its batch hint goes with the
     lines (same write: a ``batch`` line alone would restart the stream's set-up). Never
     raises: False and a warning once."""
+    try:
+        return _send_now(t, lines, job, extra_defs, weak, loader)
+    except Exception as e:  # noqa: BLE001 - never break the training
+        _warn_once("send", f"could not announce to {getattr(t, 'mount', '?')} ({e})")
+        return False
+
+
+def _send_now(t: Target, lines: list[str], job: str | None,
+              extra_defs: Sequence[tuple[str, Callable[[], list[str]]]], weak: bool,
+              loader) -> bool:
+    """:func:`_send`; raises on the unexpected (OSError of a write excepted)."""
     job = job or os.environ.get(ENV_JOB) or "default"
     if not _claim(job, t.vid, weak):
         return False
@@ -515,9 +554,16 @@ def _patch(data_module) -> None:
         except Exception as e:  # noqa: BLE001 - never break the training
             _warn_once("bind", f"DataLoader hook failed: {e}")
         it = orig_loader_iter(self)
-        d = getattr(it, "__dict__", None)
-        if isinstance(d, dict) and not isinstance(d.get("_dlcachefs_pace"), _PaceReport):
-            d["_dlcachefs_pace"] = _PaceReport(self)
+        try:
+            d = getattr(it, "__dict__", None)
+            if isinstance(d, dict):
+                rec = d.get("_dlcachefs_pace")
+                if isinstance(rec, _PaceReport):
+                    rec.restart()  # persistent_workers: the same iterator, a new epoch
+                else:
+                    d["_dlcachefs_pace"] = _PaceReport(self)
+        except Exception as e:  # noqa: BLE001 - never break the training
+            _warn_once("pace", f"pace report failed: {e}")
         return it
 
     RandomSampler.__iter__ = random_iter
