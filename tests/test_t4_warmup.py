@@ -13,7 +13,8 @@ from conftest import requires_fuse
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dlcachefs.admin.warmup import Item, make_plan, read_order
+from dlcachefs.admin.warmup import Item, cost, make_plan, read_order
+from dlcachefs.store.chunkfmt import CHUNK_HEADER_SIZE, RECORD_HEADER_SIZE
 from dlcachefs.testing.mounting import DLCACHEFS
 
 
@@ -93,11 +94,12 @@ def test_dry_run_reads_nothing_and_the_budget_keeps_the_order(tmp_path, mount):
     order = sorted(files, reverse=True)
     (tmp_path / "order.txt").write_text("# newest first\n" + "\n".join(order) + "\n\n")
     plan = warmup(m.mnt, "--order", str(tmp_path / "order.txt"), "--dry-run")["plan"]
-    fit = [r for r in order]
-    total, n_fit = 0, 0
-    for r in fit:
-        if total + len(files[r]) > (1 << 20):
+    total, n_fit, used = 0, 0, 0
+    for r in order:  # each file takes its bytes, its record's header and path, a chunk header
+        c = len(files[r]) + RECORD_HEADER_SIZE + len(r) + CHUNK_HEADER_SIZE
+        if used + c > (1 << 20):
             break
+        used += c
         total += len(files[r])
         n_fit += 1
     assert plan["to_fetch"] == {"files": n_fit, "bytes": total}
@@ -144,11 +146,11 @@ def test_text_output_and_errors(src, mount, tmp_path):
 def test_plan_units():
     items = [Item(f"f{i}", s) for i, s in enumerate([10, 20, 500, 30, 5])]
     st = {"cache_limit_bytes": 65, "max_cached_file": 100}
-    p = make_plan(items, st, lambda rel: rel == "f1")
+    p = make_plan(items, st, lambda rel: rel == "f1", cost=lambda it: it.size)
     assert [i.rel for i in p.too_large] == ["f2"]
     assert [i.rel for i in p.cached] == ["f1"]
     assert [i.rel for i in p.to_fetch] == ["f0", "f3", "f4"]  # 10+20+30+5 = 65 fits exactly
-    p = make_plan(items, {"cache_limit_bytes": 59}, lambda rel: False)
+    p = make_plan(items, {"cache_limit_bytes": 59}, lambda rel: False, cost=lambda it: it.size)
     # no max_cached_file known: f2 (500) is past the budget, and so is all after it
     assert [i.rel for i in p.to_fetch] == ["f0", "f1"]
     assert [i.rel for i in p.left_out] == ["f2", "f3", "f4"]
@@ -179,7 +181,7 @@ def test_plan_is_the_longest_prefix_within_the_budget(sizes, budget, max_file, s
     items = [Item(f"f{i}", s) for i, s in enumerate(sizes)]
     cached = {it.rel for it in items if rnd.random() < 0.3}
     st_ = {"cache_limit_bytes": budget, "max_cached_file": max_file}
-    p = make_plan(items, st_, lambda rel: rel in cached)
+    p = make_plan(items, st_, lambda rel: rel in cached, cost=lambda it: it.size)
     eligible = [it for it in items if max_file is None or it.size <= max_file]
     taken = [it for it in eligible if it in p.to_fetch or it in p.cached]
     assert taken == eligible[:len(taken)]  # a prefix, in order
@@ -189,3 +191,68 @@ def test_plan_is_the_longest_prefix_within_the_budget(sizes, budget, max_file, s
     assert p.left_out == eligible[len(taken):]
     assert {it.rel for it in p.cached} == {it.rel for it in taken} & cached
     assert len(p.to_fetch) + len(p.cached) + len(p.left_out) + len(p.too_large) == len(items)
+
+
+def test_plan_counts_the_record_and_chunk_overhead_and_other_cached_files():
+    # "ab" of 100 bytes takes 100 + 56 (record header) + 2 (its path) + 48 (a chunk header)
+    it = Item("ab", 100)
+    assert cost(it) == 100 + RECORD_HEADER_SIZE + 2 + CHUNK_HEADER_SIZE == 206
+    items = [Item("ab", 100), Item("cd", 100)]
+    p = make_plan(items, {"cache_limit_bytes": 411}, lambda rel: False)
+    assert [i.rel for i in p.to_fetch] == ["ab"]  # 200 bytes of files, but 412 in the cache
+    p = make_plan(items, {"cache_limit_bytes": 412}, lambda rel: False)
+    assert [i.rel for i in p.to_fetch] == ["ab", "cd"]
+    # cached files outside the list are counted (and not taken off the budget)
+    st_ = {"cache_limit_bytes": 206, "cached_files": 5, "cached_bytes": 1000}
+    p = make_plan(items, st_, lambda rel: True)
+    assert [i.rel for i in p.cached] == ["ab"] and [i.rel for i in p.left_out] == ["cd"]
+    assert p.other_cached == (3, 800)  # "cd" is cached too, past the budget
+    assert p.as_dict()["other_cached"] == {"files": 3, "bytes": 800}
+    assert make_plan(items, st_, lambda rel: False, cached_known=False).other_cached is None
+
+
+@requires_fuse
+def test_the_budget_leaves_room_for_the_records(tmp_path, mount):
+    # 8 files of 128 KiB are exactly the 1 MiB budget in bytes, but not in the cache's
+    # chunks (record and chunk headers, paths): warming 8 would evict the first
+    root = tmp_path / "src"
+    files = {}
+    for i in range(8):
+        data = random.Random(i).randbytes(128 << 10)
+        (root / "d").mkdir(parents=True, exist_ok=True)
+        (root / "d" / f"f{i}").write_bytes(data)
+        files[f"d/f{i}"] = data
+    m = mount(root, "--cache-size", "1M", "--chunk-size", "128K")
+    res = warmup(m.mnt, "d")
+    assert res["plan"]["to_fetch"]["files"] == 7 and res["plan"]["left_out"]["files"] == 1
+    assert res["plan"]["cost_bytes"] <= 1 << 20
+    assert res["result"]["fetched"] == 7
+    assert res["result"]["cached_after"] == 7  # everything warmed stayed
+    for rel, data in files.items():
+        assert (m.mnt / rel).read_bytes() == data
+
+
+@requires_fuse
+def test_order_paths_missing_on_the_mount_are_skipped(src, mount, tmp_path):
+    root, files = src
+    m = mount(root)
+    order = ["c0/s000.bin", "gone/x.bin", "c1", "/etc/passwd", "c2/s002.bin"] + \
+        [f"gone/{i}" for i in range(6)]
+    (tmp_path / "order.txt").write_text("\n".join(order) + "\n")
+    r = subprocess.run([*DLCACHEFS, "warmup", str(m.mnt), "--order", str(tmp_path / "order.txt"),
+                        "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr  # something could not be warmed: said at the end
+    out = json.loads(r.stdout)
+    want = {"c0/s000.bin", "c2/s002.bin"} | {x for x in files if x.startswith("c1/")}
+    assert out["result"]["fetched"] == len(want) and out["result"]["errors"] == []
+    assert [s["path"] for s in out["plan"]["skipped"]] == \
+        ["gone/x.bin", "/etc/passwd"] + [f"gone/{i}" for i in range(6)]
+    assert m.stats()["cached_files"] == len(want)
+    # the text output: how many, the first few
+    r = subprocess.run([*DLCACHEFS, "warmup", str(m.mnt), "--order", str(tmp_path / "order.txt")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1
+    assert "8 paths of" in r.stderr and "gone/x.bin" in r.stderr and "and 3 more" in r.stderr
+    assert "8 --order paths skipped" in r.stdout
+    for rel in want:
+        assert (m.mnt / rel).read_bytes() == files[rel]

@@ -19,8 +19,23 @@ What fits: the files are taken in order (``--order FILE``, else the paths given,
 directory walked in sorted order), and the cache's budget (``--cache-size``) is spent on
 them from the first: the warm-up stops before the first file that would take the total of
 the files warmed (cached ones included) past the budget, since warming more would evict
-files warmed earlier. Files larger than ``--max-cached-file`` are never cached and are
-left out. ``--dry-run`` prints this plan and reads nothing.
+files warmed earlier. A file counts as what it takes in the cache's chunk logs, which is
+what the budget bounds (:mod:`dlcachefs.cache.writer`): its bytes, its record's header
+and key (its path; :func:`dlcachefs.store.chunkfmt.record_len`) and one chunk header (an
+upper bound: a chunk holds one record or more). Files larger than ``--max-cached-file``
+are never cached and are left out. ``--dry-run`` prints this plan and reads nothing.
+
+Files cached already that are not in the list are counted and shown (``other_cached``),
+not taken off the budget: the cache's policy chooses what to evict to make room for the
+warm-up, and with the default ``lru`` those files, used longer ago than anything the
+warm-up opens, go first. Taking them off would let an old dataset's files keep a new
+one from being warmed at all.
+
+A path of ``--order`` that does not exist on the mount (any more), or cannot be used (not
+inside the mount, not a file or directory, a directory that cannot be listed), is
+skipped and reported (how many, and the first few); the rest is warmed and the exit
+status is 1 at the end. A path given on the command line that cannot be used stops the
+command before anything is read (exit 2), as a mistyped argument should.
 
 Standard library, plus :mod:`rich` for the progress bar when it is installed and stderr
 is a terminal; lmdb only to ask what is cached. No trio.
@@ -39,7 +54,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from dlcachefs.admin import mountinfo
+from dlcachefs.store.chunkfmt import CHUNK_HEADER_SIZE, record_len
 from dlcachefs.units import format_size
+
+#: ``--order`` paths that were skipped shown in the text output (all are in the JSON)
+SHOW_SKIPPED = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +81,11 @@ class Plan:
     budget: int                  # --cache-size of the mount
     max_cached_file: int | None
     cached_known: bool           # False: the index could not be read, nothing is skipped
+    #: cached files not in the list: (files, bytes) from the mount's stats; None when the
+    #: index could not be read (then which cached files are in the list is not known)
+    other_cached: tuple[int, int] | None = None
+    #: ``--order`` paths skipped: (path, why), in order
+    skipped: list[tuple[str, str]] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         def part(items: list[Item]) -> dict:
@@ -71,6 +95,10 @@ class Plan:
                 "cached": part(self.cached), "left_out": part(self.left_out),
                 "too_large": part(self.too_large), "budget_bytes": self.budget,
                 "max_cached_file": self.max_cached_file, "cached_known": self.cached_known,
+                "cost_bytes": sum(cost(i) for i in self.to_fetch + self.cached),
+                "other_cached": {"files": self.other_cached[0], "bytes": self.other_cached[1]}
+                if self.other_cached is not None else None,
+                "skipped": [{"path": p, "error": e} for p, e in self.skipped],
                 "last_fitting": (self.to_fetch + self.cached)[-1].rel
                 if (self.to_fetch or self.cached) else None}
 
@@ -135,17 +163,26 @@ def read_order(path: str) -> list[str]:
     return [ln for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
 
 
-def collect(mnt: str, paths: Iterable[str] = (), order: list[str] | None = None) -> list[Item]:
+def collect(mnt: str, paths: Iterable[str] = (), order: list[str] | None = None,
+            skipped: list[tuple[str, str]] | None = None) -> list[Item]:
     """The files to warm, in order, each once: the order file's paths (files, or
-    directories walked), else ``paths``, else the whole mount."""
+    directories walked), else ``paths``, else the whole mount. A path that cannot be used
+    raises ValueError, except an order file's when ``skipped`` is given: it is appended
+    there as (path, why) and the others are taken (a directory that fails half way keeps
+    the files listed before)."""
     todo = order if order is not None else (list(paths) or [mnt])
     out: list[Item] = []
     seen: set[str] = set()
     for p in todo:
-        for it in _one(mnt, _rel_of(mnt, p)):
-            if it.rel not in seen:
-                seen.add(it.rel)
-                out.append(it)
+        try:
+            for it in _one(mnt, _rel_of(mnt, p)):
+                if it.rel not in seen:
+                    seen.add(it.rel)
+                    out.append(it)
+        except ValueError as e:
+            if order is None or skipped is None:
+                raise
+            skipped.append((p, str(e)))
     return out
 
 
@@ -186,8 +223,16 @@ class CachedCheck:
             self.reader = None
 
 
-def make_plan(files: list[Item], stats: dict, is_cached, cached_known: bool = True) -> Plan:
-    """Split ``files`` (in order) by the budget and by what ``is_cached(rel)`` says."""
+def cost(it: Item) -> int:
+    """Bytes ``it`` takes of the cache's budget once cached: its record (header, key: the
+    path, data) and a chunk header (an upper bound: one chunk per record)."""
+    return record_len(len(os.fsencode(it.rel)), it.size) + CHUNK_HEADER_SIZE
+
+
+def make_plan(files: list[Item], stats: dict, is_cached, cached_known: bool = True,
+              cost=cost) -> Plan:
+    """Split ``files`` (in order) by the budget, each counting ``cost(item)`` bytes, and
+    by what ``is_cached(rel)`` says."""
     budget = int(stats.get("cache_limit_bytes") or 0)
     max_file = stats.get("max_cached_file")
     to_fetch: list[Item] = []
@@ -199,12 +244,21 @@ def make_plan(files: list[Item], stats: dict, is_cached, cached_known: bool = Tr
         if max_file is not None and it.size > max_file:
             too_large.append(it)
             continue
-        if left_out or total + it.size > budget:
+        c = cost(it)
+        if left_out or total + c > budget:
             left_out.append(it)  # the order is kept: nothing after the first that misses
             continue
-        total += it.size
+        total += c
         (cached if is_cached(it.rel) else to_fetch).append(it)
-    return Plan(files, to_fetch, cached, left_out, too_large, budget, max_file, cached_known)
+    other = None
+    if cached_known and "cached_files" in stats and "cached_bytes" in stats:
+        # the list's cached files: `cached`, and those past the budget or too large
+        # (asked here: the loop above does not ask about them)
+        listed = cached + [it for it in (*left_out, *too_large) if is_cached(it.rel)]
+        other = (max(0, int(stats["cached_files"]) - len(listed)),
+                 max(0, int(stats["cached_bytes"]) - sum(it.size for it in listed)))
+    return Plan(files, to_fetch, cached, left_out, too_large, budget, max_file, cached_known,
+                other)
 
 
 # ----- warming -------------------------------------------------------------------------
@@ -385,6 +439,22 @@ def print_plan(mnt: str, plan: Plan, out=sys.stdout) -> None:
         line("too large", plan.too_large)
         print(f"  (larger than --max-cached-file {format_size(plan.max_cached_file or 0)}: "
               "read through, never cached)", file=out)
+    if plan.other_cached is not None and plan.other_cached[0]:
+        n, b = plan.other_cached
+        print(f"  {'cached, not here':<16} {n:>10,} files  {format_size(b):>9}  (the policy "
+              "evicts from these too, to make room)", file=out)
+
+
+def print_skipped(order_file: str, skipped: list[tuple[str, str]], out=sys.stderr) -> None:
+    """How many ``--order`` paths were skipped, and the first :data:`SHOW_SKIPPED`."""
+    if not skipped:
+        return
+    print(f"dlcachefs warmup: {len(skipped):,} paths of {order_file} skipped (the rest is "
+          f"warmed):", file=out)
+    for _p, why in skipped[:SHOW_SKIPPED]:
+        print(f"  {why}", file=out)  # it names the path
+    if len(skipped) > SHOW_SKIPPED:
+        print(f"  ... and {len(skipped) - SHOW_SKIPPED:,} more", file=out)
 
 
 def main(mnt: str, paths: list[str], order_file: str | None, dry_run: bool, jobs: int,
@@ -395,10 +465,14 @@ def main(mnt: str, paths: list[str], order_file: str | None, dry_run: bool, jobs
     if jobs < 1:
         raise ValueError("--jobs must be >= 1")
     order = read_order(order_file) if order_file else None
-    files = collect(mnt, paths, order)
+    skipped: list[tuple[str, str]] = []
+    files = collect(mnt, paths, order, skipped)
     check = CachedCheck(mnt)
     try:
         plan = make_plan(files, st, check, check.known)
+        plan.skipped = skipped
+        if order_file and not as_json:
+            print_skipped(order_file, skipped)
         if check.why:
             print(f"dlcachefs warmup: cannot read the cache index ({check.why}); cached "
                   "files are not skipped", file=sys.stderr)
@@ -407,7 +481,7 @@ def main(mnt: str, paths: list[str], order_file: str | None, dry_run: bool, jobs
                 print(json.dumps({"plan": plan.as_dict()}, indent=2))
             else:
                 print_plan(mnt, plan)
-            return 0
+            return 1 if skipped else 0
         res = warm(mnt, plan.to_fetch, jobs, progress=not as_json)
         if wait and not res.interrupted and check.known and wait_settled(mnt):
             fits = plan.to_fetch + plan.cached
@@ -422,6 +496,7 @@ def main(mnt: str, paths: list[str], order_file: str | None, dry_run: bool, jobs
               f"{res.seconds:.1f} s{rate}; skipped {len(plan.cached):,} cached, "
               f"{len(plan.left_out):,} past the budget, {len(plan.too_large):,} too large; "
               f"{len(res.errors)} errors"
+              + (f", {len(skipped):,} --order paths skipped" if skipped else "")
               + (f"; cached now: {res.cached_after:,} of "
                  f"{len(plan.to_fetch) + len(plan.cached):,}"
                  if res.cached_after is not None else "")
@@ -430,4 +505,4 @@ def main(mnt: str, paths: list[str], order_file: str | None, dry_run: bool, jobs
             print(f"  {rel}: {err}", file=sys.stderr)
     if res.interrupted:
         return 130
-    return 1 if res.errors else 0
+    return 1 if res.errors or skipped else 0
