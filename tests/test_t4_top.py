@@ -76,3 +76,28 @@ def test_quantile():
     assert quantile(le, 0.99) == 0.01
     assert quantile(le, 1.0) == 0.1
     assert quantile([["+Inf", 0]], 0.5) is None
+
+
+@requires_fuse
+def test_paths_with_brackets_are_shown_as_they_are(tmp_path, mount):
+    # rich reads "[...]" as markup: a source directory named like a tag must not change
+    # the view nor break it ("[/y]" closes nothing: MarkupError)
+    import io
+
+    from rich.console import Console
+
+    from dlcachefs.admin import mountinfo
+
+    src = tmp_path / "[bold]x[/y]"
+    (src / "[red]d").mkdir(parents=True)
+    (src / "[red]d" / "f.bin").write_bytes(b"abc" * 100)
+    m = mount(src)
+    assert (m.mnt / "[red]d" / "f.bin").read_bytes() == b"abc" * 100
+    r = subprocess.run([*DLCACHEFS, "top", str(m.mnt), "--once", "--interval", "0.1"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert f"<- {src}" in r.stdout
+    f = frame(mountinfo.stats(str(m.mnt)), None, 0.0, str(m.mnt))
+    out = io.StringIO()
+    Console(file=out, width=400, color_system=None).print(render_rich(f))
+    assert f"<- {src} (pid" in out.getvalue()

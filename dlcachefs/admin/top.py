@@ -158,29 +158,33 @@ def render_text(f: Frame) -> str:
 
 
 def render_rich(f: Frame):
+    """The frame as rich tables. Every text of the frame goes in as a :class:`rich.text.Text`,
+    never as markup: paths and names (a source directory called ``[bold]x``) are shown as
+    they are, and a ``[/x]`` in one cannot raise MarkupError."""
     from rich.console import Group  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
+    from rich.text import Text  # noqa: PLC0415
 
     parts = []
     grid = Table.grid(padding=(0, 4))
     row = []
     for name, rows in f.sections:
-        t = Table(title=name, show_header=False, box=None, title_justify="left")
+        t = Table(title=Text(name), show_header=False, box=None, title_justify="left")
         t.add_column(style="bold")
         t.add_column()
         for k, v in rows:
-            t.add_row(k, v)
+            t.add_row(Text(k), Text(v))
         row.append(t)
     for i in range(0, len(row), 2):
         grid.add_row(*row[i:i + 2])
     parts.append(grid)
     st = Table(title="streams", title_justify="left")
     for c in f.stream_cols:
-        st.add_column(c)
+        st.add_column(Text(c))
     for r in f.streams:
-        st.add_row(*r)
+        st.add_row(*(Text(c) for c in r))
     parts.append(st)
-    return Group(f"[bold]{f.title}[/bold]", *parts)
+    return Group(Text(f.title, style="bold"), *parts)
 
 
 def main(mnt: str, interval: float, once: bool) -> int:
