@@ -127,3 +127,49 @@ def test_families_of_a_document():
     assert got[("dlcachefs_stream_position", (("stream", "job/0"),))] == 40
     assert got[("dlcachefs_source_latency_seconds_bucket", (("le", "0.01"), ("op", "lstat")))] == 2
     assert got[("dlcachefs_source_latency_seconds_count", (("op", "lstat"),))] == 2
+
+
+def test_families_of_the_peer_tier():
+    # the shape of PeerTier.stats() (dlcachefs.peers.tier): tier counts, queue levels,
+    # and per server counts, state and seconds marked down
+    st = {"bytes_from_peers": 5,
+          "peers": {"lookups": 9, "leases": 2, "store_dropped": 1, "store_queue_bytes": 300,
+                    "store_pending": 2, "item_max": 1 << 20,
+                    "servers": {
+                        "10.0.0.1:11211": {"hits": 4, "misses": 3, "bytes": 400, "stored": 1,
+                                           "stored_bytes": 100, "rejected": 0, "errors": 0,
+                                           "marked_down": 0, "state": "up",
+                                           "marked_down_s": 0.0},
+                        "10.0.0.2:11211": {"hits": 0, "misses": 0, "bytes": 0, "stored": 0,
+                                           "stored_bytes": 0, "rejected": 1, "errors": 7,
+                                           "marked_down": 2, "state": "down",
+                                           "marked_down_s": 12.5}}}}
+    got = {}
+    for fam in families(st):
+        for s in fam.samples:
+            got[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    a, b = (("server", "10.0.0.1:11211"),), (("server", "10.0.0.2:11211"),)
+    assert got[("dlcachefs_peer_hits_total", a)] == 4
+    assert got[("dlcachefs_peer_misses_total", a)] == 3
+    assert got[("dlcachefs_peer_errors_total", b)] == 7
+    assert got[("dlcachefs_peer_marked_down_total", b)] == 2
+    assert got[("dlcachefs_peer_rejected_total", b)] == 1
+    assert got[("dlcachefs_peer_up", a)] == 1 and got[("dlcachefs_peer_up", b)] == 0
+    assert got[("dlcachefs_peer_down_seconds_total", b)] == 12.5
+    assert got[("dlcachefs_peers_lookups_total", ())] == 9
+    assert got[("dlcachefs_peers_store_dropped_total", ())] == 1
+    assert got[("dlcachefs_peers_store_queue_bytes", ())] == 300  # a level: a gauge
+    assert got[("dlcachefs_tier_bytes_total", (("tier", "peers"),))] == 5
+    # the exposition is valid (names unique, parseable)
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    class C:
+        def collect(self):
+            return families(st)
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(C())
+    names = [f.name for f in text_string_to_metric_families(generate_latest(reg).decode())]
+    assert len(names) == len(set(names)) and "dlcachefs_peer_hits" in names
+    # no peer tier: no peer families
+    assert not [f for f in families({"peers": None}) if "peer" in f.name]

@@ -19,7 +19,11 @@ answers ``dlcachefs_up 0`` and nothing else.
 Metric names: every field of :class:`dlcachefs.cache.stats.Counters` is a counter
 ``dlcachefs_<field>_total``; other numbers at the top of the document are gauges
 ``dlcachefs_<key>``; then labelled families: bytes by tier, per-stream stalls and
-positions, the source latency histogram, cache fill, errors by kind.
+positions, the source latency histogram, cache fill, errors by kind, and the peer tier
+(``--peers``: the ``peers`` section, :meth:`dlcachefs.peers.tier.PeerTier.stats`): its
+counts as ``dlcachefs_peers_<key>_total`` (queue sizes as gauges), and per memcached
+server ``dlcachefs_peer_<key>_total{server}`` (hits, misses, errors, marked_down, ...),
+``dlcachefs_peer_up{server}`` and ``dlcachefs_peer_down_seconds_total{server}``.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ COUNTER_FIELDS = frozenset(f.name for f in dataclasses.fields(Counters))
 #: error counters, also exported as one family labelled by kind
 ERROR_KINDS = ("source_errors", "source_timeouts", "checksum_failures", "write_errors",
                "stale_refetches", "invariant_violations")
+#: numbers of the ``peers`` section that are levels, not counts since mount
+PEER_GAUGES = frozenset({"store_queue_bytes", "store_pending", "item_max"})
 
 
 def _num(v: object) -> float | None:
@@ -128,6 +134,54 @@ def families(st: dict) -> Iterator:
         buckets = [("+Inf" if b == "+Inf" else repr(float(b)), float(n)) for b, n in h["le"]]
         lat.add_metric([op], buckets, sum_value=float(h["sum"]))
     yield lat
+
+    peers = st.get("peers")
+    if isinstance(peers, dict):
+        yield from peer_families(peers)
+
+
+def peer_families(peers: dict) -> Iterator:
+    """The ``peers`` section of a stats document (the tier's counts, and ``servers``:
+    each memcached server's counts, ``state`` up/down and ``marked_down_s``) as metric
+    families. Read from the document's shape, not from :mod:`dlcachefs.peers` (not
+    imported here: it needs pymemcache): a count the tier adds is exported as it comes."""
+    for key, v in sorted(peers.items()):
+        x = _num(v)
+        if x is None:
+            continue
+        if key in PEER_GAUGES:
+            yield GaugeMetricFamily(PREFIX + "peers_" + key, f"stats: peers.{key}", value=x)
+        else:
+            yield CounterMetricFamily(PREFIX + "peers_" + key,
+                                      f"{key} since mount (stats: peers.{key})", value=x)
+    servers = peers.get("servers")
+    servers = servers if isinstance(servers, dict) else {}
+    counts: dict[str, CounterMetricFamily] = {}
+    up = GaugeMetricFamily(PREFIX + "peer_up", "1 while the peer server is up, 0 while it "
+                           "is marked down", labels=["server"])
+    down_s = CounterMetricFamily(PREFIX + "peer_down_seconds", "seconds the peer server was "
+                                 "marked down since mount", labels=["server"])
+    for name, c in sorted(servers.items()):
+        if not isinstance(c, dict):
+            continue
+        if c.get("state") in ("up", "down"):
+            up.add_metric([str(name)], 1.0 if c["state"] == "up" else 0.0)
+        for key, v in c.items():
+            x = _num(v)
+            if x is None:
+                continue
+            if key == "marked_down_s":
+                down_s.add_metric([str(name)], x)
+                continue
+            fam = counts.get(key)
+            if fam is None:
+                fam = counts[key] = CounterMetricFamily(
+                    PREFIX + "peer_" + key, f"{key} of each peer server since mount "
+                    f"(stats: peers.servers.*.{key})", labels=["server"])
+            fam.add_metric([str(name)], x)
+    yield from counts.values()
+    yield up
+    yield down_s
 
 
 class StatsCollector(Collector):
