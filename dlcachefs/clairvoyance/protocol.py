@@ -147,7 +147,10 @@ def pace_line(iters: int, steps: int, wait_s: float, train_s: float, rank: int |
               ) -> str:
     """The training's own pace over its last ``iters`` batches: ``wait_s`` seconds blocked
     in the loader's ``next()`` (its data stall), ``train_s`` seconds between ``next()``
-    calls over ``steps`` intervals (its step). A measurement: it never restarts a stream."""
+    calls over ``steps`` intervals (its step). A measurement: it never restarts a stream.
+    ``rank`` binds the writing process to that rank, as a distributed sampler line does:
+    send it whenever the process announced one (after a ``job`` line, which resets the
+    binding to rank 0)."""
     return (f"pace iters={iters} steps={steps} wait={wait_s:.6f} train={train_s:.6f}"
             + (f" rank={rank}" if rank is not None else ""))
 
