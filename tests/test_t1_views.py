@@ -572,6 +572,7 @@ def test_pace_reports_stop_at_a_mount_that_refuses_them(monkeypatch):
 
     monkeypatch.setattr(hook, "write_control", write_control)
     monkeypatch.setattr(hook, "_no_pace", set())
+    monkeypatch.setattr(hook, "_warned", set())
     recs = {}
     for mount in ("/old", "/flaky"):
         loader = _Loader()
@@ -619,15 +620,19 @@ def test_loader_iter_never_raises_from_the_pace_report(hooked, monkeypatch):
             raise RuntimeError("broken pace report")
 
     monkeypatch.setattr(hook, "_PaceReport", Broken)
+    monkeypatch.setattr(hook, "_warned", set())  # the warning is expected here
     dl = data.DataLoader(Idx(6), batch_size=4)
     with pytest.warns(RuntimeWarning, match="pace"):
         assert [[int(i) for i in b] for b in dl] == [[0, 1, 2, 3], [4, 5]]
 
 
-def test_batch_hint_stays_within_the_parsers_limits():
+def test_batch_hint_stays_within_the_parsers_limits(monkeypatch):
     from types import SimpleNamespace as NS
 
+    import dlcachefs.client.hook as hook
     from dlcachefs.client.hook import _batch_hint
+
+    monkeypatch.setattr(hook, "_warned", set())
 
     assert _batch_hint(data.DataLoader(Idx(3), batch_size=P.MAX_BATCH + 1)) == []
     assert _batch_hint(NS(batch_size=32, num_workers=P.MAX_WORKERS + 1, prefetch_factor=2)
@@ -660,8 +665,10 @@ def test_batch_hint_is_always_accepted(size, workers, pf):
         assert cs.streams[("j", 0)].batch == size
 
 
-def test_send_never_raises():
+def test_send_never_raises(monkeypatch):
     import dlcachefs.client.hook as hook
+
+    monkeypatch.setattr(hook, "_warned", set())
 
     class BadTarget:
         vid = "bad-target-for-send"
