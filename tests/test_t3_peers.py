@@ -259,3 +259,178 @@ def test_a_server_back_from_down_is_refilled_from_the_next_one(tmp_path, servers
     st = b.peers.stats()
     assert st["refills"] > 0
     assert st["servers"][victim.address]["stored"] == st["refills"]  # its share, back
+
+
+class _HungListener:
+    """A server that accepts connections and never answers; counts what it accepted."""
+
+    def __init__(self) -> None:
+        import threading
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(128)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.conns: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return  # closed
+            self.conns.append(conn)
+
+    def close(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self._thread.join(10)
+        for c in self.conns:
+            c.close()
+
+
+def _read_concurrently(files, cfg, src):
+    import trio
+
+    async def body(eng):
+        out = {}
+
+        async def one(rel):
+            out[rel] = await read_all(eng, rel)
+        async with trio.open_nursery() as n:
+            for rel in files:
+                n.start_soon(one, rel)
+        assert await eng.peers.drain()
+        return out
+    return run_engine(cfg, body, src)
+
+
+def test_many_lookups_at_a_hung_server_pay_its_timeout_once(tmp_path):
+    """24 readers at once, every file owned by a server that accepts and never answers:
+    the first admitted lookups time out and mark it down; the lookups queued for a slot
+    meanwhile do not call it again (at most LOOKUP_THREADS connections), nothing escapes
+    to a reader (not pymemcache's pool running out either), it is marked down once."""
+    from dlcachefs.peers.tier import LOOKUP_THREADS
+
+    files = _tree(24)
+    write_tree(tmp_path / "src", files)
+    hung = _HungListener()
+    try:
+        cfg = _cfg(tmp_path, "a", [hung.address], peer_timeout=0.5, peer_dead_time=600)
+        src = CountingSource(tmp_path / "src")
+        got, eng = _read_concurrently(files, cfg, src)
+        assert got == files
+        accepted = len(hung.conns)
+        st = eng.peers.stats()
+        assert st["servers"][hung.address]["marked_down"] == 1
+        assert 1 <= accepted <= LOOKUP_THREADS, accepted
+        assert st["lookup_failures"] == st["store_failures"] == 0
+        assert src.calls["read_file"] == len(files)
+    finally:
+        hung.close()
+
+
+def test_an_unexpected_failure_of_a_call_is_a_miss_and_never_ends_the_tier(tmp_path, servers):
+    """pymemcache's pool raises RuntimeError('Too many objects') when it is full: on the
+    read path it is a miss (the source serves, exact bytes), on the store path one
+    failed store (counted); the store workers go on. The pool is as large as the threads
+    that may hold its connections."""
+    files = _tree(12)
+    write_tree(tmp_path / "src", files)
+    peers = [m.address for m in servers]
+    rels = sorted(files)
+
+    def full(*a, **kw):
+        raise RuntimeError("Too many objects, 16 >= 16")
+
+    async def body(eng):
+        tier = eng.peers
+        for c in tier.servers.clients.values():
+            assert c.client_pool.max_size >= tier._threads.total_tokens
+        real = {n: c.get_many for n, c in tier.servers.clients.items()}
+        for c in tier.servers.clients.values():
+            c.get_many = full
+            c.set = full
+        out = {rel: await read_all(eng, rel) for rel in rels[:6]}  # lookups fail
+        for n, c in tier.servers.clients.items():
+            c.get_many = real[n]
+        out |= {rel: await read_all(eng, rel) for rel in rels[6:]}  # stores fail
+        assert await tier.drain()
+        for c in tier.servers.clients.values():
+            del c.set
+        # the store workers still run: what is read now is stored
+        tier.store_later(rels[0], _ident(tmp_path, rels[0]), files[rels[0]])
+        assert await tier.drain()
+        return out
+    got, eng = run_engine(_cfg(tmp_path, "a", peers), body, CountingSource(tmp_path / "src"))
+    assert got == files
+    st = eng.peers.stats()
+    # 6 lookups failed, then 12 stores (the 6 read after the failed lookups too)
+    assert sum(s["errors"] for s in st["servers"].values()) == 6 + 12
+    assert sum(s["stored"] for s in st["servers"].values()) == 1
+    assert st["lookup_failures"] == st["store_failures"] == 0
+
+
+def _ident(tmp_path, rel):
+    from dlcachefs.cache.source import Identity
+    st = os.stat(tmp_path / "src" / os.fsdecode(rel))
+    return Identity(st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def _client(address: str):
+    from pymemcache.client.base import Client
+    host, port = address.split(":")
+    return Client((host, int(port)), default_noreply=False)
+
+
+def _hold_lease(tmp_path, address: str, rel: bytes) -> None:
+    """Another node's lease on ``rel`` (written directly, expiring in a minute)."""
+    ns = os.fsencode(os.path.realpath(tmp_path / "src"))
+    st = os.stat(tmp_path / "src" / os.fsdecode(rel))
+    ck = content_key(ns, rel, st.st_size, st.st_mtime_ns)
+    mc = _client(address)
+    try:
+        assert mc.add(ck.lease, b"1", expire=60)
+    finally:
+        mc.close()
+
+
+def test_a_lease_wait_counts_one_miss_and_tells_an_owner_gone_from_a_timeout(tmp_path, servers):
+    """A lookup that waits for another node's lease polls the owner many times: one miss
+    is counted (per lookup). A wait that ends because --peer-lease passed is a
+    lease_wait_timeout; one that ends because the owner went down is lease_wait_owner_down."""
+    import trio
+
+    files = {b"a.bin": os.urandom(3000), b"b.bin": os.urandom(4000)}
+    write_tree(tmp_path / "src", files)
+    m = servers[0]
+    _hold_lease(tmp_path, m.address, b"a.bin")
+    got, eng = run_engine(_cfg(tmp_path, "a", [m.address], peer_lease=1),
+                          lambda eng: read_all(eng, b"a.bin"), CountingSource(tmp_path / "src"))
+    assert got == files[b"a.bin"]
+    st = eng.peers.stats()
+    assert st["servers"][m.address]["misses"] == 1
+    assert st["lease_waits"] == 1 and st["lease_wait_timeouts"] == 1
+    assert st["lease_wait_owner_down"] == 0
+
+    _hold_lease(tmp_path, m.address, b"b.bin")
+
+    async def body(eng):
+        out = []
+        async with trio.open_nursery() as n:
+            async def reader():
+                out.append(await read_all(eng, b"b.bin"))
+            n.start_soon(reader)
+            with trio.fail_after(30):
+                while eng.peers.stats()["lease_waits"] == 0:
+                    await trio.sleep(0.01)
+            eng.peers._mark_down(m.address, "test: gone")
+        return out[0]
+    got, eng = run_engine(_cfg(tmp_path, "b", [m.address], peer_lease=60, peer_dead_time=600),
+                          body, CountingSource(tmp_path / "src"))
+    assert got == files[b"b.bin"]
+    st = eng.peers.stats()
+    assert st["lease_waits"] == 1 and st["lease_wait_owner_down"] == 1
+    assert st["lease_wait_timeouts"] == 0
+    assert st["servers"][m.address]["misses"] == 1

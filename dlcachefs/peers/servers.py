@@ -34,6 +34,7 @@ clients are made once and never changed; pymemcache's pools hold their own locks
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 import xxhash
@@ -46,6 +47,9 @@ try:  # only a mount with --peers imports this module (pymemcache is optional)
     from pymemcache.exceptions import MemcacheError, MemcacheUnexpectedCloseError
 except ModuleNotFoundError as _e:  # pragma: no cover - the CLI checks first
     raise ModuleNotFoundError("--peers needs pymemcache: pip install 'dlcachefs[peers]'") from _e
+
+
+log = logging.getLogger(__name__)
 
 
 def _xxh3(text: str, seed: int) -> int:
@@ -67,8 +71,9 @@ class ServerDown(Exception):
 
 
 class ServerError(Exception):
-    """A server that answered with an error (the item too large, out of memory): count it,
-    the server stays up."""
+    """A server that answered with an error (the item too large, out of memory), or a call
+    that failed some other way (pymemcache's pool full, a bug): count it, the server stays
+    up."""
 
 
 class Servers:
@@ -76,6 +81,10 @@ class Servers:
 
     def __init__(self, servers: list[tuple[str, int]], timeout: float,
                  pool_size: int = 16) -> None:
+        """``pool_size``: connections per server; at least the threads that may call one
+        server at once (the tier's thread capacity, abandoned threads included), else
+        pymemcache's pool raises ``RuntimeError('Too many objects')``."""
+        self._logged: set[str] = set()  # kinds of unexpected failures logged once
         self.names = [f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in servers]
         self.clients = {
             name: PooledClient(
@@ -102,7 +111,25 @@ class Servers:
         except (OSError, MemcacheUnexpectedCloseError) as e:  # TimeoutError is an OSError
             raise ServerDown(f"{name}: {e!r}") from e
         except MemcacheError as e:
+            if "too large" in str(e):
+                self._log_once("too large", "peer %s refused a value as too large (%r): "
+                               "--peer-item-max is larger than its memcached -I", name, e)
             raise ServerError(f"{name}: {e!r}") from e
+        except Exception as e:  # noqa: BLE001 - the pool full, a bug: a miss, never a reader's error
+            self._log_once(type(e).__name__, "peer %s: unexpected failure %r", name, e)
+            raise ServerError(f"{name}: {e!r}") from e
+
+    def _log_once(self, kind: str, msg: str, *args: object) -> None:
+        # worker threads: a race logs twice at worst
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning(msg, *args)
+
+    def _drop_lease(self, name: str, ck: ContentKey) -> None:
+        """Delete ``ck``'s lease, best effort: after a failure, so that the other nodes do
+        not wait the whole --peer-lease for a value that will not come."""
+        with contextlib.suppress(ServerDown, ServerError):
+            self._call(name, "delete", ck.lease, noreply=False)
 
     def get_or_lease(self, name: str, ck: ContentKey, lease_s: int, take: bool
                      ) -> tuple[str, memoryview | str | None]:

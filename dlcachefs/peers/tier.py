@@ -75,6 +75,25 @@ DRAIN_S = 10.0
 REFILL_S = 3600.0
 
 
+class _Skipped(Exception):
+    """A call not made: its server was marked down while the call waited (_in_thread)."""
+
+
+class _Prepaid:
+    """A limiter for ``trio.to_thread.run_sync`` whose token was taken beforehand (see
+    :meth:`PeerTier._in_thread`): acquiring is free, releasing gives the token back to the
+    real limiter when the thread ends. ``used``: the thread was started (it releases)."""
+
+    def __init__(self, limiter: trio.CapacityLimiter, borrower: object) -> None:
+        self.limiter, self.borrower, self.used = limiter, borrower, False
+
+    async def acquire_on_behalf_of(self, _placeholder: object) -> None:
+        self.used = True
+
+    def release_on_behalf_of(self, _placeholder: object) -> None:
+        self.limiter.release_on_behalf_of(self.borrower)
+
+
 @dataclass(slots=True)
 class PeerCounters:
     """One server's counts since mount (``stats`` -> ``peers`` -> ``servers``)."""
@@ -111,11 +130,14 @@ class TierCounters:
     lease_waits: int = 0  # lookups that found another node's lease and waited
     lease_wait_hits: int = 0  # ... and got its value
     lease_wait_timeouts: int = 0  # ... and read the source themselves after --peer-lease
+    lease_wait_owner_down: int = 0  # ... and read the source: the owner went down meanwhile
     lease_takeovers: int = 0  # leases taken after their holder's disappeared without a value
     refills: int = 0  # misses at a server back from down found at the next one (see _refill)
     store_queued: int = 0
     store_dropped: int = 0  # values not stored: the queue's bytes were full
     store_dropped_bytes: int = 0
+    lookup_failures: int = 0  # lookups that failed unexpectedly (a bug): read from the source
+    store_failures: int = 0  # stores that failed unexpectedly (a bug): not stored
 
 
 @dataclass(slots=True)
@@ -140,16 +162,19 @@ class PeerTier:
                           else source_root)
         self.timeout = cfg.peer_timeout
         self.lease_s = max(1, math.ceil(cfg.peer_lease))
-        self.servers = Servers(peer_list(cfg.peers), cfg.peer_timeout)
+        self.limiter = trio.CapacityLimiter(LOOKUP_THREADS)  # lookups admitted at once
+        # threads of every call: the admitted ones (lookups, stores, the probe) and room
+        # for abandoned ones (see _in_thread)
+        self._threads = trio.CapacityLimiter(3 * (LOOKUP_THREADS + STORE_WORKERS + 1))
+        # a connection per thread that may call one server at once: a smaller pool raises
+        # RuntimeError('Too many objects') while abandoned threads still hold connections
+        self.servers = Servers(peer_list(cfg.peers), cfg.peer_timeout,
+                               pool_size=int(self._threads.total_tokens))
         self.per_server = {n: PeerCounters() for n in self.servers.names}
         self.counters = TierCounters()
         self._down: frozenset[str] = frozenset()
         self._down_until: dict[str, float] = {}
         self._back_at: dict[str, float] = {}  # servers found up again, and when
-        self.limiter = trio.CapacityLimiter(LOOKUP_THREADS)  # lookups admitted at once
-        # threads of every call: the admitted ones (lookups, stores, the probe) and room
-        # for abandoned ones (see _in_thread)
-        self._threads = trio.CapacityLimiter(3 * (LOOKUP_THREADS + STORE_WORKERS + 1))
         # (owner, key, data or None, holds the lease) waiting for a store worker
         self._queue: deque[tuple[str, ContentKey, bytes | None, bool]] = deque()
         self.queue_bytes = 0
@@ -196,28 +221,48 @@ class PeerTier:
         self._back_at[name] = time.monotonic()  # empty, probably: see _refill
         log.info("peer %s is up again", name)
 
-    async def _in_thread(self, fn, *args, admit: trio.CapacityLimiter | None = None):
+    async def _in_thread(self, fn, *args, admit: trio.CapacityLimiter | None = None,
+                         server: str | None = None):
         """``fn(*args)`` in a worker thread, bounded by --peer-timeout on the loop:
-        :class:`ServerDown` when it does not return in time.
+        :class:`ServerDown` when it does not return in time; :class:`_Skipped` when
+        ``server`` was marked down while the call waited for its admission.
 
-        A call is admitted by ``admit`` (:attr:`limiter` by default) *before* its timeout
-        starts, so a call queued behind others never counts its wait against a server. A
+        A call is admitted by ``admit`` (:attr:`limiter` by default) and gets its thread's
+        token of :attr:`_threads` *before* its timeout starts, so a call queued behind
+        others (or behind the abandoned threads of a hung server) never counts its wait
+        against a server. Once admitted, a call to a server marked down meanwhile is not
+        made: a hung server costs a reader its timeout once, not once per queued lookup. A
         call that times out is abandoned (its thread ends with its socket's timeout, the
-        same) and gives its admission back; its thread still holds a token of
+        same) and gives its admission back; its thread keeps its token of
         :attr:`_threads`, which has room for the abandoned calls of a hung server next to
         the admitted ones (a server is marked down at its first timeout)."""
         async with admit or self.limiter:
-            with trio.move_on_after(self.timeout):
-                return await trio.to_thread.run_sync(
-                    fn, *args, limiter=self._threads, abandon_on_cancel=True)
+            borrower = object()
+            await self._threads.acquire_on_behalf_of(borrower)
+            paid = _Prepaid(self._threads, borrower)
+            try:
+                if server is not None and server in self._down:
+                    raise _Skipped(server)
+                with trio.move_on_after(self.timeout):
+                    return await trio.to_thread.run_sync(
+                        fn, *args, limiter=paid, abandon_on_cancel=True)
+            finally:
+                if not paid.used:  # no thread started: the token is still ours
+                    self._threads.release_on_behalf_of(borrower)
         raise ServerDown(f"no answer within {self.timeout:g} s")
 
-    async def _ask(self, owner: str, ck: ContentKey, take: bool) -> tuple[str, Any]:
-        """One lookup on ``owner``, booked; ``("error", None)`` when it failed."""
+    async def _ask(self, owner: str, ck: ContentKey, take: bool,
+                   first: bool = True) -> tuple[str, Any]:
+        """One lookup on ``owner``, booked; ``("error", None)`` when it failed,
+        ``("down", None)`` when ``owner`` was marked down before the call was made (not
+        an error: the call was not made). ``first``: the lookup's first call (a miss is
+        counted once per lookup, not at each poll of a lease's value)."""
         c = self.per_server[owner]
         try:
             kind, got = await self._in_thread(
-                self.servers.get_or_lease, owner, ck, self.lease_s, take)
+                self.servers.get_or_lease, owner, ck, self.lease_s, take, server=owner)
+        except _Skipped:
+            return "down", None
         except ServerDown as e:
             self._mark_down(owner, e)
             return "error", None
@@ -231,7 +276,7 @@ class PeerTier:
         elif kind == "bad":
             c.rejected += 1
             log.warning("peer %s: refused a value of %r: %s", owner, ck.content[-200:], got)
-        else:
+        elif first:
             c.misses += 1
         return kind, got
 
@@ -239,7 +284,16 @@ class PeerTier:
 
     async def lookup(self, rel: bytes, ident: Identity) -> Lookup:
         """The file's bytes from its owner, or who reads the source (module docstring).
-        Never raises for a peer's failure."""
+        Never raises but Cancelled: a failure of the tier is a miss (the source serves)."""
+        try:
+            return await self._lookup(rel, ident)
+        except Exception:  # noqa: BLE001 - a bug here must cost speed, never a read
+            self.counters.lookup_failures += 1
+            if self.counters.lookup_failures == 1:
+                log.exception("peer tier: a lookup failed (read from the source)")
+            return Lookup(None)
+
+    async def _lookup(self, rel: bytes, ident: Identity) -> Lookup:
         self.counters.lookups += 1
         ck = self.key_of(rel, ident)
         owner = self.owner(ck)
@@ -264,8 +318,10 @@ class PeerTier:
             await trio.sleep(min(pause, max(0.0, deadline - trio.current_time())))
             pause = min(POLL_MAX, pause * 1.5)
             if self.owner(ck) != owner:
-                break  # the owner went down meanwhile: read the source
-            kind, got = await self._ask(owner, ck, take=True)
+                # the owner went down meanwhile (its lease with it): read the source
+                self.counters.lease_wait_owner_down += 1
+                return Lookup(None, key=ck, owner=owner)
+            kind, got = await self._ask(owner, ck, take=True, first=False)
             if kind == "hit":
                 self.counters.lease_wait_hits += 1
                 return Lookup(bytes(got), key=ck, owner=owner)
@@ -274,6 +330,9 @@ class PeerTier:
                 self.counters.lease_takeovers += 1
                 log.debug("lease taken over on %s (%s) at %s", ck.key, rel, owner)
                 return Lookup(None, lease=True, key=ck, owner=owner)
+            if kind == "down":
+                self.counters.lease_wait_owner_down += 1
+                return Lookup(None, key=ck, owner=owner)
             if kind != "wait":
                 return Lookup(None, key=ck, owner=owner)
         self.counters.lease_wait_timeouts += 1
@@ -369,6 +428,10 @@ class PeerTier:
             self._storing += 1
             try:
                 await self._store(owner, ck, data, lease, limiter)
+            except Exception:  # noqa: BLE001 - one item's failure must not end the tier
+                self.counters.store_failures += 1
+                if self.counters.store_failures == 1:
+                    log.exception("peer tier: a store to %s failed", owner)
             finally:
                 self._storing -= 1
                 if data is not None:
