@@ -384,6 +384,37 @@ def _client(address: str):
     return Client((host, int(port)), default_noreply=False)
 
 
+def test_a_store_refused_as_too_large_releases_its_lease(tmp_path, caplog):
+    """--peer-item-max (8M) above the server's -I (1m): the set of a 1.5 MB file is
+    refused; its lease is deleted all the same (the other nodes do not wait --peer-lease
+    for it), and the mismatch is logged as a warning."""
+    import logging
+    files = {b"big.bin": os.urandom(1_500_000), b"small.bin": os.urandom(5000)}
+    write_tree(tmp_path / "src", files)
+    with Memcached(tmp_path / "mc", item_mb=1) as m:
+        with caplog.at_level(logging.WARNING, logger="dlcachefs.peers"):
+            got, a = _read_everything(files, _cfg(tmp_path, "a", [m.address]),
+                                      CountingSource(tmp_path / "src"))
+        assert got == files
+        st = a.peers.stats()
+        assert st["leases"] == 2
+        assert st["servers"][m.address]["stored"] == 1  # the small one
+        assert st["servers"][m.address]["errors"] == 1
+        ck = a.peers.key_of(b"big.bin", _ident(tmp_path, b"big.bin"))
+        mc = _client(m.address)
+        try:
+            assert mc.get(ck.lease) is None, "the lease was left behind"
+            assert mc.get(ck.key) is None
+        finally:
+            mc.close()
+        assert "-I" in caplog.text and "too large" in caplog.text
+        # another node reads it at once: takes the lease itself, no wait
+        got, b = _read_everything(files, _cfg(tmp_path, "b", [m.address]),
+                                  CountingSource(tmp_path / "src"))
+        assert got == files
+        assert b.peers.stats()["lease_waits"] == 0
+
+
 def _hold_lease(tmp_path, address: str, rel: bytes) -> None:
     """Another node's lease on ``rel`` (written directly, expiring in a minute)."""
     ns = os.fsencode(os.path.realpath(tmp_path / "src"))

@@ -150,9 +150,13 @@ class Servers:
         if not self._call(name, "add", ck.lease, b"1", expire=lease_s, noreply=False):
             return "wait", None
         # won: a holder that finished between the two calls stored the value already
-        found = self._found(self._call(name, "get", ck.key), ck)
+        try:
+            found = self._found(self._call(name, "get", ck.key), ck)
+        except ServerError:  # (a server down: its leases go with it, no second timeout)
+            self._drop_lease(name, ck)  # the caller will not know it held it
+            raise
         if found is not None:
-            self._call(name, "delete", ck.lease, noreply=False)
+            self._drop_lease(name, ck)
             return found
         return "lease", None
 
@@ -171,8 +175,16 @@ class Servers:
         lease on it if this caller held it. True if a value was stored."""
         stored = False
         if data is not None:
-            stored = bool(self._call(name, "set", ck.key, encode(ck, data), expire=0,
-                                     noreply=False))
+            try:
+                stored = bool(self._call(name, "set", ck.key, encode(ck, data), expire=0,
+                                         noreply=False))
+            except ServerError:
+                # refused (too large, out of memory): the lease still goes, else the other
+                # nodes wait --peer-lease for this file. (A server down: its leases go with
+                # it, and a delete would cost a second timeout.)
+                if lease:
+                    self._drop_lease(name, ck)
+                raise
         if lease:
             self._call(name, "delete", ck.lease, noreply=False)
         return stored
