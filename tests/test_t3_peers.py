@@ -465,3 +465,23 @@ def test_a_lease_wait_counts_one_miss_and_tells_an_owner_gone_from_a_timeout(tmp
     assert st["lease_waits"] == 1 and st["lease_wait_owner_down"] == 1
     assert st["lease_wait_timeouts"] == 0
     assert st["servers"][m.address]["misses"] == 1
+
+
+def test_a_test_memcached_that_logs_a_lot_does_not_block(tmp_path):
+    """The test helper's memcached writes its stderr to a file: with -vv (a line per
+    command) it logs far more than a pipe holds (64 KiB), and still answers every call."""
+
+    class Verbose(Memcached):
+        def argv(self):
+            return [*super().argv(), "-vv"]
+
+    with Verbose(tmp_path / "mc") as m:
+        host, port = m.address.split(":")
+        from pymemcache.client.base import Client
+        mc = Client((host, int(port)), default_noreply=False, timeout=10, connect_timeout=10)
+        try:
+            for i in range(3000):
+                assert mc.set(f"k{i}", b"v" * 10)
+        finally:
+            mc.close()
+        assert m.log_path.stat().st_size > 64 << 10

@@ -40,6 +40,11 @@ class Memcached:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def log_path(self) -> Path:
+        """memcached's stderr (a file: a pipe nobody reads would block it once full)."""
+        return self.workdir / f"memcached-{self.port}.log"
+
     def argv(self) -> list[str]:
         # extstore's write buffer must hold the largest item, and its page size must be
         # given before ext_path (memcached 1.6 refuses otherwise)
@@ -57,8 +62,9 @@ class Memcached:
         self.workdir.mkdir(parents=True, exist_ok=True)
         for _ in range(1 if port else 5):  # a free port may be taken before the bind
             self.port = port or _free_port()
-            self.proc = subprocess.Popen(self.argv(), stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.PIPE, start_new_session=True)
+            with open(self.log_path, "wb") as err_file:  # the child keeps its own fd
+                self.proc = subprocess.Popen(self.argv(), stdout=subprocess.DEVNULL,
+                                             stderr=err_file, start_new_session=True)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and self.proc.poll() is None:
                 try:
@@ -68,8 +74,8 @@ class Memcached:
                             return self
                 except OSError:
                     time.sleep(0.05)
-            err = self.proc.stderr.read().decode(errors="replace") if self.proc.poll() else ""
             self.stop()
+            err = self.log_path.read_text(errors="replace")
             if "Address already in use" not in err:
                 raise RuntimeError(f"memcached did not start: {err.strip()}")
         raise RuntimeError("memcached: no free port")
@@ -105,8 +111,6 @@ class Memcached:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.kill9()
-        if self.proc.stderr is not None:
-            self.proc.stderr.close()
         self.proc = None
         (self.workdir / f"ext-{self.port}").unlink(missing_ok=True)  # keeps .port
 
