@@ -130,6 +130,11 @@ class Config:
         None, "names this dataset in the tier (default: the source's real path; give the "
               "same name on every node when nodes mount it at different paths)",
         metavar="NAME", show_default=False)
+    peer_key_inode: bool = _opt(
+        False, "name a file version in the tier by its source inode too (size, mtime and "
+               "inode, as the local cache does), for sources whose inode numbers agree "
+               "across nodes (NFS, Lustre); not for sshfs, where they differ per node and "
+               "no node would find another's values")
     foreground: bool = _opt(False, "do not daemonize", short="-f")
     allow_other: bool = _opt(
         False, "let other users use the mount (with default_permissions)")

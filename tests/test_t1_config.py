@@ -315,6 +315,11 @@ def test_peers_are_parsed_and_checked(capsys):
         assert args[0] in capsys.readouterr().err
 
 
+def test_peer_key_inode_is_off_by_default():
+    assert cfg_of("--peers", "h:1").peer_key_inode is False
+    assert cfg_of("--peers", "h:1", "--peer-key-inode").peer_key_inode is True
+
+
 def test_the_core_does_not_import_pymemcache_without_peers():
     import subprocess
     import sys

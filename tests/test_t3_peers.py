@@ -485,3 +485,47 @@ def test_a_test_memcached_that_logs_a_lot_does_not_block(tmp_path):
         finally:
             mc.close()
         assert m.log_path.stat().st_size > 64 << 10
+
+
+def test_with_peer_key_inode_a_replaced_file_of_the_same_size_and_mtime_is_another_key(
+        tmp_path, servers):
+    """A file replaced atomically by one of the same size and mtime (1-second mtimes,
+    ``touch -r``): by default the content key (path, size, mtime) is the same; with
+    --peer-key-inode the source inode is in it, so a node reading the new file does
+    not get the old one's value from the tier: exact new bytes."""
+    from dlcachefs.cache.source import Identity
+    from dlcachefs.peers.tier import PeerTier
+
+    peers = [m.address for m in servers[:1]]
+    old, new = os.urandom(5000), os.urandom(5000)
+    write_tree(tmp_path / "src", {b"x.bin": old})
+    path = tmp_path / "src" / "x.bin"
+    st0 = os.stat(path)
+    got, _ = _read_everything({b"x.bin": old}, _cfg(tmp_path, "a", peers, peer_key_inode=True),
+                              CountingSource(tmp_path / "src"))
+    assert got == {b"x.bin": old}
+    tmp = tmp_path / "src" / "x.bin.tmp"
+    tmp.write_bytes(new)
+    os.utime(tmp, ns=(st0.st_atime_ns, st0.st_mtime_ns))
+    os.replace(tmp, path)
+    st1 = os.stat(path)
+    assert (st1.st_size, st1.st_mtime_ns) == (st0.st_size, st0.st_mtime_ns)
+    assert st1.st_ino != st0.st_ino
+    src = CountingSource(tmp_path / "src")
+    got, b = _read_everything({b"x.bin": new}, _cfg(tmp_path, "b", peers, peer_key_inode=True),
+                              src)
+    assert got == {b"x.bin": new}
+    assert b.counters.bytes_from_peers == 0 and src.calls["read_file"] == 1
+
+    # the key itself: the inode counts only with the option
+    i0, i1 = (Identity(s.st_size, s.st_mtime_ns, s.st_ino) for s in (st0, st1))
+    with_ino = PeerTier(_cfg(tmp_path, "c", peers, peer_key_inode=True), b"/src")
+    plain = PeerTier(_cfg(tmp_path, "d", peers), b"/src")
+    try:
+        assert with_ino.key_of(b"x.bin", i0).key != with_ino.key_of(b"x.bin", i1).key
+        assert plain.key_of(b"x.bin", i0) == plain.key_of(b"x.bin", i1)
+        assert plain.key_of(b"x.bin", i0) == content_key(b"/src", b"x.bin", st0.st_size,
+                                                         st0.st_mtime_ns)
+    finally:
+        with_ino.servers.close()
+        plain.servers.close()

@@ -162,6 +162,9 @@ class PeerTier:
                           else source_root)
         self.timeout = cfg.peer_timeout
         self.lease_s = max(1, math.ceil(cfg.peer_lease))
+        if cfg.peer_key_inode and not cfg.use_source_inode:
+            log.warning("--peer-key-inode has no effect with --ignore-source-inode "
+                        "(the source's inode numbers are not read)")
         self.limiter = trio.CapacityLimiter(LOOKUP_THREADS)  # lookups admitted at once
         # threads of every call: the admitted ones (lookups, stores, the probe) and room
         # for abandoned ones (see _in_thread)
@@ -187,7 +190,9 @@ class PeerTier:
     # ----- routing, and servers marked down ------------------------------------------
 
     def key_of(self, rel: bytes, ident: Identity) -> ContentKey:
-        return content_key(self.namespace, rel, ident.size, ident.mtime_ns)
+        # the inode only with --peer-key-inode: it differs per client on sshfs
+        return content_key(self.namespace, rel, ident.size, ident.mtime_ns,
+                           ident.src_ino if self.cfg.peer_key_inode else None)
 
     def fits(self, rel: bytes, ident: Identity) -> bool:
         """Whether the file's value fits an item (else it skips the tier, counted)."""

@@ -1,8 +1,12 @@
 """What the peer tier stores: the content key of a file version, and the value format.
 
 Nodes share files by *content key*: the dataset's name in the tier, the file's path
-relative to the source root, its size and its mtime_ns. Never our chunk ids or inode
-numbers, which differ per node. The memcached key is a hash of it (memcached keys are at
+relative to the source root, its size and its mtime_ns. Never our chunk ids, which differ
+per node, and the source's inode number only with ``--peer-key-inode`` (it differs per
+client on sshfs; it agrees on NFS and Lustre). So by default the tier trusts less than the
+local cache does (size + mtime_ns + source inode): a file replaced by one of the same size
+and mtime (1-second mtimes, ``touch -r``) is a local miss but may be served from the tier
+in its old version. The memcached key is a hash of it (memcached keys are at
 most 250 bytes of printable ASCII, paths are not); the full content key is written into
 the value, so a hash collision, a value written by another program or for another version
 is never served.
@@ -63,9 +67,14 @@ class ContentKey:
         return self.key + LEASE_SUFFIX
 
 
-def content_key(namespace: bytes, rel: bytes, size: int, mtime_ns: int) -> ContentKey:
-    """The content key of version (``size``, ``mtime_ns``) of ``rel`` in ``namespace``."""
-    content = b"\0".join((namespace, rel, b"%d" % size, b"%d" % mtime_ns))
+def content_key(namespace: bytes, rel: bytes, size: int, mtime_ns: int,
+                src_ino: int | None = None) -> ContentKey:
+    """The content key of version (``size``, ``mtime_ns``) of ``rel`` in ``namespace``;
+    with ``src_ino`` (``--peer-key-inode``) the source inode is part of it too."""
+    parts = [namespace, rel, b"%d" % size, b"%d" % mtime_ns]
+    if src_ino is not None:
+        parts.append(b"ino=%d" % src_ino)
+    content = b"\0".join(parts)
     digest = hashlib.blake2b(content, digest_size=20).hexdigest()
     return ContentKey(content, KEY_PREFIX + digest, size)
 
