@@ -529,3 +529,52 @@ def test_with_peer_key_inode_a_replaced_file_of_the_same_size_and_mtime_is_anoth
     finally:
         with_ino.servers.close()
         plain.servers.close()
+
+
+def test_a_node_leases_only_what_it_can_read_at_once(tmp_path, servers):
+    """10 fetches at once on a node with --source-threads 2 and a source that hangs: the
+    lease (which makes the other nodes wait) is taken once a source slot is held, so 2
+    leases exist in memcached, not 10 queued behind this node's source reads; every
+    lookup asked the tier (10 misses)."""
+    import trio
+
+    from dlcachefs.testing.fakes import HangingSource
+
+    files = _tree(10)
+    write_tree(tmp_path / "src", files)
+    m = servers[0]
+    src = HangingSource(tmp_path / "src")
+    cfg = _cfg(tmp_path, "a", [m.address], source_threads=2, scan_ahead=0)
+
+    def leases_in_memcached(eng) -> int:
+        mc = _client(m.address)
+        try:
+            keys = [eng.peers.key_of(rel, _ident(tmp_path, rel)).lease for rel in files]
+            return len(mc.get_many(keys))
+        finally:
+            mc.close()
+
+    async def body(eng):
+        out = {}
+
+        async def one(rel):
+            out[rel] = await read_all(eng, rel)
+        async with trio.open_nursery() as n:
+            for rel in files:
+                n.start_soon(one, rel)
+            with trio.fail_after(30):
+                # every lookup asked, and the two that hold a slot leased
+                while (eng.peers.stats()["servers"][m.address]["misses"] < len(files)
+                       or eng.peers.stats()["leases"] < 2 or not src.entered.is_set()):
+                    await trio.sleep(0.01)
+            held = await trio.to_thread.run_sync(leases_in_memcached, eng)
+            leases = eng.peers.stats()["leases"]
+            src.release()
+        assert await eng.peers.drain()
+        return out, held, leases
+    (got, held, leases), eng = run_engine(cfg, body, src)
+    assert got == files
+    assert held == 2 and leases == 2
+    st = eng.peers.stats()
+    assert st["leases"] == len(files)  # each read in turn, each stored for the cluster
+    assert st["servers"][m.address]["stored"] == len(files)

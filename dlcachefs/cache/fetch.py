@@ -68,16 +68,20 @@ class SourceCalls:
         self.limiter = trio.CapacityLimiter(cfg.source_threads)
         self.latency = Latencies()  # per attempt, by fn.__name__ (stats: source_latency)
 
-    async def call(self, fn: Callable[..., T], *args: object) -> T:
-        """``fn(*args)`` (blocking, on the source) in a thread: timeout, retries, counters."""
+    async def call(self, fn: Callable[..., T], *args: object,
+                   slot: SourceSlot | None = None) -> T:
+        """``fn(*args)`` (blocking, on the source) in a thread: timeout, retries, counters.
+        ``slot``: a token of :attr:`limiter` the caller holds already; the first attempt
+        runs on it (and its thread gives it back), a retry queues again."""
         delay = 0.1
         op = getattr(fn, "__name__", "call")
         for attempt in range(self.retries + 1):
             t0 = trio.current_time()
+            paid = slot.hand_over() if slot is not None else None
             try:
                 with trio.fail_after(self.timeout):
                     return await trio.to_thread.run_sync(
-                        fn, *args, limiter=self.limiter, abandon_on_cancel=True)
+                        fn, *args, limiter=paid or self.limiter, abandon_on_cancel=True)
             except trio.TooSlowError:
                 # a hung source: do not pile up more stuck threads by retrying
                 self.counters.source_timeouts += 1
@@ -92,6 +96,8 @@ class SourceCalls:
                     raise
                 self.counters.source_retries += 1
             finally:
+                if paid is not None and not paid.used:  # no thread started: give it back
+                    paid.release_on_behalf_of(None)
                 # the attempt, the wait for a thread of the limiter included (what the
                 # caller waited), not the pause before a retry
                 self.latency.observe(op, trio.current_time() - t0)
@@ -99,9 +105,55 @@ class SourceCalls:
             delay *= 4
         raise AssertionError("unreachable")
 
-    async def read_file(self, rel: bytes) -> tuple[bytes, Identity]:
+    async def read_file(self, rel: bytes, slot: SourceSlot | None = None
+                        ) -> tuple[bytes, Identity]:
         """A whole file as one consistent version, and that version's identity."""
-        return await self.call(self.source.read_file, rel, self.use_src_ino)
+        return await self.call(self.source.read_file, rel, self.use_src_ino, slot=slot)
+
+
+class Prepaid:
+    """A limiter for ``trio.to_thread.run_sync`` whose token was taken beforehand:
+    acquiring is free, the thread's end gives the token back to the real limiter.
+    ``used``: a thread was started on it (then the thread releases it)."""
+
+    def __init__(self, limiter: trio.CapacityLimiter, borrower: object) -> None:
+        self.limiter, self.borrower, self.used = limiter, borrower, False
+
+    async def acquire_on_behalf_of(self, _placeholder: object) -> None:
+        self.used = True
+
+    def release_on_behalf_of(self, _placeholder: object) -> None:
+        self.limiter.release_on_behalf_of(self.borrower)
+
+
+class SourceSlot:
+    """One token of the source limiter (``--source-threads``) held by a fetch before it
+    reads: :meth:`Fetcher.read_whole` takes it before the peer tier's lease, so a node
+    leases only what it can read at once (a lease must not wait in this node's queue
+    while the other nodes wait for its value). Trio loop."""
+
+    def __init__(self, limiter: trio.CapacityLimiter) -> None:
+        self.limiter = limiter
+        self._borrower: object | None = None
+
+    async def take(self) -> None:
+        if self._borrower is None:
+            b = object()
+            await self.limiter.acquire_on_behalf_of(b)
+            self._borrower = b
+
+    def drop(self) -> None:
+        """Give the token back (idempotent)."""
+        if self._borrower is not None:
+            self.limiter.release_on_behalf_of(self._borrower)
+            self._borrower = None
+
+    def hand_over(self) -> Prepaid | None:
+        """The held token as a limiter for one thread (None: none held)."""
+        if self._borrower is None:
+            return None
+        b, self._borrower = self._borrower, None
+        return Prepaid(self.limiter, b)
 
 
 class _Inflight:
@@ -203,15 +255,22 @@ class Fetcher(TaskOwner):
             data, ident = await self.calls.read_file(rel)
             self.counters.bytes_from_source += len(data)
             return data, ident
-        got = await peers.lookup(rel, want)
-        if got.data is not None:
-            self.counters.bytes_from_peers += len(got.data)
-            return got.data, want
+        # a source slot before the lease (not before a plain lookup: a hit needs none):
+        # a lease waiting in this node's queue for --source-threads would make the other
+        # nodes wait for it; a lookup that waits for another node's lease gives it back
+        slot = SourceSlot(self.calls.limiter)
         try:
-            data, ident = await self.calls.read_file(rel)
-        except BaseException:
-            peers.release(got)  # the others stop waiting for a value that will not come
-            raise
+            got = await peers.lookup(rel, want, before_lease=slot.take, on_wait=slot.drop)
+            if got.data is not None:
+                self.counters.bytes_from_peers += len(got.data)
+                return got.data, want
+            try:
+                data, ident = await self.calls.read_file(rel, slot)
+            except BaseException:
+                peers.release(got)  # the others stop waiting for a value that will not come
+                raise
+        finally:
+            slot.drop()
         self.counters.bytes_from_source += len(data)
         peers.store_later(rel, ident, data, got)
         return data, ident

@@ -49,11 +49,13 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import trio
 
+from dlcachefs.cache.fetch import Prepaid
 from dlcachefs.cache.source import Identity
 from dlcachefs.config import Config, peer_list
 from dlcachefs.peers.servers import ServerDown, ServerError, Servers
@@ -77,21 +79,6 @@ REFILL_S = 3600.0
 
 class _Skipped(Exception):
     """A call not made: its server was marked down while the call waited (_in_thread)."""
-
-
-class _Prepaid:
-    """A limiter for ``trio.to_thread.run_sync`` whose token was taken beforehand (see
-    :meth:`PeerTier._in_thread`): acquiring is free, releasing gives the token back to the
-    real limiter when the thread ends. ``used``: the thread was started (it releases)."""
-
-    def __init__(self, limiter: trio.CapacityLimiter, borrower: object) -> None:
-        self.limiter, self.borrower, self.used = limiter, borrower, False
-
-    async def acquire_on_behalf_of(self, _placeholder: object) -> None:
-        self.used = True
-
-    def release_on_behalf_of(self, _placeholder: object) -> None:
-        self.limiter.release_on_behalf_of(self.borrower)
 
 
 @dataclass(slots=True)
@@ -244,7 +231,7 @@ class PeerTier:
         async with admit or self.limiter:
             borrower = object()
             await self._threads.acquire_on_behalf_of(borrower)
-            paid = _Prepaid(self._threads, borrower)
+            paid = Prepaid(self._threads, borrower)
             try:
                 if server is not None and server in self._down:
                     raise _Skipped(server)
@@ -287,25 +274,46 @@ class PeerTier:
 
     # ----- the read path ---------------------------------------------------------------
 
-    async def lookup(self, rel: bytes, ident: Identity) -> Lookup:
+    async def lookup(self, rel: bytes, ident: Identity,
+                     before_lease: Callable[[], Awaitable[None]] | None = None,
+                     on_wait: Callable[[], None] | None = None) -> Lookup:
         """The file's bytes from its owner, or who reads the source (module docstring).
-        Never raises but Cancelled: a failure of the tier is a miss (the source serves)."""
+        Never raises but Cancelled: a failure of the tier is a miss (the source serves).
+
+        ``before_lease``: awaited before this node tries for a lease (the caller takes a
+        source slot: it leases only what it can read at once); the lookup is then a plain
+        get first, and on a miss a second call takes the lease. ``on_wait``: called when
+        the lookup starts waiting for another node's lease (the slot goes back)."""
         try:
-            return await self._lookup(rel, ident)
+            return await self._lookup(rel, ident, before_lease, on_wait)
         except Exception:  # noqa: BLE001 - a bug here must cost speed, never a read
             self.counters.lookup_failures += 1
             if self.counters.lookup_failures == 1:
                 log.exception("peer tier: a lookup failed (read from the source)")
             return Lookup(None)
 
-    async def _lookup(self, rel: bytes, ident: Identity) -> Lookup:
+    async def _lookup(self, rel: bytes, ident: Identity,
+                      before_lease: Callable[[], Awaitable[None]] | None,
+                      on_wait: Callable[[], None] | None) -> Lookup:
         self.counters.lookups += 1
         ck = self.key_of(rel, ident)
         owner = self.owner(ck)
         if owner is None:
             self.counters.no_server += 1
             return Lookup(None)
-        kind, got = await self._ask(owner, ck, take=True)
+        first = True
+        if before_lease is not None:
+            kind, got = await self._ask(owner, ck, take=False)
+            if kind == "hit":
+                return Lookup(bytes(got), key=ck, owner=owner)
+            if kind != "miss":  # an error, the owner down, a value that must not be served
+                return Lookup(None, key=ck, owner=owner)
+            await before_lease()
+            owner2 = self.owner(ck)
+            if owner2 is None:
+                return Lookup(None)
+            owner, first = owner2, False
+        kind, got = await self._ask(owner, ck, take=True, first=first)
         if kind == "hit":
             return Lookup(bytes(got), key=ck, owner=owner)
         if kind == "lease":
@@ -317,6 +325,8 @@ class PeerTier:
             return Lookup(None, key=ck, owner=owner)
         # another node reads the source: wait for its value, bounded
         self.counters.lease_waits += 1
+        if on_wait is not None:
+            on_wait()
         deadline = trio.current_time() + self.cfg.peer_lease
         pause = POLL_FIRST
         while trio.current_time() < deadline:
