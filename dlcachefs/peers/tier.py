@@ -4,7 +4,8 @@ per cluster (iCACHE III-E, Lobster 4.5, KSPEED III-B: the nodes' caches pooled).
 
 Read path of a whole-file fetch (:meth:`dlcachefs.cache.fetch.Fetcher.read_whole`): the
 local cache has missed; :meth:`PeerTier.lookup` asks the owner of the file's content key
-(:mod:`dlcachefs.peers.valuefmt`) in one thread hop:
+(:mod:`dlcachefs.peers.valuefmt`), a plain get first, then (on a miss, once the fetch
+holds a source slot) a get with the lease:
 
 * a value that checks out: served (``bytes_from_peers``);
 * a miss: ``add`` of the lease key (atomic on the owner, expiring after ``--peer-lease``)
@@ -15,9 +16,12 @@ local cache has missed; :meth:`PeerTier.lookup` asks the owner of the file's con
 * a value that must not be served (another version, partial, damaged): the source, and
   the good value replaces it;
 * the owner down or failing: the source at once;
-* a miss at an owner that came back from down (empty: memcached keeps nothing across a
-  restart): the next server by rendezvous order, which held its keys meanwhile, is asked
-  too, and a value found there is stored at the owner again (``refills``).
+* a miss at an owner that *this node* marked down and then found up again, less than
+  ``REFILL_S`` ago (empty: memcached keeps nothing across a restart), when the lookup won
+  the lease at its first call: the next server by rendezvous order, which held its keys
+  meanwhile, is asked too, and a value found there is stored at the owner again
+  (``refills``). Not after a wait for another node's lease, nor on nodes that never saw
+  the server down.
 
 What this node reads from the source is stored at the owner by :meth:`store_later`, in
 the background, never on the reader's path: a queue bounded in bytes (a value that does
