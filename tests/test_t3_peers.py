@@ -578,3 +578,41 @@ def test_a_node_leases_only_what_it_can_read_at_once(tmp_path, servers):
     st = eng.peers.stats()
     assert st["leases"] == len(files)  # each read in turn, each stored for the cluster
     assert st["servers"][m.address]["stored"] == len(files)
+
+
+def test_a_call_waiting_for_a_thread_does_not_count_the_wait_against_its_server(
+        tmp_path, servers):
+    """Every thread of the tier taken (as by the abandoned calls of hung servers): a
+    lookup at a healthy server waits for a thread before its --peer-timeout starts, so
+    the server is not marked down however long the wait; the file is served exactly."""
+    import trio
+
+    files = _tree(3)
+    write_tree(tmp_path / "src", files)
+    peers = [servers[0].address]
+    _read_everything(files, _cfg(tmp_path, "a", peers), CountingSource(tmp_path / "src"))
+    rel = sorted(files)[0]
+
+    async def body(eng):
+        threads = eng.peers._threads
+        held = [object() for _ in range(int(threads.total_tokens))]
+        for b in held:
+            threads.acquire_on_behalf_of_nowait(b)
+        out = []
+        async with trio.open_nursery() as n:
+            async def reader():
+                out.append(await read_all(eng, rel))
+            n.start_soon(reader)
+            with trio.fail_after(30):
+                while eng.peers.stats()["lookups"] == 0:
+                    await trio.sleep(0.01)
+            await trio.sleep(4 * eng.peers.timeout)  # longer than --peer-timeout: no answer
+            assert not out  # it waits for a thread
+            for b in held:
+                threads.release_on_behalf_of(b)
+        return out[0]
+    got, eng = run_engine(_cfg(tmp_path, "b", peers, peer_timeout=0.25), body,
+                          CountingSource(tmp_path / "src"))
+    assert got == files[rel]
+    st = eng.peers.stats()["servers"][peers[0]]
+    assert st["marked_down"] == 0 and st["errors"] == 0 and st["hits"] == 1
