@@ -16,6 +16,7 @@ import logging.handlers
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 
 import pyfuse3
@@ -28,6 +29,7 @@ from dlcachefs.cache.engine import Engine
 from dlcachefs.config import Config
 from dlcachefs.errors import DlcError
 from dlcachefs.session import build
+from dlcachefs.store import integrity
 from dlcachefs.store.lock import CacheLock
 
 log = logging.getLogger("dlcachefs")
@@ -98,6 +100,20 @@ def fuse_options(cfg: Config) -> set[str]:
     return opts
 
 
+def check_index_or_quarantine(index_dir: str) -> None:
+    """Before the daemon maps its index: check it in a child process, and move it aside
+    if it is damaged (reading a damaged LMDB file can kill the reader with SIGBUS or
+    SIGABRT; see :mod:`dlcachefs.store.integrity`). The cache then starts empty."""
+    t0 = time.monotonic()
+    why = integrity.check_index(index_dir)
+    if why is None:
+        log.info("index checked in %.2f s", time.monotonic() - t0)
+        return
+    dest = integrity.quarantine(index_dir)
+    log.warning("cache index %s is damaged (%s); moved to %s, starting with an empty cache",
+                index_dir, why, dest)
+
+
 def run(cfg: Config, report: Reporter) -> int:
     """Run a mount until it is unmounted. ``report`` sends lines to the waiting parent:
     ``progress ...`` while scanning, ``ready`` once mounted, ``error ...`` on failure."""
@@ -107,6 +123,7 @@ def run(cfg: Config, report: Reporter) -> int:
     try:
         check_mountpoint(cfg.mountpoint)
         lock.acquire(cfg.mountpoint)
+        check_index_or_quarantine(cfg.index_dir)
         session = build(cfg)
         engine = session.engine
 

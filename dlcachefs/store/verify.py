@@ -15,17 +15,32 @@ import sys
 from dlcachefs.errors import CacheLocked, FormatError
 from dlcachefs.store.chunkfmt import checksum, decode_chunk_header
 from dlcachefs.store.index import Index
+from dlcachefs.store.integrity import check_index, quarantine
 from dlcachefs.store.lock import CacheLock
 from dlcachefs.store.logs import LogStore
 
 
 def verify(cache_dir: str, repair: bool) -> dict:
+    """Check (and with ``repair``, fix) a cache directory no daemon holds; the report.
+
+    The index itself is checked first, in a child process (:mod:`.integrity`): a damaged
+    one is reported as ``index_damaged``, and ``repair`` moves it aside so that the cache
+    starts empty (the next mount deletes the logs nothing indexes)."""
     import os  # noqa: PLC0415
 
-    ix = Index(os.path.join(cache_dir, "meta.lmdb"))
+    index_dir = os.path.join(cache_dir, "meta.lmdb")
+    damaged = check_index(index_dir)
+    if damaged is not None:
+        report: dict = {"chunks": 0, "records": 0, "bad_chunks": [], "bad_records": [],
+                        "invariant_problems": [], "index_damaged": damaged}
+        if repair:
+            report["quarantined_to"] = quarantine(index_dir)
+            report["repaired"] = True
+        return report
+    ix = Index(index_dir)
     logs = LogStore(os.path.join(cache_dir, "logs"), 1 << 30)
-    report: dict = {"chunks": 0, "records": 0, "bad_chunks": [], "bad_records": [],
-                    "invariant_problems": []}
+    report = {"chunks": 0, "records": 0, "bad_chunks": [], "bad_records": [],
+              "invariant_problems": []}
     try:
         by_chunk: dict[int, list] = {}
         for ino, rec in ix.iter_records():
@@ -70,7 +85,8 @@ def cmd_verify(cache_dir: str, repair: bool, as_json: bool) -> int:
         rep = verify(cache_dir, repair)
     finally:
         lock.release()
-    bad = bool(rep["bad_chunks"] or rep["bad_records"] or rep["invariant_problems"])
+    bad = bool(rep["bad_chunks"] or rep["bad_records"] or rep["invariant_problems"]
+               or rep.get("index_damaged"))
     if as_json:
         print(json.dumps(rep, indent=2))
     else:
@@ -83,6 +99,10 @@ def cmd_verify(cache_dir: str, repair: bool, as_json: bool) -> int:
             print(f"  damaged record: inode {b['inode']} ({b['name']}) in chunk {b['chunk']}")
         for p in rep["invariant_problems"]:
             print(f"  index: {p}")
+        if rep.get("index_damaged"):
+            print(f"  index damaged: {rep['index_damaged']}")
+            if rep.get("quarantined_to"):
+                print(f"  moved to {rep['quarantined_to']}; the cache starts empty")
         if bad:
             print("repaired: damaged entries dropped, they will be fetched again" if repair
                   else "run with --repair to drop damaged entries")

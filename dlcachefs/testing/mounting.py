@@ -289,7 +289,8 @@ def verify_problems(cache: Path, allows: Iterable[str] = ()) -> list[str]:
     found = ([f"damaged chunk {b['chunk']}: {b['reason']}" for b in rep["bad_chunks"]]
              + [f"damaged record: inode {b['inode']} ({b['name']}) in chunk {b['chunk']}"
                 for b in rep["bad_records"]]
-             + [f"index: {p}" for p in rep["invariant_problems"]])
+             + [f"index: {p}" for p in rep["invariant_problems"]]
+             + ([f"index damaged: {rep['index_damaged']}"] if rep.get("index_damaged") else []))
     problems = [f"{where}: {p}" for p in found if not _allowed(p, allows)]
     if r.returncode != (1 if found else 0):
         problems.append(f"{where} exited {r.returncode} for {len(found)} problems")
