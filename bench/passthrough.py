@@ -18,6 +18,14 @@ drops it, so every read reaches the daemon). ``--delay-ms MS`` makes every ``ope
 MS milliseconds (``trio.sleep``, so concurrent opens overlap) before answering: a slow
 source (an object store's per-request latency) over a local directory. 0 (default): none.
 
+``--faults FILE`` makes it a misbehaving source (``bench.chaos``, ``tests/test_t7_chaos``):
+FILE is JSON, ``{"NAME": SPEC}`` by file basename, read again whenever it changes; SPEC
+``{"errno": N}`` fails the ``open`` of NAME with errno N; ``{"hang": "open"}`` holds its
+``open``, ``{"hang": "read2"}`` its first ``read`` past offset 0 (a fetch already half
+read), until NAME leaves FILE (at most 300 s); a hang appends NAME to ``FILE.hit``. With
+``--faults``, attributes are not cached by the kernel (timeouts 0), so a change made
+during a hang is seen by the next ``fstat``, as on a local disk.
+
 ``passthrough_mount`` starts the daemon as a child (``python -m bench.passthrough``),
 waits until it is mounted, and on the way out always unmounts (``fusermount3 -u``) and
 ends the child by its pid if it did not exit by itself.
@@ -40,11 +48,37 @@ TIMEOUT = 86400.0  # entry / attribute timeout, seconds
 
 # ----- the daemon (imports pyfuse3 and trio only when run) ---------------------------------
 
-def _make_ops(src: str, direct_io: bool, keep_cache: bool, delay_ms: float = 0.0):
+def _make_ops(src: str, direct_io: bool, keep_cache: bool, delay_ms: float = 0.0,
+              faults: str | None = None):
     import pyfuse3
     import trio
 
     delay_s = max(0.0, delay_ms) / 1000.0
+    timeout = 0.0 if faults else TIMEOUT
+    fault_state: dict = {"mtime": None, "specs": {}}
+
+    def fault_of(path: bytes) -> dict | None:
+        """The fault spec for ``path``'s basename, from the faults file as it is now."""
+        if not faults:
+            return None
+        try:
+            mt = os.stat(faults).st_mtime_ns
+            if mt != fault_state["mtime"]:
+                with open(faults, "rb") as f:
+                    fault_state["specs"] = json.loads(f.read() or b"{}")
+                fault_state["mtime"] = mt
+        except (OSError, ValueError):
+            fault_state["specs"] = {}
+        return fault_state["specs"].get(os.fsdecode(os.path.basename(path)))
+
+    async def hang(path: bytes) -> None:
+        with open(faults + ".hit", "a") as f:
+            f.write(os.fsdecode(os.path.basename(path)) + "\n")
+        for _ in range(6000):  # 300 s at most
+            spec = fault_of(path)
+            if not spec or "hang" not in spec:
+                return
+            await trio.sleep(0.05)
 
     class Passthrough(pyfuse3.Operations):
         supports_dot_lookup = False
@@ -57,6 +91,7 @@ def _make_ops(src: str, direct_io: bool, keep_cache: bool, delay_ms: float = 0.0
             self.next_inode = pyfuse3.ROOT_INODE + 1
             self.listings: dict[int, list[tuple[bytes, bytes]]] = {}
             self.next_dh = 1
+            self.fh_paths: dict[int, bytes] = {}  # with faults: open fd -> its path
 
         def _inode(self, path: bytes) -> int:
             ino = self.inodes.get(path)
@@ -71,8 +106,8 @@ def _make_ops(src: str, direct_io: bool, keep_cache: bool, delay_ms: float = 0.0
             a = pyfuse3.EntryAttributes()
             a.st_ino = ino
             a.generation = 0
-            a.entry_timeout = TIMEOUT
-            a.attr_timeout = TIMEOUT
+            a.entry_timeout = timeout
+            a.attr_timeout = timeout
             a.st_mode = st.st_mode
             a.st_nlink = st.st_nlink
             a.st_uid = st.st_uid
@@ -107,7 +142,7 @@ def _make_ops(src: str, direct_io: bool, keep_cache: bool, delay_ms: float = 0.0
             except FileNotFoundError:
                 neg = pyfuse3.EntryAttributes()  # st_ino 0: a cached negative entry
                 neg.st_ino = 0
-                neg.entry_timeout = TIMEOUT
+                neg.entry_timeout = timeout
                 return neg
             except OSError as e:
                 raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
@@ -158,13 +193,25 @@ def _make_ops(src: str, direct_io: bool, keep_cache: bool, delay_ms: float = 0.0
                 raise pyfuse3.FUSEError(errno.EROFS)
             if delay_s:
                 await trio.sleep(delay_s)
+            spec = fault_of(path)
+            if spec and "errno" in spec:
+                raise pyfuse3.FUSEError(int(spec["errno"]))
+            if spec and spec.get("hang") == "open":
+                await hang(path)
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
             except OSError as e:
                 raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
-            return pyfuse3.FileInfo(fh=fd, direct_io=direct_io, keep_cache=keep_cache)
+            if faults:
+                self.fh_paths[fd] = path
+            return pyfuse3.FileInfo(fh=fd, direct_io=direct_io or bool(faults),
+                                    keep_cache=keep_cache)
 
         async def read(self, fh, off, size):
+            if faults and off > 0:
+                spec = fault_of(self.fh_paths.get(fh, b""))
+                if spec and spec.get("hang") == "read2":
+                    await hang(self.fh_paths[fh])
             try:
                 return os.pread(fh, size, off)
             except OSError as e:
@@ -174,6 +221,7 @@ def _make_ops(src: str, direct_io: bool, keep_cache: bool, delay_ms: float = 0.0
             raise pyfuse3.FUSEError(errno.ENOSYS)  # the kernel stops sending FLUSH
 
         async def release(self, fh):
+            self.fh_paths.pop(fh, None)
             with contextlib.suppress(OSError):
                 os.close(fh)
 
@@ -189,7 +237,7 @@ def _make_ops(src: str, direct_io: bool, keep_cache: bool, delay_ms: float = 0.0
 
 
 def serve(src: str, mnt: str, direct_io: bool = False, keep_cache: bool = False,
-          delay_ms: float = 0.0) -> int:
+          delay_ms: float = 0.0, faults: str | None = None) -> int:
     """Mount and serve in the foreground until unmounted (or SIGTERM / SIGINT)."""
     import pyfuse3
     import trio
@@ -199,7 +247,8 @@ def serve(src: str, mnt: str, direct_io: bool = False, keep_cache: bool = False,
     if not os.path.isdir(src):
         print(f"bench.passthrough: not a directory: {src}", file=sys.stderr)
         return 2
-    ops = _make_ops(src, direct_io, keep_cache, delay_ms)
+    ops = _make_ops(src, direct_io, keep_cache, delay_ms,
+                    os.path.abspath(faults) if faults else None)
     opts = set(pyfuse3.default_options)
     opts |= {"ro", "fsname=dlcbench-passthrough", "subtype=dlcbench-passthrough"}
     pyfuse3.init(ops, mnt, opts)
@@ -245,7 +294,7 @@ def set_read_ahead_kb(mnt: str, kb: int) -> bool:
 @contextlib.contextmanager
 def passthrough_mount(src: str, mnt: str, direct_io: bool = False, keep_cache: bool = False,
                       read_ahead_kb: int | None = None, log_path: str | None = None,
-                      delay_ms: float = 0.0) -> Iterator[int]:
+                      delay_ms: float = 0.0, faults: str | None = None) -> Iterator[int]:
     """Start the passthrough daemon on ``mnt`` in a child process and yield its pid; on
     the way out (also on failure) unmount with ``fusermount3 -u`` and end the child by
     its pid if it has not exited by itself. ``delay_ms`` > 0: every open waits that long."""
@@ -266,6 +315,8 @@ def passthrough_mount(src: str, mnt: str, direct_io: bool = False, keep_cache: b
         args.append("--keep-cache")
     if delay_ms > 0:
         args.append(f"--delay-ms={delay_ms}")
+    if faults:
+        args.append(f"--faults={os.path.abspath(faults)}")
     logf = open(log_path or os.devnull, "ab")  # noqa: SIM115
     try:
         proc = subprocess.Popen(args, cwd=repo, stdin=subprocess.DEVNULL, stdout=logf,
@@ -359,9 +410,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-cache", action="store_true")
     p.add_argument("--delay-ms", type=float, default=0.0,
                    help="wait this long in every open (a slow source; default 0)")
+    p.add_argument("--faults", metavar="FILE",
+                   help="JSON of faults by file name (errno, hang); see the module's doc")
     a = p.parse_args(argv)
     return serve(a.src, a.mnt, direct_io=a.direct_io, keep_cache=a.keep_cache,
-                 delay_ms=a.delay_ms)
+                 delay_ms=a.delay_ms, faults=a.faults)
 
 
 if __name__ == "__main__":
