@@ -12,6 +12,7 @@ import pytest
 from conftest import requires_fuse
 
 from dlcachefs.testing import chaos
+from dlcachefs.testing import scenarios as S
 from dlcachefs.testing.mounting import DLCACHEFS, drop_page_cache
 
 pytestmark = requires_fuse
@@ -79,3 +80,130 @@ def test_verify_repair_of_a_damaged_index_leaves_a_clean_cache(dataset, mount, t
     m2 = mount(src)
     t = chaos.check_all(m2.mnt, files)
     assert (t.ok, t.wrong) == (len(files), 0)
+
+
+# ----- the scenarios, short (bench/chaos.py runs them long) -------------------------------------
+# Each scenario runs its own daemons (dlcachefs.testing.scenarios); the oracle reads their
+# logs, with what the scenario provokes on purpose allowed.
+
+
+def _watch(daemon_oracle, work):
+    daemon_oracle.log_allows += S.EXPECTED_LOG
+    daemon_oracle.watch(log=work / "daemon.log")
+
+
+def test_kill9_cycles_lose_nothing_committed(tmp_path, daemon_oracle):
+    """5 cycles of 8 reader threads + an announced DistributedSampler (prefetch, the next
+    epoch's log) + eviction, the daemon SIGKILLed at a random moment; a training process
+    SIGKILLed mid-announcement in two of them."""
+    _watch(daemon_oracle, tmp_path)
+    r = S.kill_cycles(tmp_path, cycles=5, seed=11, n_files=120, trainer_every=2)
+    assert r["cycles"] == 5 and r.get("mount_failures", 0) == 0, r
+    assert r["wrong_bytes_reads"] == 0, r
+    assert r["lost_committed_records"] == 0 and r["committed_before"] > 0, r
+    assert r["verify_reads"]["errors_by_errno"] == {} and r["reads"]["errors_by_errno"] == {}, r
+    assert r["verify_hits"] > 0  # the cache was reused across kills
+    assert r["trainer_killed"] == 2 and r["announce_after_ok"] == 2, r
+    assert not r.get("daemon_died_with_trainer") and not r.get("daemon_died_before_kill"), r
+    assert r["verify_exit"] == 0 and r["verify_problems"] == 0, r
+    assert r["tracebacks"] == 0, r["log_examples"]
+
+
+def test_damage_to_logs_and_index_is_detected_or_harmless(tmp_path, daemon_oracle):
+    """50 injections (bits, zeroed ranges, truncation) into logs (mounted and not) and the
+    LMDB file (not mounted); every file read after each: exact or an error; verify, then
+    verify --repair, then a clean verify, every 25."""
+    _watch(daemon_oracle, tmp_path)
+    r = S.corruption(tmp_path, injections=50, seed=5, n_files=60, verify_every=25)
+    assert r["injections"] + r.get("skipped", 0) == 50, r
+    assert r["wrong_bytes_reads"] == 0 and not r.get("injections_with_wrong_bytes"), r
+    assert not r.get("daemon_down") and r["daemon_up_at_end"] == 1, r
+    assert r["detected"] > 0, r  # the damage was real, and seen
+    assert r["verify_runs"] == 2 and r["repair_clean"] == 2 and not r["verify_crashed"], r
+    assert r["tracebacks"] == 0, r["log_examples"]
+
+
+@pytest.mark.daemon_log_allows(r"WARNING dlcachefs\.cache\.")
+def test_source_faults_give_old_or_new_bytes_or_their_errno(tmp_path, daemon_oracle):
+    """Through a passthrough source that fails or hangs on demand: EACCES, EIO and a hang
+    (ETIMEDOUT) come back as such; a file changed, truncated, replaced or removed while
+    its fetch is half read gives the old bytes, the new ones, or ESTALE/ENOENT."""
+    _watch(daemon_oracle, tmp_path)
+    r = S.source_faults(tmp_path, rounds=1, seed=2)
+    assert not r.get("mixed_reads") and not r.get("unexpected_errno"), r
+    o = r["outcomes"]
+    assert o["eacces"] == {"EACCES": 1} and o["eio"] == {"EIO": 1}, o
+    assert o["hang"] == {"ETIMEDOUT": 1}, o
+    assert not r.get("reads_after_fault_wrong") and r["source_fds_left"] == 0, r
+    assert r["daemon_up_at_end"] == 1 and r["tracebacks"] == 0, r
+
+
+def test_a_filling_disk_costs_no_client_a_byte_or_an_error(tmp_path, daemon_oracle):
+    _watch(daemon_oracle, tmp_path)
+    r = S.disk_full(tmp_path, seconds=8, seed=4, n_files=80)
+    if r.get("skipped"):
+        pytest.skip(r["skipped"])
+    assert r["disk_filled"] > 0, r
+    assert r["wrong_bytes_reads"] == 0 and r["client_errors"] == 0, r
+    assert r["reads"]["reads_ok"] > 0 and r["daemon_up_at_end"] == 1, r
+    assert r["write_errors"] + r["cache_skipped"] > 0, r  # the disk did refuse writes
+
+
+def test_memory_limit_within_the_daemons_needs(tmp_path, daemon_oracle):
+    _watch(daemon_oracle, tmp_path)
+    r = S.memory_pressure(tmp_path, seconds=8, seed=6, n_files=200)
+    if r.get("skipped"):
+        pytest.skip(r["skipped"])
+    assert r["wrong_bytes_reads"] == 0 and r["client_errors"] == 0, r
+    assert r["daemon_up_at_end"] == 1 and r["oom_kills"] == 0, r
+
+
+def test_soak_of_sixteen_readers_leaks_no_descriptor(tmp_path, daemon_oracle):
+    """2 DataLoaders (2 workers each, announced), 4 threads, cat, find and du loops over a
+    cache of half the dataset, 20 s: no error, no wrong byte; once the readers stop the
+    daemon holds no descriptor of a source file and none of a deleted log."""
+    _watch(daemon_oracle, tmp_path)
+    r = S.soak(tmp_path, seconds=20, seed=8, n_files=200, sample_every=1.0)
+    assert r["readers"] == 16
+    assert r["wrong_bytes_reads"] == 0 and r["client_errors"] == 0, r
+    assert all(x.get("samples", 0) > 0 for x in r["loaders"]), r["loaders"]
+    assert r["cat_reads"] > 0 and r["find_runs"] > 0 and r["du_runs"] > 0, r
+    assert r["chunks_evicted"] > 0, r  # eviction ran all along
+    assert r["source_fds_after_settle"] == 0 and r["deleted_fds_after_settle"] == 0, r
+    assert r["daemon_up_at_end"] == 1 and r["tracebacks"] == 0, r
+
+
+def test_fuzzed_control_writes(tmp_path, daemon_oracle):
+    """2,000 generated writes against the parser, 200 into a live mount: no crash, each
+    refusal's reason in .dlcache/errors, nothing refused changed the state."""
+    _watch(daemon_oracle, tmp_path)
+    r = S.fuzz(tmp_path, parser_writes=2000, mount_writes=200, seed=9)
+    p, m = r["parser"], r["mount"]
+    assert p["crashes"] == 0, p["crash_examples"]
+    assert p["refused_without_reason"] == 0 and p["refused_but_changed_state"] == 0, p
+    assert p["accepted"] > 0 and p["refused"] > 0, p  # both paths were taken
+    assert m["refused"] > 0 and m["refused_without_reason"] == 0 and m["other_errors"] == {}, m
+    assert m["daemon_up_at_end"] == 1 and m["stats_readable"] == 1, m
+
+
+def test_index_check_sees_records_that_do_not_fit_their_chunks(tmp_path):
+    """A bit flipped in a chunk's key leaves records naming a missing chunk: the mount
+    used to fail at start with --debug-invariants (and serve from a broken index without
+    it); the check reports it, and the index is set aside like any damage."""
+    from dlcachefs.store.index import Index
+    from dlcachefs.store.integrity import check_index
+    from dlcachefs.store.schema import Chunk, Entry, Record
+
+    path = str(tmp_path / "meta.lmdb")
+    ix = Index(path)
+    with ix.write() as w:
+        w.put_entry(Entry(20, 1, b"a", 0o100644, 1, 0, 0, 10, 1, 0, 0, 0, 0, 5, 0.0))
+        w.put_chunk(Chunk(3, 1, 0, 100, 0, (20,)))
+        w.put_record(20, Record(3, 1, 10, 10, 1234, 0, 5))
+    ix.close()
+    assert check_index(path) is None
+    ix = Index(path)
+    with ix.write() as w:
+        w.put_record(20, Record(4, 1, 10, 10, 1234, 0, 5))  # chunk 4 does not exist
+    ix.close()
+    assert "names missing chunk 4" in check_index(path)

@@ -40,16 +40,25 @@ _CHUNK = S.Chunk._S.size
 
 def probe(path: str) -> list[str]:
     """Walk the index at ``path`` (an LMDB environment directory) and return what is
-    wrong with its structure (empty: fine). Meant to run in a child process: a damaged
-    file may kill the process that reads it."""
+    wrong with it (empty: fine). Meant to run in a child process: a damaged file may
+    kill the process that reads it.
+
+    Checks: every page of every sub-database (a cursor walk), every key and value's
+    length against the schema, each record against its chunk (it exists, same log, the
+    record inside it, the chunk lists the inode), the size counters against the sums,
+    and one write transaction (put and delete a key: LMDB's free list is read only when
+    a transaction allocates pages, and a damaged one fails the daemon's next commit)."""
     import lmdb  # noqa: PLC0415 - the child imports it, callers of check_index need not
 
     problems: list[str] = []
-    env = lmdb.open(path, readonly=True, lock=False, max_dbs=8, subdir=True,
-                    readahead=False)
+    env = lmdb.open(path, readonly=False, lock=False, max_dbs=8, subdir=True,
+                    readahead=False, map_size=1 << 36)
     try:
         with env.begin(buffers=True) as txn:
             names = [bytes(k) for k, _ in txn.cursor()]
+        chunks: dict[int, tuple[int, int, int, frozenset]] = {}
+        records: list[tuple[int, bytes]] = []
+        counters: dict[bytes, int] = {}
         for name in (S.DB_META, S.DB_INODE, S.DB_DIRENT, S.DB_RECORD, S.DB_CHUNK):
             if name not in names:
                 if names:  # a fresh index has all of them; an empty file has none
@@ -65,10 +74,48 @@ def probe(path: str) -> list[str]:
                         problems.append(f"{name.decode()}: {why}")
                         if len(problems) >= 20:
                             return problems
+                        continue
+                    if name == S.DB_CHUNK:
+                        c = S.Chunk.unpack(S.unkey(k), bytes(v))
+                        chunks[c.chunk_id] = (c.log_id, c.offset, c.length, frozenset(c.members))
+                    elif name == S.DB_RECORD:
+                        records.append((S.unkey(k), bytes(v)))
+                    elif name == S.DB_META and bytes(k) in (S.K_CACHED_BYTES, S.K_CHUNK_BYTES) \
+                            and len(v) == 8:
+                        counters[bytes(k)] = struct.unpack("<q", v)[0]
                 if name == S.DB_META and n and txn.get(S.K_FORMAT) is None:
                     problems.append("meta: no format key")
+        problems += _cross_check(chunks, records, counters)
+        if names and not problems:
+            meta = env.open_db(S.DB_META, create=False)
+            with env.begin(db=meta, write=True) as txn:
+                txn.put(b"integrity_probe", b"1")
+                txn.delete(b"integrity_probe")
     finally:
         env.close()
+    return problems[:20]
+
+
+def _cross_check(chunks: dict, records: list[tuple[int, bytes]], counters: dict) -> list[str]:
+    """Records against their chunks, and the size counters against the sums."""
+    problems: list[str] = []
+    cached = 0
+    for ino, v in records:
+        r = S.Record.unpack(v)
+        cached += r.size
+        c = chunks.get(r.chunk_id)
+        if c is None:
+            problems.append(f"record of inode {ino} names missing chunk {r.chunk_id}")
+        elif c[0] != r.log_id or not (c[1] <= r.offset and r.offset + r.size <= c[1] + c[2]) \
+                or ino not in c[3]:
+            problems.append(f"record of inode {ino} does not fit chunk {r.chunk_id}")
+        if len(problems) >= 20:
+            return problems
+    if counters.get(S.K_CACHED_BYTES, 0) != cached:
+        problems.append(f"cached_bytes counter {counters.get(S.K_CACHED_BYTES, 0)} != {cached}")
+    chunk_bytes = sum(c[2] for c in chunks.values())
+    if counters.get(S.K_CHUNK_BYTES, 0) != chunk_bytes:
+        problems.append(f"chunk_bytes counter {counters.get(S.K_CHUNK_BYTES, 0)} != {chunk_bytes}")
     return problems
 
 
