@@ -114,7 +114,7 @@ def test_damage_to_logs_and_index_is_detected_or_harmless(tmp_path, daemon_oracl
     LMDB file (not mounted); every file read after each: exact or an error; verify, then
     verify --repair, then a clean verify, every 25."""
     _watch(daemon_oracle, tmp_path)
-    r = S.corruption(tmp_path, injections=50, seed=5, n_files=60, verify_every=25)
+    r = S.corruption(tmp_path, injections=50, seed=5, n_files=40, verify_every=25)
     assert r["injections"] + r.get("skipped", 0) == 50, r
     assert r["wrong_bytes_reads"] == 0 and not r.get("injections_with_wrong_bytes"), r
     assert not r.get("daemon_down") and r["daemon_up_at_end"] == 1, r
@@ -151,7 +151,7 @@ def test_a_filling_disk_costs_no_client_a_byte_or_an_error(tmp_path, daemon_orac
 
 def test_memory_limit_within_the_daemons_needs(tmp_path, daemon_oracle):
     _watch(daemon_oracle, tmp_path)
-    r = S.memory_pressure(tmp_path, seconds=8, seed=6, n_files=200)
+    r = S.memory_pressure(tmp_path, seconds=8, seed=6, n_files=200, headroom_mb=128)
     if r.get("skipped"):
         pytest.skip(r["skipped"])
     assert r["wrong_bytes_reads"] == 0 and r["client_errors"] == 0, r
@@ -160,10 +160,10 @@ def test_memory_limit_within_the_daemons_needs(tmp_path, daemon_oracle):
 
 def test_soak_of_sixteen_readers_leaks_no_descriptor(tmp_path, daemon_oracle):
     """2 DataLoaders (2 workers each, announced), 4 threads, cat, find and du loops over a
-    cache of half the dataset, 20 s: no error, no wrong byte; once the readers stop the
+    cache of half the dataset, 15 s: no error, no wrong byte; once the readers stop the
     daemon holds no descriptor of a source file and none of a deleted log."""
     _watch(daemon_oracle, tmp_path)
-    r = S.soak(tmp_path, seconds=20, seed=8, n_files=200, sample_every=1.0)
+    r = S.soak(tmp_path, seconds=15, seed=8, n_files=160, sample_every=1.0)
     assert r["readers"] == 16
     assert r["wrong_bytes_reads"] == 0 and r["client_errors"] == 0, r
     assert all(x.get("samples", 0) > 0 for x in r["loaders"]), r["loaders"]

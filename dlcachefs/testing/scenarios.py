@@ -49,6 +49,7 @@ EXPECTED_LOG = (
     r"WARNING dlcachefs\.cache\.recovery: ",
     r"WARNING dlcachefs\.clairvoyance\.",
     r"WARNING dlcachefs\.cache\.views: importance: ",
+    r"WARNING dlcachefs\.importance\.losses: \d+ losses of job ",
 )
 
 
