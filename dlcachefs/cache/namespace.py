@@ -272,7 +272,7 @@ class Namespace:
             return self.get(e.ino)
         if not _same_attrs(e, new):
             if stat_mod.S_ISLNK(new.mode):
-                new.target = await self.calls.call(os.readlink, self.source_path(rel))
+                new.target = await self.calls.call(self.source.readlink, rel)
             await trio.to_thread.run_sync(self._put, new)
             self._notify("inode", e.parent, None, e.ino)
         return new

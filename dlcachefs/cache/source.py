@@ -14,7 +14,7 @@ import stat as stat_mod
 from dataclasses import dataclass
 from typing import Protocol
 
-from dlcachefs.errors import NotFound, OutsideSource, SourceChanged, SourceError
+from dlcachefs.errors import DlcError, NotFound, OutsideSource, SourceChanged, SourceError
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +48,8 @@ class Source(Protocol):
 
     def list_dir(self, rel: bytes) -> list[Listing]: ...
 
+    def readlink(self, rel: bytes) -> bytes: ...
+
     def read_file(self, rel: bytes, use_src_ino: bool) -> tuple[bytes, Identity]: ...
 
     def statvfs(self) -> os.statvfs_result: ...
@@ -60,9 +62,13 @@ def identity_of(st: os.stat_result, use_src_ino: bool) -> Identity:
 class LocalSource:
     """A source that is a directory of the local VFS: a local disk, NFS, Lustre, sshfs...
 
-    Reads never follow a symlink out of the root: the final component is opened with
-    O_NOFOLLOW, and the opened descriptor's real path (from /proc/self/fd, no round trip
-    to the source) must lie under the root's real path.
+    No call follows a symlink, so none reaches outside the root, whatever the tree became
+    after the scan: a path is resolved one component at a time from a descriptor of the
+    root (``openat`` with ``O_NOFOLLOW``; :meth:`_open_dir`), so a directory swapped for a
+    symlink is refused, not followed (it was listed, stat'ed and read through before);
+    files are opened with ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO swapped in does not hang a
+    thread), and the opened descriptor's real path (from /proc/self/fd, no round trip to
+    the source) must still lie under the root's real path.
     """
 
     #: how often a file that changes while it is read is re-read before giving up
@@ -78,32 +84,106 @@ class LocalSource:
     def full(self, rel: bytes) -> bytes:
         return self._prefix + rel if rel else self.root
 
-    def lstat(self, rel: bytes) -> os.stat_result:
+    def _open_dir(self, parts: list[bytes], rel: bytes,
+                  link_error: type[DlcError] = NotFound) -> int:
+        """A descriptor of directory ``parts`` under the root, resolved one component at
+        a time without following a symlink. NotFound when a component is gone or is no
+        longer a directory; ``link_error`` when one became a symlink after the scan (the
+        namespace drops a directory that is NotFound, and lists its parent again)."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            return os.lstat(self.full(rel))
+            for name in parts:
+                nfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                              dir_fd=fd)
+                os.close(fd)
+                fd = nfd
+            return fd
+        except (FileNotFoundError, NotADirectoryError) as e:
+            os.close(fd)
+            raise NotFound(f"no longer a directory on the source: {os.fsdecode(rel)}") from e
+        except OSError as e:
+            os.close(fd)
+            if e.errno == errno.ELOOP:  # a directory became a symlink: never followed
+                raise link_error(f"a directory became a symlink on the source: "
+                               f"{os.fsdecode(rel)}") from e
+            raise SourceError(f"open {os.fsdecode(rel)}: {e.strerror}", e.errno) from e
+
+    def _split(self, rel: bytes) -> tuple[list[bytes], bytes]:
+        *dirs, name = rel.split(b"/")
+        return dirs, name
+
+    def lstat(self, rel: bytes) -> os.stat_result:
+        if not rel:
+            return os.lstat(self.root)
+        dirs, name = self._split(rel)
+        dfd = self._open_dir(dirs, rel)
+        try:
+            return os.stat(name, dir_fd=dfd, follow_symlinks=False)
         except FileNotFoundError as e:
             raise NotFound(f"vanished from the source: {os.fsdecode(rel)}") from e
         except OSError as e:
             raise SourceError(f"lstat {os.fsdecode(rel)}: {e.strerror}", e.errno) from e
+        finally:
+            os.close(dfd)
+
+    def readlink(self, rel: bytes) -> bytes:
+        """The target of symlink ``rel`` (as stored; never resolved)."""
+        dirs, name = self._split(rel)
+        dfd = self._open_dir(dirs, rel)
+        try:
+            return os.readlink(name, dir_fd=dfd)
+        except FileNotFoundError as e:
+            raise NotFound(f"vanished from the source: {os.fsdecode(rel)}") from e
+        except OSError as e:
+            raise SourceError(f"readlink {os.fsdecode(rel)}: {e.strerror}", e.errno) from e
+        finally:
+            os.close(dfd)
 
     def list_dir(self, rel: bytes) -> list[Listing]:
         out: list[Listing] = []
+        dfd = self._open_dir(rel.split(b"/") if rel else [], rel)
         try:
-            with os.scandir(self.full(rel)) as it:
+            with os.scandir(dfd) as it:
                 for de in it:
+                    name = os.fsencode(de.name)
                     try:
                         st = de.stat(follow_symlinks=False)
-                        target = os.readlink(de.path) if stat_mod.S_ISLNK(st.st_mode) else b""
+                        target = (os.readlink(name, dir_fd=dfd)
+                                  if stat_mod.S_ISLNK(st.st_mode) else b"")
                     except FileNotFoundError:
                         continue  # vanished between readdir and stat
-                    out.append(Listing(de.name, st, target))
+                    out.append(Listing(name, st, target))
         except FileNotFoundError as e:
             raise NotFound(f"directory vanished from the source: {os.fsdecode(rel)}") from e
-        except NotADirectoryError as e:
-            raise NotFound(f"no longer a directory on the source: {os.fsdecode(rel)}") from e
         except OSError as e:
             raise SourceError(f"list {os.fsdecode(rel)}: {e.strerror}", e.errno) from e
+        finally:
+            os.close(dfd)
         return out
+
+    def _open_file(self, rel: bytes) -> int:
+        """A read descriptor of regular-file path ``rel``, resolved beneath the root (see
+        the class); its real path is checked to lie under the root."""
+        dirs, name = self._split(rel)
+        dfd = self._open_dir(dirs, rel, link_error=SourceChanged)
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         dir_fd=dfd)
+        except FileNotFoundError as e:
+            raise NotFound(f"vanished from the source: {os.fsdecode(rel)}") from e
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise SourceChanged(f"became a symlink on the source: {os.fsdecode(rel)}") from e
+            raise SourceError(f"open {os.fsdecode(rel)}: {e.strerror}", e.errno) from e
+        finally:
+            os.close(dfd)
+        try:
+            if not os.readlink(b"/proc/self/fd/%d" % fd).startswith(self._prefix):
+                raise OutsideSource(f"resolves outside the source root: {os.fsdecode(rel)}")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def read_file(self, rel: bytes, use_src_ino: bool) -> tuple[bytes, Identity]:
         """Read a whole regular file as one consistent version.
@@ -113,20 +193,9 @@ class LocalSource:
         ``CHANGE_RETRIES`` attempts :class:`SourceChanged` is raised: bytes of two versions
         are never returned.
         """
-        path = self.full(rel)
         for _ in range(self.CHANGE_RETRIES):
+            fd = self._open_file(rel)
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except FileNotFoundError as e:
-                raise NotFound(f"vanished from the source: {os.fsdecode(rel)}") from e
-            except OSError as e:
-                if e.errno == errno.ELOOP:
-                    raise SourceChanged(f"became a symlink on the source: {os.fsdecode(rel)}") from e
-                raise SourceError(f"open {os.fsdecode(rel)}: {e.strerror}", e.errno) from e
-            try:
-                real = os.readlink(b"/proc/self/fd/%d" % fd)
-                if not real.startswith(self._prefix):
-                    raise OutsideSource(f"resolves outside the source root: {os.fsdecode(rel)}")
                 st1 = os.fstat(fd)
                 if not stat_mod.S_ISREG(st1.st_mode):
                     raise SourceChanged(f"no longer a regular file: {os.fsdecode(rel)}")
@@ -168,16 +237,12 @@ def _read_all(fd: int, size: int) -> bytes:
 
 def open_for_range_reads(src: LocalSource, rel: bytes, use_src_ino: bool) -> tuple[int, Identity]:
     """Open a (large, uncached) file for ranged reads; same symlink rule as read_file."""
+    fd = src._open_file(rel)
     try:
-        fd = os.open(src.full(rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError as e:
-        raise NotFound(f"vanished from the source: {os.fsdecode(rel)}") from e
-    except OSError as e:
-        raise SourceError(f"open {os.fsdecode(rel)}: {e.strerror}", e.errno) from e
-    try:
-        if not os.readlink(b"/proc/self/fd/%d" % fd).startswith(src._prefix):
-            raise OutsideSource(f"resolves outside the source root: {os.fsdecode(rel)}")
-        return fd, identity_of(os.fstat(fd), use_src_ino)
+        st = os.fstat(fd)
+        if not stat_mod.S_ISREG(st.st_mode):
+            raise SourceChanged(f"no longer a regular file: {os.fsdecode(rel)}")
+        return fd, identity_of(st, use_src_ino)
     except BaseException:
         os.close(fd)
         raise
