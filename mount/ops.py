@@ -213,6 +213,8 @@ class Operations(pyfuse3.Operations):
 
             doc = self.engine.stats()
             doc["fuse_ops"] = dict(self.ops)
+            if ctx.uid not in (self.vattrs.uid, 0):
+                doc = V.shared_stats(doc)  # another user's job sees no job's own sections
             data = (json.dumps(doc, indent=2) + "\n").encode()
         elif inode == V.ERRORS_INO:
             data = self.control.errors_text()

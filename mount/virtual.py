@@ -3,9 +3,12 @@
 Reachable by path (``lookup``) but never listed by ``readdir`` of the root, so that
 torchvision's ImageFolder does not take it for a class. Its files:
 
-* ``stats``   (0444) the engine's counters as JSON, a fresh snapshot at each open;
+* ``stats``   (0444) the engine's counters as JSON, a fresh snapshot at each open; other
+  users than the mount's owner (with ``--allow-other``) see the mount-wide counters
+  only, not the jobs' own sections (:func:`shared_stats`);
 * ``control`` (0600, owner only) accepts control lines; reading shows the accepted state;
-* ``errors``  (0444) the last refused control writes with their reasons;
+* ``errors``  (0400, owner only, as the writes it reports) the last refused control writes
+  with their reasons;
 * ``zerocopy`` (0444) where the cache is, for readers in the training process that read
   cached samples from it directly (:mod:`dlcachefs.data`), as JSON (:func:`zerocopy_info`).
 
@@ -36,7 +39,7 @@ MODES: dict[int, int] = {
     VDIR_INO: stat.S_IFDIR | 0o555,
     STATS_INO: stat.S_IFREG | 0o444,
     CONTROL_INO: stat.S_IFREG | 0o600,
-    ERRORS_INO: stat.S_IFREG | 0o444,
+    ERRORS_INO: stat.S_IFREG | 0o400,  # the owner's refused writes (control is theirs)
     ZEROCOPY_INO: stat.S_IFREG | 0o444,
 }
 VIRTUAL = frozenset(MODES)
@@ -52,6 +55,16 @@ class VirtualAttrs:
         self.uid = os.getuid()
         self.gid = os.getgid()
         self.time_ns = time.time_ns()
+
+
+#: sections of ``stats`` that belong to the jobs (their streams: names, positions, stalls,
+#: bytes; their datasets' importance), shown to the mount's owner (and root) only
+JOB_SECTIONS = ("streams", "importance")
+
+
+def shared_stats(stats: dict) -> dict:
+    """``stats`` as another user sees it: the mount-wide counters, no job's sections."""
+    return {k: v for k, v in stats.items() if k not in JOB_SECTIONS}
 
 
 def zerocopy_info(cfg: Config) -> bytes:
