@@ -2,7 +2,7 @@
 full cache disk and a memory limit, a soak of many readers, fuzzed control writes. The
 scenarios are :mod:`dlcachefs.testing.scenarios` (the test suite runs them short,
 ``tests/test_t7_chaos.py``); this prints their counts as JSON and writes them to
-``bench/out/chaos-<UTC time>.json``.
+``bench/results/chaos-<UTC time>.json``.
 
     sudo .venv/bin/python -m bench.chaos                       # every scenario, full size
     sudo .venv/bin/python -m bench.chaos --scenario kill,fuzz --cycles 100 --fuzz 100000
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from dlcachefs.testing import scenarios as S
 
-OUT = Path(__file__).parent / "out"
+OUT = Path(__file__).parent / "results"
 
 
 def verdict(r: dict) -> list[str]:
