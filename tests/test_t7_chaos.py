@@ -207,3 +207,30 @@ def test_index_check_sees_records_that_do_not_fit_their_chunks(tmp_path):
         w.put_record(20, Record(4, 1, 10, 10, 1234, 0, 5))  # chunk 4 does not exist
     ix.close()
     assert "names missing chunk 4" in check_index(path)
+
+
+@pytest.mark.verify_allows(r"damaged chunk \d+: log \d+ is shorter than its index says")
+def test_a_chunk_length_damaged_in_the_index_is_a_bad_chunk_not_a_huge_read(dataset, mount,
+                                                                            tmp_path):
+    """A flipped high bit in a chunk's length made verify (and the daemon's reader) ask
+    for terabytes in one pread: MemoryError, a dead verify. The log's size bounds it."""
+    from dlcachefs.store.index import Index
+    from dlcachefs.store.schema import Chunk
+
+    src, files = dataset
+    m = mount(src)
+    chaos.check_all(m.mnt, files)
+    m.wait_cached(len(files))
+    m.umount()
+    ix = Index(str(tmp_path / "cache" / "meta.lmdb"))
+    c = next(iter(ix.iter_chunks()))
+    with ix.write() as w:  # the same bytes as a flip would leave: only the length differs
+        w.txn.put(c.chunk_id.to_bytes(8, "big"),
+                  Chunk(c.chunk_id, c.log_id, c.offset, c.length | (1 << 45), c.sealed_ns,
+                        c.members).pack(), db=ix.chunk)
+        w._add(b"chunk_bytes", 1 << 45)  # the counters agree: the index walk passes
+    ix.close()
+    rc, rep = _verify(tmp_path / "cache")
+    assert rc == 1, rep
+    assert not rep.get("index_damaged"), rep
+    assert [b["chunk"] for b in rep["bad_chunks"]] == [c.chunk_id], rep

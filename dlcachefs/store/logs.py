@@ -201,7 +201,11 @@ class LogStore:
         ``read_back``: bytes just written, read again to checksum them before they are
         indexed (a reordered log's chunk): counted apart from the reads that serve."""
         try:
-            data = os.pread(self._fd(log_id), length, offset)
+            fd = self._fd(log_id)
+            # a damaged index may name any length: never allocate past the file's end
+            if offset + length > os.fstat(fd).st_size or offset < 0 or length < 0:
+                raise FormatError(f"log {log_id} is shorter than its index says")
+            data = os.pread(fd, length, offset)
         except FileNotFoundError as e:
             raise FormatError(f"log {log_id} is missing") from e
         with self._lock:  # several threads read; += is not atomic
