@@ -104,6 +104,9 @@ def check_index_or_quarantine(index_dir: str) -> None:
     """Before the daemon maps its index: check it in a child process, and move it aside
     if it is damaged (reading a damaged LMDB file can kill the reader with SIGBUS or
     SIGABRT; see :mod:`dlcachefs.store.integrity`). The cache then starts empty."""
+    if integrity.unchanged_since_clean_stop(index_dir):
+        log.info("index unchanged since its last clean stop: not walked")
+        return
     t0 = time.monotonic()
     why = integrity.check_index(index_dir)
     if why is None:
@@ -151,12 +154,16 @@ def run(cfg: Config, report: Reporter) -> int:
         lock.release()
         return 1
     fuseloop.install()  # a cheaper lock around each wait for a request
+    clean = False
     try:
         trio.run(_serve, engine, ops, report, metrics)
+        clean = True
     finally:
         if metrics is not None:
             metrics.close()  # before the index closes: no scrape reaches a closed engine
         engine.close_files()
+        if clean:  # the index as this stop leaves it: the next start need not walk it
+            integrity.mark_clean(cfg.index_dir)
         lock.release()
         log.info("stopped; index committed")
     return 0

@@ -13,7 +13,7 @@ from conftest import requires_fuse
 
 from dlcachefs.testing import chaos
 from dlcachefs.testing import scenarios as S
-from dlcachefs.testing.mounting import DLCACHEFS, drop_page_cache
+from dlcachefs.testing.mounting import DLCACHEFS, STALE_MOUNT, drop_page_cache
 
 pytestmark = requires_fuse
 
@@ -234,3 +234,24 @@ def test_a_chunk_length_damaged_in_the_index_is_a_bad_chunk_not_a_huge_read(data
     assert rc == 1, rep
     assert not rep.get("index_damaged"), rep
     assert [b["chunk"] for b in rep["bad_chunks"]] == [c.chunk_id], rep
+
+
+@pytest.mark.daemon_log_allows(STALE_MOUNT)
+def test_the_index_walk_is_skipped_only_after_a_clean_stop(dataset, mount, tmp_path):
+    """The walk reads the whole index (seconds for a million files): a start after a
+    clean stop, with the file untouched since, skips it; a start after a crash walks."""
+    src, files = dataset
+    marker = tmp_path / "cache" / "meta.lmdb.clean"
+    m = mount(src)
+    chaos.check_all(m.mnt, files)
+    m.umount()
+    assert marker.exists()
+    m2 = mount(src)
+    assert not marker.exists()  # in use: a crash from here on must make the next start walk
+    m2.kill9()
+    m3 = mount(src)
+    assert chaos.check_all(m3.mnt, files).ok == len(files)
+    m3.umount()
+    starts = [line for line in m.log.read_text().splitlines()
+              if "not walked" in line or "index checked" in line]
+    assert ["not walked" in line for line in starts] == [False, True, False], starts

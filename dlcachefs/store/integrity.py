@@ -12,8 +12,14 @@ them. A child that dies, raises or finds a bad length means the index is damaged
 caller then moves it aside (:func:`quarantine`) and starts from an empty one: the cache
 is only a cache, and the daemon's recovery deletes the logs nothing indexes any more.
 
-The walk reads every page once (a cache of a million files: about a second; the
-daemon's start-up log line says how long it took). Damage that appears while a daemon
+The walk reads every page once (a cache of a million files: 250 MB, one to a few
+seconds depending on the page cache; the daemon's start-up log line says how long it
+took). The daemon skips it when the index file is exactly as its last clean stop left
+it (:func:`mark_clean`: size, mtime and inode of ``data.mdb``, written after the final
+commit; removed at start, so a crash leaves none): whatever wrote to the file since, a
+crash, a damaging process, ``verify --repair``, makes the next start walk it. Damage
+that changes neither size nor mtime (a disk flipping bits under the filesystem) is
+caught by ``dlcachefs verify``, which always walks. Damage that appears while a daemon
 has the index open is not covered: LMDB is trusted while mapped (see README,
 "Faults").
 """
@@ -43,49 +49,34 @@ def probe(path: str) -> list[str]:
     wrong with it (empty: fine). Meant to run in a child process: a damaged file may
     kill the process that reads it.
 
-    Checks: every page of every sub-database (a cursor walk), every key and value's
-    length against the schema, each record against its chunk (it exists, same log, the
-    record inside it, the chunk lists the inode), the size counters against the sums,
-    and one write transaction (put and delete a key: LMDB's free list is read only when
-    a transaction allocates pages, and a damaged one fails the daemon's next commit)."""
+    Checks: every page of every sub-database (all keys and values are read), the key and
+    value lengths the schema gives, each record against its chunk (it exists, same log,
+    the record inside it), the size counters against the sums, and one write transaction
+    (put and delete a key: LMDB's free list is read only when a transaction allocates
+    pages, and a damaged one fails the daemon's next commit). The record checks are
+    vectorized (numpy)."""
     import lmdb  # noqa: PLC0415 - the child imports it, callers of check_index need not
 
     problems: list[str] = []
     env = lmdb.open(path, readonly=False, lock=False, max_dbs=8, subdir=True,
                     readahead=False, map_size=1 << 36)
     try:
-        with env.begin(buffers=True) as txn:
-            names = [bytes(k) for k, _ in txn.cursor()]
-        chunks: dict[int, tuple[int, int, int, frozenset]] = {}
-        records: list[tuple[int, bytes]] = []
-        counters: dict[bytes, int] = {}
+        with env.begin() as txn:
+            names = [bytes(k) for k in txn.cursor().iternext(keys=True, values=False)]
+        items: dict[bytes, tuple[list[bytes], list[bytes]]] = {}
         for name in (S.DB_META, S.DB_INODE, S.DB_DIRENT, S.DB_RECORD, S.DB_CHUNK):
             if name not in names:
                 if names:  # a fresh index has all of them; an empty file has none
                     problems.append(f"sub-database {name.decode()} is missing")
+                items[name] = ([], [])
                 continue
             db = env.open_db(name, create=False)
-            with env.begin(db=db, buffers=True) as txn:
-                n = 0
-                for k, v in txn.cursor():
-                    n += 1
-                    why = _bad_item(name, k, v)
-                    if why:
-                        problems.append(f"{name.decode()}: {why}")
-                        if len(problems) >= 20:
-                            return problems
-                        continue
-                    if name == S.DB_CHUNK:
-                        c = S.Chunk.unpack(S.unkey(k), bytes(v))
-                        chunks[c.chunk_id] = (c.log_id, c.offset, c.length, frozenset(c.members))
-                    elif name == S.DB_RECORD:
-                        records.append((S.unkey(k), bytes(v)))
-                    elif name == S.DB_META and bytes(k) in (S.K_CACHED_BYTES, S.K_CHUNK_BYTES) \
-                            and len(v) == 8:
-                        counters[bytes(k)] = struct.unpack("<q", v)[0]
-                if name == S.DB_META and n and txn.get(S.K_FORMAT) is None:
-                    problems.append("meta: no format key")
-        problems += _cross_check(chunks, records, counters)
+            with env.begin(db=db) as txn:
+                cur = txn.cursor()
+                keys = list(cur.iternext(keys=True, values=False))
+                vals = list(cur.iternext(keys=False, values=True)) if cur.first() else []
+            items[name] = (keys, vals)
+        problems += _check_items(items)
         if names and not problems:
             meta = env.open_db(S.DB_META, create=False)
             with env.begin(db=meta, write=True) as txn:
@@ -96,51 +87,76 @@ def probe(path: str) -> list[str]:
     return problems[:20]
 
 
-def _cross_check(chunks: dict, records: list[tuple[int, bytes]], counters: dict) -> list[str]:
-    """Records against their chunks, and the size counters against the sums."""
+def _n_bad(xs: list[bytes], ok) -> int:
+    """How many of ``xs`` have a length ``ok(len)`` refuses."""
+    if all(ok(n) for n in set(map(len, xs))):
+        return 0
+    return sum(1 for x in xs if not ok(len(x)))
+
+
+def _check_items(items: dict[bytes, tuple[list[bytes], list[bytes]]]) -> list[str]:
+    import numpy as np  # noqa: PLC0415 - in the child only
+
     problems: list[str] = []
-    cached = 0
-    for ino, v in records:
-        r = S.Record.unpack(v)
-        cached += r.size
-        c = chunks.get(r.chunk_id)
-        if c is None:
-            problems.append(f"record of inode {ino} names missing chunk {r.chunk_id}")
-        elif c[0] != r.log_id or not (c[1] <= r.offset and r.offset + r.size <= c[1] + c[2]) \
-                or ino not in c[3]:
-            problems.append(f"record of inode {ino} does not fit chunk {r.chunk_id}")
-        if len(problems) >= 20:
-            return problems
-    if counters.get(S.K_CACHED_BYTES, 0) != cached:
-        problems.append(f"cached_bytes counter {counters.get(S.K_CACHED_BYTES, 0)} != {cached}")
-    chunk_bytes = sum(c[2] for c in chunks.values())
-    if counters.get(S.K_CHUNK_BYTES, 0) != chunk_bytes:
-        problems.append(f"chunk_bytes counter {counters.get(S.K_CHUNK_BYTES, 0)} != {chunk_bytes}")
-    return problems
-
-
-def _bad_item(db: bytes, k, v) -> str | None:
-    """Why one key/value pair cannot be what the schema says (None: it can)."""
-    kl, vl = len(k), len(v)
-    if db == S.DB_META:
-        return None if kl else "empty key"
-    if db == S.DB_DIRENT:
-        return None if kl > 8 and vl == 8 else f"dirent of {kl} / {vl} bytes"
-    if kl != 8:
-        return f"key of {kl} bytes"
-    if db == S.DB_RECORD:
-        return None if vl == _RECORD else f"record of {vl} bytes"
-    if db == S.DB_INODE:
-        if vl < _ENTRY:
-            return f"entry of {vl} bytes"
-        nl, tl = struct.unpack_from("<II", v, _ENTRY - 8)
-        return None if vl == _ENTRY + nl + tl else f"entry of {vl} bytes, names say {nl}+{tl}"
-    if db == S.DB_CHUNK:
-        if vl < _CHUNK:
-            return f"chunk of {vl} bytes"
+    meta_k, meta_v = items[S.DB_META]
+    if len(meta_k) != len(meta_v):
+        return ["meta: keys and values do not pair"]
+    meta = dict(zip(meta_k, meta_v, strict=True))
+    if meta_k and S.K_FORMAT not in meta:
+        problems.append("meta: no format key")
+    for db, keys_ok, vals_ok in (
+            (S.DB_INODE, lambda n: n == 8, lambda n: n >= _ENTRY),
+            (S.DB_DIRENT, lambda n: n > 8, lambda n: n == 8),
+            (S.DB_RECORD, lambda n: n == 8, lambda n: n == _RECORD),
+            (S.DB_CHUNK, lambda n: n == 8, lambda n: n >= _CHUNK)):
+        ks, vs = items[db]
+        bad = _n_bad(ks, keys_ok) + _n_bad(vs, vals_ok) + abs(len(ks) - len(vs))
+        if bad:
+            problems.append(f"{db.decode()}: {bad} keys or values of a wrong length")
+    if problems:
+        return problems
+    chunk_ids, chunk_log, chunk_off, chunk_len = [], [], [], []
+    for k, v in zip(*items[S.DB_CHUNK], strict=True):
         n = struct.unpack_from("<I", v, _CHUNK - 4)[0]
-        return None if vl == _CHUNK + 8 * n else f"chunk of {vl} bytes for {n} members"
-    return None
+        if len(v) != _CHUNK + 8 * n:
+            problems.append(f"chunk {S.unkey(k)}: {len(v)} bytes for {n} members")
+            continue
+        log_id, off, length = struct.unpack_from("<QQQ", v, 0)
+        chunk_ids.append(S.unkey(k))
+        chunk_log.append(log_id)
+        chunk_off.append(off)
+        chunk_len.append(length)
+    ids = np.array(chunk_ids, dtype=np.uint64)  # sorted: LMDB's key order is numeric
+    rec = np.frombuffer(b"".join(items[S.DB_RECORD][1]), dtype=np.dtype(
+        [("chunk", "<u8"), ("log", "<u8"), ("off", "<u8"), ("size", "<u8"), ("xxh", "<u8"),
+         ("mtime", "<i8"), ("ino", "<u8")]))
+    if len(rec):
+        if len(ids):
+            pos = np.minimum(np.searchsorted(ids, rec["chunk"]), len(ids) - 1)
+            found = ids[pos] == rec["chunk"]
+        else:
+            pos, found = np.zeros(len(rec), np.int64), np.zeros(len(rec), bool)
+        if not found.all():
+            problems.append(f"{int((~found).sum())} records name missing chunks (first: "
+                            f"names missing chunk {int(rec['chunk'][~found][0])})")
+        if len(ids):
+            logs = np.array(chunk_log, dtype=np.uint64)[pos]
+            offs = np.array(chunk_off, dtype=np.uint64)[pos]
+            lens = np.array(chunk_len, dtype=np.uint64)[pos]
+            with np.errstate(over="ignore"):
+                fits = (logs == rec["log"]) & (rec["off"] >= offs) & \
+                    (rec["off"] + rec["size"] <= offs + lens)
+            if not (fits | ~found).all():
+                problems.append(f"{int((~fits & found).sum())} records do not fit their chunks")
+    counters = {k: struct.unpack("<q", meta[k])[0] if len(meta.get(k, b"")) == 8 else 0
+                for k in (S.K_CACHED_BYTES, S.K_CHUNK_BYTES)}
+    cached = sum(int(x) for x in rec["size"]) if len(rec) < 1000 else int(
+        rec["size"].astype(object).sum())
+    if counters[S.K_CACHED_BYTES] != cached:
+        problems.append(f"cached_bytes counter {counters[S.K_CACHED_BYTES]} != {cached}")
+    if counters[S.K_CHUNK_BYTES] != sum(chunk_len):
+        problems.append(f"chunk_bytes counter {counters[S.K_CHUNK_BYTES]} != {sum(chunk_len)}")
+    return problems
 
 
 def check_index(path: str, timeout: float = 600.0) -> str | None:
@@ -175,6 +191,42 @@ def _signame(sig: int) -> str:
         return signal.Signals(sig).name
     except ValueError:
         return f"signal {sig}"
+
+
+def _clean_marker(path: str) -> str:
+    return path.rstrip("/") + ".clean"
+
+
+def _stamp(path: str) -> str | None:
+    try:
+        st = os.stat(os.path.join(path, "data.mdb"))
+    except OSError:
+        return None
+    return f"{st.st_size} {st.st_mtime_ns} {st.st_ino}"
+
+
+def mark_clean(path: str) -> None:
+    """After a clean stop (the index committed and closed): remember the index file as it
+    is, so that the next start need not walk it (:func:`unchanged_since_clean_stop`)."""
+    stamp = _stamp(path)
+    if stamp is not None:
+        with open(_clean_marker(path), "w") as f:
+            f.write(stamp + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def unchanged_since_clean_stop(path: str) -> bool:
+    """True when the index file is as the last clean stop left it; the marker is removed
+    either way (the daemon now uses the index: a crash must make the next start walk)."""
+    marker = _clean_marker(path)
+    try:
+        with open(marker) as f:
+            saved = f.read().strip()
+    except OSError:
+        return False
+    os.unlink(marker)
+    return saved == _stamp(path)
 
 
 def quarantine(path: str) -> str:
