@@ -186,6 +186,8 @@ def kill_cycles(work: Path, cycles: int, seed: int = 0, threads: int = 8, n_file
                 time.sleep(t)
                 if not chaos.alive(m.pid):
                     out["daemon_died_before_kill"] += 1
+                with contextlib.suppress(OSError, ValueError):
+                    _note_in_flight(out, st, m.stats())
                 m.kill9()
             out["reads_cut_by_kill"] += readers.gone
             _merge(reads, readers.tally)
@@ -212,6 +214,16 @@ def kill_cycles(work: Path, cycles: int, seed: int = 0, threads: int = 8, n_file
             "reads": reads.as_dict(), "verify_reads": verify_reads.as_dict(),
             "wrong_bytes_reads": reads.wrong + verify_reads.wrong,
             **_log_summary(daemon_log)}
+
+
+def _note_in_flight(out: Counter, before: dict, now: dict) -> None:
+    """What the daemon was doing when it was killed (from its stats just before)."""
+    out["killed_with_records_pending"] += now["pending_bytes"] > 0
+    out["killed_while_evicting"] += (now["evicting_bytes"] > 0
+                                     or now["chunks_evicted"] > before["chunks_evicted"])
+    out["killed_while_fetching"] += now["misses"] + now["prefetched"] > \
+        before["misses"] + before["prefetched"]
+    out["killed_while_reordering"] += now["reorder_chunks"] > before["reorder_chunks"]
 
 
 def _merge(into: chaos.ReadTally, t: chaos.ReadTally) -> None:
