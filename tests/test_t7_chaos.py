@@ -110,12 +110,12 @@ def test_kill9_cycles_lose_nothing_committed(tmp_path, daemon_oracle):
 
 
 def test_damage_to_logs_and_index_is_detected_or_harmless(tmp_path, daemon_oracle):
-    """50 injections (bits, zeroed ranges, truncation) into logs (mounted and not) and the
+    """30 injections (bits, zeroed ranges, truncation) into logs (mounted and not) and the
     LMDB file (not mounted); every file read after each: exact or an error; verify, then
-    verify --repair, then a clean verify, every 25."""
+    verify --repair, then a clean verify, every 15."""
     _watch(daemon_oracle, tmp_path)
-    r = S.corruption(tmp_path, injections=50, seed=5, n_files=40, verify_every=25)
-    assert r["injections"] + r.get("skipped", 0) == 50, r
+    r = S.corruption(tmp_path, injections=30, seed=5, n_files=40, verify_every=15)
+    assert r["injections"] + r.get("skipped", 0) == 30, r
     assert r["wrong_bytes_reads"] == 0 and not r.get("injections_with_wrong_bytes"), r
     assert not r.get("daemon_down") and r["daemon_up_at_end"] == 1, r
     assert r["detected"] > 0, r  # the damage was real, and seen
@@ -255,3 +255,26 @@ def test_the_index_walk_is_skipped_only_after_a_clean_stop(dataset, mount, tmp_p
     starts = [line for line in m.log.read_text().splitlines()
               if "not walked" in line or "index checked" in line]
     assert ["not walked" in line for line in starts] == [False, True, False], starts
+
+
+def test_index_check_sees_a_directory_entry_naming_another_file(tmp_path):
+    """A flipped directory entry that names a sibling would serve the sibling's bytes
+    under this name, and they pass their checksum: the walk compares each directory
+    entry with the entry of the inode it names."""
+    from dlcachefs.store.index import Index
+    from dlcachefs.store.integrity import check_index
+    from dlcachefs.store.schema import Entry, dirent_key, ukey
+
+    path = str(tmp_path / "meta.lmdb")
+    ix = Index(path)
+    with ix.write() as w:
+        w.put_entry(Entry(1, 0, b"", 0o40755, 2, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0.0))
+        for ino, name in ((20, b"a.jpg"), (21, b"b.jpg")):
+            w.put_entry(Entry(ino, 1, name, 0o100644, 1, 0, 0, 10, 1, 0, 0, 0, 0, ino, 0.0))
+    ix.close()
+    assert check_index(path) is None
+    ix = Index(path)
+    with ix.write() as w:
+        w.txn.put(dirent_key(1, b"a.jpg"), ukey(21), db=ix.dirent)
+    ix.close()
+    assert "names inode 21, whose entry disagrees" in check_index(path)

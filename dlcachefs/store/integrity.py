@@ -148,6 +148,7 @@ def _check_items(items: dict[bytes, tuple[list[bytes], list[bytes]]]) -> list[st
                     (rec["off"] + rec["size"] <= offs + lens)
             if not (fits | ~found).all():
                 problems.append(f"{int((~fits & found).sum())} records do not fit their chunks")
+    problems += _check_names(items)
     counters = {k: struct.unpack("<q", meta[k])[0] if len(meta.get(k, b"")) == 8 else 0
                 for k in (S.K_CACHED_BYTES, S.K_CHUNK_BYTES)}
     cached = sum(int(x) for x in rec["size"]) if len(rec) < 1000 else int(
@@ -156,6 +157,40 @@ def _check_items(items: dict[bytes, tuple[list[bytes], list[bytes]]]) -> list[st
         problems.append(f"cached_bytes counter {counters[S.K_CACHED_BYTES]} != {cached}")
     if counters[S.K_CHUNK_BYTES] != sum(chunk_len):
         problems.append(f"chunk_bytes counter {counters[S.K_CHUNK_BYTES]} != {sum(chunk_len)}")
+    return problems
+
+
+def _check_names(items: dict[bytes, tuple[list[bytes], list[bytes]]]) -> list[str]:
+    """Every directory entry names an inode whose entry says the same parent and name,
+    every inode but the root is named by its parent's directory entry, and each entry's
+    name and link target fit its value (a flipped dirent would serve another file's
+    bytes under this name; those bytes would pass their checksum)."""
+    problems: list[str] = []
+    named: dict[int, tuple[int, bytes]] = {}
+    unpack_lens = struct.Struct("<II").unpack_from
+    for k, v in zip(*items[S.DB_INODE], strict=True):
+        nl, tl = unpack_lens(v, _ENTRY - 8)
+        if len(v) != _ENTRY + nl + tl:
+            problems.append(f"inode {S.unkey(k)}: {len(v)} bytes, its names say {nl}+{tl}")
+            if len(problems) >= 5:
+                return problems
+            continue
+        named[S.unkey(k)] = (int.from_bytes(v[:8], "little"), bytes(v[_ENTRY:_ENTRY + nl]))
+    seen = 0
+    for k, v in zip(*items[S.DB_DIRENT], strict=True):
+        ino = int.from_bytes(v, "big")
+        if named.get(ino) != (int.from_bytes(k[:8], "big"), bytes(k[8:])):
+            problems.append(f"directory entry {bytes(k[8:])[:60]!r} of {S.unkey(k[:8])} "
+                            f"names inode {ino}, whose entry disagrees")
+            if len(problems) >= 5:
+                return problems
+        else:
+            seen += 1
+    if problems:
+        return problems
+    orphans = len(named) - seen - (1 if 1 in named else 0)
+    if orphans:
+        problems.append(f"{orphans} inodes are named by no directory entry")
     return problems
 
 
