@@ -50,8 +50,9 @@ def probe(path: str) -> list[str]:
     kill the process that reads it.
 
     Checks: every page of every sub-database (all keys and values are read), the key and
-    value lengths the schema gives, each record against its chunk (it exists, same log,
-    the record inside it), the size counters against the sums, and one write transaction
+    value lengths the schema gives, each record against its chunk (it exists, lists the
+    record's inode, same log, the record inside it) and its namespace entry (it exists),
+    each directory entry against the inode it names, the size counters against the sums, and one write transaction
     (put and delete a key: LMDB's free list is read only when a transaction allocates
     pages, and a damaged one fails the daemon's next commit). The record checks are
     vectorized (numpy)."""
@@ -116,12 +117,14 @@ def _check_items(items: dict[bytes, tuple[list[bytes], list[bytes]]]) -> list[st
     if problems:
         return problems
     chunk_ids, chunk_log, chunk_off, chunk_len = [], [], [], []
+    members: dict[int, frozenset[int]] = {}
     for k, v in zip(*items[S.DB_CHUNK], strict=True):
         n = struct.unpack_from("<I", v, _CHUNK - 4)[0]
         if len(v) != _CHUNK + 8 * n:
             problems.append(f"chunk {S.unkey(k)}: {len(v)} bytes for {n} members")
             continue
         log_id, off, length = struct.unpack_from("<QQQ", v, 0)
+        members[S.unkey(k)] = frozenset(struct.unpack_from(f"<{n}Q", v, _CHUNK))
         chunk_ids.append(S.unkey(k))
         chunk_log.append(log_id)
         chunk_off.append(off)
@@ -148,6 +151,16 @@ def _check_items(items: dict[bytes, tuple[list[bytes], list[bytes]]]) -> list[st
                     (rec["off"] + rec["size"] <= offs + lens)
             if not (fits | ~found).all():
                 problems.append(f"{int((~fits & found).sum())} records do not fit their chunks")
+        rec_inos = np.frombuffer(b"".join(items[S.DB_RECORD][0]), dtype=">u8")
+        inodes = np.frombuffer(b"".join(items[S.DB_INODE][0]), dtype=">u8")
+        no_entry = ~np.isin(rec_inos, inodes)
+        if no_entry.any():
+            problems.append(f"{int(no_entry.sum())} records of no namespace entry (first: "
+                            f"inode {int(rec_inos[no_entry][0])})")
+        unlisted = sum(1 for ino, c in zip(rec_inos.tolist(), rec["chunk"].tolist(), strict=True)
+                       if ino not in members.get(c, ()))
+        if unlisted:
+            problems.append(f"{unlisted} records not listed by their chunks")
     problems += _check_names(items)
     counters = {k: struct.unpack("<q", meta[k])[0] if len(meta.get(k, b"")) == 8 else 0
                 for k in (S.K_CACHED_BYTES, S.K_CHUNK_BYTES)}

@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from dlcachefs.mountctl import MountError
 from dlcachefs.testing import chaos
 from dlcachefs.testing.mounting import (
     DLCACHEFS,
@@ -264,6 +265,17 @@ def corruption(work: Path, injections: int, seed: int = 0, n_files: int = 120,
     def quarantines() -> int:
         return int(damaged_dir.exists() and (damaged_dir / "QUARANTINED").stat().st_mtime_ns)
 
+    def start() -> None:
+        """Mount; a mount that fails is counted, then verify --repair and mount again."""
+        try:
+            m.start()
+        except MountError as e:
+            out["mount_failures"] += 1
+            log(f"mount failed: {e}"[:500])
+            m.cleanup()
+            _verify(cache, "--repair")
+            m.start()
+
     try:
         m.start()
         chaos.check_all(m.mnt, files, reads)
@@ -285,13 +297,13 @@ def corruption(work: Path, injections: int, seed: int = 0, n_files: int = 120,
             if path is None or not path.exists():
                 out["skipped"] += 1
                 if m.pid is None:
-                    m.start()
+                    start()
                 continue
             kinds[f"{target}/{kind}/{'mounted' if mounted else 'unmounted'}"] += 1
             chaos.damage_file(path, kind, rnd, lo=4096 if target == "log" else 0)
             out["injections"] += 1
             if m.pid is None:
-                m.start()
+                start()
             st0 = m.stats()
             drop_page_cache()
             t = chaos.check_all(m.mnt, files)
@@ -300,7 +312,7 @@ def corruption(work: Path, injections: int, seed: int = 0, n_files: int = 120,
             if not chaos.alive(m.pid):
                 out["daemon_down"] += 1
                 m.cleanup()
-                m.start()
+                start()
             if t.wrong:
                 out["injections_with_wrong_bytes"] += 1
             elif st1["checksum_failures"] > st0["checksum_failures"] or quarantines() != q0:
@@ -318,7 +330,7 @@ def corruption(work: Path, injections: int, seed: int = 0, n_files: int = 120,
                 rc2, _ = _verify(cache, "--repair")
                 rc3, rep3 = _verify(cache)
                 out["repair_clean"] += int(rc2 == 0 and rc3 == 0 and _verify_found(rep3) == 0)
-                m.start()
+                start()
                 log(f"injection {i + 1}: {dict(out)}")
         out["daemon_up_at_end"] = int(chaos.alive(m.pid))
         m.umount()
