@@ -84,6 +84,9 @@ from dlcachefs.store.tally import TALLY_DIR, TallyReader
 
 log = logging.getLogger(__name__)
 
+#: how often dead processes' LMDB reader slots are freed (Engine._reap_readers)
+READER_REAP_S = 30.0
+
 
 @dataclass(slots=True)
 class Handle:
@@ -207,6 +210,7 @@ class Engine:
             await nursery.start(self.streams.run)
             await nursery.start(self.scan.run)
             nursery.start_soon(self._maintain_policy)
+            nursery.start_soon(self._reap_readers)
             if self.packer is not None:
                 await nursery.start(self.packer.run)
             task_status.started()
@@ -222,6 +226,21 @@ class Engine:
                 log.exception("policy %s: background step failed", self.cfg.policy)
                 await trio.sleep(10)
             await trio.sleep(0.2)
+
+    async def _reap_readers(self) -> None:
+        """Free, now and then, the LMDB reader slots of zero-copy reading processes that
+        died with the index open (killed DataLoader workers): the table is bounded
+        (:data:`~dlcachefs.store.schema.MAX_READERS`) and a full one fails every read
+        transaction, ours too. A thread: it scans the lock table."""
+        while True:
+            await trio.sleep(READER_REAP_S)
+            try:
+                n = await trio.to_thread.run_sync(self.index.reap_readers)
+            except Exception as e:  # noqa: BLE001 - an LMDB error here must not end the mount
+                log.warning("freeing dead readers' LMDB slots failed: %s", e)
+                continue
+            if n:
+                log.info("freed %d LMDB reader slots of processes that died", n)
 
     async def flush(self) -> None:
         """Seal everything fetched so far, the files still waiting for the writer's room

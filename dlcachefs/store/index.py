@@ -39,7 +39,9 @@ class Index:
         self.path = path
         # readahead=False: lookups are random; OS readahead only wastes page cache.
         self.env = lmdb.open(path, map_size=map_size, max_dbs=8, subdir=True,
-                             readahead=False, metasync=True, sync=True)
+                             readahead=False, metasync=True, sync=True,
+                             max_readers=S.MAX_READERS)
+        self.reap_readers()  # slots of processes killed since the last mount
         self.meta = self.env.open_db(S.DB_META)
         self.inode = self.env.open_db(S.DB_INODE)
         self.dirent = self.env.open_db(S.DB_DIRENT)
@@ -54,6 +56,12 @@ class Index:
                 raise RuntimeError(
                     f"cache index at {path} has schema {_Q.unpack(fmt)[0]}, this build "
                     f"needs {S.SCHEMA_VERSION}; use a new --cache-dir")
+
+    def reap_readers(self) -> int:
+        """Free the reader slots of processes that died holding them (a zero-copy reader
+        killed with its environment open keeps its slot until someone checks); how many
+        were freed. Blocking (scans the lock table), any thread."""
+        return self.env.reader_check()
 
     def close(self) -> None:
         self.env.close()

@@ -28,6 +28,12 @@ import struct
 from dataclasses import dataclass
 
 SCHEMA_VERSION = 1
+#: LMDB reader slots (one per process with the environment open: the daemon, and each
+#: zero-copy reading process, e.g. every DataLoader worker of every job on the mount).
+#: LMDB's default, 126, is reached by 8 ranks x 16 workers, and then every read
+#: transaction, the daemon's too, fails with MDB_READERS_FULL. Set by the first process
+#: that opens the environment, so every opener passes it. 40 bytes of lock file each.
+MAX_READERS = 4096
 
 DB_META = b"meta"
 DB_INODE = b"inode"
