@@ -511,7 +511,7 @@ def test_an_index_error_reopens_the_index(src, tmp_path, monkeypatch):
         if len(calls) == 2:
             import lmdb
 
-            raise lmdb.ReadersFullError("mdb_txn_begin: MDB_READERS_FULL")
+            raise lmdb.MapResizedError("mdb_txn_begin: MDB_MAP_RESIZED")
         return real(self, *a)
 
     monkeypatch.setattr(readonly.IndexReader, "locate", flaky)
@@ -556,3 +556,153 @@ def test_links_loops_and_dotdot(tmp_path):
                 got = type(e)
             assert got == want, rel
         assert r.counts()["hits"] == 2 * sum(cases.values())
+
+
+# ----- permissions, the reader table, the mount's root ----------------------------------------
+
+
+@pytest.fixture
+def as_user(monkeypatch):
+    """The reader's lookups run as uid/gid 4242 with supplementary group 777 (the test
+    itself stays root, so its fallback ``open`` of the source still succeeds: only the
+    counts tell a hit from a denial)."""
+    from dlcachefs.store import readonly
+
+    monkeypatch.setattr(readonly.os, "geteuid", lambda: 4242)
+    monkeypatch.setattr(readonly.os, "getegid", lambda: 4242)
+    monkeypatch.setattr(readonly.os, "getgroups", lambda: [777])
+
+
+def test_permissions_are_checked_as_the_kernel_checks_them(src, tmp_path, as_user):
+    """A file the mount would refuse (default_permissions over the mirrored modes) is never
+    read from the cache: r on the file by owner, then group, then others' bits; x on every
+    directory looked up in."""
+    os.chmod(src / "train/a/1.jpg", 0o600)  # root's, others may not read
+    os.chmod(src / "train/b", 0o744)  # others may list it but not search it
+    os.chown(src / "train/c/5.jpg", 4242, 0)
+    os.chmod(src / "train/c/5.jpg", 0o044)  # the owner's bits rule: no r for 4242
+    os.chown(src / "train/a/2.jpg", 0, 777)
+    os.chmod(src / "train/a/2.jpg", 0o040)  # group 777 may read
+    os.chown(src / "top.txt", 4242, 0)
+    os.chmod(src / "top.txt", 0o400)  # the owner may read
+    fill_cache(src, tmp_path / "cache")
+    with reading(src, tmp_path / "cache") as r:
+        for rel, data in FILES.items():  # denied ones come through the path (as root here)
+            assert r.read(src / os.fsdecode(rel)) == data
+        c = r.counts()
+    # denied: 1.jpg (others' bits), 3.png and deep/4.jpg (train/b not searchable), 5.jpg
+    assert c["denied"] == 4 and c["hits"] == 2, c
+    assert fallbacks(c) == 4
+
+
+def test_root_reads_whatever_the_modes_say(src, tmp_path):
+    os.chmod(src / "train/a/1.jpg", 0o000)
+    os.chmod(src / "train/b", 0o000)
+    fill_cache(src, tmp_path / "cache")
+    os.chmod(src / "train/b", 0o755)  # (the test reads its fallbacks from the source)
+    with reading(src, tmp_path / "cache") as r:
+        for rel, data in FILES.items():
+            assert r.read(src / os.fsdecode(rel)) == data
+        assert r.counts()["hits"] == len(FILES)
+
+
+def test_a_full_reader_table_is_a_fallback_that_keeps_the_environment(src, tmp_path,
+                                                                        monkeypatch):
+    import lmdb
+
+    from dlcachefs.store import readonly
+
+    fill_cache(src, tmp_path / "cache")
+    with reading(src, tmp_path / "cache") as r:
+        assert r.read(src / "top.txt") == b"hello"
+        ix = R._process(r.info)._index
+        real = readonly.IndexReader.locate
+
+        def full(self, *a):
+            raise lmdb.ReadersFullError("MDB_READERS_FULL")
+
+        monkeypatch.setattr(readonly.IndexReader, "locate", full)
+        assert r.read(src / "top.txt") == b"hello"  # through the path
+        assert R._process(r.info)._index is ix  # not retired: nothing is wrong with it
+        monkeypatch.setattr(readonly.IndexReader, "locate", real)
+        assert r.read(src / "top.txt") == b"hello"
+        c = r.counts()
+        assert c["hits"] == 2 and c["errors"] == 1
+
+
+def test_the_index_has_room_for_many_readers_and_frees_dead_ones(src, tmp_path):
+    """Slots of processes killed in a lookup (a read transaction open) are freed (the
+    daemon does it at start and every READER_REAP_S); the table is far larger than LMDB's
+    126, so 8 ranks x 16 workers, each in a lookup at once, still fit."""
+    import signal
+    import subprocess
+    import sys
+
+    from dlcachefs.store.schema import MAX_READERS
+
+    cache = tmp_path / "cache"
+    fill_cache(src, cache)
+    code = ("import os, signal, sys\n"
+            "from dlcachefs.store.readonly import IndexReader\n"
+            "ix = IndexReader(sys.argv[1])\n"
+            "txn = ix.env.begin()\n"  # killed in the middle of a lookup
+            "txn.get(b'x', db=ix.meta)\n"
+            "print('open', flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    ix = Index(str(cache / "meta.lmdb"))
+    try:
+        assert ix.env.max_readers() == MAX_READERS
+        ix.reap_readers()
+        for _ in range(3):
+            p = subprocess.run([sys.executable, "-c", code, str(cache / "meta.lmdb")],
+                               capture_output=True, text=True, timeout=60)
+            assert p.returncode == -signal.SIGKILL and "open" in p.stdout, p.stderr
+        assert ix.reap_readers() == 3
+        assert ix.reap_readers() == 0
+    finally:
+        ix.close()
+
+
+def test_only_a_mount_root_describes_a_cache(src, tmp_path):
+    """A ``.dlcache/zerocopy`` in an ordinary directory (a source tree, another file
+    system) never binds a reader: the path is read as it is."""
+    fake = src / "train" / ".dlcache"
+    fake.mkdir()
+    (fake / "zerocopy").write_text('{"format": 1, "index_dir": "/x", "logs_dir": "/x", '
+                                   '"tally_dir": "/x", "revalidate_s": 60}')
+    assert R.find_mount(src / "train" / "a" / "1.jpg") is None
+    assert CacheReader.for_path(src / "train" / "a" / "1.jpg") is None
+
+
+@pytest.mark.filterwarnings("ignore:.*already open in this process:RuntimeWarning")
+def test_close_waits_for_lookups_in_flight(src, tmp_path, monkeypatch):
+    """close() under reads in other threads: every read returns the right bytes (from the
+    cache or the path) and none raises."""
+    import threading
+
+    fill_cache(src, tmp_path / "cache")
+    r = reader_of(src, tmp_path / "cache")
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def loop():
+        try:
+            while not stop.is_set():
+                for rel, data in FILES.items():
+                    assert r.read(src / os.fsdecode(rel)) == data
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=loop) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(50):
+            r.close()
+            time.sleep(0.002)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        r.close()
+    assert errors == []

@@ -22,9 +22,11 @@ they looked up):
   range that still passes the checksum holds exactly the bytes of the version that was
   current at the lookup: never a mix, never another file's.
 * **Anything else goes through the mount**: no record, a record of another version, a
-  directory due for revalidation, a checksum mismatch (a hole punched since the lookup, a
-  short read of a truncated log), a log that is gone, an index that cannot be read. The
-  mount then decides as it always does, and refetches what is damaged.
+  directory due for revalidation, a path the mirrored modes would refuse this process
+  (checked as the kernel checks them: :mod:`dlcachefs.store.readonly`), a checksum
+  mismatch (a hole punched since the lookup, a short read of a truncated log), a log that
+  is gone, an index that cannot be read, LMDB's reader table full. The mount then decides
+  as it always does, and refetches what is damaged.
 * **``pread``, not ``mmap``.** A page of a mapped file that is truncated under the map
   raises SIGBUS when touched, and CPython cannot turn that into an exception: it kills
   the process. The daemon truncates logs (crash recovery at its next start cuts unindexed
@@ -71,6 +73,8 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import lmdb
+
 from dlcachefs.store.chunkfmt import checksum
 from dlcachefs.store.readonly import INFO_FORMAT, IndexReader, Located
 from dlcachefs.store.tally import FIELDS, TallyWriter
@@ -91,6 +95,10 @@ UNRESOLVED = _F["unresolved"]
 
 #: the read of a record's bytes (a seam for tests: evict between lookup and read)
 _pread = os.pread
+#: the root directory's inode number on every FUSE mount (the kernel's FUSE_ROOT_ID)
+FUSE_ROOT_INO = 1
+#: Linux returns at most this many bytes per read(2)/pread(2) (MAX_RW_COUNT)
+MAX_RW = 0x7FFFF000
 
 
 def _warn(msg: str) -> None:
@@ -99,15 +107,27 @@ def _warn(msg: str) -> None:
 
 def find_mount(path: str | os.PathLike) -> str | None:
     """The root of the dlcachefs mount holding ``path`` (``path`` itself or an
-    ancestor, taken lexically as :func:`os.path.abspath` gives it), or None."""
+    ancestor, taken lexically as :func:`os.path.abspath` gives it), or None.
+
+    Only a mount's root counts (a mount point whose inode is the FUSE root's, 1, holding
+    ``.dlcache/zerocopy``): a ``.dlcache`` directory anywhere else (in a source tree, on
+    another file system) must never bind a reader to the cache it names, whose namespace
+    is not the one the path is in."""
     cur = os.path.abspath(os.fspath(path))
     while True:
-        if os.path.exists(os.path.join(cur, *INFO)):
+        if os.path.exists(os.path.join(cur, *INFO)) and _is_fuse_root(cur):
             return cur
         parent = os.path.dirname(cur)
         if parent == cur:
             return None
         cur = parent
+
+
+def _is_fuse_root(path: str) -> bool:
+    try:
+        return os.path.ismount(path) and os.stat(path).st_ino == FUSE_ROOT_INO
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -250,7 +270,9 @@ class _LogFiles:
                 slot = self._fds[log_id] = [fd, 0, 0]
             slot[1] += 1
         try:
-            return _pread(slot[0], size, offset)
+            if size <= MAX_RW:
+                return _pread(slot[0], size, offset)
+            return _pread_all(slot[0], size, offset)
         finally:
             with self._lock:
                 slot[1] -= 1
@@ -287,6 +309,18 @@ class _LogFiles:
         """Descriptors open now (tests)."""
         with self._lock:
             return len(self._fds) + len(self._busy)
+
+
+def _pread_all(fd: int, size: int, offset: int) -> bytes:
+    """``size`` bytes at ``offset`` in several ``pread`` calls (a record of 2 GiB or more:
+    one call returns at most :data:`MAX_RW`); short at the file's end, like one call."""
+    out = bytearray()
+    while len(out) < size:
+        piece = _pread(fd, min(size - len(out), MAX_RW), offset + len(out))
+        if not piece:
+            break
+        out += piece
+    return bytes(out)
 
 
 def _close(fd: int) -> None:
@@ -342,6 +376,10 @@ class _Process:
                 return None
             try:
                 return ix.locate(parts, revalidate, time.time())
+            except lmdb.ReadersFullError:
+                # LMDB's reader table is full (too many reading processes): this lookup
+                # goes through the mount; the environment is fine, keep it
+                return None
             except Exception:  # noqa: BLE001 - lmdb.Error and friends: the mount answers
                 self.index_failed(ix)
                 return None
@@ -427,22 +465,28 @@ class _Process:
                               f"stats will not show this process's zero-copy reads")
                         self._tally = _NoTally()
                 t = self._tally
-        t.add(field, n)
+        with contextlib.suppress(ValueError):  # closed by close() under a read past its lookup
+            t.add(field, n)
 
     def counts(self) -> dict[str, int]:
         t = self._tally
         return t.values() if t is not None else dict.fromkeys(FIELDS, 0)
 
     def close(self) -> None:
-        self.logs.sweep(everything=True)
-        with self._lock:
-            if self._index is not None:
-                self._retired.append(self._index)
-                self._index = None
-            if self._tally is not None:
-                self._tally.close()
-                self._tally = None
-        self._close_retired()
+        # lookups in flight finish first: py-lmdb releases the GIL inside a get, and an
+        # environment closed under one is a use after free (the same gate as a fork's)
+        with self._gate:
+            while self._lookups:
+                self._gate.wait()
+            self.logs.sweep(everything=True)
+            with self._lock:
+                if self._index is not None:
+                    self._retired.append(self._index)
+                    self._index = None
+                if self._tally is not None:
+                    self._tally.close()
+                    self._tally = None
+            self._close_retired()
 
     def abandon(self) -> None:
         """In a forked child (see the module doc)."""

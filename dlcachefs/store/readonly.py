@@ -18,7 +18,13 @@ transaction per sample what an ``open`` of the same path through the mount would
    never with ``revalidate == 0``); otherwise :data:`STALE`, and the open through the
    mount re-lists it;
 3. the file's ``record`` must exist (else :data:`NOT_CACHED`) and carry the entry's
-   identity (size, mtime_ns, source inode; else :data:`STALE`).
+   identity (size, mtime_ns, source inode; else :data:`STALE`);
+4. permissions as the kernel checks them on the mount (it is mounted with
+   ``default_permissions``, over the modes, owners and groups mirrored from the source):
+   search (x) on every directory a name is looked up in, read (r) on the file, for the
+   process's effective uid and groups (none for root, as CAP_DAC_OVERRIDE); a denial is
+   :data:`DENIED`, so the mount answers (EACCES) as it would have. Without this, a file
+   made unreadable on the source would stay readable from the cache.
 
 The answer is a :class:`Located` (where the bytes are and their xxh3-64), or the reason.
 Nothing here reads a log: the bytes may be gone by the time the caller reads them (an
@@ -56,8 +62,28 @@ INFO_FORMAT = 1
 NOT_CACHED = "not_cached"
 STALE = "stale"
 UNRESOLVED = "unresolved"
+DENIED = "denied"
 
 _Q = struct.Struct("<Q")
+#: mode, uid, gid of a packed :class:`~dlcachefs.store.schema.Entry` (from byte 8: mode,
+#: nlink skipped, uid, gid)
+_MODE_UID_GID = struct.Struct("<I4xII")
+_R, _X = 4, 1
+
+
+def _may(buf: bytes, want: int, uid: int, groups: frozenset[int]) -> bool:
+    """Whether a process with ``uid`` and ``groups`` has the ``want`` bit (4 read, 1
+    search) on the entry packed in ``buf``: the owner's bits if it owns it, else the
+    group's if it is in the group, else the others' (generic_permission, without ACLs:
+    the mount has none)."""
+    mode, owner, group = _MODE_UID_GID.unpack_from(buf, 8)
+    if uid == owner:
+        bits = mode >> 6
+    elif group in groups:
+        bits = mode >> 3
+    else:
+        bits = mode
+    return bool(bits & want)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +109,8 @@ class IndexReader:
         self.path = index_dir
         self.file_id = _file_id(index_dir)
         self.env = lmdb.open(index_dir, readonly=True, lock=True, subdir=True, create=False,
-                             max_dbs=8, readahead=False, map_size=MAP_SIZE)
+                             max_dbs=8, readahead=False, map_size=MAP_SIZE,
+                             max_readers=S.MAX_READERS)
         try:
             self.meta = self.env.open_db(S.DB_META, create=False)
             self.inode = self.env.open_db(S.DB_INODE, create=False)
@@ -110,7 +137,11 @@ class IndexReader:
     def locate(self, parts: Sequence[bytes], revalidate: float, now: float) -> Located | str:
         """The cached bytes of the file at ``parts`` (path components from the mount's
         root), or why they cannot be served from the cache (:data:`NOT_CACHED`,
-        :data:`STALE`, :data:`UNRESOLVED`). See the module doc for the rules."""
+        :data:`STALE`, :data:`UNRESOLVED`, :data:`DENIED`). See the module doc for the
+        rules."""
+        uid = os.geteuid()
+        check = uid != 0  # root reads and searches everything (CAP_DAC_OVERRIDE)
+        groups = frozenset((os.getegid(), *os.getgroups())) if check else frozenset()
         with self.env.begin(buffers=False) as txn:
             dget = txn.cursor(db=self.dirent).get
             iget = txn.cursor(db=self.inode).get
@@ -118,7 +149,15 @@ class IndexReader:
             cur, buf, links = ROOT_INO, None, 0
             while todo:
                 name = todo.pop()
-                if name in (b"", b"."):
+                if name == b"":
+                    continue
+                if check:  # every lookup, "." and ".." too, needs x on the directory
+                    d = buf if buf is not None else iget(ukey(cur))
+                    if d is None:
+                        return UNRESOLVED
+                    if not _may(d, _X, uid, groups):
+                        return DENIED
+                if name == b".":
                     continue
                 if name == b"..":
                     if cur == ROOT_INO:
@@ -148,6 +187,8 @@ class IndexReader:
             e = Entry.unpack(cur, buf)
             if not stat.S_ISREG(e.mode):
                 return UNRESOLVED
+            if check and not _may(buf, _R, uid, groups):
+                return DENIED
             pb = iget(ukey(e.parent))
             if pb is None:
                 return UNRESOLVED

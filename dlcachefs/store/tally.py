@@ -35,12 +35,13 @@ import mmap
 import os
 import struct
 import threading
+import time
 
 log = logging.getLogger(__name__)
 
 #: the directory inside the cache directory
 TALLY_DIR = "zerocopy"
-MAGIC = b"DLCZC001"
+MAGIC = b"DLCZC002"  # 002: the "denied" count
 #: what a zero-copy reader counts. ``hits``/``hit_bytes``: samples served from the cache
 #: directly; the others are reads that went through the mount instead, by reason:
 #: ``not_cached`` (no record), ``stale`` (the record is not the entry's version, or the
@@ -48,13 +49,20 @@ MAGIC = b"DLCZC001"
 #: snapshot reachable inside the mount: an absolute or escaping symlink, a name not
 #: listed yet), ``mismatch`` (the bytes read fail the record's checksum: evicted, moved
 #: or damaged under the reader), ``missing_log`` (the log file is gone), ``errors``
-#: (the index or a log could not be read)
+#: (the index or a log could not be read), ``denied`` (the file's or a directory's mode
+#: denies this process: the mount answers, EACCES)
 FIELDS = ("hits", "hit_bytes", "not_cached", "stale", "unresolved", "mismatch",
-          "missing_log", "errors")
+          "missing_log", "errors", "denied")
 FALLBACKS = FIELDS[2:]
 _U64 = struct.Struct("<Q")
 SIZE = len(MAGIC) + _U64.size * len(FIELDS)
 SUFFIX = ".tally"
+
+
+#: a reader's temp file younger than this is left alone at daemon start even when it is not
+#: locked yet (made by ``open``, locked by the next call): removing it would leave that
+#: reader counting for itself only
+TMP_GRACE_S = 60.0
 
 
 class TallyWriter:
@@ -67,8 +75,10 @@ class TallyWriter:
         tmp = os.path.join(directory, f".{name}.tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            os.pwrite(fd, MAGIC + bytes(SIZE - len(MAGIC)), 0)
+            # locked at once: a daemon starting now removes unlocked temp files (it also
+            # leaves young ones alone, for the instant between open and flock)
             fcntl.flock(fd, fcntl.LOCK_SH)  # before it is visible: see the module doc
+            os.pwrite(fd, MAGIC + bytes(SIZE - len(MAGIC)), 0)
             self.path = os.path.join(directory, name)
             os.rename(tmp, self.path)
             self._map = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -144,7 +154,8 @@ class TallyReader:
         with contextlib.suppress(OSError):  # made by a reader that died before its rename
             for name in os.listdir(self.dir):
                 tmp = os.path.join(self.dir, name)
-                if name.startswith(".") and name.endswith(".tmp") and not owner_alive(tmp):
+                if (name.startswith(".") and name.endswith(".tmp") and not owner_alive(tmp)
+                        and time.time() - os.stat(tmp).st_mtime > TMP_GRACE_S):
                     os.unlink(tmp)
         for name in self._names():
             path = os.path.join(self.dir, name)
