@@ -109,3 +109,74 @@ def test_a_vanished_directory_is_not_found_after_revalidation(tmp_path, clock):
         await trio.sleep(0)
 
     run_engine(make_config(src, cache, revalidate=100), body, source)
+
+
+class BlockingListSource(CountingSource):
+    """list_dir of ``d`` waits until released, then fails (EIO) or succeeds."""
+
+    def __init__(self, root, fail: bool) -> None:
+        super().__init__(root)
+        import threading
+
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.fail = fail
+        self.block = False
+
+    def list_dir(self, rel: bytes):
+        if self.block and rel == b"d":
+            self.entered.set()
+            self.gate.wait(30)
+            if self.fail:
+                import errno
+
+                from dlcachefs.errors import SourceError  # noqa: PLC0415
+
+                raise SourceError("list d: injected", errno.EIO)
+        return super().list_dir(rel)
+
+
+@pytest.mark.parametrize("fail", [True, False])
+def test_opens_waiting_for_a_relisting_fail_as_it_fails(tmp_path, clock, fail):
+    """Opens that wait for a directory's re-listing already under way share its outcome:
+    when it fails they fail too (never served from the listing that was due for
+    revalidation, past --revalidate), when it succeeds they see its result."""
+    from dlcachefs.errors import SourceError  # noqa: PLC0415
+
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    write_tree(src, {b"d/x.bin": b"a" * 300, b"d/y.bin": b"b" * 400})
+    source = BlockingListSource(str(src), fail)
+
+    async def body(eng):
+        assert await read_all(eng, b"d/x.bin") == b"a" * 300
+        y, d = eng.ns.resolve(b"d/y.bin"), eng.ns.resolve(b"d")
+        (src / "d" / "y.bin").write_bytes(b"c" * 500)
+        clock.now += 1000  # past the window: the next opens re-list d
+        source.block = True
+        outcomes = []
+
+        async def opener():
+            try:
+                r = await eng.open(y.ino)
+            except SourceError as e:
+                outcomes.append(("error", e.errno))
+                return
+            outcomes.append(("data", bytes(await eng.read(r.fh, 0, 1 << 20))))
+            eng.release(r.fh)
+
+        async with trio.open_nursery() as n:
+            for _ in range(4):
+                n.start_soon(opener)
+            with trio.fail_after(30):  # the leader is listing, the three others wait for it
+                while not (source.entered.is_set() and d.ino in eng.ns._refreshing
+                           and eng.ns._refreshing[d.ino][0].statistics().tasks_waiting == 3):
+                    await trio.sleep(0.01)
+            source.gate.set()
+        if fail:
+            import errno
+
+            assert outcomes == [("error", errno.EIO)] * 4
+        else:
+            assert outcomes == [("data", b"c" * 500)] * 4
+
+    run_engine(make_config(src, cache, revalidate=100), body, source)

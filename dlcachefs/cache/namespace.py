@@ -27,6 +27,7 @@ blocking and runs before the filesystem is served, with its own thread pool.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -161,7 +162,9 @@ class Namespace:
         # pages of the old version, so their next open must not ask it to keep them
         self.changed: set[int] = set()
         self._dir_paths: OrderedDict[int, bytes] = OrderedDict()
-        self._refreshing: dict[int, trio.Event] = {}
+        # directory -> (done, outcome) of the re-listing under way; outcome: [] while it
+        # runs and when it was cancelled, [None] when it merged, [error] when it failed
+        self._refreshing: dict[int, tuple[trio.Event, list[Exception | None]]] = {}
         # directory ino -> its checked_at, so that an open of a file checks its parent's
         # freshness without an LMDB read (each read on the loop also lets go of the GIL).
         # Written and dropped on the loop only; a directory's checked_at changes only in a
@@ -293,12 +296,18 @@ class Namespace:
         return new
 
     async def refresh_dir(self, ino: int) -> None:
-        """Re-list one directory from the source and merge it (concurrent calls coalesce)."""
-        ev = self._refreshing.get(ino)
-        if ev is not None:
-            await ev.wait()
+        """Re-list one directory from the source and merge it (concurrent calls coalesce:
+        they wait for the one under way, and fail as it failed: a caller must never go on
+        with a listing that is due for revalidation as if it had been re-listed)."""
+        running = self._refreshing.get(ino)
+        if running is not None:
+            await running[0].wait()
+            if not running[1]:  # the leader was cancelled: re-list ourselves
+                return await self.refresh_dir(ino)
+            if running[1][0] is not None:
+                raise copy.copy(running[1][0])  # its own traceback, not the leader's
             return
-        ev = self._refreshing[ino] = trio.Event()
+        ev, outcome = self._refreshing[ino] = (trio.Event(), [])
         try:
             e = self.get(ino)
             rel = self.path_of(e)
@@ -321,6 +330,11 @@ class Namespace:
                 self._notify("inode", ino, None, child)
             for _name, child in res.removed:
                 self._dir_paths.pop(child, None)
+        except Exception as err:
+            outcome.append(err)
+            raise
+        else:
+            outcome.append(None)
         finally:
             del self._refreshing[ino]
             ev.set()
