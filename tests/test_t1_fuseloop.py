@@ -16,6 +16,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 
+@pytest.fixture(autouse=True)
+def fresh_poll_state(monkeypatch):
+    """Each test starts with the shortcut armed: wait_readable's back-off counter and its
+    poll objects are module state, and a test that left ``_skip`` set would make the next
+    one take trio's path and never the shortcut it means to test."""
+    monkeypatch.setattr(fuseloop, "_skip", 0)
+    monkeypatch.setattr(fuseloop, "_polls", {})
+
+
 def test_install_gives_pyfuse3_the_lock_and_keeps_the_rest_of_trio():
     saved = pyfuse3.trio
     try:
