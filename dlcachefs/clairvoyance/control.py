@@ -861,13 +861,13 @@ class ControlState:
     def _refuse(self, pid: int, reason: str) -> None:
         self.refused_writes += 1
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        self.errors.append(f"{stamp} pid={pid} refused: {reason}")
+        self.errors.append(f"{stamp} pid={pid} refused: {_one_line(reason)}")
 
     def note(self, reason: str) -> None:
         """Log, next to the refused writes, input that was accepted but could not be used
         (e.g. loss indices out of range once the dataset's size became known)."""
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        self.errors.append(f"{stamp} dropped: {reason}")
+        self.errors.append(f"{stamp} dropped: {_one_line(reason)}")
 
     def errors_text(self) -> bytes:
         return ("\n".join(self.errors) + ("\n" if self.errors else "")).encode()
@@ -989,3 +989,11 @@ class _ListReplay:
         if vid in self.views:
             return self.views[vid]
         return len(self.cs.views[vid])
+
+
+def _one_line(reason: str) -> str:
+    """``reason`` with control characters escaped (a reason may quote the input it
+    refuses): one entry of ``.dlcache/errors`` is one line."""
+    if reason.isprintable():
+        return reason
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in reason)

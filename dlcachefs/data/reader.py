@@ -465,8 +465,7 @@ class _Process:
                               f"stats will not show this process's zero-copy reads")
                         self._tally = _NoTally()
                 t = self._tally
-        with contextlib.suppress(ValueError):  # closed by close() under a read past its lookup
-            t.add(field, n)
+        t.add(field, n)  # (after close(), under a read past its lookup: dropped)
 
     def counts(self) -> dict[str, int]:
         t = self._tally

@@ -90,10 +90,13 @@ class TallyWriter:
         self._fd = fd
         self._vals = [0] * len(FIELDS)
         self._lock = threading.Lock()  # += on a list item is not atomic across threads
+        self._closed = False  # (under _lock) a count after close() is dropped
 
     def add(self, field: int, n: int = 1) -> None:
         """Add ``n`` to ``FIELDS[field]``."""
         with self._lock:
+            if self._closed:  # a read in another thread that was past its lookup
+                return
             v = self._vals[field] = self._vals[field] + n
             _U64.pack_into(self._map, len(MAGIC) + _U64.size * field, v)
 
@@ -102,8 +105,11 @@ class TallyWriter:
             return dict(zip(FIELDS, self._vals, strict=True))
 
     def close(self) -> None:
-        """Stop counting (the file stays until the daemon sees its lock gone)."""
-        self._map.close()
+        """Stop counting (the file stays until the daemon sees its lock gone); counts
+        after this are dropped."""
+        with self._lock:
+            self._closed = True
+            self._map.close()
         self.abandon()
 
     def abandon(self) -> None:
