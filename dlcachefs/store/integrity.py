@@ -27,6 +27,7 @@ has the index open is not covered: LMDB is trusted while mapped (see README,
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import struct
@@ -35,6 +36,8 @@ import sys
 import time
 
 from dlcachefs.store import schema as S
+
+log = logging.getLogger(__name__)
 
 #: the directory a damaged index is moved to (the latest one only is kept)
 DAMAGED_SUFFIX = ".damaged"
@@ -59,8 +62,10 @@ def probe(path: str) -> list[str]:
     import lmdb  # noqa: PLC0415 - the child imports it, callers of check_index need not
 
     problems: list[str] = []
-    env = lmdb.open(path, readonly=False, lock=False, max_dbs=8, subdir=True,
-                    readahead=False, map_size=1 << 36)
+    # lock=True: zero-copy readers of a crashed daemon may still hold read transactions;
+    # the write below must not reuse pages they see (CacheLock keeps other writers out)
+    env = lmdb.open(path, readonly=False, lock=True, max_dbs=8, subdir=True,
+                    readahead=False, map_size=1 << 36, max_readers=S.MAX_READERS)
     try:
         with env.begin() as txn:
             names = [bytes(k) for k in txn.cursor().iternext(keys=True, values=False)]
@@ -207,28 +212,69 @@ def _check_names(items: dict[bytes, tuple[list[bytes], list[bytes]]]) -> list[st
     return problems
 
 
+#: the child's program: a report on stdout whatever happens that Python can catch; damage
+#: is what reading the index raises, not what keeps the check from running (its own
+#: import, memory, a full disk, a lock: those leave the index as it is)
+_CHILD = r"""
+import json, sys
+try:
+    import lmdb
+    from dlcachefs.store.integrity import probe
+except BaseException as e:
+    print(json.dumps({"unchecked": f"cannot run the check: {e!r}"[:300]}))
+    sys.exit(0)
+NOT_DAMAGE = (MemoryError, OSError, lmdb.MapFullError, lmdb.DiskError, lmdb.LockError,
+              lmdb.ReadersFullError, lmdb.ReadonlyError, lmdb.TlsFullError)
+try:
+    print(json.dumps({"problems": probe(sys.argv[1])}))
+except NOT_DAMAGE as e:
+    print(json.dumps({"unchecked": f"{type(e).__name__}: {e}"[:300]}))
+except Exception as e:
+    print(json.dumps({"problems": [f"reading it fails: {type(e).__name__}: {e}"[:300]]}))
+"""
+
+#: signals of a process that read damaged memory-mapped data (not an OOM kill, SIGKILL)
+_DAMAGE_SIGNALS = {"SIGBUS", "SIGSEGV", "SIGABRT", "SIGILL", "SIGFPE"}
+
+
 def check_index(path: str, timeout: float = 600.0) -> str | None:
-    """Check the index at ``path`` in a child process: None when it is fine (or absent),
-    else why it is damaged. A child that cannot finish in ``timeout`` seconds is not
-    taken as damage (the index is kept; the caller logs it)."""
+    """Check the index at ``path`` in a child process: why it is damaged, or None when it
+    is fine, absent, or could not be checked (a warning is logged: the child could not
+    import the check, ran out of memory or was killed, the disk is full, or it did not
+    finish in ``timeout`` seconds). Only what reading the index does (a crash by SIGBUS,
+    SIGSEGV, SIGABRT; an LMDB or format error; a structural problem the walk finds)
+    counts as damage: a good cache is never thrown away because its check did not run."""
     if not os.path.exists(os.path.join(path, "data.mdb")):
         return None
-    cmd = [sys.executable, "-c", "import sys, json; from dlcachefs.store.integrity import "
-           "probe; print(json.dumps(probe(sys.argv[1])))", path]
+    # the same dlcachefs as ours, wherever the working directory is (a daemon is in /)
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (pkg_root, env.get("PYTHONPATH"))))
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                           stdin=subprocess.DEVNULL)
+        r = subprocess.run([sys.executable, "-c", _CHILD, path], capture_output=True,
+                           text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=env)
     except subprocess.TimeoutExpired:
+        log.warning("index %s: the check did not finish in %.0f s; kept unchecked", path,
+                    timeout)
         return None
     if r.returncode < 0:
-        return f"reading it kills a process ({_signame(-r.returncode)})"
-    if r.returncode != 0:
-        last = (r.stderr.strip().splitlines() or ["?"])[-1]
-        return f"reading it fails: {last[:300]}"
+        name = _signame(-r.returncode)
+        if name in _DAMAGE_SIGNALS:
+            return f"reading it kills a process ({name})"
+        log.warning("index %s: the check was killed (%s); kept unchecked", path, name)
+        return None
     try:
-        problems = json.loads(r.stdout)
-    except ValueError:
-        return f"the check printed no report: {r.stdout[-200:]!r}"
+        report = json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        last = (r.stderr.strip().splitlines() or ["?"])[-1]
+        log.warning("index %s: the check gave no report (exit %d: %s); kept unchecked",
+                    path, r.returncode, last[:300])
+        return None
+    if "unchecked" in report:
+        log.warning("index %s: could not be checked (%s); kept unchecked", path,
+                    report["unchecked"])
+        return None
+    problems = report.get("problems") or []
     return "; ".join(problems[:5]) if problems else None
 
 
