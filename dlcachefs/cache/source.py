@@ -64,8 +64,8 @@ class LocalSource:
 
     No call follows a symlink, so none reaches outside the root, whatever the tree became
     after the scan: a path is resolved one component at a time from a descriptor of the
-    root (``openat`` with ``O_NOFOLLOW``; :meth:`_open_dir`), so a directory swapped for a
-    symlink is refused, not followed (it was listed, stat'ed and read through before);
+    root (``openat`` of ``O_PATH`` descriptors with ``O_NOFOLLOW``; :meth:`_open_dir`), so
+    a directory swapped for a symlink is refused, not followed (it was listed, stat'ed and read through before);
     files are opened with ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO swapped in does not hang a
     thread), and the opened descriptor's real path (from /proc/self/fd, no round trip to
     the source) must still lie under the root's real path.
@@ -85,16 +85,26 @@ class LocalSource:
         return self._prefix + rel if rel else self.root
 
     def _open_dir(self, parts: list[bytes], rel: bytes,
-                  link_error: type[DlcError] = NotFound) -> int:
+                  link_error: type[DlcError] = NotFound, listing: bool = False) -> int:
         """A descriptor of directory ``parts`` under the root, resolved one component at
-        a time without following a symlink. NotFound when a component is gone or is no
-        longer a directory; ``link_error`` when one became a symlink after the scan (the
-        namespace drops a directory that is NotFound, and lists its parent again)."""
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        a time without following a symlink. NotFound when a component is gone, is no
+        longer a directory or became a symlink after the scan (``openat`` with
+        ``O_DIRECTORY | O_NOFOLLOW`` of a symlink is ENOTDIR; the namespace drops a
+        directory that is NotFound and lists its parent again); ``link_error`` when the
+        kernel says ELOOP.
+
+        The descriptors are ``O_PATH`` (a lookup, no ``open`` of the directory: on a FUSE
+        source such as sshfs a real open is an OPENDIR + RELEASEDIR round trip to the
+        server, per component, per call), except the last one when ``listing`` (readdir
+        needs an opened directory)."""
+        walk = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(self.root, walk if parts or not listing
+                     else os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            for name in parts:
-                nfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                              dir_fd=fd)
+            for i, name in enumerate(parts):
+                last = listing and i == len(parts) - 1
+                nfd = os.open(name, (os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                                     | os.O_CLOEXEC) if last else walk, dir_fd=fd)
                 os.close(fd)
                 fd = nfd
             return fd
@@ -103,9 +113,9 @@ class LocalSource:
             raise NotFound(f"no longer a directory on the source: {os.fsdecode(rel)}") from e
         except OSError as e:
             os.close(fd)
-            if e.errno == errno.ELOOP:  # a directory became a symlink: never followed
+            if e.errno == errno.ELOOP:
                 raise link_error(f"a directory became a symlink on the source: "
-                               f"{os.fsdecode(rel)}") from e
+                                 f"{os.fsdecode(rel)}") from e
             raise SourceError(f"open {os.fsdecode(rel)}: {e.strerror}", e.errno) from e
 
     def _split(self, rel: bytes) -> tuple[list[bytes], bytes]:
@@ -141,7 +151,7 @@ class LocalSource:
 
     def list_dir(self, rel: bytes) -> list[Listing]:
         out: list[Listing] = []
-        dfd = self._open_dir(rel.split(b"/") if rel else [], rel)
+        dfd = self._open_dir(rel.split(b"/") if rel else [], rel, listing=True)
         try:
             with os.scandir(dfd) as it:
                 for de in it:
@@ -199,6 +209,9 @@ class LocalSource:
                 st1 = os.fstat(fd)
                 if not stat_mod.S_ISREG(st1.st_mode):
                     raise SourceChanged(f"no longer a regular file: {os.fsdecode(rel)}")
+                # O_NONBLOCK was for the open only (a FIFO swapped in): Lustre honours it
+                # on reads of a regular file too (EAGAIN under another client's lock)
+                os.set_blocking(fd, True)
                 data = _read_all(fd, st1.st_size)
                 st2 = os.fstat(fd)
             except OSError as e:
@@ -242,6 +255,7 @@ def open_for_range_reads(src: LocalSource, rel: bytes, use_src_ino: bool) -> tup
         st = os.fstat(fd)
         if not stat_mod.S_ISREG(st.st_mode):
             raise SourceChanged(f"no longer a regular file: {os.fsdecode(rel)}")
+        os.set_blocking(fd, True)  # (see read_file)
         return fd, identity_of(st, use_src_ino)
     except BaseException:
         os.close(fd)
