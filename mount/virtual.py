@@ -58,8 +58,9 @@ class VirtualAttrs:
 
 
 #: sections of ``stats`` that belong to the jobs (their streams: names, positions, stalls,
-#: bytes; their datasets' importance), shown to the mount's owner (and root) only
-JOB_SECTIONS = ("streams", "importance")
+#: bytes; their datasets' importance; the trees their unannounced reads scan ahead in),
+#: shown to the mount's owner (and root) only
+JOB_SECTIONS = ("streams", "importance", "scan_ahead")
 
 
 def shared_stats(stats: dict) -> dict:

@@ -147,6 +147,7 @@ def test_other_users_see_shared_counters_not_the_jobs(tree, shared, mount):
     assert rc == 0
     theirs = json.loads(out)
     assert "streams" not in theirs and "importance" not in theirs
+    assert "scan_ahead" in mine and "scan_ahead" not in theirs  # trees jobs read
     assert b"private-job" not in out
     assert theirs["files"] == mine["files"] and "hits" in theirs  # the shared counters
 
