@@ -170,7 +170,9 @@ def test_all_nodes_at_once_the_lease_lets_one_read_the_source(cluster, tmp_path)
         st["peers"] for st in stats]
     assert sum(st["bytes_from_peers"] for st in stats) == (NODES - 1) * total(files)
     assert sum(st["peers"]["leases"] for st in stats) == len(files)
-    assert any(st["peers"]["lease_wait_hits"] > 0 for st in stats)  # the lease was used
+    # (whether another node waited on a lease or found the value already stored depends on
+    # timing: that each file left the source once, above, is what the lease promises;
+    # test_t3_peers' lease-wait test makes a node wait on a lease deterministically)
     assert all(st["peers"]["lease_wait_timeouts"] == 0 for st in stats)
 
 
