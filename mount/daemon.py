@@ -117,6 +117,17 @@ def check_index_or_quarantine(index_dir: str) -> None:
                 index_dir, why, dest)
 
 
+def _keep_thread_names() -> None:
+    """trio renames a worker's OS thread before and after each job (two ``prctl`` calls
+    per ``to_thread.run_sync``, each a GIL hand-off in a busy daemon: 2 of the ~15
+    syscalls of a fetch); the daemon's threads keep their first names instead (trio
+    0.22-0.35 keep the function in this private module global; without it, nothing
+    changes)."""
+    cache = getattr(getattr(trio, "_core", None), "_thread_cache", None)
+    if cache is not None and getattr(cache, "set_os_thread_name", None) is not None:
+        cache.set_os_thread_name = None
+
+
 def run(cfg: Config, report: Reporter) -> int:
     """Run a mount until it is unmounted. ``report`` sends lines to the waiting parent:
     ``progress ...`` while scanning, ``ready`` once mounted, ``error ...`` on failure."""
@@ -154,6 +165,7 @@ def run(cfg: Config, report: Reporter) -> int:
         lock.release()
         return 1
     fuseloop.install()  # a cheaper lock around each wait for a request
+    _keep_thread_names()
     clean = False
     try:
         trio.run(_serve, engine, ops, report, metrics)

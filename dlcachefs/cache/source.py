@@ -9,8 +9,12 @@ that are not valid UTF-8 round-trip unchanged.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat as stat_mod
+import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -80,6 +84,8 @@ class LocalSource:
         if not os.path.isdir(self.root):
             raise NotFound(f"source is not a directory: {os.fsdecode(root_b)}")
         self._prefix = self.root if self.root.endswith(b"/") else self.root + b"/"
+        self._dirs = DirDescriptors()  # directories walked lately (_open_file)
+        self._exact_paths = True  # whether an opened file's /proc path is root + rel
 
     def full(self, rel: bytes) -> bytes:
         return self._prefix + rel if rel else self.root
@@ -173,27 +179,74 @@ class LocalSource:
 
     def _open_file(self, rel: bytes) -> int:
         """A read descriptor of regular-file path ``rel``, resolved beneath the root (see
-        the class); its real path is checked to lie under the root."""
+        the class); its real path is checked to lie under the root.
+
+        The parent directory's descriptor comes from :attr:`_dirs` when it was walked
+        lately: a fetch opens one file after another in the same few directories, and a
+        walk costs an ``openat`` and a ``close`` per component, each a GIL hand-off in a
+        busy daemon. A file opened through a remembered directory must then have exactly
+        the path asked for (``/proc/self/fd``): a directory renamed or swapped since it
+        was walked gives another path (or no such file), and the file is opened again
+        after a fresh walk. A source whose descriptors do not show the exact path (a
+        root reached through a bind mount, say) stops remembering directories."""
         dirs, name = self._split(rel)
+        if not self._exact_paths:
+            return self._open_walked(dirs, name, rel)
+        key = b"/".join(dirs)
+        held = self._dirs.take(key)
+        while True:
+            fresh = held is None
+            if held is None:
+                held = self._dirs.put(key, self._open_dir(dirs, rel, link_error=SourceChanged))
+            try:
+                fd = self._open_in(held.fd, name, rel)
+            except DlcError:
+                self._dirs.give_back(held)
+                if fresh:
+                    raise
+                self._dirs.forget(key, held)  # the directory may have moved: walk again
+                held = None
+                continue
+            self._dirs.give_back(held)
+            real = _fd_path(fd)
+            if real == self._prefix + rel:
+                return fd
+            os.close(fd)
+            if not fresh:  # a remembered directory that moved since: walk again
+                self._dirs.forget(key, held)
+                held = None
+                continue
+            if not real.startswith(self._prefix):
+                raise OutsideSource(f"resolves outside the source root: {os.fsdecode(rel)}")
+            # a fresh walk that does not give the exact path: remember nothing from now
+            # on, and check only the root's prefix (as before descriptors were kept)
+            self._exact_paths = False
+            self._dirs.clear()
+            return self._open_walked(dirs, name, rel)
+
+    def _open_walked(self, dirs: list[bytes], name: bytes, rel: bytes) -> int:
+        """``rel`` opened after a fresh walk, its real path checked against the root's."""
         dfd = self._open_dir(dirs, rel, link_error=SourceChanged)
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                         dir_fd=dfd)
+            fd = self._open_in(dfd, name, rel)
+        finally:
+            os.close(dfd)
+        if not _fd_path(fd).startswith(self._prefix):
+            os.close(fd)
+            raise OutsideSource(f"resolves outside the source root: {os.fsdecode(rel)}")
+        return fd
+
+    @staticmethod
+    def _open_in(dfd: int, name: bytes, rel: bytes) -> int:
+        try:
+            return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                           dir_fd=dfd)
         except FileNotFoundError as e:
             raise NotFound(f"vanished from the source: {os.fsdecode(rel)}") from e
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise SourceChanged(f"became a symlink on the source: {os.fsdecode(rel)}") from e
             raise SourceError(f"open {os.fsdecode(rel)}: {e.strerror}", e.errno) from e
-        finally:
-            os.close(dfd)
-        try:
-            if not os.readlink(b"/proc/self/fd/%d" % fd).startswith(self._prefix):
-                raise OutsideSource(f"resolves outside the source root: {os.fsdecode(rel)}")
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
 
     def read_file(self, rel: bytes, use_src_ino: bool) -> tuple[bytes, Identity]:
         """Read a whole regular file as one consistent version.
@@ -211,7 +264,7 @@ class LocalSource:
                     raise SourceChanged(f"no longer a regular file: {os.fsdecode(rel)}")
                 # O_NONBLOCK was for the open only (a FIFO swapped in): Lustre honours it
                 # on reads of a regular file too (EAGAIN under another client's lock)
-                os.set_blocking(fd, True)
+                _blocking(fd)
                 data = _read_all(fd, st1.st_size)
                 st2 = os.fstat(fd)
             except OSError as e:
@@ -225,6 +278,13 @@ class LocalSource:
 
     def statvfs(self) -> os.statvfs_result:
         return os.statvfs(self.root)
+
+
+def _blocking(fd: int) -> None:
+    """Clear ``O_NONBLOCK`` in one call (``os.set_blocking`` reads the flags first: two;
+    the only other status flags F_SETFL changes, O_APPEND/O_ASYNC/O_DIRECT/O_NOATIME,
+    are never set on a source descriptor)."""
+    fcntl.fcntl(fd, fcntl.F_SETFL, 0)
 
 
 def _read_all(fd: int, size: int) -> bytes:
@@ -255,7 +315,7 @@ def open_for_range_reads(src: LocalSource, rel: bytes, use_src_ino: bool) -> tup
         st = os.fstat(fd)
         if not stat_mod.S_ISREG(st.st_mode):
             raise SourceChanged(f"no longer a regular file: {os.fsdecode(rel)}")
-        os.set_blocking(fd, True)  # (see read_file)
+        _blocking(fd)  # (see read_file)
         return fd, identity_of(st, use_src_ino)
     except BaseException:
         os.close(fd)
@@ -272,3 +332,89 @@ def pread_checked(fd: int, offset: int, size: int, expect: Identity, use_src_ino
     if now != expect:
         raise SourceChanged("the file changed on the source while it was open")
     return data
+
+
+def _fd_path(fd: int) -> bytes:
+    """The path the kernel has for descriptor ``fd`` (no round trip to the source); a
+    descriptor it cannot name is closed and reported as a source error."""
+    try:
+        return os.readlink(b"/proc/self/fd/%d" % fd)
+    except OSError as e:
+        os.close(fd)
+        raise SourceError(f"cannot name an opened source file: {e.strerror}", e.errno) from e
+
+
+@dataclass(slots=True)
+class _Dir:
+    fd: int
+    born: float
+    users: int = 0
+    dead: bool = False  # no longer handed out; closed by its last user
+
+
+class DirDescriptors:
+    """``O_PATH`` descriptors of the directories walked lately, by relative path, for
+    :meth:`LocalSource._open_file`: at most ``MAX`` (least recently used go), each for
+    ``TTL_S`` (a directory renamed away on a network source is walked again at least
+    that often, whatever the client's caches say).
+
+    Concurrency: called from the source's worker threads; one lock for the table, never
+    held across a call to the source. A descriptor handed out (:meth:`take`, :meth:`put`)
+    stays open until :meth:`give_back`: one dropped meanwhile is closed by its last user,
+    so no thread ever uses a number that was closed (and maybe reused)."""
+
+    MAX = 64
+    TTL_S = 2.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._dirs: OrderedDict[bytes, _Dir] = OrderedDict()
+
+    def take(self, key: bytes) -> _Dir | None:
+        """The descriptor of ``key`` if one is fresh, handed out (give it back)."""
+        with self._lock:
+            d = self._dirs.get(key)
+            if d is None:
+                return None
+            if time.monotonic() - d.born > self.TTL_S:
+                self._drop(key, d)
+                return None
+            self._dirs.move_to_end(key)
+            d.users += 1
+            return d
+
+    def put(self, key: bytes, fd: int) -> _Dir:
+        """Remember a freshly walked descriptor of ``key``, handed out (give it back)."""
+        d = _Dir(fd, time.monotonic(), users=1)
+        with self._lock:
+            old = self._dirs.get(key)
+            if old is not None:
+                self._drop(key, old)
+            self._dirs[key] = d
+            while len(self._dirs) > self.MAX:
+                k, v = next(iter(self._dirs.items()))
+                self._drop(k, v)
+        return d
+
+    def give_back(self, d: _Dir) -> None:
+        with self._lock:
+            d.users -= 1
+            if d.dead and not d.users:
+                os.close(d.fd)
+
+    def forget(self, key: bytes, d: _Dir) -> None:
+        """``d`` is no longer handed out (its directory may have moved)."""
+        with self._lock:
+            if self._dirs.get(key) is d:
+                self._drop(key, d)
+
+    def clear(self) -> None:
+        with self._lock:
+            for k, d in list(self._dirs.items()):
+                self._drop(k, d)
+
+    def _drop(self, key: bytes, d: _Dir) -> None:  # lock held
+        del self._dirs[key]
+        d.dead = True
+        if not d.users:
+            os.close(d.fd)
