@@ -93,6 +93,11 @@ def test_three_epochs_with_the_launcher(dataset, mount, tmp_path):
         assert t["samples"] == d["samples"]  # same samples, same labels, same order
     e1, e2, e3 = through
     assert _delta(e1, "bytes_from_source") > 0
+    # epoch 1: what was fetched ahead of the reader is served from memory, never read
+    # back from the log it was just written to
+    assert _delta(e1, "prefetched") > 0
+    assert _delta(e1, "record_reads") == 0 and _delta(e1, "chunk_reads") == 0, (
+        _delta(e1, "record_reads"), _delta(e1, "chunk_reads"))
     for ep in (e2, e3):
         assert _delta(ep, "bytes_from_source") == 0  # the cache serves epochs 2 and 3
         assert _delta(ep, "misses") == 0

@@ -7,9 +7,12 @@
   while they wait for room, without taking any of that bound. Opens of a file that
   waits here are hits.
 * :class:`ReadAhead`: files read ahead of the reader and held in memory until its open
-  takes them: records read from the logs ahead of a stream (record mode), and files
+  takes them: records read from the logs ahead of a stream (record mode), files
   prefetched from the source but not cached (the dataset is larger than the cache, or
-  the policy did not admit them). Bounded by ``limit`` bytes.
+  the policy did not admit them), and files prefetched from the source and cached, while
+  there is room (their open then takes the bytes fetched moments before rather than
+  read them back from the log it just wrote: a thread hop, a read and a checksum per
+  file of a first epoch). Bounded by ``limit`` bytes.
 
 Both are plain bookkeeping: what to put there, and when, is decided by their users
 (:mod:`dlcachefs.cache.fetch`, :mod:`dlcachefs.cache.prefetch`,
@@ -89,6 +92,7 @@ class ReadyFile:
     rec: Record | None  # the record it was read from; None: fetched from the source
     data: bytes | memoryview
     owner: str  # the stream it was read for
+    cached: bool = False  # fetched from the source and handed to the chunk writer too
 
 
 class ReadAhead:
@@ -107,11 +111,11 @@ class ReadAhead:
         return self.bytes + nbytes <= self.limit
 
     def put(self, ino: int, ident: Identity, rec: Record | None, data: bytes | memoryview,
-            owner: str) -> None:
+            owner: str, cached: bool = False) -> None:
         old = self._files.pop(ino, None)
         if old is not None:
             self.bytes -= len(old.data)
-        self._files[ino] = ReadyFile(ident, rec, data, owner)
+        self._files[ino] = ReadyFile(ident, rec, data, owner, cached)
         self.bytes += len(data)
 
     def take(self, ino: int) -> ReadyFile | None:

@@ -341,7 +341,16 @@ class Engine:
         rec = self.index.get_record(e.ino)
         early = self.readahead.take(e.ino)
         if early is not None and early.ident == ident and early.rec is None:
-            self.counters.prefetch_hits += 1  # fetched ahead, kept in memory only
+            if early.cached and self.versions.is_current(e.ino, rec, ident):
+                assert rec is not None  # fetched ahead and sealed since: a hit
+                self.counters.hits += 1
+                self.reader.after_use(rec.chunk_id, e.ino)
+                return early.data, True, False
+            if early.cached and self.versions.unsealed(e.ino, ident) is not None:
+                self.counters.hits += 1  # fetched ahead, still waiting for the writer
+                return early.data, True, False
+            # fetched ahead, kept in memory only (or its record has gone since)
+            self.counters.prefetch_hits += 1
             return early.data, False, False
         if self.versions.is_current(e.ino, rec, ident):
             assert rec is not None

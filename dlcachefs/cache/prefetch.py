@@ -79,11 +79,12 @@ class Prefetcher:
             self.readahead.put(ino, identity(e), None, data, stream.key)
         else:
             data, e = await self.fetcher.fetch(e)
-            if not self.versions.in_writer(ino, identity(e)) and self.readahead.has_room(
-                    len(data)):
-                # the policy did not admit it (or the writer skipped it): hold it in
-                # memory until it is read, rather than fetch it twice
-                self.readahead.put(ino, identity(e), None, data, stream.key)
+            if self.readahead.has_room(len(data)):
+                # held in memory until it is read: when the policy did not admit it (or
+                # the writer skipped it), rather than fetch it twice; when it is on its
+                # way to the log, rather than read it back from there moments later
+                cached = self.versions.in_writer(ino, identity(e))
+                self.readahead.put(ino, identity(e), None, data, stream.key, cached)
         stream.bytes_from_source += len(data)
         self.counters.prefetched += 1
         return True
