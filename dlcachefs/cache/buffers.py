@@ -12,7 +12,8 @@
   the policy did not admit them), and files prefetched from the source and cached, while
   there is room (their open then takes the bytes fetched moments before rather than
   read them back from the log it just wrote: a thread hop, a read and a checksum per
-  file of a first epoch). Bounded by ``limit`` bytes.
+  file of a first epoch), and files scan-ahead fetched and cached, as spares (let go
+  first when room is asked for). Bounded by ``limit`` bytes.
 
 Both are plain bookkeeping: what to put there, and when, is decided by their users
 (:mod:`dlcachefs.cache.fetch`, :mod:`dlcachefs.cache.prefetch`,
@@ -23,6 +24,7 @@ Concurrency: trio loop only (no locks).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import trio
@@ -103,29 +105,41 @@ class ReadAhead:
         self.limit = limit
         self.bytes = 0
         self._files: dict[int, ReadyFile] = {}
+        # files held on a guess whose bytes are in the cache as well, oldest first: the
+        # first to go when room is asked for (nothing is lost, their opens read the log)
+        self._spare: OrderedDict[int, None] = OrderedDict()
 
     def __contains__(self, ino: int) -> bool:
         return ino in self._files
 
     def has_room(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit; spare files are let go, oldest first, to make room."""
+        while self.bytes + nbytes > self.limit and self._spare:
+            self._pop(next(iter(self._spare)))
         return self.bytes + nbytes <= self.limit
 
     def put(self, ino: int, ident: Identity, rec: Record | None, data: bytes | memoryview,
-            owner: str, cached: bool = False) -> None:
-        old = self._files.pop(ino, None)
-        if old is not None:
-            self.bytes -= len(old.data)
+            owner: str, cached: bool = False, spare: bool = False) -> None:
+        """Hold a file; ``cached``: its bytes went to the chunk writer as well; ``spare``
+        (a guess, cached): let go first when room is asked for."""
+        self._pop(ino)
         self._files[ino] = ReadyFile(ident, rec, data, owner, cached)
         self.bytes += len(data)
+        if spare:
+            self._spare[ino] = None
 
     def take(self, ino: int) -> ReadyFile | None:
         """What was read ahead for ``ino`` (any version), no longer held."""
-        f = self._files.pop(ino, None)
-        if f is not None:
-            self.bytes -= len(f.data)
-        return f
+        return self._pop(ino)
 
     def drop_owner(self, owner: str) -> None:
         """Forget what was read ahead for one stream's epoch that is over."""
         for ino in [i for i, f in self._files.items() if f.owner == owner]:
-            self.bytes -= len(self._files.pop(ino).data)
+            self._pop(ino)
+
+    def _pop(self, ino: int) -> ReadyFile | None:
+        f = self._files.pop(ino, None)
+        if f is not None:
+            self.bytes -= len(f.data)
+            self._spare.pop(ino, None)
+        return f

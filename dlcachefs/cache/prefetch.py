@@ -33,6 +33,9 @@ from dlcachefs.cache.versions import Versions
 from dlcachefs.cache.writer import ChunkWriter
 from dlcachefs.config import Config
 
+#: the owner of scan-ahead's files in the read-ahead set (no stream's epoch ends them)
+SCAN_OWNER = "scan-ahead"
+
 
 class Prefetcher:
     """Fetches ahead of readers for streams, scan-ahead and the reorderer."""
@@ -124,6 +127,10 @@ class Prefetcher:
             if not self.writer.submit(ino, self.ns.path_of(e), ident, data):
                 self.policy.on_dropped(ino)
                 return len(data), False
+            if self.readahead.has_room(len(data)):
+                # its open (if it comes) takes these bytes rather than read them back from
+                # the log; a spare: let go first when the room is wanted
+                self.readahead.put(ino, ident, None, data, SCAN_OWNER, cached=True, spare=True)
             return len(data), True
         finally:
             self.backlog.release(ino)
