@@ -15,7 +15,17 @@ import sys
 
 from dlcachefs import mountctl
 from dlcachefs.admin.commands import ADMIN_COMMANDS, add_admin_commands, run_admin_command
-from dlcachefs.config import OPTIONS, Config, Option, build_config, option, read_config_file
+from dlcachefs.config import (
+    DATASETS_DIR,
+    OPTIONS,
+    Config,
+    Option,
+    build_config,
+    option,
+    read_config_file,
+)
+from dlcachefs.errors import DlcError
+from dlcachefs.store import ledger
 from dlcachefs.units import format_size, parse_size
 
 
@@ -198,6 +208,11 @@ def cmd_mount(cfg: Config) -> int:
     if not os.path.isdir(cfg.source):
         print(f"dlcachefs: source is not a directory: {cfg.source}", file=sys.stderr)
         return 1
+    try:  # before anything is created in it (the daemon checks again, under its lock)
+        ledger.check_root(cfg.cache_dir, cfg.shared_cache, DATASETS_DIR)
+    except DlcError as e:
+        print(f"dlcachefs: cannot mount: {e}", file=sys.stderr)
+        return 1
     if cfg.foreground:
         from dlcachefs.mount import daemon  # noqa: PLC0415
 
@@ -262,7 +277,7 @@ def _daemonize(cfg: Config) -> int:
             elif line == "ready":
                 done()
                 print(f"dlcachefs: mounted {cfg.source} at {cfg.mountpoint} "
-                      f"(cache {cfg.cache_dir})", file=sys.stderr)
+                      f"(cache {cfg.data_dir})", file=sys.stderr)
                 return 0
             elif line.startswith("error"):
                 done()
@@ -270,7 +285,7 @@ def _daemonize(cfg: Config) -> int:
                 return 1
     done()
     print("dlcachefs: the daemon exited before the mount was ready; see "
-          f"{os.path.join(cfg.cache_dir, 'dlcachefs.log')}", file=sys.stderr)
+          f"{os.path.join(cfg.data_dir, 'dlcachefs.log')}", file=sys.stderr)
     return 1
 
 

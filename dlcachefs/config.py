@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import hashlib
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,29 @@ def default_cache_dir(source: str) -> str:
     tag = hashlib.sha256(os.fsencode(real)).hexdigest()[:12]
     name = os.path.basename(real.rstrip("/")) or "root"
     return os.path.join(base, "dlcachefs", f"{name}-{tag}")
+
+
+#: a ``--dataset`` name: a directory name under ``<root>/datasets/``, never hidden
+_DATASET_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")
+#: where a shared cache root keeps its datasets' own caches (``--shared-cache``)
+DATASETS_DIR = "datasets"
+
+
+def default_dataset_id(source: str) -> str:
+    """``<name>-<hash of the source's real path>``: a source's dataset in a shared root, named
+    as :func:`default_cache_dir` names a source's own cache."""
+    real = os.path.realpath(source)
+    tag = hashlib.sha256(os.fsencode(real)).hexdigest()[:12]
+    name = os.path.basename(real.rstrip("/")) or "root"
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:48].lstrip(".") or "root"
+    return f"{name}-{tag}"
+
+
+def default_shared_root() -> str:
+    """``$XDG_CACHE_HOME/dlcachefs/shared``: the cache root of ``--shared-cache`` mounts
+    given no ``--cache-dir``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "dlcachefs", "shared")
 
 
 def peer_list(text: str) -> list[tuple[str, int]]:
@@ -135,6 +159,31 @@ class Config:
                "inode, as the local cache does), for sources whose inode numbers agree "
                "across nodes (NFS, Lustre); not for sshfs, where they differ per node and "
                "no node would find another's values")
+    shared_cache: bool = _opt(
+        False, "--cache-dir is a cache root shared by several mounts of different sources: "
+               "each keeps its own cache under <root>/datasets/<id>/, and --cache-size is "
+               "the budget of the whole root, divided among the datasets mounted by "
+               "their re-fetch cost and use (see README, several datasets in one cache)")
+    dataset: str | None = _opt(
+        None, "with --shared-cache: this mount's dataset id under the root (default: the "
+              "source's name and a hash of its real path)", metavar="NAME",
+        show_default=False)
+    share_policy: str = _opt(
+        "cost", "with --shared-cache: how the budget is divided: cost (value per byte x "
+                "re-fetch cost, DLCache's cost-aware LRFU) or equal",
+        choices=("cost", "equal"))
+    share_floor: float = _opt(
+        0.1, "with --shared-cache: the share of the budget a mounted dataset never goes "
+             "below (while its demand is that large), as a fraction")
+    share_interval: float = _opt(
+        2.0, "with --shared-cache: how often the daemon publishes its use in the root's "
+             "ledger and adjusts its share", metavar="SECONDS")
+    share_cooldown: float = _opt(
+        60.0, "with --shared-cache: a dataset's value does not decay until this long after "
+              "its last read (DLCache's cooldown)", metavar="SECONDS")
+    share_halflife: float = _opt(
+        600.0, "with --shared-cache: past the cooldown, a dataset's value halves in this "
+               "long (LRFU's decay)", metavar="SECONDS")
     foreground: bool = _opt(False, "do not daemonize", short="-f")
     allow_other: bool = _opt(
         False, "let other users use the mount (with default_permissions)")
@@ -176,14 +225,41 @@ class Config:
             raise ValueError("--peer-timeout, --peer-dead-time and --peer-lease must be > 0")
         if self.peer_item_max < 4096:
             raise ValueError("--peer-item-max must be at least 4K")
+        if self.dataset is not None:
+            if not self.shared_cache:
+                raise ValueError("--dataset needs --shared-cache")
+            if not _DATASET_NAME.fullmatch(self.dataset):
+                raise ValueError("--dataset: 1-64 letters, digits, '.', '_' or '-', not "
+                                 f"starting with '.' or '-': {self.dataset!r}")
+        if not 0.0 <= self.share_floor <= 1.0:
+            raise ValueError("--share-floor must be within [0, 1]")
+        if self.share_interval <= 0 or self.share_cooldown < 0 or self.share_halflife <= 0:
+            raise ValueError("--share-interval and --share-halflife must be > 0, "
+                             "--share-cooldown >= 0")
+
+    @property
+    def dataset_id(self) -> str | None:
+        """This mount's dataset in a shared root (``--shared-cache``), else None."""
+        if not self.shared_cache:
+            return None
+        return self.dataset or default_dataset_id(self.source)
+
+    @property
+    def data_dir(self) -> str:
+        """This mount's own cache directory (index, logs, lock, log file): ``cache_dir``,
+        or ``cache_dir/datasets/<id>`` with ``--shared-cache`` (then ``cache_dir`` is the
+        root, shared by several mounts)."""
+        if not self.shared_cache:
+            return self.cache_dir
+        return os.path.join(self.cache_dir, DATASETS_DIR, str(self.dataset_id))
 
     @property
     def index_dir(self) -> str:
-        return os.path.join(self.cache_dir, "meta.lmdb")
+        return os.path.join(self.data_dir, "meta.lmdb")
 
     @property
     def logs_dir(self) -> str:
-        return os.path.join(self.cache_dir, "logs")
+        return os.path.join(self.data_dir, "logs")
 
 
 # ----- the options table ------------------------------------------------------------------
@@ -358,5 +434,6 @@ def build_config(source: str, mountpoint: str, cli: Mapping[str, Any],
         if o.kind == "path" and o.field in values:
             values[o.field] = os.path.abspath(values[o.field]) if values[o.field] else None
     if not values.get("cache_dir"):
-        values["cache_dir"] = default_cache_dir(source)
+        values["cache_dir"] = (default_shared_root() if values.get("shared_cache")
+                               else default_cache_dir(source))
     return Config(source=source, mountpoint=os.path.abspath(mountpoint), **values)

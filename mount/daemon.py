@@ -26,10 +26,10 @@ from dlcachefs.mount.ops import Operations
 
 from dlcachefs import mountctl
 from dlcachefs.cache.engine import Engine
-from dlcachefs.config import Config
+from dlcachefs.config import DATASETS_DIR, Config
 from dlcachefs.errors import DlcError
 from dlcachefs.session import build
-from dlcachefs.store import integrity
+from dlcachefs.store import integrity, ledger
 from dlcachefs.store.lock import CacheLock
 
 log = logging.getLogger("dlcachefs")
@@ -41,9 +41,9 @@ def setup_logging(cfg: Config) -> None:
     root = logging.getLogger()
     root.setLevel(cfg.log_level.upper())
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    os.makedirs(cfg.cache_dir, exist_ok=True)
+    os.makedirs(cfg.data_dir, exist_ok=True)
     fh = logging.handlers.RotatingFileHandler(
-        os.path.join(cfg.cache_dir, "dlcachefs.log"), maxBytes=10 << 20, backupCount=3)
+        os.path.join(cfg.data_dir, "dlcachefs.log"), maxBytes=10 << 20, backupCount=3)
     fh.setFormatter(fmt)
     root.addHandler(fh)
     if cfg.foreground:
@@ -131,11 +131,12 @@ def _keep_thread_names() -> None:
 def run(cfg: Config, report: Reporter) -> int:
     """Run a mount until it is unmounted. ``report`` sends lines to the waiting parent:
     ``progress ...`` while scanning, ``ready`` once mounted, ``error ...`` on failure."""
-    lock = CacheLock(cfg.cache_dir)
+    lock = CacheLock(cfg.data_dir, cfg.dataset_id)
     engine: Engine | None = None
     metrics = None
     try:
         check_mountpoint(cfg.mountpoint)
+        ledger.check_root(cfg.cache_dir, cfg.shared_cache, DATASETS_DIR)
         lock.acquire(cfg.mountpoint)
         check_index_or_quarantine(cfg.index_dir)
         session = build(cfg)

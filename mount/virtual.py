@@ -74,10 +74,10 @@ def zerocopy_info(cfg: Config) -> bytes:
     opens apply (``--revalidate``), which readers apply too."""
     return (json.dumps({
         "format": INFO_FORMAT,
-        "cache_dir": cfg.cache_dir,
+        "cache_dir": cfg.data_dir,
         "index_dir": cfg.index_dir,
         "logs_dir": cfg.logs_dir,
-        "tally_dir": os.path.join(cfg.cache_dir, TALLY_DIR),
+        "tally_dir": os.path.join(cfg.data_dir, TALLY_DIR),
         "revalidate_s": cfg.revalidate,
         "mountpoint": cfg.mountpoint,
         "pid": os.getpid(),

@@ -225,7 +225,7 @@ def values(o):
     if o.kind == "int":
         return st.integers(1, 10_000)
     if o.kind == "float":
-        top = 1.0 if o.field == "h_fraction" else 1e7
+        top = 1.0 if o.field in ("h_fraction", "share_floor") else 1e7
         return st.floats(0.001, top, allow_nan=False, allow_infinity=False)
     if o.kind == "path":
         return st.sampled_from(["/ssd/cache", "/ssd/a,b", "/x/é y"])
@@ -235,6 +235,8 @@ def values(o):
         return st.sampled_from(["h1:11211", "h1:11211,10.0.0.2:11211,[::1]:11212"])
     if o.field == "peer_namespace":
         return st.sampled_from(["imagenet", "/nfs/imagenet"])
+    if o.field == "dataset":
+        return st.sampled_from(["imagenet", "coco_2017", "a.b-c"])
     if o.field == "metrics_addr":
         return st.sampled_from(["127.0.0.1", "0.0.0.0", "::1"])
     return st.sampled_from(o.choices)
@@ -243,7 +245,10 @@ def values(o):
 @st.composite
 def option_sets(draw):
     chosen = draw(st.lists(st.sampled_from(OPTIONS), unique=True))
-    return {o.field: draw(values(o)) for o in chosen}
+    vals = {o.field: draw(values(o)) for o in chosen}
+    if "dataset" in vals:  # --dataset needs --shared-cache
+        vals["shared_cache"] = True
+    return vals
 
 
 def fstab_string(vals: dict) -> str:

@@ -58,6 +58,7 @@ from dlcachefs.cache.reader import LogReader
 from dlcachefs.cache.readplan import ReadPlanner
 from dlcachefs.cache.recovery import recover
 from dlcachefs.cache.scanahead import ScanAhead
+from dlcachefs.cache.shares import ShareKeeper
 from dlcachefs.cache.source import (
     Identity,
     LocalSource,
@@ -117,7 +118,7 @@ class Engine:
         policies up by name (the composition root, :mod:`dlcachefs.session`, does)."""
         self.cfg = cfg
         self.source = source if source is not None else LocalSource(cfg.source)
-        os.makedirs(cfg.cache_dir, exist_ok=True)
+        os.makedirs(cfg.data_dir, exist_ok=True)
         self.index = Index(cfg.index_dir)
         self.logs = LogStore(cfg.logs_dir, cfg.log_size)
         self.counters = Counters()
@@ -130,11 +131,14 @@ class Engine:
         # what the policy sees: chunks from the index, the streams' future, the losses
         self.future = StreamFuture(self.streams)
         self.importance = InodeImportance()
+        # the policy sees the writer's limit (a shared root's share moves at run time)
         self.policy = policy(PolicyContext(
-            IndexCacheView(self.index, cfg.cache_size), self.future, self.importance))
+            IndexCacheView(self.index, self._cache_limit), self.future, self.importance))
         self.memtier = MemoryTier(cfg.memory)
+        # --shared-cache: units cut for the smallest share a dataset may get
+        basis = max(int(cfg.cache_size * cfg.share_floor), 4096) if cfg.shared_cache else None
         self.writer = ChunkWriter(cfg, self.index, self.logs, self.policy, self.memtier,
-                                  self.counters)
+                                  self.counters, unit_basis=basis)
         if cfg.debug_invariants:
             self.writer.after_commit = self._after_commit
         # iCACHE's dynamic packaging fills the L-cache when substitution is on (and the
@@ -143,7 +147,7 @@ class Engine:
         self.packer = Packer(self) if cfg.substitute and plans else None
         self.trace = TraceRecorder(cfg.trace) if cfg.trace else None
         # zero-copy readers' counts (dlcachefs.data): their files' counts at start are the base
-        self.zerocopy = TallyReader(os.path.join(cfg.cache_dir, TALLY_DIR))
+        self.zerocopy = TallyReader(os.path.join(cfg.data_dir, TALLY_DIR))
         # fetched bytes held in memory: waiting for the writer's room; read ahead of opens
         self.backlog = Backlog(LATER_CHUNKS * cfg.chunk_size)
         self.readahead = ReadAhead(max(cfg.memory // 4, cfg.chunk_size))
@@ -172,6 +176,9 @@ class Engine:
         self.losses = Losses(self.importance, self.streams, self.counters, cfg.h_fraction,
                              self.trace)
         self.scan = ScanAhead(self)
+        # --shared-cache: this dataset's share of the root's budget (dlcachefs.cache.shares)
+        self.shares = (ShareKeeper(cfg, self.index, self.writer, self.counters, self.calls)
+                       if cfg.shared_cache else None)
         self.handles: dict[int, Handle] = {}
         self._next_fh = 1
         self.started = time.time()
@@ -181,14 +188,22 @@ class Engine:
     def start(self, progress: Callable[[int, int, float], None] | None = None) -> dict:
         """Blocking start-up before the filesystem is served: crash recovery, then the
         namespace scan when there is no snapshot yet or ``--rescan`` was given
-        (:mod:`dlcachefs.cache.recovery`)."""
+        (:mod:`dlcachefs.cache.recovery`). With ``--shared-cache``, this dataset's entry
+        in the root's ledger first: its limit is the one recovery shrinks to."""
+        if self.shares is not None:
+            self.writer.limit = self.shares.join()
         return recover(self.cfg, self.index, self.logs, self.ns, self.writer, self.policy,
                        progress)
 
     def check_invariants(self) -> list[str]:
         """Violated invariants of the cache, as readable lines (empty when all hold); see
         :mod:`dlcachefs.cache.invariants`. Trio loop."""
-        return check_cache(self.writer, self.index, self.logs, self.cfg.cache_size)
+        return check_cache(self.writer, self.index, self.logs, self.writer.limit)
+
+    def _cache_limit(self) -> int:
+        """The limit of the cache account now: ``--cache-size``, or this dataset's share."""
+        w = getattr(self, "writer", None)  # a policy may ask while the engine is built
+        return self.cfg.cache_size if w is None else w.limit
 
     def _after_commit(self) -> None:
         """--debug-invariants: check after every commit; a violation is an ERROR."""
@@ -211,6 +226,8 @@ class Engine:
             await nursery.start(self.scan.run)
             nursery.start_soon(self._maintain_policy)
             nursery.start_soon(self._reap_readers)
+            if self.shares is not None:
+                await nursery.start(self.shares.run)
             if self.packer is not None:
                 await nursery.start(self.packer.run)
             task_status.started()
@@ -266,6 +283,8 @@ class Engine:
             if h.fd >= 0:
                 os.close(h.fd)
         self.handles.clear()
+        if self.shares is not None:  # after the last commit: the exact bytes left
+            self.shares.leave()
         self.logs.close()
         self.index.close()
 

@@ -70,7 +70,7 @@ def stats_document(eng: Engine) -> dict:
         "pid": os.getpid(),
         "source": os.fsdecode(eng.source.root),
         "mountpoint": eng.cfg.mountpoint,
-        "cache_dir": eng.cfg.cache_dir,
+        "cache_dir": eng.cfg.data_dir,
         "uptime_s": round(time.time() - eng.started, 3),
         "files": snap["files"],
         "bytes_total": snap["bytes_total"],
@@ -78,7 +78,8 @@ def stats_document(eng: Engine) -> dict:
         "cached_bytes": snap["cached_bytes"],
         "chunks": snap["chunks"],
         "chunk_bytes": snap["chunk_bytes"],
-        "cache_limit_bytes": eng.cfg.cache_size,
+        # --cache-size, or with --shared-cache this dataset's share of it now
+        "cache_limit_bytes": eng.writer.limit,
         "max_cached_file": eng.cfg.max_cached_file,  # larger files are read through
         "memory_bytes": eng.memtier.bytes,
         "memory_limit_bytes": eng.memtier.limit,
@@ -112,6 +113,8 @@ def stats_document(eng: Engine) -> dict:
     for key, rel in eng.scan.tree_of_groups().items():
         if key in out["streams"]:
             out["streams"][key]["scan_ahead"] = rel
+    # --shared-cache: the root's budget, this dataset's share, the ledger's entries
+    out["shared"] = None if eng.shares is None else eng.shares.stats()
     out["policy"] = {"name": eng.cfg.policy, **eng.policy.stats()}
     # the cluster's shared tier (--peers): per server and lease counts
     out["peers"] = None if eng.peers is None else eng.peers.stats()

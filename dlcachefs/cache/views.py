@@ -13,7 +13,7 @@ All of it runs on the trio loop, like the policy.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from dlcachefs.importance.scores import Importance
 from dlcachefs.store import schema as S
@@ -24,12 +24,14 @@ log = logging.getLogger(__name__)
 
 
 class IndexCacheView:
-    def __init__(self, index: Index, capacity: int) -> None:
+    def __init__(self, index: Index, capacity: int | Callable[[], int]) -> None:
+        """``capacity``: the cache's limit, or a function returning it (a shared root's
+        share changes at run time)."""
         self.index = index
         self.cap = capacity
 
     def capacity(self) -> int:
-        return self.cap
+        return self.cap() if callable(self.cap) else self.cap
 
     def used(self) -> int:
         return self.index.counter(S.K_CHUNK_BYTES)

@@ -118,8 +118,13 @@ class ChunkWriter:
     keeps the ``--cache-size`` account (see the module docstring)."""
 
     def __init__(self, cfg: Config, index: Index, logs: LogStore, policy, memtier: MemoryTier,
-                 counters: Counters) -> None:
+                 counters: Counters, unit_basis: int | None = None) -> None:
+        """``unit_basis``: the cache size units are cut for (default ``--cache-size``;
+        with ``--shared-cache`` the smallest share a dataset may get)."""
         self.cfg = cfg
+        #: the limit of the account (rule A): ``--cache-size``, or this dataset's share
+        #: of a shared root's budget, changed at run time by :meth:`set_limit` only
+        self.limit = cfg.cache_size
         self.index = index
         self.logs = logs
         self.policy = policy
@@ -143,10 +148,11 @@ class ChunkWriter:
         self.open_charge = 0  # sum of Pending.charge over self.open
         self.reserved = 0  # chunks written outside this writer (reorderer), not indexed yet
         #: the largest unit: half the cache, so that evicting one unit makes room for the next
-        self.max_unit = max(cfg.cache_size // 2, 1)
+        basis = cfg.cache_size if unit_basis is None else unit_basis
+        self.max_unit = max(basis // 2, 1)
         #: --chunk-size, cut to an eighth of the cache when the cache is small (at least
         #: 4K, at most max_unit): evicting one chunk should not empty half the cache
-        self.chunk_target = min(cfg.chunk_size, self.max_unit, max(cfg.cache_size // 8, 4096))
+        self.chunk_target = min(cfg.chunk_size, self.max_unit, max(basis // 8, 4096))
         self.commits = 0  # commits in flight (index counters may be ahead of the mirror)
         #: called on the loop after every commit, under the limiter (--debug-invariants)
         self.after_commit: Callable[[], None] | None = None
@@ -297,15 +303,28 @@ class ChunkWriter:
 
     def room(self) -> int:
         """Bytes that may still be reserved without dooming anything."""
-        return self.cfg.cache_size - (self.used - self.doomed_bytes + self.pending_bytes)
+        return self.limit - self.account()
+
+    def account(self) -> int:
+        """The bytes rule A holds below :attr:`limit`: ``used - doomed + pending``."""
+        return self.used - self.doomed_bytes + self.pending_bytes
 
     def try_reserve(self, nbytes: int) -> bool:
         """Reserve ``nbytes`` of future chunk bytes, dooming victims of the policy when the
         room is short (all or nothing). False, and nothing doomed, when it cannot be done:
         more than :attr:`max_unit` for one record is fine, more than the cache is not."""
-        if nbytes > self.cfg.cache_size:
+        if nbytes > self.limit:
             return False
         short = nbytes - self.room()
+        if short > 0 and not self._make_room(short):
+            return False
+        self.reserved += nbytes
+        return True
+
+    def _make_room(self, short: int, partial: bool = False) -> bool:
+        """Doom victims (superseded chunks first, then the policy's) for ``short`` bytes;
+        all or nothing unless ``partial`` (then whatever the policy gives up is doomed).
+        Whether ``short`` bytes were freed."""
         if short > 0:
             # superseded chunks go first (they were to be evicted at the next seal anyway)
             chosen = [c for c in self.retire
@@ -320,14 +339,38 @@ class ChunkWriter:
                 sizes.update((c, self._length(c)) for c in more)
                 chosen += more
                 freed = sum(sizes.values())
-            if freed < short:
+            if freed < short and not partial:
                 return False  # everything pinned or protected, or too little to give up
             for c in chosen:
                 self._doom(c, sizes[c])
             self.retire.difference_update(chosen)
             self._wake.set()  # the next commit drops them
-        self.reserved += nbytes
+            return freed >= short
         return True
+
+    def set_limit(self, limit: int) -> int:
+        """Change :attr:`limit` (a shared root's share moved, :mod:`dlcachefs.cache.shares`).
+        Growing is immediate. Shrinking dooms the policy's victims first, so that rule A
+        holds for the new limit at once; what cannot be doomed now (pinned chunks, records
+        in flight) keeps the limit at the account, above ``limit``, and a later call goes
+        on. The doomed chunks leave the disk with the next commit (:meth:`drop_doomed`).
+        Returns the limit now enforced. Trio loop."""
+        limit = max(0, limit)
+        if limit < self.limit:
+            self._make_room(self.account() - limit, partial=True)
+            limit = max(limit, self.account())
+        grew = limit > self.limit
+        self.limit = limit
+        if grew:  # waiting readers and prefetchers may find room now
+            self._space.set()
+            self._space = trio.Event()
+        return self.limit
+
+    async def drop_doomed(self) -> None:
+        """Commit the drop of every chunk doomed so far (after a shrink: then the index,
+        and the disk, hold no more than :attr:`limit`). Waits for a commit in flight."""
+        async with self._limiter:
+            await self._drop_doomed_locked()
 
     def unreserve(self, nbytes: int) -> None:
         """Give back a reservation whose bytes will not land (a plan given up)."""

@@ -1,5 +1,8 @@
 """One daemon per cache directory: an exclusive ``flock`` on ``<cache-dir>/lock``.
 
+With ``--shared-cache`` the directory is a dataset's own cache under the root
+(``<root>/datasets/<id>/lock``): several daemons share the root, one per dataset.
+
 The kernel releases the lock when the holder dies (even by ``kill -9``), so a crashed
 daemon never blocks the next mount. The file says who holds it, for the error message.
 """
@@ -14,8 +17,11 @@ from dlcachefs.errors import CacheLocked
 
 
 class CacheLock:
-    def __init__(self, cache_dir: str) -> None:
+    def __init__(self, cache_dir: str, dataset: str | None = None) -> None:
+        """``dataset``: the dataset id when ``cache_dir`` is one under a shared root (for
+        the error message)."""
         self.path = os.path.join(cache_dir, "lock")
+        self.dataset = dataset
         self.fd: int | None = None
 
     def acquire(self, mountpoint: str) -> None:
@@ -29,6 +35,13 @@ class CacheLock:
             except ValueError:
                 holder = {}
             os.close(fd)
+            if self.dataset is not None:
+                raise CacheLocked(
+                    f"dataset {self.dataset} of the shared cache "
+                    f"{os.path.dirname(os.path.dirname(os.path.dirname(self.path)))} is in "
+                    f"use by another dlcachefs daemon (pid {holder.get('pid', '?')}, mounted "
+                    f"at {holder.get('mountpoint', '?')}); one daemon per dataset: unmount "
+                    "it first, or give this mount another --dataset") from None
             raise CacheLocked(
                 f"cache directory {os.path.dirname(self.path)} is in use by another dlcachefs "
                 f"daemon (pid {holder.get('pid', '?')}, mounted at {holder.get('mountpoint', '?')}); "
