@@ -90,6 +90,9 @@ def stats_document(eng: Engine) -> dict:
         # <= cache_limit_bytes (see dlcachefs.cache.writer)
         "reserved_bytes": eng.writer.pending_bytes,
         "evicting_bytes": eng.writer.doomed_bytes,
+        # the account itself as the writer keeps it (its "used" follows the index once
+        # a commit's bookkeeping is done: chunk_bytes may be ahead meanwhile)
+        "cache_account_bytes": eng.writer.account(),
         "open_files": len(eng.handles),
         "revalidate_s": eng.cfg.revalidate,
         # torch loaded (at mount start, in the background): announced samplers replay

@@ -1,0 +1,256 @@
+"""Several datasets in one cache (--shared-cache): two daemons, one root, one budget.
+
+Mounted for real: a fast source (a local directory) and a slow one (the same kind of
+tree behind ``bench.passthrough --delay-ms``, so every open of a source file waits), each
+mounted by its own daemon on one cache root with a budget smaller than either dataset.
+The ledger's lock is held while both daemons' chunk bytes are sampled: no limit can grow
+then (store.ledger), so the sum read is a sum at one instant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+from conftest import requires_fuse
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dlcachefs.cache.shares import allocate, decayed
+from dlcachefs.mountctl import MountError
+from dlcachefs.store import ledger as L
+from dlcachefs.testing.mounting import DLCACHEFS, Mount, drop_page_cache
+
+KIB = 1024
+BUDGET = 1536 * KIB
+N_FILES, FILE_SIZE = 40, 48 * KIB  # 1.9 MiB per dataset: each alone is over the budget
+
+
+def _tree(root: Path, seed: int) -> dict[str, bytes]:
+    rnd = random.Random(seed)
+    files = {}
+    for i in range(N_FILES):
+        rel = f"c{i % 4}/f{i:03d}.bin"
+        data = rnd.randbytes(FILE_SIZE - rnd.randrange(0, 4 * KIB))
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+        files[rel] = data
+    return files
+
+
+def _shared_args(name: str, *extra: str) -> list[str]:
+    return ["--shared-cache", "--dataset", name, "--cache-size", str(BUDGET),
+            "--share-interval", "0.3", "--flush-interval", "0.2", "--scan-ahead", "0",
+            *extra]
+
+
+def _read_all(mnt: Path, files: dict[str, bytes], wrong: list[str]) -> None:
+    for rel, data in files.items():
+        got = (mnt / rel).read_bytes()
+        if got != data:
+            wrong.append(f"{mnt}/{rel}: {len(got)} bytes, not the source's {len(data)}")
+
+
+@requires_fuse
+def test_two_daemons_share_one_budget_and_the_slow_source_keeps_more(
+        tmp_path, mount, daemon_oracle):
+    from bench.passthrough import passthrough_mount  # noqa: PLC0415 - bench's own daemon
+
+    fast_src, slow_real = tmp_path / "fast", tmp_path / "slow_real"
+    fast_src.mkdir()
+    slow_real.mkdir()
+    fast_files, slow_files = _tree(fast_src, 1), _tree(slow_real, 2)
+    root = tmp_path / "root"
+    ledger = L.Ledger(str(root))
+    for ds in ("fast", "slow"):
+        daemon_oracle.watch(cache=root / "datasets" / ds)  # verify each dataset's cache
+    with passthrough_mount(str(slow_real), str(tmp_path / "slow"), delay_ms=15):
+        fast = mount(fast_src, *_shared_args("fast"), name="mfast", cache=root)
+        slow = mount(tmp_path / "slow", *_shared_args("slow"), name="mslow", cache=root)
+        assert (root / "datasets" / "fast" / "meta.lmdb").is_dir()
+        assert (root / "datasets" / "slow" / "meta.lmdb").is_dir()
+
+        # one daemon per dataset id: a second one on "slow" is refused, saying why
+        again = Mount(tmp_path / "slow", tmp_path / "mslow2", root, *_shared_args("slow"))
+        with pytest.raises(MountError, match=r"dataset slow of the shared cache .* is in "
+                                             r"use by another dlcachefs daemon"):
+            again.start()
+        again.cleanup()
+
+        samples, over, wrong = [], [], []
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                with ledger.locked():  # no daemon can grow its limit meanwhile
+                    doc = ledger.read()
+                    a, b = fast.stats(), slow.stats()
+                limits = sum(int(e["limit"]) for e in doc["datasets"].values())
+                samples.append((a["chunk_bytes"], b["chunk_bytes"]))
+                if a["chunk_bytes"] + b["chunk_bytes"] > BUDGET or limits > BUDGET:
+                    over.append((a["chunk_bytes"], b["chunk_bytes"], limits))
+                for st_ in (a, b):  # each daemon's own account, against its current share
+                    if st_["cache_account_bytes"] > st_["cache_limit_bytes"]:
+                        over.append(("account", st_["cache_account_bytes"],
+                                     st_["cache_limit_bytes"]))
+                stop.wait(0.05)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            # equal use: both trees read whole, alternately, round after round, until
+            # the shares have settled (a bounded number of rounds, not a time)
+            for rnd in range(12):
+                drop_page_cache()  # every round's reads reach the daemons
+                _read_all(tmp_path / "mfast", fast_files, wrong)
+                _read_all(tmp_path / "mslow", slow_files, wrong)
+                a, b = fast.stats(), slow.stats()
+                if rnd >= 3 and b["chunk_bytes"] > 2 * a["chunk_bytes"] and \
+                        a["shared"]["cost_s_per_mib"] and b["shared"]["cost_s_per_mib"]:
+                    break
+        finally:
+            stop.set()
+            sampler.join(30)
+        assert not wrong, wrong[:5]
+        assert len(samples) > 5 and not over, (over[:5], len(samples))
+        a, b = fast.stats(), slow.stats()
+        # both measured their sources: the slow one costs more per byte to fetch again
+        assert b["shared"]["cost_s_per_mib"] > a["shared"]["cost_s_per_mib"], (a, b)
+        # at equal use, the slow dataset holds the larger share, and the larger cache
+        assert b["shared"]["limit_bytes"] > a["shared"]["limit_bytes"], (a["shared"],
+                                                                       b["shared"])
+        assert b["chunk_bytes"] > a["chunk_bytes"], (a["chunk_bytes"], b["chunk_bytes"])
+        assert a["chunk_bytes"] + b["chunk_bytes"] <= BUDGET
+        # a dataset never below its floor (10% of the budget by default)
+        assert a["shared"]["limit_bytes"] >= BUDGET // 10
+        assert a["chunks_evicted"] > 0 or b["chunks_evicted"] > 0  # the budget did bind
+        assert a["invariant_violations"] == 0 and b["invariant_violations"] == 0
+        # both see both datasets in the ledger
+        assert set(b["shared"]["datasets"]) == {"fast", "slow"}
+        fast.umount()
+        slow.umount()
+    doc = json.loads((root / "ledger.json").read_text())
+    # stopped cleanly: each entry counts exactly the bytes its cache keeps
+    for ds in ("fast", "slow"):
+        e = doc["datasets"][ds]
+        assert e["state"] == "stopped" and e["limit"] == e["used"], e
+    assert sum(e["limit"] for e in doc["datasets"].values()) <= BUDGET
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*DLCACHEFS, *args], capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_a_root_and_a_single_cache_are_not_mixed_up(tmp_path):
+    src, mnt = tmp_path / "src", tmp_path / "mnt"
+    src.mkdir()
+    mnt.mkdir()
+    root = tmp_path / "root"
+    (root / "datasets" / "x").mkdir(parents=True)
+    r = _cli("mount", str(src), str(mnt), "--cache-dir", str(root), "--foreground")
+    assert r.returncode == 1 and "is a shared cache root" in r.stderr, r.stderr
+    single = tmp_path / "single"
+    (single / "meta.lmdb").mkdir(parents=True)
+    r = _cli("mount", str(src), str(mnt), "--cache-dir", str(single), "--shared-cache",
+             "--foreground")
+    assert r.returncode == 1 and "is the cache of one dataset" in r.stderr, r.stderr
+    assert not (single / "datasets").exists()  # refused before anything was created
+    r = _cli("mount", str(src), str(mnt), "--dataset", "x", "--foreground")
+    assert r.returncode != 0 and "--dataset needs --shared-cache" in r.stderr, r.stderr
+
+
+# ----- the ledger's rules, without daemons ---------------------------------------------------
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_dead_daemons_keep_counting_until_their_dataset_is_removed(tmp_path):
+    root = tmp_path / "root"
+    for ds in ("a", "b"):
+        (root / "datasets" / ds).mkdir(parents=True)
+    led = L.Ledger(str(root))
+    now = 1000.0
+
+    def seed(doc):
+        doc["budget"] = 100
+        doc["datasets"]["a"] = {"pid": _dead_pid(), "host": os.uname().nodename,
+                                "state": "live", "heartbeat": now, "limit": 60}
+        doc["datasets"]["b"] = {"pid": os.getpid(), "host": os.uname().nodename,
+                                "state": "live", "heartbeat": now, "limit": 40}
+
+    led.update(seed)
+
+    def look(doc):
+        L.expire(doc, str(root), "datasets", now + 1, 1.0)
+        return {k: (e["state"], e["limit"]) for k, e in doc["datasets"].items()}, \
+            L.grant(doc, "b", 100)
+
+    states, granted = led.update(look)
+    # a's daemon is gone: dead, and its 60 bytes still count, so b cannot grow into them
+    assert states == {"a": ("dead", 60), "b": ("live", 40)} and granted == 40
+    assert allocate(led.read(), 0.1)["b"] == 40  # the live ones share what is left
+    # b's heartbeat stops: dead too, although its pid lives (a hung daemon)
+    _, states = led.update(lambda d: (L.expire(d, str(root), "datasets", now + 500, 1.0),
+                                      {k: e["state"] for k, e in d["datasets"].items()}))
+    assert states == {"a": "dead", "b": "dead"}
+    # a's directory removed: its entry goes, and its bytes with it
+    (root / "datasets" / "a").rmdir()
+    _, states = led.update(lambda d: (L.expire(d, str(root), "datasets", now + 501, 1.0),
+                                      sorted(d["datasets"])))
+    assert states == ["b"]
+
+
+entries = st.dictionaries(
+    st.sampled_from("abcdef"),
+    st.fixed_dictionaries({
+        "state": st.sampled_from(["live", "live", "dead", "stopped"]),
+        "limit": st.integers(0, 1 << 20), "demand": st.integers(0, 4 << 20),
+        "cost": st.one_of(st.none(), st.floats(1e-4, 10.0)),
+        "crf": st.floats(0.0, 50.0)}),
+    max_size=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ents=entries, budget=st.integers(0, 4 << 20), floor=st.floats(0.0, 0.5),
+       policy=st.sampled_from(["cost", "equal"]))
+def test_allocation_stays_within_the_budget_and_floors_hold(ents, budget, floor, policy):
+    doc = {"version": 1, "budget": budget, "datasets": {k: dict(v) for k, v in ents.items()}}
+    shares = allocate(doc, floor, policy)
+    live = {k for k, e in ents.items() if e["state"] == "live"}
+    assert set(shares) == live
+    fixed = sum(e["limit"] for k, e in ents.items() if k not in live)
+    avail = max(0, budget - fixed)
+    assert sum(shares.values()) <= avail
+    if live:
+        each = min(int(budget * floor), avail // len(live))
+        for k in live:
+            demand = ents[k]["demand"] or budget
+            assert min(each, demand) <= shares[k] <= max(demand, 0)
+    assert allocate(doc, floor, policy) == shares  # every daemon computes the same
+    # and grants never take the limits' sum past the budget
+    if budget >= fixed + sum(ents[k]["limit"] for k in live):
+        for k in sorted(live):
+            L.grant(doc, k, shares[k])
+        assert L.counted(doc) <= budget
+
+
+def test_costlier_source_gets_more_at_equal_value_and_cooldown_holds_value():
+    doc = {"version": 1, "budget": 1000, "datasets": {
+        "slow": {"state": "live", "limit": 0, "demand": 2000, "cost": 1.0, "crf": 3.0},
+        "fast": {"state": "live", "limit": 0, "demand": 2000, "cost": 0.01, "crf": 3.0}}}
+    s = allocate(doc, 0.1)
+    assert s["slow"] > s["fast"] >= 100 and s["slow"] + s["fast"] <= 1000
+    e = allocate(doc, 0.1, "equal")
+    assert e["slow"] == e["fast"] == 500
+    # no decay within the cooldown after the last read, half per halflife past it
+    assert decayed(4.0, 100.0, 100.0, 150.0, cooldown=60, halflife=10) == 4.0
+    assert decayed(4.0, 100.0, 100.0, 170.0, cooldown=60, halflife=10) == 2.0
