@@ -61,11 +61,18 @@ MIB = 1 << 20
 MIN_COST_BYTES = 256 << 10
 
 
-def demand_of(bytes_total: int, files: int, chunk_size: int) -> int:
+def demand_of(bytes_total: int, files: int, chunk_target: int) -> int:
     """What a dataset of ``files`` files and ``bytes_total`` bytes takes cached: its bytes,
-    a record header and a key per file, a chunk header per chunk."""
-    return (bytes_total + files * (RECORD_HEADER_SIZE + 64)
-            + (bytes_total // max(chunk_size, 1) + 1) * CHUNK_HEADER_SIZE)
+    a record header and a key per file, a chunk header per chunk (a file larger than the
+    writer's ``chunk_target`` is a chunk of its own), and 1% to spare. Never an
+    underestimate that matters: a dataset read in a loop through an LRU cache a little
+    smaller than itself misses every read."""
+    chunk_target = max(chunk_target, 1)
+    chunks = files if files and bytes_total // files >= chunk_target \
+        else bytes_total // chunk_target + 1
+    need = (bytes_total + files * (RECORD_HEADER_SIZE + 64)
+            + (chunks + 1) * CHUNK_HEADER_SIZE)
+    return need + need // 100
 
 
 def allocate(doc: dict[str, Any], floor: float, policy: str = "cost") -> dict[str, int]:
@@ -171,7 +178,7 @@ class ShareKeeper:
         budget. Blocking; before recovery (whose shrink then applies this limit)."""
         on_disk = self.index.counter(S.K_CHUNK_BYTES)
         snap = self.index.snapshot()
-        self.demand = (demand_of(snap["bytes_total"], snap["files"], self.cfg.chunk_size)
+        self.demand = (demand_of(snap["bytes_total"], snap["files"], self.writer.chunk_target)
                        if snap["files"] else 0)
 
         def fn(doc: dict[str, Any]) -> tuple[int, int]:
@@ -264,7 +271,7 @@ class ShareKeeper:
         now = time.time()
         snap = self.index.snapshot()
         if snap["files"]:
-            self.demand = demand_of(snap["bytes_total"], snap["files"], self.cfg.chunk_size)
+            self.demand = demand_of(snap["bytes_total"], snap["files"], self.writer.chunk_target)
         served = c.bytes_from_cache + c.bytes_from_source + c.bytes_from_peers
         new = served - self.served_seen
         self.served_seen = served
