@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from dlcachefs.cache.shares import allocate, decayed
 from dlcachefs.mountctl import MountError
 from dlcachefs.store import ledger as L
+from dlcachefs.store import schema as S
 from dlcachefs.testing.mounting import DLCACHEFS, Mount, drop_page_cache
 
 KIB = 1024
@@ -254,3 +255,52 @@ def test_costlier_source_gets_more_at_equal_value_and_cooldown_holds_value():
     # no decay within the cooldown after the last read, half per halflife past it
     assert decayed(4.0, 100.0, 100.0, 150.0, cooldown=60, halflife=10) == 4.0
     assert decayed(4.0, 100.0, 100.0, 170.0, cooldown=60, halflife=10) == 2.0
+
+
+def test_a_malformed_ledger_is_an_error_that_says_what_to_do(tmp_path):
+    led = L.Ledger(str(tmp_path))
+    (tmp_path / "ledger.json").write_text('{"version": 1, "budget": 5, "datasets": '
+                                          '{"a": {"limit": "many"}}}')
+    with pytest.raises(L.DlcError, match="malformed entry"):
+        led.update(lambda d: L.counted(d))
+    (tmp_path / "ledger.json").write_text('{"version": 1, "datasets": {"a": 3}}')
+    with pytest.raises(L.DlcError, match="not an object"):
+        led.read()
+
+
+# ----- a shrinking share, in the core (no kernel): the writer evicts before it holds -----
+
+@settings(max_examples=8, deadline=None)
+@given(cuts=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=4), seed=st.integers(0, 99))
+def test_set_limit_evicts_before_the_account_is_held_to_the_smaller_limit(
+        tmp_path_factory, cuts, seed):
+    import trio  # noqa: PLC0415
+
+    from dlcachefs.testing.fakes import make_config, read_all, run_engine, write_tree
+
+    base = tmp_path_factory.mktemp("core")
+    rnd = random.Random(seed)
+    files = {f"d/f{i:02d}".encode(): rnd.randbytes(rnd.randrange(1000, 9000))
+             for i in range(24)}
+    write_tree(base / "src", files)
+    cfg = make_config(base / "src", base / "cache", cache_size=200_000)
+
+    async def body(eng):
+        for rel, data in files.items():
+            assert await read_all(eng, rel) == data
+        await eng.flush()
+        w = eng.writer
+        for cut in cuts:
+            got = w.set_limit(int(w.limit * cut))
+            # rule A for the limit it has now, at once (victims doomed, not yet dropped)
+            assert w.account() <= got == w.limit
+            await w.drop_doomed()
+            assert eng.index.counter(S.K_CHUNK_BYTES) <= w.limit or w.pins
+            assert eng.check_invariants() == []
+            for rel, data in list(files.items())[:6]:  # still served, byte for byte
+                assert await read_all(eng, rel) == data
+            await trio.sleep(0)
+        w.set_limit(200_000)  # grows at once
+        assert w.limit == 200_000
+
+    run_engine(cfg, body)

@@ -135,8 +135,10 @@ class Engine:
         self.policy = policy(PolicyContext(
             IndexCacheView(self.index, self._cache_limit), self.future, self.importance))
         self.memtier = MemoryTier(cfg.memory)
-        # --shared-cache: units cut for the smallest share a dataset may get
-        basis = max(int(cfg.cache_size * cfg.share_floor), 4096) if cfg.shared_cache else None
+        # --shared-cache: units cut for the smallest share a dataset may get (a 32nd of
+        # the budget when the floor is smaller: units of a few KiB would cost more)
+        basis = (max(int(cfg.cache_size * cfg.share_floor), cfg.cache_size // 32, 4096)
+                 if cfg.shared_cache else None)
         self.writer = ChunkWriter(cfg, self.index, self.logs, self.policy, self.memtier,
                                   self.counters, unit_basis=basis)
         if cfg.debug_invariants:

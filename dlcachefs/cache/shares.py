@@ -243,6 +243,9 @@ class ShareKeeper:
             except (OSError, DlcError) as e:
                 self.errors += 1
                 log.warning("shared cache round failed: %s", e)
+            except Exception:  # noqa: BLE001 - never the end of the mount; say where
+                self.errors += 1
+                log.exception("shared cache round failed")
             await trio.sleep(self.cfg.share_interval)
 
     async def round(self) -> None:

@@ -162,6 +162,9 @@ class Ledger:
         if doc.get("version") != FORMAT or not isinstance(doc.get("datasets"), dict):
             raise DlcError(f"shared cache ledger {self.path}: unknown format "
                            f"{doc.get('version')!r}")
+        if not all(isinstance(e, dict) for e in doc["datasets"].values()):
+            raise DlcError(f"shared cache ledger {self.path}: an entry is not an object; "
+                           "remove the file (the running mounts write it again)")
         return doc
 
     def _write(self, doc: dict[str, Any]) -> None:
@@ -181,7 +184,13 @@ class Ledger:
         but cheap stat calls."""
         with self.locked():
             doc = self.read()
-            out = fn(doc)
+            try:
+                out = fn(doc)
+            except (TypeError, ValueError, KeyError, AttributeError) as e:
+                # the file is input: another version's or a hand-edited entry
+                raise DlcError(f"shared cache ledger {self.path} has a malformed entry "
+                               f"({type(e).__name__}: {e}); remove the file (the running "
+                               "mounts write it again)") from None
             try:
                 self._write(doc)
             except OSError as e:
