@@ -304,3 +304,20 @@ def test_set_limit_evicts_before_the_account_is_held_to_the_smaller_limit(
         assert w.limit == 200_000
 
     run_engine(cfg, body)
+
+
+def test_metrics_of_a_shared_root():
+    from dlcachefs.admin.metrics import families  # noqa: PLC0415
+
+    st = {"cache_limit_bytes": 100, "chunk_bytes": 50, "cache_account_bytes": 50,
+          "shared": {"budget_bytes": 300, "limit_bytes": 100, "target_bytes": 120,
+                     "cost_s_per_mib": None, "crf": 1.5,
+                     "datasets": {"a": {"limit": 100, "used": 50, "target": 120},
+                                  "b": {"limit": 200, "used": 10, "target": None}}}}
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for fam in families(st) for s in fam.samples}
+    assert got[("dlcachefs_shared_budget_bytes", ())] == 300
+    assert got[("dlcachefs_cache_account_bytes", ())] == 50
+    assert ("dlcachefs_shared_cost_s_per_mib", ()) not in got  # not measured yet
+    assert got[("dlcachefs_shared_dataset_limit_bytes", (("dataset", "b"),))] == 200
+    assert ("dlcachefs_shared_dataset_target_bytes", (("dataset", "b"),)) not in got

@@ -23,7 +23,9 @@ positions, the source latency histogram, cache fill, errors by kind, and the pee
 (``--peers``: the ``peers`` section, :meth:`dlcachefs.peers.tier.PeerTier.stats`): its
 counts as ``dlcachefs_peers_<key>_total`` (queue sizes as gauges), and per memcached
 server ``dlcachefs_peer_<key>_total{server}`` (hits, misses, errors, marked_down, ...),
-``dlcachefs_peer_up{server}`` and ``dlcachefs_peer_down_seconds_total{server}``.
+``dlcachefs_peer_up{server}`` and ``dlcachefs_peer_down_seconds_total{server}``; and a
+shared root's share (``--shared-cache``: the ``shared`` section) as
+``dlcachefs_shared_<key>`` gauges and ``dlcachefs_shared_dataset_*_bytes{dataset}``.
 """
 
 from __future__ import annotations
@@ -138,6 +140,35 @@ def families(st: dict) -> Iterator:
     peers = st.get("peers")
     if isinstance(peers, dict):
         yield from peer_families(peers)
+
+    shared = st.get("shared")
+    if isinstance(shared, dict):
+        yield from shared_families(shared)
+
+
+#: numbers of the ``shared`` section (``--shared-cache``), exported as
+#: ``dlcachefs_shared_<key>`` gauges; every dataset of the root as
+#: ``dlcachefs_shared_dataset_{limit,used,target}_bytes{dataset}``
+SHARED_GAUGES = ("budget_bytes", "limit_bytes", "target_bytes", "demand_bytes", "crf",
+                 "cost_s_per_mib", "source_bytes_per_s", "source_latency_s")
+
+
+def shared_families(shared: dict) -> Iterator:
+    """The metric families of a shared root's section (:class:`dlcachefs.cache.shares.ShareKeeper`)."""
+    for key in SHARED_GAUGES:
+        x = _num(shared.get(key))
+        if x is not None:
+            yield GaugeMetricFamily(PREFIX + "shared_" + key, f"stats: shared.{key}", value=x)
+    per = {k: GaugeMetricFamily(PREFIX + f"shared_dataset_{k}_bytes",
+                                f"every dataset of the shared root: its {k} bytes",
+                                labels=["dataset"]) for k in ("limit", "used", "target")}
+    for ds, e in sorted((shared.get("datasets") or {}).items()):
+        if not isinstance(e, dict):
+            continue
+        for k, g in per.items():
+            if _num(e.get(k)) is not None:
+                g.add_metric([ds], float(e[k]))
+    yield from per.values()
 
 
 def peer_families(peers: dict) -> Iterator:

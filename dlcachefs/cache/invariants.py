@@ -19,7 +19,8 @@ from dlcachefs.store.logs import LogStore
 
 
 def check_cache(writer: ChunkWriter, index: Index, logs: LogStore, cap: int) -> list[str]:
-    """Violated invariants of the cache (empty when all hold); ``cap`` is --cache-size."""
+    """Violated invariants of the cache (empty when all hold); ``cap`` is the writer's
+    limit (--cache-size, or a shared root's share: :attr:`ChunkWriter.limit`)."""
     w = writer
     out: list[str] = []
     if w.used - w.doomed_bytes + w.pending_bytes > cap:

@@ -28,12 +28,17 @@ writer is the one owner of the account, for every policy and for the reordered l
   :mod:`dlcachefs.clairvoyance.reorder`: a planned chunk's full length from its first claimed slot
   until it is indexed or given up), :meth:`try_reserve` / :meth:`unreserve`.
 
-Rule A, at every point of the trio loop: ``used - doomed + pending <= cache_size``. A
+The limit is ``--cache-size``, or with ``--shared-cache`` this dataset's share of the
+root's budget (:attr:`ChunkWriter.limit`, moved at run time only by :meth:`set_limit`,
+which dooms victims before it holds the account to a smaller limit; see
+:mod:`dlcachefs.cache.shares`).
+
+Rule A, at every point of the trio loop: ``used - doomed + pending <= limit``. A
 charge that does not fit dooms victims of the policy first (pinned, protected and doomed
 chunks excluded), all or nothing; if they are not enough the record is not cached (it is
 served all the same). Rule B: every commit runs under the writer's limiter (the
 reorderer's too) and drops every chunk doomed so far, so after each commit the index's
-``chunk_bytes`` <= ``cache_size`` (the new chunks were in ``pending``, the dropped ones in
+``chunk_bytes`` <= ``limit`` (the new chunks were in ``pending``, the dropped ones in
 ``doomed``). A unit never exceeds :attr:`max_unit` (half the cache): a policy's package
 larger than that is cut, and ``--chunk-size`` chunks to an eighth of a small cache
 (:attr:`chunk_target`); one record larger than the whole cache is not cached. The disk holds a seal's new bytes shortly before its victims' holes are punched
