@@ -25,7 +25,7 @@ from dlcachefs.cache.shares import allocate, decayed
 from dlcachefs.mountctl import MountError
 from dlcachefs.store import ledger as L
 from dlcachefs.store import schema as S
-from dlcachefs.testing.mounting import DLCACHEFS, Mount, drop_page_cache
+from dlcachefs.testing.mounting import DLCACHEFS, STALE_MOUNT, Mount, drop_page_cache
 
 KIB = 1024
 BUDGET = 1536 * KIB
@@ -321,3 +321,66 @@ def test_metrics_of_a_shared_root():
     assert ("dlcachefs_shared_cost_s_per_mib", ()) not in got  # not measured yet
     assert got[("dlcachefs_shared_dataset_limit_bytes", (("dataset", "b"),))] == 200
     assert ("dlcachefs_shared_dataset_target_bytes", (("dataset", "b"),)) not in got
+
+
+@requires_fuse
+@pytest.mark.daemon_log_allows(STALE_MOUNT)
+def test_a_killed_daemons_bytes_count_until_remounted_or_removed(tmp_path, mount):
+    """kill -9 one of two daemons: the other sees its entry dead, its limit still counted
+    (it cannot grow into those bytes); the dataset mounted again takes its entry over
+    with what its cache holds; unmounted and its directory removed, the space is free."""
+    import shutil  # noqa: PLC0415
+
+    srcs = {ds: tmp_path / f"src_{ds}" for ds in ("a", "b")}
+    files = {}
+    for k, (ds, src) in enumerate(srcs.items()):
+        src.mkdir()
+        files[ds] = _tree(src, 10 + k)
+    root = tmp_path / "root"
+    led = L.Ledger(str(root))
+    a = mount(srcs["a"], *_shared_args("a"), name="ma", cache=root)
+    wrong: list[str] = []
+    _read_all(a.mnt, files["a"], wrong)
+    a.wait_stats(lambda st: st["chunk_bytes"] > BUDGET // 2, "a fills its share")
+    b = mount(srcs["b"], *_shared_args("b"), name="mb", cache=root)
+    _read_all(b.mnt, files["b"], wrong)
+    b.wait_stats(lambda st: st["shared"]["datasets"].get("a", {}).get("state") == "live")
+    # one budget per root: a mount with another --cache-size is refused while these run
+    other = Mount(srcs["b"], tmp_path / "mc", root,
+                  *_shared_args("c"), "--cache-size", str(2 * BUDGET))
+    with pytest.raises(MountError, match="give the same --cache-size"):
+        other.start()
+    other.cleanup()
+    a.kill9()
+    st = b.wait_stats(lambda st: st["shared"]["datasets"]["a"]["state"] == "dead",
+                      "b sees a's daemon dead")
+    dead_limit = st["shared"]["datasets"]["a"]["limit"]
+    assert dead_limit > 0
+    for _ in range(3):  # b keeps reading; it never grows into the dead dataset's bytes
+        drop_page_cache()
+        _read_all(b.mnt, files["b"], wrong)
+        with led.locked():
+            doc = led.read()
+            sb = b.stats()
+        assert doc["datasets"]["a"]["limit"] == dead_limit
+        assert sb["cache_limit_bytes"] + dead_limit <= BUDGET
+        assert L.counted(doc) <= BUDGET
+    # mounted again: the entry is live again, counting what a's cache holds (<= its limit)
+    a2 = mount(srcs["a"], *_shared_args("a"), name="ma", cache=root)
+    st = a2.stats()
+    assert st["shared"]["datasets"]["a"]["state"] == "live"
+    assert st["chunk_bytes"] <= dead_limit
+    drop_page_cache()
+    _read_all(a2.mnt, files["a"], wrong)  # the cache a crash left serves exact bytes
+    a2.umount()
+    stopped = b.wait_stats(lambda st: st["shared"]["datasets"]["a"]["state"] == "stopped")
+    e = stopped["shared"]["datasets"]["a"]
+    assert e["limit"] == e["used"] > 0  # a clean stop counts exactly what it keeps
+    before = stopped["cache_limit_bytes"]
+    shutil.rmtree(root / "datasets" / "a")  # the dataset given up: its bytes are free
+    st = b.wait_stats(lambda st: "a" not in st["shared"]["datasets"]
+                      and st["cache_limit_bytes"] > before, "b grows into a's space")
+    assert st["cache_limit_bytes"] <= BUDGET
+    drop_page_cache()
+    _read_all(b.mnt, files["b"], wrong)
+    assert not wrong, wrong[:5]
