@@ -303,7 +303,7 @@ class ScanAhead:
         t.pending_opens = []
         t.state = "scanning"
         n = len(inos)
-        margin = eng.cfg.cache_size // 8
+        margin = eng.writer.limit // 8  # --cache-size, or a shared root's share
         slots = trio.Semaphore(self.concurrency)
         cursor = (t.last_pos + 1) % n if n else 0
         left_before = 0  # left_out when the last file was fetched

@@ -190,7 +190,7 @@ class NextEpochLog:
         # samples); the reservations keep the limit whatever this estimate says
         w = eng.writer
         ranks = max(1, ranks)
-        cap = max((cfg.cache_size - 2 * w.chunk_target) // ranks, w.chunk_target)
+        cap = max((w.limit - 2 * w.chunk_target) // ranks, w.chunk_target)  # limit: the share
         max_bytes = cap if max_bytes is None else min(max_bytes, cap)
         self.chunks, self.slots = await trio.to_thread.run_sync(
             plan_layout, eng.index, order_inos, w.chunk_target, cfg.max_cached_file,

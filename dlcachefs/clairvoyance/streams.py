@@ -419,7 +419,8 @@ class StreamManager:
         s.mode, s.reason = _mode(spec, s.replayer, epoch, len(samples), s)
         # partial caching the LCache way needs the next epoch's log; without a known next
         # order the cache is filled the ordinary way, by the policy's admission
-        s.memory_prefetch = (2 * need > self.engine.cfg.cache_size and self.engine.cfg.reorder
+        # the writer's limit: --cache-size, or a shared root's share (cache.shares)
+        s.memory_prefetch = (2 * need > self.engine.writer.limit and self.engine.cfg.reorder
                              and nxt_first is not None)
         s.dataset, s.samples, s.epoch, s.order = dataset, samples, epoch, order
         s.positions, s.consumed = positions, consumed
@@ -472,7 +473,7 @@ class StreamManager:
         # (the current log is released chunk by chunk as it is consumed, so the two fit);
         # the rest is prefetched from the source in order, into memory, when it runs.
         cfg = self.engine.cfg
-        budget = max(cfg.cache_size - 2 * cfg.chunk_size, cfg.chunk_size) \
+        budget = max(self.engine.writer.limit - 2 * cfg.chunk_size, cfg.chunk_size) \
             if s.memory_prefetch else None
         order = await trio.to_thread.run_sync(s.replayer.order, epoch + 1)
         nl = NextEpochLog(self.engine, s.key, epoch + 1)
