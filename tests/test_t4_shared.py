@@ -384,3 +384,10 @@ def test_a_killed_daemons_bytes_count_until_remounted_or_removed(tmp_path, mount
     drop_page_cache()
     _read_all(b.mnt, files["b"], wrong)
     assert not wrong, wrong[:5]
+
+
+def test_verify_points_at_a_roots_datasets(tmp_path):
+    (tmp_path / "root" / "datasets" / "imagenet").mkdir(parents=True)
+    r = _cli("verify", "--cache-dir", str(tmp_path / "root"))
+    assert r.returncode == 2 and "is a shared cache root" in r.stderr, r.stderr
+    assert str(tmp_path / "root" / "datasets" / "imagenet") in r.stderr

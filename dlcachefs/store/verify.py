@@ -75,6 +75,16 @@ def verify(cache_dir: str, repair: bool) -> dict:
 
 
 def cmd_verify(cache_dir: str, repair: bool, as_json: bool) -> int:
+    import os  # noqa: PLC0415
+
+    datasets = os.path.join(cache_dir, "datasets")
+    if os.path.isdir(datasets) and not os.path.exists(os.path.join(cache_dir, "meta.lmdb")):
+        # a shared root (--shared-cache): each dataset's cache is checked on its own
+        names = sorted(os.listdir(datasets))
+        print(f"dlcachefs verify: {cache_dir} is a shared cache root; verify each dataset: "
+              + ", ".join(f"--cache-dir {os.path.join(datasets, n)}" for n in names[:10])
+              + (" ..." if len(names) > 10 else ""), file=sys.stderr)
+        return 2
     lock = CacheLock(cache_dir)
     try:
         lock.acquire("(dlcachefs verify)")
