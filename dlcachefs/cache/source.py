@@ -15,10 +15,13 @@ import stat as stat_mod
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from dlcachefs.errors import DlcError, NotFound, OutsideSource, SourceChanged, SourceError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,27 +134,24 @@ class LocalSource:
     def lstat(self, rel: bytes) -> os.stat_result:
         if not rel:
             return os.lstat(self.root)
-        dirs, name = self._split(rel)
-        dfd = self._open_dir(dirs, rel)
-        try:
-            return os.stat(name, dir_fd=dfd, follow_symlinks=False)
-        except FileNotFoundError as e:
-            raise NotFound(f"vanished from the source: {os.fsdecode(rel)}") from e
-        except OSError as e:
-            raise SourceError(f"lstat {os.fsdecode(rel)}: {e.strerror}", e.errno) from e
-        finally:
-            os.close(dfd)
+        return self._at(rel, "lstat",
+                        lambda name, dfd: os.stat(name, dir_fd=dfd, follow_symlinks=False))
 
     def readlink(self, rel: bytes) -> bytes:
         """The target of symlink ``rel`` (as stored; never resolved)."""
+        return self._at(rel, "readlink", lambda name, dfd: os.readlink(name, dir_fd=dfd))
+
+    def _at(self, rel: bytes, what: str, fn: Callable[[bytes, int], T]) -> T:
+        """``fn(name, parent_fd)`` for the last component of ``rel``, its parent walked
+        beneath the root (:meth:`_open_dir`); errors mapped as every call here maps them."""
         dirs, name = self._split(rel)
         dfd = self._open_dir(dirs, rel)
         try:
-            return os.readlink(name, dir_fd=dfd)
+            return fn(name, dfd)
         except FileNotFoundError as e:
             raise NotFound(f"vanished from the source: {os.fsdecode(rel)}") from e
         except OSError as e:
-            raise SourceError(f"readlink {os.fsdecode(rel)}: {e.strerror}", e.errno) from e
+            raise SourceError(f"{what} {os.fsdecode(rel)}: {e.strerror}", e.errno) from e
         finally:
             os.close(dfd)
 
