@@ -40,7 +40,8 @@ import tempfile
 import threading
 import time
 
-from dlcachefs.testing.memcached import Memcached, memcached_available
+from dlcachefs.testing.memcached import cluster as memcached_cluster
+from dlcachefs.testing.memcached import memcached_available
 
 from .dlcmount import DlcMount
 from .readers import read_all
@@ -180,11 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         with the_remote(a, a.data, work) as remote_mnt:
             doc["configs"].append(run_config("independent", remote_mnt, work, rels, expected,
                                              a, None))
-            with contextlib.ExitStack() as stack:
-                servers = [stack.enter_context(Memcached(os.path.join(work, "mc"),
-                                                         memory_mb=256, item_mb=8,
-                                                         ext_mb=1024))
-                           for _ in range(NODES)]
+            with memcached_cluster(NODES, os.path.join(work, "mc"), memory_mb=256,
+                                   item_mb=8, ext_mb=1024) as servers:
                 doc["configs"].append(run_config("peers", remote_mnt, work, rels, expected,
                                                  a, [s.address for s in servers]))
     finally:

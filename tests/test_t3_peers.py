@@ -23,7 +23,7 @@ from dlcachefs.testing.fakes import (  # noqa: E402
     run_engine,
     write_tree,
 )
-from dlcachefs.testing.memcached import Memcached, memcached_available  # noqa: E402
+from dlcachefs.testing.memcached import Memcached, cluster, memcached_available  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not memcached_available(), reason="needs memcached")
 
@@ -34,14 +34,8 @@ def _tree(n: int = 40) -> dict[bytes, bytes]:
 
 @pytest.fixture
 def servers(tmp_path):
-    ms = [Memcached(tmp_path / "mc") for _ in range(3)]
-    try:
-        for m in ms:
-            m.start()
+    with cluster(3, tmp_path / "mc") as ms:
         yield ms
-    finally:
-        for m in ms:
-            m.stop()
 
 
 def _read_everything(files, cfg, src, drain=True):

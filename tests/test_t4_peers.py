@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 from conftest import requires_fuse
 
-from dlcachefs.testing.memcached import Memcached, memcached_available
+from dlcachefs.testing.memcached import cluster as memcached_cluster
+from dlcachefs.testing.memcached import memcached_available
 
 pymemcache = pytest.importorskip("pymemcache")
 
@@ -47,14 +48,8 @@ def make_tree(root: Path, n: int = 150, seed: int = 7) -> list[Path]:
 
 @pytest.fixture
 def servers(tmp_path):
-    ms = [Memcached(tmp_path / "memcached") for _ in range(NODES)]
-    try:
-        for m in ms:
-            m.start()
+    with memcached_cluster(NODES, tmp_path / "memcached") as ms:
         yield ms
-    finally:
-        for m in ms:
-            m.stop()
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Real memcached servers for tests and benchmarks of the peer tier: :class:`Memcached`
 starts one on 127.0.0.1 at a free port, with extstore on a file of its own, and always
-stops it (only the process it started, by its pid)."""
+stops it (only the process it started, by its pid); :func:`cluster` starts several."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -119,3 +121,18 @@ class Memcached:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextmanager
+def cluster(n: int, workdir: str | os.PathLike, **kw: int) -> Iterator[list[Memcached]]:
+    """``n`` memcached servers (:class:`Memcached` options in ``kw``), started on the way
+    in; every one started is stopped on the way out, even when a later one failed to
+    start."""
+    ms = [Memcached(workdir, **kw) for _ in range(n)]
+    try:
+        for m in ms:
+            m.start()
+        yield ms
+    finally:
+        for m in ms:
+            m.stop()
