@@ -338,3 +338,72 @@ def test_a_hung_server_costs_its_timeout_once_and_no_client_error(make_cluster, 
     assert sv["state"] == "down" and sv["marked_down"] == 1 and sv["hits"] == 0
     assert st["bytes_from_source"] == total(shares[victim.address])
     assert st["bytes_from_peers"] == total(files) - total(shares[victim.address])
+
+
+def flush_tier(servers) -> None:
+    """Empty every server (the cluster lost its copies: restarts, memcached's own LRU)."""
+    from pymemcache.client.base import Client  # noqa: PLC0415
+    for m in servers:
+        c = Client(("127.0.0.1", m.port), default_noreply=False)
+        try:
+            assert c.flush_all(noreply=False)
+        finally:
+            c.close()
+
+
+def test_an_evicted_file_the_tier_lost_is_pushed_to_its_owner_first(tmp_path, mount, servers):
+    """Lobster 4.4, keep the last copy in the cluster: node a (a cache smaller than the
+    dataset) reads the first files, then the tier loses them (flushed), then a reads the
+    rest, which evicts the first files from its cache. Before their bytes are dropped they
+    are stored at their owners (a touch finds nothing there, an add pushes them), so node
+    b reads them from the tier: nothing of them leaves the source a second time."""
+    src = tmp_path / "src"
+    files = make_tree(src)
+    first, rest = files[:30], files[30:]
+    assert total(first) < 1_500_000 and total(rest) > 3 * 2_000_000 // 2
+    peers = ",".join(m.address for m in servers)
+    common = ("--peers", peers, "--peer-item-max", "8M", "--peer-timeout", "2",
+              "--scan-ahead", "0")
+    a = mount(src, *common, "--cache-size", "2M", "--chunk-size", "128K", name="mnta",
+              cache=tmp_path / "cachea")
+    read_exact(a, src, first)
+    drained(a)
+    flush_tier(servers)
+    read_exact(a, src, rest)
+    st = a.wait_stats(lambda st: st["chunks_evicted"] > 0
+                      and st["peers"]["keep_offered"] + st["peers"]["keep_unread"] >= len(first)
+                      and st["peers"]["store_pending"] == 0, "evicted files not kept")
+    pa = st["peers"]
+    assert pa["keep_unread"] == 0 and pa["keep_dropped"] == 0
+    assert pa["keep_pushed"] >= len(first)  # the tier had lost them: pushed, not touched
+    assert pa["keep_held"] > 0  # files of `rest` evicted too: their owners held them
+    assert st["bytes_from_source"] == total(files)
+    b = mount(src, *common, name="mntb", cache=tmp_path / "cacheb")
+    read_exact(b, src, first)
+    sb = b.stats()
+    assert sb["bytes_from_source"] == 0, "an evicted file vanished from the cluster"
+    assert sb["bytes_from_peers"] == total(first)
+
+
+def test_control_evicted_files_lost_again_come_from_the_source(tmp_path, mount, servers):
+    """The control of the test above (its setup does tell where b's bytes come from):
+    the same run with the tier flushed again after a kept its evicted files sends b to
+    the source for all of them; the bytes are exact either way."""
+    src = tmp_path / "src"
+    files = make_tree(src)
+    first, rest = files[:30], files[30:]
+    peers = ",".join(m.address for m in servers)
+    common = ("--peers", peers, "--peer-item-max", "8M", "--peer-timeout", "2",
+              "--scan-ahead", "0")
+    a = mount(src, *common, "--cache-size", "2M", "--chunk-size", "128K", name="mnta",
+              cache=tmp_path / "cachea")
+    read_exact(a, src, first)
+    drained(a)
+    flush_tier(servers)
+    read_exact(a, src, rest)
+    a.wait_stats(lambda st: st["peers"]["keep_offered"] >= len(first)
+                 and st["peers"]["store_pending"] == 0, "evicted files not kept")
+    flush_tier(servers)
+    b = mount(src, *common, name="mntb", cache=tmp_path / "cacheb")
+    read_exact(b, src, first)
+    assert b.stats()["bytes_from_source"] == total(first)

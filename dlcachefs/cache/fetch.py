@@ -272,7 +272,7 @@ class Fetcher(TaskOwner):
         finally:
             slot.drop()
         self.counters.bytes_from_source += len(data)
-        peers.store_later(rel, ident, data, got)
+        peers.store_later(rel, ident, data, got, ino=e.ino)
         return data, ident
 
     async def _fetch_now(self, e: Entry, cache: bool = True) -> tuple[bytes, Entry]:

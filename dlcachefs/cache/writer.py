@@ -44,6 +44,16 @@ larger than that is cut, and ``--chunk-size`` chunks to an eighth of a small cac
 (:attr:`chunk_target`); one record larger than the whole cache is not cached. The disk holds a seal's new bytes shortly before its victims' holes are punched
 (crash order above); the account is of the index.
 
+Keep the last copy in the cluster (``--peers``, Lobster 4.4): with a
+:attr:`ChunkWriter.keeper` (the peer tier), the commit that drops victims first reads
+their current records back from the log (in the same thread, before the index forgets
+them and their holes are punched), at most :meth:`LastCopyKeeper.room` bytes of them, and
+hands them to the keeper on the loop once the commit returned; the keeper makes sure each
+one's owner holds it, in the background. So a file this node evicts does not vanish from
+the cluster when the tier lost it meanwhile (its server restarted, memcached evicted or
+expired it). Records past the room are counted, not read: a copy lost that way costs a
+remote read later, never a reader's error. No keeper: nothing is read.
+
 Concurrency: every attribute is owned by the trio loop. The blocking commit runs in a
 thread under a limiter of one, so appends to the active log are serial. Records waiting
 to be sealed stay readable from :attr:`pending`.
@@ -57,7 +67,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import trio
 
@@ -72,7 +82,10 @@ from dlcachefs.store.chunkfmt import (
     CHUNK_HEADER_SIZE,
     RECORD_HEADER_SIZE,
     RecordIn,
+    checksum,
+    decode_chunk_header,
     encode_chunk_parts,
+    iter_records,
 )
 from dlcachefs.store.index import Index
 from dlcachefs.store.logs import LogStore
@@ -108,6 +121,22 @@ class Pending:
         return self.encoded_len + CHUNK_HEADER_SIZE
 
 
+#: (inode, relative path, identity, bytes) of a record read back before its eviction
+Evicted = tuple[int, bytes, Identity, bytes]
+
+
+class LastCopyKeeper(Protocol):
+    """Who keeps evicted records in the cluster (the peer tier; see the module doc).
+    Both on the trio loop, neither blocks."""
+
+    def room(self) -> int:
+        """Bytes of evicted records it accepts now (0: none; they are not read)."""
+
+    def keep(self, records: list[Evicted], unread: int) -> None:
+        """Make sure each record's owner holds it, in the background; ``unread``: the
+        current records of the victims left unread for lack of room (counted)."""
+
+
 @dataclass(slots=True)
 class _Result:
     written: tuple[int, int, int] | None = None  # (log id, offset, length)
@@ -116,6 +145,8 @@ class _Result:
     evicted: list[Chunk] = field(default_factory=list)
     error: OSError | None = None
     disk_free: int = 0
+    kept: list[Evicted] = field(default_factory=list)  # victims' records read back
+    unread: int = 0  # victims' current records not read back (no room)
 
 
 class ChunkWriter:
@@ -161,6 +192,8 @@ class ChunkWriter:
         self.commits = 0  # commits in flight (index counters may be ahead of the mirror)
         #: called on the loop after every commit, under the limiter (--debug-invariants)
         self.after_commit: Callable[[], None] | None = None
+        #: keeps victims' records in the cluster (``--peers``; the module docstring)
+        self.keeper: LastCopyKeeper | None = None
         self.backoff_until = 0.0
         self.disk_free = _free_bytes(cfg.cache_dir)
         self._limiter = trio.CapacityLimiter(1)
@@ -397,8 +430,16 @@ class ChunkWriter:
         """Every doomed chunk, for the commit about to run (under the limiter)."""
         return list(self.doomed)
 
+    def _keep_room(self, victims: list[int]) -> int:
+        """Bytes of the victims' records the commit may read back for the keeper."""
+        if self.keeper is None or not victims:
+            return 0
+        return max(0, self.keeper.room())
+
     def _committed(self, res: _Result, victims: list[int], added: int) -> None:
         """Loop bookkeeping of a commit that returned: the mirror follows the index."""
+        if self.keeper is not None and (res.kept or res.unread):
+            self.keeper.keep(res.kept, res.unread)
         self.used += added - sum(c.length for c in res.evicted)
         for v in victims:
             n = self.doomed.pop(v, None)
@@ -442,7 +483,8 @@ class ChunkWriter:
             return
         self.commits += 1
         try:  # on an error they stay doomed (not served) for the next commit to drop
-            res = await trio.to_thread.run_sync(self._commit, 0, [], victims, set(), None)
+            res = await trio.to_thread.run_sync(self._commit, 0, [], victims, set(), None,
+                                                self._keep_room(victims))
         finally:
             self.commits -= 1
         self._committed(res, victims, 0)
@@ -580,7 +622,8 @@ class ChunkWriter:
             if write and self.logs.needs_new_log(new_len):  # no commit runs now: safe to read
                 new_log = self.reserve_log_id()
             res = await trio.to_thread.run_sync(self._commit, cid, groups if write else [],
-                                                victims, drops, new_log)
+                                                victims, drops, new_log,
+                                                self._keep_room(victims))
         finally:
             self.committing = False
             self.commits -= 1
@@ -647,10 +690,13 @@ class ChunkWriter:
     # ----- worker thread -------------------------------------------------------------
 
     def _commit(self, cid: int, groups: list[list[Pending]], victims: list[int],
-                drops: set[int], new_log: int | None) -> _Result:
+                drops: set[int], new_log: int | None, keep_room: int = 0) -> _Result:
         """Thread: the groups as consecutive chunks ``cid, cid+1, ...`` in ONE append (one
-        fdatasync), then one LMDB transaction indexes them and drops the victims."""
+        fdatasync), then one LMDB transaction indexes them and drops the victims (whose
+        current records are read back first, up to ``keep_room`` bytes, for the keeper)."""
         res = _Result()
+        if keep_room > 0:
+            res.kept, res.unread = self._read_victims(victims, drops, keep_room)
         encoded = []
         for k, g in enumerate(groups):
             encoded.append(encode_chunk_parts(cid + k, [
@@ -689,6 +735,41 @@ class ChunkWriter:
             self.logs.release(c.log_id, c.offset, c.length)
         res.disk_free = _free_bytes(self.cfg.cache_dir)
         return res
+
+
+    def _read_victims(self, victims: list[int], drops: set[int], room: int
+                      ) -> tuple[list[Evicted], int]:
+        """Thread (the commit's, before it drops them): the victims' records that the
+        index still serves from them, checked, up to ``room`` bytes; and how many such
+        records were left unread. A chunk that cannot be read is skipped (its records
+        are then not kept: speed, never an error)."""
+        kept: list[Evicted] = []
+        unread = 0
+        for chunk_id in victims:
+            c = self.index.get_chunk(chunk_id)
+            if c is None:
+                continue
+            try:
+                buf = memoryview(self.logs.read(c.log_id, c.offset, c.length))
+                header = decode_chunk_header(buf)
+                metas = list(iter_records(buf, header))
+            except Exception as e:  # noqa: BLE001 - a damaged victim is dropped anyway
+                log.debug("eviction: chunk %d not read back: %r", chunk_id, e)
+                continue
+            for m in metas:
+                rec = self.index.get_record(m.ino)
+                if m.ino in drops or rec is None or rec.chunk_id != chunk_id:
+                    continue  # stale, dropped, or served from elsewhere: not the last copy
+                if m.size > room:
+                    unread += 1
+                    continue
+                data = buf[m.data_offset:m.data_offset + m.size]
+                if checksum(data) != m.data_xxh:
+                    continue
+                room -= m.size
+                kept.append((m.ino, bytes(m.key), Identity(m.size, m.mtime_ns, m.src_ino),
+                             bytes(data)))
+        return kept, unread
 
 
 def _units(records: list[Pending], max_unit: int | None = None) -> list[list[Pending]]:

@@ -170,14 +170,15 @@ class Servers:
             return "bad", e.reason
 
     def store(self, name: str, ck: ContentKey, data: bytes | memoryview | None,
-              lease: bool) -> bool:
-        """Store ``data`` under ``ck`` on ``name`` (None: store nothing), then drop the
-        lease on it if this caller held it. True if a value was stored."""
+              lease: bool, expire: int = 0) -> bool:
+        """Store ``data`` under ``ck`` on ``name`` (None: store nothing), expiring after
+        ``expire`` seconds (0: never), then drop the lease on it if this caller held it.
+        True if a value was stored."""
         stored = False
         if data is not None:
             try:
-                stored = bool(self._call(name, "set", ck.key, encode(ck, data), expire=0,
-                                         noreply=False))
+                stored = bool(self._call(name, "set", ck.key, encode(ck, data),
+                                         expire=expire, noreply=False))
             except ServerError:
                 # refused (too large, out of memory): the lease still goes, else the other
                 # nodes wait --peer-lease for this file. (A server down: its leases go with
@@ -188,6 +189,18 @@ class Servers:
         if lease:
             self._call(name, "delete", ck.lease, noreply=False)
         return stored
+
+    def keep(self, name: str, ck: ContentKey, data: bytes | memoryview, expire: int
+             ) -> str:
+        """Make sure ``name`` holds ``ck`` (a record about to be evicted here): a ``touch``
+        first (the value stays, its expiry becomes ``expire``), and only when it has no
+        value an ``add`` of ``data`` (never replaces a value stored meanwhile). ``"held"``
+        or ``"pushed"``."""
+        if self._call(name, "touch", ck.key, expire=expire, noreply=False):
+            return "held"
+        if self._call(name, "add", ck.key, encode(ck, data), expire=expire, noreply=False):
+            return "pushed"
+        return "held"  # another node stored it between the two calls
 
     def probe(self, name: str) -> None:
         """A round trip to ``name`` (raises :class:`ServerDown` if it does not answer)."""

@@ -34,6 +34,23 @@ until a probe in the background finds it up again (every ``--peer-dead-time``). 
 or hung peer costs a reader at most its timeout once; nothing a client sees changes but
 speed.
 
+Keep the last copy in the cluster (Lobster 4.4). The rule: before a local policy's
+victim is dropped, each of its current records is offered to :meth:`PeerTier.keep`
+(the chunk writer reads them back in its commit thread, see
+:mod:`dlcachefs.cache.writer`), which makes sure the record's owner holds it: a
+``touch`` (it holds it: nothing sent, its expiry renewed) and only when it has none an
+``add`` of the bytes (``keep_pushed``), in the background store queue, never on a
+reader's path. Bounded: records are read back only while the queue has room
+(:meth:`room`); the rest are counted (``keep_unread``) and cost a remote read later if
+the cluster had lost them. Usually the owner holds the file (it was stored there when
+fetched) and a touch is all it costs; the push matters when the tier lost the value
+(a server restarted, memcached evicted or expired it) and this node's copy is the last.
+
+Expiry at the last planned use: a value stored or kept gets the expiry
+:attr:`PeerTier.expiry_of` gives for its inode (the engine computes it from the announced
+orders and the loaders' pace, :mod:`dlcachefs.peers.expiry`); 0 (never) when no order
+or pace is known. Counted in ``expiries_set``.
+
 Concurrency rules: the tier's state (which servers are down, the store queue, the
 counters) lives on the trio loop and is touched only there. Every memcached call blocks
 and runs in a worker thread (``trio.to_thread.run_sync``): lookups and polls under
@@ -129,6 +146,13 @@ class TierCounters:
     store_dropped_bytes: int = 0
     lookup_failures: int = 0  # lookups that failed unexpectedly (a bug): read from the source
     store_failures: int = 0  # stores that failed unexpectedly (a bug): not stored
+    keep_offered: int = 0  # evicted records offered to keep the last copy (Lobster 4.4)
+    keep_held: int = 0  # ... whose owner held them already (touched)
+    keep_pushed: int = 0  # ... whose owner did not: stored there
+    keep_pushed_bytes: int = 0
+    keep_dropped: int = 0  # ... not kept: the store queue was full, or no server was up
+    keep_unread: int = 0  # evicted records not read back: no room in the queue
+    expiries_set: int = 0  # values stored or kept with an expiry (a known last use)
 
 
 @dataclass(slots=True)
@@ -169,8 +193,11 @@ class PeerTier:
         self._down: frozenset[str] = frozenset()
         self._down_until: dict[str, float] = {}
         self._back_at: dict[str, float] = {}  # servers found up again, and when
-        # (owner, key, data or None, holds the lease) waiting for a store worker
-        self._queue: deque[tuple[str, ContentKey, bytes | None, bool]] = deque()
+        # (owner, key, data or None, holds the lease, expiry s, a kept evicted record)
+        # waiting for a store worker
+        self._queue: deque[tuple[str, ContentKey, bytes | None, bool, int, bool]] = deque()
+        #: inode -> the memcached expiry (s) of its value, 0: never (set by the engine)
+        self.expiry_of: Callable[[int], int] | None = None
         self.queue_bytes = 0
         self._storing = 0
         self._queued = trio.Event()  # set when the queue gets an item
@@ -379,13 +406,46 @@ class PeerTier:
         return Lookup(value, key=got.key, owner=alt)
 
     def store_later(self, rel: bytes, ident: Identity, data: bytes | memoryview,
-                    got: Lookup | None = None) -> None:
+                    got: Lookup | None = None, ino: int = 0) -> None:
         """Store this version of ``rel``, read from the source, at its owner, in the
-        background; release ``got``'s lease (after the store). Never blocks, never raises."""
-        self._store_key(self.key_of(rel, ident), data, got)
+        background; release ``got``'s lease (after the store). ``ino``: the file's inode,
+        for its expiry (:attr:`expiry_of`). Never blocks, never raises."""
+        self._store_key(self.key_of(rel, ident), data, got, self._expiry(ino))
+
+    def _expiry(self, ino: int) -> int:
+        if self.expiry_of is None or not ino:
+            return 0
+        try:
+            return max(0, int(self.expiry_of(ino)))
+        except Exception:  # noqa: BLE001 - an expiry is a hint: never
+            log.debug("peer tier: no expiry for inode %d", ino, exc_info=True)
+            return 0
+
+    # ----- keeping the last copy (Lobster 4.4; module docstring) ----------------------
+
+    def room(self) -> int:
+        """Bytes of evicted records :meth:`keep` accepts now (the chunk writer reads no
+        more back). Trio loop."""
+        return STORE_QUEUE_BYTES - self.queue_bytes if self._running else 0
+
+    def keep(self, records: list[tuple[int, bytes, Identity, bytes]], unread: int) -> None:
+        """Make sure each evicted record's owner holds it, in the background (touch, else
+        add). Trio loop; never blocks, never raises."""
+        self.counters.keep_unread += unread
+        for ino, rel, ident, data in records:
+            self.counters.keep_offered += 1
+            ck = self.key_of(rel, ident)
+            owner = self.owner(ck)
+            size = value_size(ck)
+            if (owner is None or not fits(ck, self.cfg.peer_item_max) or not self._running
+                    or self.queue_bytes + size > STORE_QUEUE_BYTES):
+                self.counters.keep_dropped += 1
+                continue
+            self.queue_bytes += size
+            self._push((owner, ck, data, False, self._expiry(ino), True))
 
     def _store_key(self, ck: ContentKey, data: bytes | memoryview,
-                   got: Lookup | None) -> None:
+                   got: Lookup | None, expire: int = 0) -> None:
         if got is not None and got.lease and got.key != ck:
             self.release(got)  # the file changed: the lease was on the old version
             got = None
@@ -404,7 +464,7 @@ class PeerTier:
             return
         self.counters.store_queued += 1
         self.queue_bytes += size
-        self._push((owner, ck, bytes(data), lease))
+        self._push((owner, ck, bytes(data), lease, expire, False))
 
     def release(self, got: Lookup | None) -> None:
         """Give up ``got``'s lease (its holder will not store a value): the others stop
@@ -414,9 +474,9 @@ class PeerTier:
         log.debug("lease released without a value on %s", got.key)
         got.lease = False
         if self._running:
-            self._push((got.owner, got.key, None, True))
+            self._push((got.owner, got.key, None, True, 0, False))
 
-    def _push(self, item: tuple[str, ContentKey, bytes | None, bool]) -> None:
+    def _push(self, item: tuple[str, ContentKey, bytes | None, bool, int, bool]) -> None:
         self._queue.append(item)
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         self._queued.set()
@@ -443,10 +503,14 @@ class PeerTier:
                 if self._queued.is_set():  # never replace an event a worker waits on
                     self._queued = trio.Event()
                 await self._queued.wait()
-            owner, ck, data, lease = self._queue.popleft()
+            owner, ck, data, lease, expire, kept = self._queue.popleft()
             self._storing += 1
             try:
-                await self._store(owner, ck, data, lease, limiter)
+                if kept:
+                    assert data is not None
+                    await self._keep(owner, ck, data, expire, limiter)
+                else:
+                    await self._store(owner, ck, data, lease, limiter, expire)
             except Exception:  # noqa: BLE001 - one item's failure must not end the tier
                 self.counters.store_failures += 1
                 if self.counters.store_failures == 1:
@@ -458,8 +522,39 @@ class PeerTier:
                 if not self._queue and not self._storing:
                     self._idle.set()
 
+    async def _keep(self, owner: str, ck: ContentKey, data: bytes, expire: int,
+                    limiter: trio.CapacityLimiter) -> None:
+        if owner in self._down:
+            owner2 = self.owner(ck)  # its keys went to the next server by rendezvous order
+            if owner2 is None:
+                self.counters.keep_dropped += 1
+                return
+            owner = owner2
+        c = self.per_server[owner]
+        try:
+            outcome = await self._in_thread(self.servers.keep, owner, ck, data, expire,
+                                            admit=limiter)
+        except ServerDown as e:
+            self._mark_down(owner, e)
+            self.counters.keep_dropped += 1
+            return
+        except ServerError as e:
+            c.errors += 1
+            self.counters.keep_dropped += 1
+            log.debug("peer %s: keep refused: %s", owner, e)
+            return
+        if expire:
+            self.counters.expiries_set += 1
+        if outcome == "pushed":
+            self.counters.keep_pushed += 1
+            self.counters.keep_pushed_bytes += len(data)
+            c.stored += 1
+            c.stored_bytes += len(data)
+        else:
+            self.counters.keep_held += 1
+
     async def _store(self, owner: str, ck: ContentKey, data: bytes | None, lease: bool,
-                     limiter: trio.CapacityLimiter) -> None:
+                     limiter: trio.CapacityLimiter, expire: int = 0) -> None:
         if owner in self._down:
             # its holder's owner is down: the lease is gone with it; the value goes to the
             # key's owner now (the next server by rendezvous order)
@@ -470,7 +565,7 @@ class PeerTier:
         c = self.per_server[owner]
         try:
             stored = await self._in_thread(self.servers.store, owner, ck, data, lease,
-                                           admit=limiter)
+                                           expire, admit=limiter)
         except ServerDown as e:
             self._mark_down(owner, e)
             return
@@ -479,6 +574,8 @@ class PeerTier:
             log.debug("peer %s: store refused: %s", owner, e)
             return
         if stored:
+            if expire:
+                self.counters.expiries_set += 1
             c.stored += 1
             c.stored_bytes += len(data or b"")
 
