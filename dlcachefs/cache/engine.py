@@ -161,6 +161,8 @@ class Engine:
         if cfg.peers is not None:
             from dlcachefs.peers.tier import PeerTier  # noqa: PLC0415 - optional dependency
             self.peers = PeerTier(cfg, self.source.root)
+            self.writer.keeper = self.peers  # keep the last copy in the cluster
+            self.peers.expiry_of = self.peer_expiry
         self.fetcher = Fetcher(cfg, self.calls, self.ns, self.writer, self.policy,
                                self.versions, self.backlog, self.counters, self.peers)
         # planned reads of known orders (issue 9): half of --memory, taken from the tier
@@ -295,6 +297,22 @@ class Engine:
         """The mount's control state (:class:`~dlcachefs.clairvoyance.control.ControlState`),
         once the session attached it to :attr:`losses` (None before)."""
         return self.losses.control
+
+    def peer_expiry(self, ino: int) -> int:
+        """The memcached expiry (s, 0: never) of ``ino``'s value in the peer tier: its last
+        planned use over the streams that know their order, plus a margin
+        (:mod:`dlcachefs.peers.expiry`). Trio loop; O(streams)."""
+        from dlcachefs.peers.expiry import expiry_s, planned_use  # noqa: PLC0415 - --peers only
+        uses = []
+        for s in self.streams.streams.values():
+            if not s.order or s.samples is None:
+                continue
+            nxt = s.next_first.next(ino) if s.next_first is not None else None
+            u = planned_use(s.position, s.positions.next(ino), len(s.order), nxt,
+                            s.pace.seconds_per_sample())
+            if u is not None:
+                uses.append(u)
+        return expiry_s(uses)
 
     def stats(self) -> dict:
         """The ``.dlcache/stats`` document (:func:`dlcachefs.cache.stats.stats_document`)."""

@@ -101,6 +101,14 @@ class Pace:
             cur.intra_n += 1
         cur.workers[pid] = (k + 1, start)
 
+    def seconds_per_sample(self) -> float | None:
+        """The stream's wall time per opened sample: the current epoch's span over its
+        opens, else the last complete epoch's; None until two opens were seen."""
+        for ep in (self.cur, self.prev):
+            if ep is not None and ep.opens >= 2 and ep.last > ep.first:
+                return (ep.last - ep.first) / (ep.opens - 1)
+        return None
+
     def stats(self) -> dict:
         """The hints and both epochs' measurements (``current``, ``previous``)."""
         tp = getattr(self.state, "train_pace", None)

@@ -1,0 +1,79 @@
+"""The memcached expiry of a value: its last planned use in the known epochs, plus a
+margin (pure; no I/O).
+
+What is known (issue 12, "with reuse distances known, set the memcached expiry to the
+sample's last planned use"): a stream with an announced order knows, for each sample,
+how many samples ahead of its reader it comes in the current epoch and, once announced,
+in the next one (:class:`PlannedUse`); its loader's pace gives seconds per sample
+(:mod:`dlcachefs.clairvoyance.pace`). The last planned use is the latest of these over
+the mount's streams, in seconds from now.
+
+The margin is two epochs of that stream's pace (and at least :data:`MIN_MARGIN_S`): a
+node knows its own ranks' orders only, and another rank's use of the sample in the next
+epoch (announced at that epoch's start) comes at most two epochs after any point of this
+one; it also absorbs a pace that slows down. Nothing known (no order, no pace, the
+sample in no known order): 0, memcached's "never". memcached reads an expiry over 30 days
+as an absolute Unix time, so a longer one is also 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+#: the least margin past the last planned use (s)
+MIN_MARGIN_S = 300.0
+#: epochs of margin past the last planned use
+MARGIN_EPOCHS = 2.0
+#: memcached takes a larger expiry as an absolute Unix time
+MAX_RELATIVE_S = 30 * 24 * 3600
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedUse:
+    """A sample's last use known to one stream: ``ahead`` samples after the stream's
+    reader position, at ``seconds_per_sample``, in epochs of ``epoch_samples``."""
+
+    ahead: int
+    seconds_per_sample: float
+    epoch_samples: int
+
+
+def expiry_s(uses: Iterable[PlannedUse]) -> int:
+    """Seconds until the value may expire: the latest planned use plus its margin, rounded
+    up; 0 (never) when no use is known or the result would exceed 30 days."""
+    best = 0.0
+    known = False
+    for u in uses:
+        if u.ahead < 0 or not u.seconds_per_sample > 0 or u.epoch_samples <= 0:
+            continue
+        if not math.isfinite(u.seconds_per_sample):
+            continue
+        known = True
+        t = (u.ahead * u.seconds_per_sample
+             + max(MIN_MARGIN_S, MARGIN_EPOCHS * u.epoch_samples * u.seconds_per_sample))
+        best = max(best, t)
+    if not known:
+        return 0
+    secs = math.ceil(best)
+    return secs if 0 < secs <= MAX_RELATIVE_S else 0
+
+
+def planned_use(position: int, current: int | None, epoch_samples: int,
+                next_first: int | None, seconds_per_sample: float | None
+                ) -> PlannedUse | None:
+    """One stream's last known use of a sample: ``current``, its next position in the
+    current epoch (None: not left in it), ``next_first`` its first position in the next
+    epoch (None: not known), the reader at ``position``. A permutation uses a sample once
+    per epoch, so the next epoch's use is the last known one; None when neither is known
+    or the pace is not."""
+    if seconds_per_sample is None or seconds_per_sample <= 0:
+        return None
+    if next_first is not None:
+        ahead = epoch_samples - position + next_first
+    elif current is not None:
+        ahead = current - position
+    else:
+        return None
+    return PlannedUse(max(0, ahead), seconds_per_sample, epoch_samples)
