@@ -14,6 +14,7 @@ pymemcache = pytest.importorskip("pymemcache")
 
 from pymemcache.client.hash import HashClient  # noqa: E402
 
+from dlcachefs.cache.source import Identity  # noqa: E402
 from dlcachefs.peers.servers import Rendezvous  # noqa: E402
 from dlcachefs.peers.valuefmt import content_key, encode  # noqa: E402
 from dlcachefs.testing.fakes import (  # noqa: E402
@@ -610,3 +611,60 @@ def test_a_call_waiting_for_a_thread_does_not_count_the_wait_against_its_server(
     assert got == files[rel]
     st = eng.peers.stats()["servers"][peers[0]]
     assert st["marked_down"] == 0 and st["errors"] == 0 and st["hits"] == 1
+
+
+def _ttl(address: str, key: str) -> int | None:
+    """A value's remaining TTL (memcached's meta get ``t``): -1 never, None no value."""
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(f"mg {key} t\r\n".encode())
+        line = b""
+        while not line.endswith(b"\r\n"):
+            got = s.recv(4096)
+            assert got
+            line += got
+    words = line.decode().split()
+    if words[0] == "EN":
+        return None
+    return int(next(w[1:] for w in words[1:] if w.startswith("t")))
+
+
+def test_the_expiry_the_tier_computes_is_the_one_memcached_gets(tmp_path, servers):
+    """Each stored value gets exactly the expiry ``expiry_of`` gives for its inode (0: a
+    value that never expires); a record kept at eviction whose owner holds it is touched
+    with its own (counted held, not pushed)."""
+    files = _tree(12)
+    write_tree(tmp_path / "src", files)
+    peers = [m.address for m in servers]
+    h = Rendezvous(peers)
+    want: dict[bytes, int] = {}
+
+    async def body(eng):
+        rels = {eng.ns.resolve(rel).ino: rel for rel in files}
+        eng.peers.expiry_of = lambda ino: 0 if ino % 3 == 0 else 5000 + 100 * ino
+        for ino, rel in rels.items():
+            want[rel] = eng.peers.expiry_of(ino)
+            assert await read_all(eng, rel) == files[rel]
+        assert await eng.peers.drain()
+        # an evicted record whose owner holds it: touched with its expiry, not pushed
+        ino, rel = next((i, r) for i, r in rels.items() if i % 3 == 0)
+        e = eng.ns.resolve(rel)
+        eng.peers.expiry_of = lambda _ino: 7777
+        want[rel] = 7777
+        eng.peers.keep([(ino, rel, Identity(e.size, e.mtime_ns, e.src_ino), files[rel])], 0)
+        assert await eng.peers.drain()
+        st = eng.peers.stats()
+        assert (st["keep_offered"], st["keep_held"], st["keep_pushed"]) == (1, 1, 0)
+
+    _, eng = run_engine(_cfg(tmp_path, "a", peers), body, CountingSource(tmp_path / "src"))
+    ns = os.fsencode(os.path.realpath(tmp_path / "src"))
+    for rel, data in files.items():
+        st = os.stat(tmp_path / "src" / os.fsdecode(rel))
+        ck = content_key(ns, rel, len(data), st.st_mtime_ns)
+        ttl = _ttl(h.get_node(ck.key), ck.key)
+        if want[rel] == 0:
+            assert ttl == -1, rel
+        else:  # memcached counts down in whole seconds: a test run is far shorter than 60
+            assert want[rel] - 60 < ttl <= want[rel], (rel, ttl, want[rel])
+    # the stores with an expiry, and the touch
+    assert eng.peers.stats()["expiries_set"] == sum(1 for v in want.values() if v)

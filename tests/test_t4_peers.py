@@ -407,3 +407,66 @@ def test_control_evicted_files_lost_again_come_from_the_source(tmp_path, mount, 
     b = mount(src, *common, name="mntb", cache=tmp_path / "cacheb")
     read_exact(b, src, first)
     assert b.stats()["bytes_from_source"] == total(first)
+
+
+def remaining_ttl(server, key: str) -> int | None:
+    """The value's remaining TTL at ``server`` (meta get ``t``): -1 never expires, None
+    no value."""
+    import socket  # noqa: PLC0415
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+        s.sendall(f"mg {key} t\r\n".encode())
+        line = b""
+        while not line.endswith(b"\r\n"):
+            got = s.recv(4096)
+            assert got, "memcached closed the connection"
+            line += got
+    words = line.decode().split()
+    if words[0] == "EN":
+        return None
+    assert words[0] == "HD", line
+    return int(next(w[1:] for w in words[1:] if w.startswith("t")))
+
+
+def test_values_get_an_expiry_once_an_order_is_announced(tmp_path, mount, servers):
+    """Expiry at the last planned use: a file read before any order is known is stored
+    with no expiry; once the job announced its order (and its reader's pace is measured),
+    the values stored for it expire (a TTL within memcached's relative range), and the
+    stats count them."""
+    from dlcachefs.peers.servers import Rendezvous  # noqa: PLC0415
+    src = tmp_path / "src"
+    files = make_tree(src, n=60)
+    by_name = {s.address: s for s in servers}
+    h = Rendezvous(list(by_name))
+    ns = os.fsencode(os.path.realpath(src))
+
+    def ttl_of(p: Path) -> int | None:
+        st = p.stat()
+        ck = content_key(ns, os.fsencode(p.relative_to(src)), st.st_size, st.st_mtime_ns)
+        return remaining_ttl(by_name[h.get_node(ck.key)], ck.key)
+
+    peers = ",".join(by_name)
+    m = mount(src, "--peers", peers, "--peer-item-max", "8M", "--scan-ahead", "0")
+    # ImageFolder's order: classes sorted, files sorted in each
+    imagefolder = sorted(files, key=lambda p: (p.parent.name, p.name))
+    unannounced = imagefolder[:5]
+    read_exact(m, src, unannounced)
+    drained(m)
+    assert [ttl_of(p) for p in unannounced] == [-1] * 5
+    order = random.Random(3).sample(range(len(files)), len(files))
+    ctl = os.open(m.mnt / ".dlcache" / "control", os.O_WRONLY)
+    try:
+        os.write(ctl, (f"job j\ndataset train\nsampler explicit\norder 0 0 "
+                       f"{' '.join(map(str, order))}\norder 0 end {len(order)}\n"
+                       "epoch 0\n").encode())
+    finally:
+        os.close(ctl)
+    m.wait_stats(lambda st: any(s.get("samples") == len(files)
+                                for s in st["streams"].values()), "order not known")
+    read_exact(m, src, [imagefolder[i] for i in order])
+    st = drained(m)
+    ttls = [ttl_of(p) for p in files if p not in unannounced]
+    assert None not in ttls  # every value is there
+    with_expiry = [t for t in ttls if t != -1]
+    assert with_expiry, "no value got an expiry under a known order"
+    assert all(0 < t <= 30 * 24 * 3600 for t in with_expiry)
+    assert st["peers"]["expiries_set"] == len(with_expiry)

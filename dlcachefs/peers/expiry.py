@@ -54,7 +54,7 @@ def expiry_s(uses: Iterable[PlannedUse]) -> int:
         t = (u.ahead * u.seconds_per_sample
              + max(MIN_MARGIN_S, MARGIN_EPOCHS * u.epoch_samples * u.seconds_per_sample))
         best = max(best, t)
-    if not known:
+    if not known or best > MAX_RELATIVE_S:  # (an overflow to inf included)
         return 0
     secs = math.ceil(best)
     return secs if 0 < secs <= MAX_RELATIVE_S else 0

@@ -1,0 +1,83 @@
+"""Tier 1: the memcached expiry of a peer-tier value (dlcachefs.peers.expiry), computed
+the way the engine does (Positions of the current order with the consumed ones popped,
+the next epoch's first positions, the pace) against a reference that reads the orders
+directly: the last planned use, plus two epochs of pace (at least 300 s), rounded up; 0
+when nothing is known or it is past memcached's 30-day relative limit."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dlcachefs.clairvoyance.streams import Positions
+from dlcachefs.peers.expiry import (
+    MAX_RELATIVE_S,
+    MIN_MARGIN_S,
+    PlannedUse,
+    expiry_s,
+    planned_use,
+)
+
+
+def reference(streams, ino: int) -> int:
+    """Seconds from now to ``ino``'s last planned use over ``streams`` (order, position,
+    next order or None, pace), plus the margin; from the orders themselves."""
+    best = None
+    for order, position, nxt, pace in streams:
+        if pace is None or pace <= 0:
+            continue
+        n = len(order)
+        if nxt is not None and ino in nxt:
+            ahead = n - position + nxt.index(ino)
+        elif ino in order[position:]:
+            ahead = order[position:].index(ino)
+        else:
+            continue
+        t = ahead * pace + max(MIN_MARGIN_S, 2.0 * n * pace)
+        best = t if best is None else max(best, t)
+    if best is None:
+        return 0
+    secs = math.ceil(best)
+    return secs if secs <= MAX_RELATIVE_S else 0
+
+
+@st.composite
+def stream(draw):
+    n = draw(st.integers(1, 40))
+    order = draw(st.permutations(list(range(1, n + 1))))
+    position = draw(st.integers(0, n))
+    nxt = draw(st.none() | st.permutations(list(range(1, n + 1))))
+    pace = draw(st.none() | st.just(0.0) | st.floats(1e-4, 1e5, allow_nan=False))
+    return order, position, nxt, pace
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(stream(), min_size=0, max_size=3), st.integers(1, 45))
+def test_the_expiry_is_the_last_planned_use_plus_the_margin(streams, ino):
+    uses = []
+    for order, position, nxt, pace in streams:
+        pos = Positions(order)
+        for p in order[:position]:  # the reader consumed these
+            pos.pop(p)
+        nf = Positions(nxt).next(ino) if nxt is not None else None
+        u = planned_use(position, pos.next(ino), len(order), nf, pace)
+        if u is not None:
+            uses.append(u)
+    got = expiry_s(uses)
+    assert got == reference(streams, ino)
+    assert got == 0 or MIN_MARGIN_S <= got <= MAX_RELATIVE_S
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True), st.integers(-5, 10**9),
+       st.integers(-5, 10**9))
+def test_any_input_gives_a_valid_memcached_expiry(pace, ahead, n):
+    got = expiry_s([PlannedUse(ahead, pace, n)])
+    assert isinstance(got, int) and (got == 0 or 0 < got <= MAX_RELATIVE_S)
+
+
+def test_nothing_known_is_never():
+    assert expiry_s([]) == 0
+    assert planned_use(3, 5, 10, None, None) is None  # no pace
+    assert planned_use(3, None, 10, None, 0.1) is None  # not in a known order
