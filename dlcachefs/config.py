@@ -159,6 +159,10 @@ class Config:
                "inode, as the local cache does), for sources whose inode numbers agree "
                "across nodes (NFS, Lustre); not for sshfs, where they differ per node and "
                "no node would find another's values")
+    peer_keep: bool = _opt(
+        True, "do not make sure the owner holds a file this node evicts (keeping the last "
+              "copy in the cluster, Lobster 4.4, is on by default with --peers)",
+        name="no-peer-keep")
     shared_cache: bool = _opt(
         False, "--cache-dir is a cache root shared by several mounts of different sources: "
                "each keeps its own cache under <root>/datasets/<id>/, and --cache-size is "

@@ -161,7 +161,8 @@ class Engine:
         if cfg.peers is not None:
             from dlcachefs.peers.tier import PeerTier  # noqa: PLC0415 - optional dependency
             self.peers = PeerTier(cfg, self.source.root)
-            self.writer.keeper = self.peers  # keep the last copy in the cluster
+            if cfg.peer_keep:  # keep the last copy in the cluster (Lobster 4.4)
+                self.writer.keeper = self.peers
             self.peers.expiry_of = self.peer_expiry
         self.fetcher = Fetcher(cfg, self.calls, self.ns, self.writer, self.policy,
                                self.versions, self.backlog, self.counters, self.peers)
