@@ -4,7 +4,8 @@ extstore), side by side in one run. Remote bytes, epoch-1 and epoch-2 times.
 
     sudo .venv/bin/python -m bench.peers [--files 1500] [--size 110000] [--epochs 2]
         [--workload distributed|full] [--remote delay|sshfs] [--delay-ms 4] [--rate 400mbit]
-        [--threads 4] [--scan-ahead N] [--out bench/results/peers-<ts>.json]
+        [--threads 4] [--scan-ahead N] [--node-cache 4G] [--tier-mb 256 --tier-ext-mb 1024 --tier-item-mb 8]
+        [--keep-control] [--out bench/results/peers-<ts>.json]
 
 * The remote: ``delay`` (default) is ``bench.passthrough --delay-ms`` over the dataset
   directory (every open waits, concurrent opens overlap: an object store's per-request
@@ -22,6 +23,11 @@ extstore), side by side in one run. Remote bytes, epoch-1 and epoch-2 times.
   multiple of the dataset), bytes from the tier (``bytes_from_peers``), errors and
   mismatches (every file's sha256 is compared with the dataset's); then ratios
   peers / independent. The page cache is not dropped: both configurations see the same.
+* Smaller than the dataset: ``--node-cache`` (each mount's ``--cache-size``) and
+  ``--tier-mb``/``--tier-ext-mb`` (each memcached's memory and extstore). Then nodes evict
+  and the tier loses values; ``--keep-control`` adds a third configuration, the peers
+  with ``--no-peer-keep`` (no keep-the-last-copy push at eviction), and its ratios to
+  ``peers``.
 
 One machine (2 cores here) runs the remote, three daemons, three memcached and the
 readers: read the ratios and the remote bytes, not the absolute times.
@@ -105,12 +111,12 @@ def run_epoch(mounts, rels, expected, idx_lists, threads: int) -> dict:
 
 
 def run_config(label: str, remote_mnt: str, work: str, rels, expected, a,
-               peers: list[str] | None) -> dict:
-    extra = ["--ignore-source-inode", "--cache-size", "4G"]
+               peers: list[str] | None, more: tuple[str, ...] = ()) -> dict:
+    extra = ["--ignore-source-inode", "--cache-size", a.node_cache]
     if a.scan_ahead is not None:
         extra += ["--scan-ahead", str(a.scan_ahead)]
     if peers:
-        extra += ["--peers", ",".join(peers), "--peer-item-max", "8M"]
+        extra += ["--peers", ",".join(peers), "--peer-item-max", f"{a.tier_item_mb}M", *more]
     out = {"label": label, "epochs": []}
     with contextlib.ExitStack() as stack:
         mounts = []
@@ -166,6 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scan-ahead", type=int, help="the mounts' --scan-ahead (default theirs)")
     p.add_argument("--data", help="dataset directory (default bench/out/peers/data-FILES-SIZE: "
                                   "only the files read, or scan-ahead would fetch others)")
+    p.add_argument("--node-cache", default="4G", help="each mount's --cache-size")
+    p.add_argument("--tier-mb", type=int, default=256, help="each memcached's -m (MiB)")
+    p.add_argument("--tier-ext-mb", type=int, default=1024, help="each memcached's extstore")
+    p.add_argument("--tier-item-mb", type=int, default=8,
+                   help="each memcached's -I (MiB; at most half of --tier-mb)")
+    p.add_argument("--keep-control", action="store_true",
+                   help="also run the peers with --no-peer-keep")
     p.add_argument("--out")
     a = p.parse_args(argv)
     if not memcached_available():
@@ -181,19 +194,30 @@ def main(argv: list[str] | None = None) -> int:
         with the_remote(a, a.data, work) as remote_mnt:
             doc["configs"].append(run_config("independent", remote_mnt, work, rels, expected,
                                              a, None))
-            with memcached_cluster(NODES, os.path.join(work, "mc"), memory_mb=256,
-                                   item_mb=8, ext_mb=1024) as servers:
-                doc["configs"].append(run_config("peers", remote_mnt, work, rels, expected,
-                                                 a, [s.address for s in servers]))
+            controls = [("peers", ())] + ([("peers-nokeep", ("--no-peer-keep",))]
+                                          if a.keep_control else [])
+            for label, more in controls:  # a fresh (empty) tier for each
+                with memcached_cluster(NODES, os.path.join(work, "mc"),
+                                       memory_mb=a.tier_mb, item_mb=a.tier_item_mb,
+                                       ext_mb=a.tier_ext_mb) as servers:
+                    doc["configs"].append(run_config(label, remote_mnt, work, rels,
+                                                     expected, a,
+                                                     [s.address for s in servers], more))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    ind, peer = (c["epochs"] for c in doc["configs"])
+    ind, peer = (c["epochs"] for c in doc["configs"][:2])
     doc["ratios"] = [{
         "epoch": i + 1,
         "remote_bytes_peers_over_independent": round(
             peer[i]["remote_bytes"] / max(1, ind[i]["remote_bytes"]), 3),
         "wall_peers_over_independent": round(peer[i]["wall_s"] / ind[i]["wall_s"], 3),
     } for i in range(len(ind))]
+    if a.keep_control:
+        nokeep = doc["configs"][2]["epochs"]
+        for i, r in enumerate(doc["ratios"]):
+            r["remote_bytes_peers_over_nokeep"] = round(
+                peer[i]["remote_bytes"] / max(1, nokeep[i]["remote_bytes"]), 3)
+            r["wall_peers_over_nokeep"] = round(peer[i]["wall_s"] / nokeep[i]["wall_s"], 3)
     out = a.out or os.path.join(HERE, "results", f"peers-{time.strftime('%Y%m%d-%H%M%S')}.json")
     write_json(out, doc)
     print(json.dumps({"ratios": doc["ratios"],
