@@ -14,6 +14,10 @@ epoch (announced at that epoch's start) comes at most two epochs after any point
 one; it also absorbs a pace that slows down. Nothing known (no order, no pace, the
 sample in no known order): 0, memcached's "never". memcached reads an expiry over 30 days
 as an absolute Unix time, so a longer one is also 0.
+
+The pace is the loader's, measured from its opens (the current epoch's, else the last
+one's): a first epoch's prefetch stores files before the second open, so those values get
+no expiry when stored; the touch that keeps a file at eviction sets it later.
 """
 
 from __future__ import annotations
