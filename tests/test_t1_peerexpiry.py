@@ -81,3 +81,18 @@ def test_nothing_known_is_never():
     assert expiry_s([]) == 0
     assert planned_use(3, 5, 10, None, None) is None  # no pace
     assert planned_use(3, None, 10, None, 0.1) is None  # not in a known order
+
+
+def test_the_pace_is_the_current_epochs_else_the_last_ones():
+    from dlcachefs.clairvoyance.pace import Pace  # noqa: PLC0415
+    p = Pace()
+    assert p.seconds_per_sample() is None
+    p.note(10, 100.0, 100.1, epoch=0)
+    assert p.seconds_per_sample() is None  # one open: no span yet
+    for k in range(1, 5):
+        p.note(10 + k % 2, 100.0 + 0.5 * k, 100.0 + 0.5 * k + 0.1, epoch=0)
+    assert p.seconds_per_sample() == 0.5  # 4 gaps over 2 s, workers mixed
+    p.note(10, 200.0, 200.1, epoch=1)  # epoch 1 has one open: epoch 0's pace stands
+    assert p.seconds_per_sample() == 0.5
+    p.note(10, 200.25, 200.3, epoch=1)
+    assert p.seconds_per_sample() == 0.25
