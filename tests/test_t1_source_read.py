@@ -184,3 +184,30 @@ def test_a_root_that_never_gives_exact_paths_stops_remembering(tmp_path, monkeyp
     monkeypatch.setattr(source_mod, "_fd_path", lambda fd: b"/elsewhere/f")
     with pytest.raises(OutsideSource):
         src.read_file(b"d/f", True)
+
+
+def test_an_idle_source_holds_no_descriptor(tmp_path, monkeypatch):
+    """Directories remembered for fetches are let go once expired: after drop_idle no
+    descriptor of this process points into the source (what the soak checks of the
+    daemon once its readers stop)."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_bytes(b"y" * 5)
+    src = LocalSource(str(tmp_path))
+
+    def held() -> list[bytes]:
+        out = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                p = os.readlink(f"/proc/self/fd/{fd}").encode()
+            except OSError:
+                continue
+            if p == src.root or p.startswith(src._prefix):
+                out.append(p)
+        return out
+
+    assert src.read_file(b"d/f", True)[0] == b"y" * 5
+    assert held()  # the parent directory is remembered
+    assert src.drop_idle() == 1  # not expired yet: kept
+    monkeypatch.setattr(DirDescriptors, "TTL_S", 0.0)
+    assert src.drop_idle() == 0
+    assert held() == []

@@ -60,6 +60,7 @@ from dlcachefs.cache.recovery import recover
 from dlcachefs.cache.scanahead import ScanAhead
 from dlcachefs.cache.shares import ShareKeeper
 from dlcachefs.cache.source import (
+    DirDescriptors,
     Identity,
     LocalSource,
     Source,
@@ -231,6 +232,8 @@ class Engine:
             await nursery.start(self.scan.run)
             nursery.start_soon(self._maintain_policy)
             nursery.start_soon(self._reap_readers)
+            if isinstance(self.source, LocalSource):
+                nursery.start_soon(self._drop_idle_source_dirs)
             if self.shares is not None:
                 await nursery.start(self.shares.run)
             if self.packer is not None:
@@ -263,6 +266,15 @@ class Engine:
                 continue
             if n:
                 log.info("freed %d LMDB reader slots of processes that died", n)
+
+    async def _drop_idle_source_dirs(self) -> None:
+        """Close the source directory descriptors kept for fetches once they expire, so
+        that an idle daemon holds none (``LocalSource.drop_idle``: O_PATH closes under a
+        lock held for microseconds, cheap enough for the loop)."""
+        assert isinstance(self.source, LocalSource)
+        while True:
+            await trio.sleep(DirDescriptors.TTL_S)
+            self.source.drop_idle()
 
     async def flush(self) -> None:
         """Seal everything fetched so far, the files still waiting for the writer's room

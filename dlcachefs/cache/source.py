@@ -279,6 +279,11 @@ class LocalSource:
     def statvfs(self) -> os.statvfs_result:
         return os.statvfs(self.root)
 
+    def drop_idle(self) -> int:
+        """Close the remembered directory descriptors that have expired (see
+        :class:`DirDescriptors`); how many are still held."""
+        return self._dirs.drop_expired()
+
 
 def _blocking(fd: int) -> None:
     """Clear ``O_NONBLOCK`` in one call (``os.set_blocking`` reads the flags first: two;
@@ -412,6 +417,16 @@ class DirDescriptors:
         with self._lock:
             for k, d in list(self._dirs.items()):
                 self._drop(k, d)
+
+    def drop_expired(self) -> int:
+        """Let go of the descriptors older than ``TTL_S`` (an idle source then holds
+        none: nothing pins its directories, an automounter may unmount it); how many
+        are left. Cheap: safe to call from the trio loop (O_PATH closes, no source call)."""
+        now = time.monotonic()
+        with self._lock:
+            for k, d in [(k, d) for k, d in self._dirs.items() if now - d.born > self.TTL_S]:
+                self._drop(k, d)
+            return len(self._dirs)
 
     def _drop(self, key: bytes, d: _Dir) -> None:  # lock held
         del self._dirs[key]

@@ -750,6 +750,12 @@ def soak(work: Path, seconds: float, seed: int = 0, n_files: int = 400, loaders:
         end = chaos.proc_sample(m.pid) or {}
         st = m.stats()
         out["daemon_up_at_end"] = int(chaos.alive(m.pid))
+        # the daemon keeps the directories of recent fetches (O_PATH, a few seconds:
+        # dlcachefs.cache.source.DirDescriptors); once idle it must hold nothing of the
+        # source: wait for that state (bounded), then count
+        deadline = time.monotonic() + 60
+        while chaos.fds_under(m.pid, str(src)) and time.monotonic() < deadline:
+            time.sleep(0.5)
         out["source_fds_after_settle"] = len(chaos.fds_under(m.pid, str(src)))
         out["deleted_fds_after_settle"] = end.get("deleted_fds", -1)
         out["chunks_evicted"] = st["chunks_evicted"]
