@@ -149,12 +149,19 @@ def test_a_filling_disk_costs_no_client_a_byte_or_an_error(tmp_path, daemon_orac
     assert r["write_errors"] + r["cache_skipped"] > 0, r  # the disk did refuse writes
 
 
-def test_memory_limit_within_the_daemons_needs(tmp_path, daemon_oracle):
+def test_memory_limit_below_memory_flag_is_obeyed_not_oom_killed(tmp_path, daemon_oracle):
+    """--memory 64M in a cgroup with 24 MB above the daemon's start-up charge (once OOM-killed):
+    the daemon finds the limit, shrinks its buffers to fit, and serves on, exact bytes."""
     _watch(daemon_oracle, tmp_path)
-    r = S.memory_pressure(tmp_path, seconds=8, seed=6, n_files=200, headroom_mb=128)
+    r = S.memory_pressure(tmp_path, seconds=8, seed=6, n_files=200, headroom_mb=24,
+                          memory="64M")
     if r.get("skipped"):
         pytest.skip(r["skipped"])
+    assert r["daemon_cgroup_limit"] == r["memory_limit"], r  # it saw the group's limit
+    assert r["memory_tier_limit"] < 24 << 20, r  # and sized the tier to the headroom
+    assert r["readahead_limit"] + r["backlog_limit"] < 24 << 20, r
     assert r["wrong_bytes_reads"] == 0 and r["client_errors"] == 0, r
+    assert r["reads"]["reads_ok"] > 0, r
     assert r["daemon_up_at_end"] == 1 and r["oom_kills"] == 0, r
 
 

@@ -50,6 +50,7 @@ import trio
 from dlcachefs.cache.buffers import LATER_CHUNKS, Backlog, ReadAhead
 from dlcachefs.cache.fetch import Fetcher, SourceCalls
 from dlcachefs.cache.invariants import check_cache
+from dlcachefs.cache.memlimit import cgroup_limit, current_rss, fit
 from dlcachefs.cache.memtier import MemoryTier
 from dlcachefs.cache.namespace import Namespace, identity, is_file
 from dlcachefs.cache.policy import CachePolicy, PolicyContext
@@ -123,19 +124,27 @@ class Engine:
         self.index = Index(cfg.index_dir)
         self.logs = LogStore(cfg.logs_dir, cfg.log_size)
         self.counters = Counters()
+        # container-aware: --memory, read-ahead and the backlog fit the memory cgroup's limit
+        self.memory = fit(cfg.memory, cfg.chunk_size, LATER_CHUNKS * cfg.chunk_size,
+                          cgroup_limit(), current_rss())
+        if self.memory.reason:
+            log.warning("%s", self.memory.reason)
         # every call on the source goes through this one wrapper (limiter, timeout, retries)
         self.calls = SourceCalls(self.source, cfg, self.counters)
         self.disk_limiter = trio.CapacityLimiter(4)
         self.ns = Namespace(self.index, self.calls, revalidate=cfg.revalidate,
                             use_src_ino=cfg.use_source_inode)
         self.streams = StreamManager(self)
+        if not self.memory.replay_worker:
+            log.warning("%s", self.memory.replay_reason)
+            self.streams.replay.disable(self.memory.replay_reason)
         # what the policy sees: chunks from the index, the streams' future, the losses
         self.future = StreamFuture(self.streams)
         self.importance = InodeImportance()
         # the policy sees the writer's limit (a shared root's share moves at run time)
         self.policy = policy(PolicyContext(
             IndexCacheView(self.index, self._cache_limit), self.future, self.importance))
-        self.memtier = MemoryTier(cfg.memory)
+        self.memtier = MemoryTier(self.memory.memory)
         # --shared-cache: units cut for the smallest share a dataset may get (a 32nd of
         # the budget when the floor is smaller: units of a few KiB would cost more)
         basis = (max(int(cfg.cache_size * cfg.share_floor), cfg.cache_size // 32, 4096)
@@ -152,8 +161,8 @@ class Engine:
         # zero-copy readers' counts (dlcachefs.data): their files' counts at start are the base
         self.zerocopy = TallyReader(os.path.join(cfg.data_dir, TALLY_DIR))
         # fetched bytes held in memory: waiting for the writer's room; read ahead of opens
-        self.backlog = Backlog(LATER_CHUNKS * cfg.chunk_size)
-        self.readahead = ReadAhead(max(cfg.memory // 4, cfg.chunk_size))
+        self.backlog = Backlog(self.memory.backlog)
+        self.readahead = ReadAhead(self.memory.readahead)
         self.versions = Versions(self.index, self.writer, self.backlog)
         self.reader = LogReader(self.index, self.logs, self.memtier, self.writer, self.policy,
                                 self.counters, self.disk_limiter, self.readahead)
@@ -168,7 +177,7 @@ class Engine:
         self.fetcher = Fetcher(cfg, self.calls, self.ns, self.writer, self.policy,
                                self.versions, self.backlog, self.counters, self.peers)
         # planned reads of known orders (issue 9): half of --memory, taken from the tier
-        self.plans = ReadPlanner(self, min(cfg.memory // 2, self.streams.lead_bytes),
+        self.plans = ReadPlanner(self, min(self.memory.memory // 2, self.streams.lead_bytes),
                                  lead=self.streams.lead,
                                  max_batch=max(4 << 20, 2 * cfg.chunk_size))
         self.prefetcher = Prefetcher(

@@ -83,6 +83,11 @@ def stats_document(eng: Engine) -> dict:
         "max_cached_file": eng.cfg.max_cached_file,  # larger files are read through
         "memory_bytes": eng.memtier.bytes,
         "memory_limit_bytes": eng.memtier.limit,
+        # the daemon's memory cgroup limit found at start (None: none); --memory and the
+        # buffers were sized to fit it (dlcachefs.cache.memlimit)
+        "cgroup_memory_limit": eng.memory.cgroup_limit,
+        "readahead_limit_bytes": eng.readahead.limit,
+        "backlog_limit_bytes": eng.backlog.limit,
         # fetched, not yet in a sealed chunk (waiting for the writer's room included)
         "pending_bytes": eng.writer.open_bytes + eng.writer.sealing_bytes
         + eng.backlog.bytes,

@@ -54,6 +54,12 @@ class ReplayWorker:
         self.torch: bool | None = None  # torch imports in the worker (None: not known yet)
         self.error: str | None = None
         self._closed = False
+        self._disabled: str | None = None  # why the worker must not be started
+
+    def disable(self, reason: str) -> None:
+        """Never start the worker (e.g. a memory cgroup limit with no room for torch):
+        announcements then fail with ``reason``, reads are served as without them."""
+        self._disabled = self.error = reason
 
     def start(self) -> None:
         """Spawn the worker (it imports torch right away). Blocking, a thread."""
@@ -63,6 +69,8 @@ class ReplayWorker:
     def _ensure(self) -> None:
         if self._closed:
             raise OSError("the sampler replay worker is closed (unmounting)")
+        if self._disabled is not None:
+            raise OSError(self._disabled)
         if self._proc is not None and self._proc.is_alive():
             return
         self._stop()

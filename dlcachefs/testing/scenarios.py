@@ -593,27 +593,45 @@ class _MemCgroup:
 
 
 def memory_pressure(work: Path, seconds: float, seed: int = 0, threads: int = 4,
-                    n_files: int = 600, headroom_mb: int = 64, memory: str = "16M",
+                    n_files: int = 600, headroom_mb: int = 24, memory: str = "64M",
                     log: Log = _quiet) -> dict:
-    """The daemon moved into a memory cgroup (v2, else v1) whose limit is what it is
-    charged for at the start plus ``headroom_mb``, while readers read a dataset bigger than the headroom, with a
-    memory tier (``--memory``) larger than the headroom: no wrong byte; the daemon stays
-    up, or the result says it was OOM-killed."""
+    """The daemon started inside a memory cgroup (v2, else v1) whose limit is what a daemon
+    is charged for at the start (measured by a first mount, outside the group) plus
+    ``headroom_mb``, with a memory tier (``--memory``) larger than the headroom, while readers
+    read a dataset bigger than the headroom. The daemon reads the limit at start and sizes
+    its buffers to it (:mod:`dlcachefs.cache.memlimit`): no wrong byte, no client error, no
+    OOM kill; the result says what the daemon chose (its stats) and the group's counters."""
     cg, why = _MemCgroup.make()
     if cg is None:
         return {"scenario": "memory", "skipped": why}
     src, cache, mnt = work / "src", work / "cache", work / "mnt"
     files = chaos.make_dataset(src, n_files, seed)
-    m = Mount(src, mnt, cache, "--memory", memory, "--min-free", "0", log=work / "daemon.log")
-    out: dict = {"scenario": "memory", "seconds": seconds, "memory_flag": memory}
+    opts = ("--memory", memory, "--min-free", "0")
+    out: dict = {"scenario": "memory", "seconds": seconds, "memory_flag": memory,
+                 "headroom_mb": headroom_mb}
+    # the start-up charge, measured on a mount outside the group (same cache, same data)
+    probe = Mount(src, mnt, cache, *opts, log=work / "daemon.log")
+    try:
+        probe.start()
+        chaos.check_all(probe.mnt, files, chaos.ReadTally())  # the cache filled, as later
+        base = (chaos.proc_sample(probe.pid) or {"rss": 0})["rss"]
+        probe.umount()
+    finally:
+        probe.cleanup()
+    limit = base + headroom_mb * (1 << 20)
+    cg.limit(limit)
+    # the daemon joins the group before it execs: it sees the limit from its first instruction
+    procs = cg.path / "cgroup.procs"
+    cli = ["sh", "-c", f'echo $$ > "{procs}" && exec "$@"', "sh", *DLCACHEFS]
+    m = Mount(src, mnt, cache, *opts, log=work / "daemon.log", cli=cli)
     try:
         m.start()
-        rss = (chaos.proc_sample(m.pid) or {"rss": 0})["rss"]
-        usage = cg.add(m.pid)
-        limit = usage + headroom_mb * (1 << 20)
-        cg.limit(limit)
-        out.update(cgroup_version=cg.version, rss_start=rss, usage_start=usage,
-                   memory_limit=limit)
+        st = m.stats()
+        out.update(cgroup_version=cg.version, rss_start=base, memory_limit=limit,
+                   daemon_cgroup_limit=st.get("cgroup_memory_limit"),
+                   memory_tier_limit=st["memory_limit_bytes"],
+                   readahead_limit=st.get("readahead_limit_bytes"),
+                   backlog_limit=st.get("backlog_limit_bytes"))
         peak = 0
         with chaos.ReaderThreads(mnt, files, threads, seed) as readers:
             deadline = time.monotonic() + seconds
@@ -622,8 +640,8 @@ def memory_pressure(work: Path, seconds: float, seed: int = 0, threads: int = 4,
                 s = chaos.proc_sample(m.pid)
                 peak = max(peak, s["rss"] if s else 0)
                 drop_page_cache()
-        out.update(rss_peak=peak, **cg.events(), daemon_up_at_end=int(chaos.alive(m.pid)), reads=readers.tally.as_dict(),
-                   wrong_bytes_reads=readers.tally.wrong,
+        out.update(rss_peak=peak, **cg.events(), daemon_up_at_end=int(chaos.alive(m.pid)),
+                   reads=readers.tally.as_dict(), wrong_bytes_reads=readers.tally.wrong,
                    client_errors=sum(readers.tally.errors.values()))
         if chaos.alive(m.pid):
             m.umount()
