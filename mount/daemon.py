@@ -175,7 +175,9 @@ def run(cfg: Config, report: Reporter) -> int:
         if metrics is not None:
             metrics.close()  # before the index closes: no scrape reaches a closed engine
         engine.close_files()
-        if clean:  # the index as this stop leaves it: the next start need not walk it
+        # the index as this stop leaves it: the next start need not walk it (unless an
+        # LMDB error while serving hinted at damage, e.g. pages changed under the map)
+        if clean and not integrity.damage_seen():
             integrity.mark_clean(cfg.index_dir)
         lock.release()
         log.info("stopped; index committed")

@@ -17,6 +17,7 @@ from typing import TypeVar
 import pyfuse3
 
 from dlcachefs import errors as E
+from dlcachefs.store import integrity
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ def fuse_errors(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
             log.debug("%s: %s", fn.__name__, exc)
             raise pyfuse3.FUSEError(errno_for(exc)) from None
         except Exception as exc:
+            integrity.note_error(exc)  # a damaged index: the stop will not bless it
             if type(exc) not in _logged:
                 _logged.add(type(exc))
                 log.exception("unexpected error in %s; answering %s", fn.__name__,

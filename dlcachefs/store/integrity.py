@@ -299,6 +299,31 @@ def _stamp(path: str) -> str | None:
     return f"{st.st_size} {st.st_mtime_ns} {st.st_ino}"
 
 
+#: errors of the index set aside by the daemon this run (:func:`note_error`); a stop after
+#: one does not mark the index clean, so the next start walks it (and sets it aside)
+_run_errors: list[str] = []
+
+
+def note_error(exc: BaseException) -> None:
+    """An unexpected error while serving: an LMDB error that is not about resources
+    (``MDB_CORRUPTED``, ``MDB_CURSOR_FULL``, ``MDB_PAGE_NOTFOUND``... from a data page
+    damaged while mapped) means the index may be damaged. Remembered for the stop: the
+    stop then leaves no clean marker. Any thread (a list append)."""
+    import lmdb  # noqa: PLC0415 - the daemon has it loaded already
+
+    not_damage = (lmdb.MapFullError, lmdb.DiskError, lmdb.LockError, lmdb.ReadersFullError,
+                  lmdb.ReadonlyError, lmdb.TlsFullError)
+    if isinstance(exc, lmdb.Error) and not isinstance(exc, not_damage) and not _run_errors:
+        log.error("the index may be damaged (%s: %s): the next start checks it",
+                  type(exc).__name__, exc)
+        _run_errors.append(f"{type(exc).__name__}: {exc}")
+
+
+def damage_seen() -> bool:
+    """Whether :func:`note_error` saw a sign of a damaged index this run."""
+    return bool(_run_errors)
+
+
 def mark_clean(path: str) -> None:
     """After a clean stop (the index committed and closed): remember the index file as it
     is, so that the next start need not walk it (:func:`unchanged_since_clean_stop`)."""
