@@ -68,7 +68,8 @@ def fuse_errors(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
             log.debug("%s: %s", fn.__name__, exc)
             raise pyfuse3.FUSEError(errno_for(exc)) from None
         except Exception as exc:
-            integrity.note_error(exc)  # a damaged index: the stop will not bless it
+            if integrity.note_error(exc):  # a damaged index: the stop will not bless it
+                raise pyfuse3.FUSEError(errno.EIO) from None
             if type(exc) not in _logged:
                 _logged.add(type(exc))
                 log.exception("unexpected error in %s; answering %s", fn.__name__,

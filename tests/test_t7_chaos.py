@@ -111,7 +111,7 @@ def test_kill9_cycles_lose_nothing_committed(tmp_path, daemon_oracle):
 
 def test_damage_to_logs_and_index_is_detected_or_harmless(tmp_path, daemon_oracle):
     """30 injections (bits, zeroed ranges, truncation) into logs (mounted and not) and the
-    LMDB file (not mounted); every file read after each: exact or an error; verify, then
+    LMDB file (mounted and not); every file read after each: exact or an error; verify, then
     verify --repair, then a clean verify, every 15."""
     _watch(daemon_oracle, tmp_path)
     r = S.corruption(tmp_path, injections=30, seed=5, n_files=40, verify_every=15)
@@ -119,6 +119,10 @@ def test_damage_to_logs_and_index_is_detected_or_harmless(tmp_path, daemon_oracl
     assert r["wrong_bytes_reads"] == 0 and not r.get("injections_with_wrong_bytes"), r
     assert not r.get("daemon_down") and r["daemon_up_at_end"] == 1, r
     assert r["detected"] > 0, r  # the damage was real, and seen
+    # LMDB damaged under the running daemon (EIO or SIGBUS then): the remount set it aside
+    # or found it harmless, and served every file exact, with no error
+    assert any(k.startswith("lmdb/") and k.endswith("/mounted") for k in r["by_kind"]), r
+    assert r.get("lmdb_mounted_errors_after_remount", 0) == 0, r
     assert r["verify_runs"] == 2 and r["repair_clean"] == 2 and not r["verify_crashed"], r
     assert r["tracebacks"] == 0, r["log_examples"]
 

@@ -304,19 +304,24 @@ def _stamp(path: str) -> str | None:
 _run_errors: list[str] = []
 
 
-def note_error(exc: BaseException) -> None:
+def note_error(exc: BaseException) -> bool:
     """An unexpected error while serving: an LMDB error that is not about resources
     (``MDB_CORRUPTED``, ``MDB_CURSOR_FULL``, ``MDB_PAGE_NOTFOUND``... from a data page
     damaged while mapped) means the index may be damaged. Remembered for the stop: the
-    stop then leaves no clean marker. Any thread (a list append)."""
+    stop then leaves no clean marker. Returns whether ``exc`` is such an error (logged here,
+    once, without a traceback). Any thread (a list append)."""
     import lmdb  # noqa: PLC0415 - the daemon has it loaded already
 
     not_damage = (lmdb.MapFullError, lmdb.DiskError, lmdb.LockError, lmdb.ReadersFullError,
                   lmdb.ReadonlyError, lmdb.TlsFullError)
-    if isinstance(exc, lmdb.Error) and not isinstance(exc, not_damage) and not _run_errors:
-        log.error("the index may be damaged (%s: %s): the next start checks it",
-                  type(exc).__name__, exc)
-        _run_errors.append(f"{type(exc).__name__}: {exc}")
+    if not isinstance(exc, lmdb.Error) or isinstance(exc, not_damage):
+        return False
+    if not _run_errors:
+        log.warning("the index may be damaged (%s: %s): answering EIO; the next start "
+                    "checks it", type(exc).__name__, exc)
+    _run_errors.append(f"{type(exc).__name__}: {exc}"[:200])
+    del _run_errors[1:]  # the first is enough
+    return True
 
 
 def damage_seen() -> bool:

@@ -51,6 +51,7 @@ EXPECTED_LOG = (
     r"WARNING dlcachefs\.clairvoyance\.",
     r"WARNING dlcachefs\.cache\.views: importance: ",
     r"WARNING dlcachefs\.importance\.losses: \d+ losses of job ",
+    r"WARNING dlcachefs\.store\.integrity: the index may be damaged",
 )
 
 
@@ -234,6 +235,15 @@ def _merge(into: chaos.ReadTally, t: chaos.ReadTally) -> None:
     into.errors.update(t.errors)
 
 
+def _stats_or(m: Mount, default: dict) -> dict:
+    """The mount's stats, or ``default`` when they cannot be read (an index damaged under
+    the running daemon makes them fail with EIO)."""
+    try:
+        return m.stats()
+    except (OSError, ValueError):
+        return default
+
+
 def _median(xs: list[float]) -> float | None:
     return round(statistics.median(xs), 3) if xs else None
 
@@ -243,9 +253,13 @@ def _median(xs: list[float]) -> float | None:
 
 def corruption(work: Path, injections: int, seed: int = 0, n_files: int = 120,
                verify_every: int = 50, log: Log = _quiet) -> dict:
-    """Bits flipped, ranges zeroed and files truncated in the chunk logs (while mounted
-    and while not) and in the LMDB file (while not mounted: LMDB is trusted while mapped,
-    see :mod:`dlcachefs.store.integrity`). After each injection every file is read through
+    """Bits flipped, ranges zeroed and files truncated in the chunk logs and in the LMDB
+    file, while mounted and while not. LMDB trusts its map: damage under a running daemon
+    makes its reads fail (answered EIO; the stop then leaves no clean marker) or, for a
+    truncated file, kills it with SIGBUS (clients get ENOTCONN, as for a crash); either way
+    the next mount walks the index and sets it aside. So a mounted LMDB injection is
+    followed by a remount and a second read of every file, which must be exact with no
+    error (``lmdb_mounted_*`` counts). After each injection every file is read through
     the mount (page cache dropped): exact bytes or an error, the daemon up. Each injection
     is detected (a checksum failure, a damaged index set aside, ``verify``) or harmless
     (nothing read differs). Every ``verify_every`` injections and at the end: ``verify``,
@@ -282,7 +296,7 @@ def corruption(work: Path, injections: int, seed: int = 0, n_files: int = 120,
         m.wait_cached(len(files))
         for i in range(injections):
             target = "lmdb" if rnd.random() < 0.25 else "log"
-            mounted = target == "log" and rnd.random() < 0.5
+            mounted = rnd.random() < 0.5
             kind = rnd.choice(chaos.DAMAGE_KINDS)
             if kind == "truncate" and rnd.random() < 0.7:
                 kind = "flip"  # truncation wipes the most; keep it the rarer one
@@ -304,15 +318,33 @@ def corruption(work: Path, injections: int, seed: int = 0, n_files: int = 120,
             out["injections"] += 1
             if m.pid is None:
                 start()
-            st0 = m.stats()
+            st0 = _stats_or(m, {"checksum_failures": 0})
             drop_page_cache()
             t = chaos.check_all(m.mnt, files)
             _merge(reads, t)
-            st1 = m.stats()
-            if not chaos.alive(m.pid):
-                out["daemon_down"] += 1
+            up = chaos.alive(m.pid)
+            st1 = _stats_or(m, st0) if up else st0
+            if not up:
+                out["lmdb_mounted_daemon_died" if target == "lmdb" and mounted
+                    else "daemon_down"] += 1
                 m.cleanup()
                 start()
+            if target == "lmdb" and mounted:
+                # the remount after damage under the map: the index checked, set aside if
+                # damaged; every file exact, no error
+                try:
+                    m.umount()
+                except MountError:
+                    out["lmdb_mounted_unclean_stop"] += 1
+                    m.cleanup()
+                start()
+                drop_page_cache()
+                t2 = chaos.check_all(m.mnt, files)
+                _merge(reads, t2)
+                t.wrong += t2.wrong
+                out["lmdb_mounted_errors_after_remount"] += sum(t2.errors.values())
+                out["lmdb_mounted_quarantined"] += quarantines() != q0
+                out["lmdb_mounted_errors_before_remount"] += sum(t.errors.values())
             if t.wrong:
                 out["injections_with_wrong_bytes"] += 1
             elif st1["checksum_failures"] > st0["checksum_failures"] or quarantines() != q0:
