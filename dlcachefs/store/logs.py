@@ -19,6 +19,7 @@ import os
 import re
 import threading
 import time
+from collections import OrderedDict
 
 from dlcachefs.errors import FormatError
 from dlcachefs.store.chunkfmt import LOG_HEADER_SIZE, decode_log_header, encode_log_header
@@ -44,15 +45,30 @@ def punch_hole(fd: int, offset: int, length: int) -> bool:
     return True
 
 
-class LogStore:
-    """The log files of one cache directory."""
+#: open log descriptors kept (LRU); more are opened while in use, closed when released
+MAX_OPEN_LOGS = 64
 
-    def __init__(self, directory: str, log_size: int) -> None:
+
+class LogStore:
+    """The log files of one cache directory.
+
+    Descriptors: at most ``max_open`` log files stay open (least recently used closed
+    first; the active log never), so a cache of many logs each holding a few live chunks
+    does not creep towards the fd limit. Concurrency rule: every use of a descriptor is
+    inside :meth:`_use`, which pins it (a count under ``_lock``); eviction closes only
+    unpinned descriptors, and one evicted while pinned is closed by its last user. So no
+    thread ever preads, pwrites, fsyncs or punches through a descriptor that was closed
+    (or whose number was reused for another file) under it."""
+
+    def __init__(self, directory: str, log_size: int, max_open: int = MAX_OPEN_LOGS) -> None:
         os.makedirs(directory, exist_ok=True)
         self.dir = directory
         self.log_size = log_size
-        self._fds: dict[int, int] = {}
-        self._lock = threading.Lock()  # guards _fds and live (several threads use them)
+        self.max_open = max(max_open, 2)
+        self._fds: OrderedDict[int, int] = OrderedDict()  # log id -> fd, oldest use first
+        self._pins: dict[int, int] = {}  # fd -> users now
+        self._orphans: set[int] = set()  # fds evicted while pinned: closed at last unpin
+        self._lock = threading.Lock()  # guards _fds, _pins, _orphans and live
         self.active_id: int | None = None
         self.active_end = 0
         self.live: dict[int, int] = {}  # log id -> live chunk bytes
@@ -102,13 +118,53 @@ class LogStore:
         finally:
             os.close(fd)
 
-    def _fd(self, log_id: int) -> int:
+    @contextlib.contextmanager
+    def _use(self, log_id: int):
+        """The descriptor of a log, pinned open for the ``with`` body (see the class)."""
         with self._lock:
             fd = self._fds.get(log_id)
             if fd is None:
                 fd = os.open(self.path(log_id), os.O_RDWR | os.O_CLOEXEC)
                 self._fds[log_id] = fd
-            return fd
+            else:
+                self._fds.move_to_end(log_id)
+            self._pins[fd] = self._pins.get(fd, 0) + 1
+            self._evict_fds()
+        try:
+            yield fd
+        finally:
+            with self._lock:
+                self._unpin(fd)
+
+    def _unpin(self, fd: int) -> None:
+        n = self._pins[fd] - 1
+        if n:
+            self._pins[fd] = n
+            return
+        del self._pins[fd]
+        if fd in self._orphans:
+            self._orphans.discard(fd)
+            os.close(fd)
+
+    def _evict_fds(self) -> None:
+        """Close least recently used descriptors past ``max_open`` (under ``_lock``)."""
+        if len(self._fds) <= self.max_open:
+            return
+        for log_id in list(self._fds):
+            if len(self._fds) <= self.max_open:
+                break
+            if log_id == self.active_id:
+                continue
+            fd = self._fds.pop(log_id)
+            if fd in self._pins:
+                self._orphans.add(fd)  # its last user closes it
+            else:
+                os.close(fd)
+
+    def open_fds(self) -> int:
+        """Log descriptors open now (kept and in use)."""
+        with self._lock:
+            return len(self._fds) + len(self._orphans)
 
     def _create(self, log_id: int, size: int) -> None:
         """A new log file with its header, ``size`` bytes long (sparse), durable on return."""
@@ -126,6 +182,7 @@ class LogStore:
         with self._lock:
             self._fds[log_id] = fd
             self.live.setdefault(log_id, 0)
+            self._evict_fds()
         self._fsync_dir()
 
     def start_log(self, log_id: int) -> None:
@@ -140,12 +197,14 @@ class LogStore:
         self._create(log_id, size)
 
     def pwrite(self, log_id: int, data: bytes | memoryview, offset: int) -> None:
-        n = os.pwrite(self._fd(log_id), data, offset)
+        with self._use(log_id) as fd:
+            n = os.pwrite(fd, data, offset)
         if n != len(data):
             raise OSError(errno.EIO, f"short write to log {log_id}")
 
     def datasync(self, log_id: int) -> None:
-        os.fdatasync(self._fd(log_id))
+        with self._use(log_id) as fd:
+            os.fdatasync(fd)
 
     def add_live(self, log_id: int, length: int) -> None:
         with self._lock:  # the chunk writer and the reorderer commit from different threads
@@ -162,6 +221,9 @@ class LogStore:
     def _delete(self, log_id: int) -> None:
         with self._lock:
             fd = self._fds.pop(log_id, None)
+            if fd is not None and fd in self._pins:
+                self._orphans.add(fd)
+                fd = None
         if fd is not None:
             os.close(fd)
         with contextlib.suppress(FileNotFoundError):
@@ -179,19 +241,20 @@ class LogStore:
         written stays behind, and the error propagates.
         """
         assert self.active_id is not None, "start_log() first"
-        fd = self._fd(self.active_id)
         off = self.active_end
         bufs = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
         total = sum(len(b) for b in bufs)
-        try:
-            _pwrite_all(fd, bufs, off)
-            os.fdatasync(fd)
-        except OSError:
+        with self._use(self.active_id) as fd:
             try:
-                os.ftruncate(fd, off)
+                _pwrite_all(fd, bufs, off)
+                os.fdatasync(fd)
             except OSError:
-                log.exception("could not cut log %d back after a failed append", self.active_id)
-            raise
+                try:
+                    os.ftruncate(fd, off)
+                except OSError:
+                    log.exception("could not cut log %d back after a failed append",
+                                  self.active_id)
+                raise
         self.active_end = off + total
         self.add_live(self.active_id, total)
         return self.active_id, off
@@ -201,11 +264,11 @@ class LogStore:
         ``read_back``: bytes just written, read again to checksum them before they are
         indexed (a reordered log's chunk): counted apart from the reads that serve."""
         try:
-            fd = self._fd(log_id)
-            # a damaged index may name any length: never allocate past the file's end
-            if offset + length > os.fstat(fd).st_size or offset < 0 or length < 0:
-                raise FormatError(f"log {log_id} is shorter than its index says")
-            data = os.pread(fd, length, offset)
+            with self._use(log_id) as fd:
+                # a damaged index may name any length: never allocate past the file's end
+                if offset + length > os.fstat(fd).st_size or offset < 0 or length < 0:
+                    raise FormatError(f"log {log_id} is shorter than its index says")
+                data = os.pread(fd, length, offset)
         except FileNotFoundError as e:
             raise FormatError(f"log {log_id} is missing") from e
         with self._lock:  # several threads read; += is not atomic
@@ -229,7 +292,8 @@ class LogStore:
             self._delete(log_id)
             return
         try:
-            punch_hole(self._fd(log_id), offset, length)
+            with self._use(log_id) as fd:
+                punch_hole(fd, offset, length)
         except OSError:
             log.warning("could not punch a hole in log %d", log_id, exc_info=True)
 
@@ -237,7 +301,8 @@ class LogStore:
         """Free a byte range nothing indexes (a next epoch's chunk given up half written);
         the log's live bytes do not change."""
         try:
-            punch_hole(self._fd(log_id), offset, length)
+            with self._use(log_id) as fd:
+                punch_hole(fd, offset, length)
         except OSError:
             log.warning("could not punch a hole in log %d", log_id, exc_info=True)
 
@@ -249,6 +314,9 @@ class LogStore:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+            for fd in self._orphans:
+                os.close(fd)
+            self._orphans.clear()
 
 
 _IOV_MAX = 1024  # buffers per pwritev (Linux's UIO_MAXIOV)
