@@ -70,3 +70,8 @@ class FormatError(DlcError):
 
 class CacheLocked(DlcError):
     """Another daemon holds the cache directory."""
+
+
+class SourceMismatch(DlcError):
+    """A cache directory (or a shared root's dataset) that holds the cache of another
+    source: mounting it over this one would serve the other source's tree and bytes."""

@@ -391,3 +391,31 @@ def test_verify_points_at_a_roots_datasets(tmp_path):
     r = _cli("verify", "--cache-dir", str(tmp_path / "root"))
     assert r.returncode == 2 and "is a shared cache root" in r.stderr, r.stderr
     assert str(tmp_path / "root" / "datasets" / "imagenet") in r.stderr
+
+
+def test_a_dataset_name_given_again_for_another_source_is_refused(tmp_path, mount):
+    """The same --dataset on one root (or the same --cache-dir) for a second source: the
+    cache holds the first source's tree and bytes, so the mount is refused with the reason
+    (it served the first source's bytes as the second's); the first source mounts again."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, fill in ((a, b"A"), (b, b"B")):
+        d.mkdir()
+        (d / "f.bin").write_bytes(fill * 4096)
+    root = tmp_path / "root"
+    args = ("--shared-cache", "--dataset", "train", "--cache-size", "8M")
+    m = mount(a, *args, cache=root, name="m1")
+    assert (m.mnt / "f.bin").read_bytes() == b"A" * 4096
+    m.umount()
+    refused = Mount(b, tmp_path / "m2", root, *args)  # not watched: it must fail
+    with pytest.raises(MountError, match="holds the cache of .*/a, not of .*/b"):
+        refused.start()
+    refused.cleanup()
+    m = mount(a, *args, cache=root, name="m3")  # its own source: still its cache
+    assert (m.mnt / "f.bin").read_bytes() == b"A" * 4096
+    m.umount()
+    single = tmp_path / "single"
+    mount(a, cache=single, name="m4").umount()
+    refused = Mount(b, tmp_path / "m5", single)
+    with pytest.raises(MountError, match="holds the cache of"):
+        refused.start()
+    refused.cleanup()

@@ -3,6 +3,7 @@
 Runs once, blocking, before the filesystem is served (no trio loop yet, so plain calls,
 LMDB write transactions included, are fine here):
 
+0. a cache of another source is refused (:class:`~dlcachefs.errors.SourceMismatch`);
 1. chunks whose log file is gone are dropped from the index;
 2. each log is cut after its last indexed chunk (:meth:`LogStore.recover`): a crash
    between a seal's append and its commit leaves an unindexed tail (see
@@ -17,11 +18,13 @@ LMDB write transactions included, are fine here):
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 from dlcachefs.cache.namespace import Namespace
 from dlcachefs.cache.writer import ChunkWriter
 from dlcachefs.config import Config
+from dlcachefs.errors import SourceMismatch
 from dlcachefs.store import schema as S
 from dlcachefs.store.index import Index
 from dlcachefs.store.logs import LogStore
@@ -34,6 +37,14 @@ def recover(cfg: Config, index: Index, logs: LogStore, ns: Namespace, writer: Ch
     """Recover the cache directory and list the source if needed (module docstring);
     what was found, for the daemon's start-up log line."""
     info: dict = {}
+    was = index.get_meta(S.K_SOURCE)
+    if was is not None and was != ns.source.root:
+        # the snapshot and the records are the other source's: never serve them as this
+        # one's (a --dataset name or a --cache-dir given again for another source)
+        raise SourceMismatch(
+            f"the cache in {cfg.cache_dir} holds the cache of {os.fsdecode(was)}, not of "
+            f"{os.fsdecode(ns.source.root)}: use another --dataset or --cache-dir for this "
+            "source, or remove that cache directory")
     chunks = sorted(index.iter_chunks(), key=lambda c: c.chunk_id)
     present = set(logs.log_ids())
     lost = [c for c in chunks if c.log_id not in present]
