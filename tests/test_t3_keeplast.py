@@ -66,10 +66,34 @@ def test_evicted_records_are_handed_over_exact_before_they_are_dropped(tmp_path)
     assert set(list(files)[:5]) <= seen
 
 
-def test_past_the_room_records_are_counted_not_read(tmp_path):
+def test_past_the_room_records_are_counted_not_read(tmp_path, monkeypatch):
     files = _tree()
     keeper = Recorder(room=4000)  # one small record per commit at most
+    from dlcachefs.cache import writer  # noqa: PLC0415
+    from dlcachefs.store.logs import LogStore  # noqa: PLC0415
+
+    reads: list[int] = []  # chunk reads made while victims are read back
+    inside = []
+    orig_victims, orig_read = writer.ChunkWriter._read_victims, LogStore.read
+
+    def victims(self, *a):
+        inside.append(1)
+        try:
+            return orig_victims(self, *a)
+        finally:
+            inside.pop()
+
+    def read(self, log_id, offset, length, **kw):
+        if inside:
+            reads.append(length)
+        return orig_read(self, log_id, offset, length, **kw)
+
+    monkeypatch.setattr(writer.ChunkWriter, "_read_victims", victims)
+    monkeypatch.setattr(LogStore, "read", read)
     _, eng = _run(tmp_path, keeper, files)
+    # a victim chunk is read only when one of its records fits what room is left: at
+    # most as many chunk reads as records handed over (the rest counted from the index)
+    assert len(reads) <= len(keeper.kept), (len(reads), len(keeper.kept))
     assert eng.counters.chunks_evicted > 0
     assert keeper.unread > 0
     per_commit = 4000

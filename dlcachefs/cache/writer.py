@@ -749,6 +749,15 @@ class ChunkWriter:
             c = self.index.get_chunk(chunk_id)
             if c is None:
                 continue
+            current = [r for ino in c.members if ino not in drops
+                       and (r := self.index.get_record(ino)) is not None
+                       and r.chunk_id == chunk_id]
+            if not current:
+                continue  # nothing of it is the last copy of anything: not read
+            if all(r.size > room for r in current):
+                # none of it fits what room is left: counted from the index, not read
+                unread += len(current)
+                continue
             try:
                 buf = memoryview(self.logs.read(c.log_id, c.offset, c.length))
                 header = decode_chunk_header(buf)
