@@ -1,6 +1,6 @@
 """The read-ahead set (``dlcachefs.cache.buffers.ReadAhead``): spare files (guesses whose
-bytes are in the cache too) are let go, oldest first, when room is asked for; nothing
-else ever is, and the byte count always matches what is held."""
+bytes are in the cache too) are let go, oldest first, when room is asked for or a file is
+put, and once old; nothing else ever is, and the byte count always matches what is held."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ OPS = st.lists(st.one_of(
     st.tuples(st.just("take"), st.integers(0, 15), st.just(0), st.just(False)),
     st.tuples(st.just("room"), st.just(0), st.integers(0, 120), st.just(False)),
     st.tuples(st.just("drop"), st.just(0), st.just(0), st.just(False)),
+    st.tuples(st.just("old"), st.just(0), st.just(0), st.just(False)),
 ), max_size=60)
 
 
@@ -30,6 +31,11 @@ def test_spares_go_first_and_oldest_first(ops):
             ra.put(ino, Identity(n, 0, 0), None, b"x" * n, owner, cached=spare, spare=spare)
             if ino in spare_order:
                 spare_order.remove(ino)
+            held.pop(ino, None)
+            used = sum(v[0] for v in held.values())
+            while used + n > 100 and spare_order:  # spares make room for it
+                gone = spare_order.pop(0)
+                used -= held.pop(gone)[0]
             held[ino] = (n, spare, owner)
             if spare:
                 spare_order.append(ino)
@@ -47,6 +53,11 @@ def test_spares_go_first_and_oldest_first(ops):
                 gone = spare_order.pop(0)
                 used -= held.pop(gone)[0]
             assert ok == (used + n <= 100)
+        elif op == "old":
+            ra.drop_old_spares(0.0)  # every spare is older than 0 s
+            for i in spare_order:
+                del held[i]
+            spare_order.clear()
         else:
             ra.drop_owner("a")
             for i in [i for i, v in held.items() if v[2] == "a"]:
@@ -55,3 +66,12 @@ def test_spares_go_first_and_oldest_first(ops):
                     spare_order.remove(i)
         assert ra.bytes == sum(v[0] for v in held.values())
         assert {i for i in held} == {i for i in range(16) if i in ra}
+
+
+def test_young_spares_stay():
+    ra = ReadAhead(100)
+    ra.put(1, Identity(10, 0, 0), None, b"x" * 10, "scan", cached=True, spare=True)
+    ra.drop_old_spares(3600.0)
+    assert 1 in ra and ra.bytes == 10
+    ra.drop_old_spares(0.0)
+    assert 1 not in ra and ra.bytes == 0

@@ -24,6 +24,7 @@ Concurrency: trio loop only (no locks).
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -34,6 +35,8 @@ from dlcachefs.store.schema import Record
 
 #: fetched bytes that may wait for the chunk writer's room, in chunks (--chunk-size)
 LATER_CHUNKS = 2
+#: seconds a spare (a file scan-ahead fetched and cached) is held for its open at most
+SPARE_S = 60.0
 
 
 class Backlog:
@@ -105,9 +108,10 @@ class ReadAhead:
         self.limit = limit
         self.bytes = 0
         self._files: dict[int, ReadyFile] = {}
-        # files held on a guess whose bytes are in the cache as well, oldest first: the
-        # first to go when room is asked for (nothing is lost, their opens read the log)
-        self._spare: OrderedDict[int, None] = OrderedDict()
+        # files held on a guess whose bytes are in the cache as well, oldest first (with
+        # when they came): the first to go when room is asked for, and after SPARE_S
+        # (nothing is lost: their opens read the log)
+        self._spare: OrderedDict[int, float] = OrderedDict()
 
     def __contains__(self, ino: int) -> bool:
         return ino in self._files
@@ -121,12 +125,23 @@ class ReadAhead:
     def put(self, ino: int, ident: Identity, rec: Record | None, data: bytes | memoryview,
             owner: str, cached: bool = False, spare: bool = False) -> None:
         """Hold a file; ``cached``: its bytes went to the chunk writer as well; ``spare``
-        (a guess, cached): let go first when room is asked for."""
+        (a guess, cached): let go first when room is asked for. Spares make room for it."""
         self._pop(ino)
+        self.has_room(len(data))
         self._files[ino] = ReadyFile(ident, rec, data, owner, cached)
         self.bytes += len(data)
         if spare:
-            self._spare[ino] = None
+            self._spare[ino] = time.monotonic()
+
+    def drop_old_spares(self, age_s: float = SPARE_S) -> None:
+        """Let go of the spares held longer than ``age_s`` (an idle daemon does not keep
+        a pass's guesses in memory)."""
+        limit = time.monotonic() - age_s
+        while self._spare:
+            ino, since = next(iter(self._spare.items()))
+            if since > limit:
+                break
+            self._pop(ino)
 
     def take(self, ino: int) -> ReadyFile | None:
         """What was read ahead for ``ino`` (any version), no longer held."""

@@ -241,8 +241,7 @@ class Engine:
             await nursery.start(self.scan.run)
             nursery.start_soon(self._maintain_policy)
             nursery.start_soon(self._reap_readers)
-            if isinstance(self.source, LocalSource):
-                nursery.start_soon(self._drop_idle_source_dirs)
+            nursery.start_soon(self._let_idle_things_go)
             if self.shares is not None:
                 await nursery.start(self.shares.run)
             if self.packer is not None:
@@ -276,14 +275,16 @@ class Engine:
             if n:
                 log.info("freed %d LMDB reader slots of processes that died", n)
 
-    async def _drop_idle_source_dirs(self) -> None:
+    async def _let_idle_things_go(self) -> None:
         """Close the source directory descriptors kept for fetches once they expire, so
         that an idle daemon holds none (``LocalSource.drop_idle``: O_PATH closes under a
-        lock held for microseconds, cheap enough for the loop)."""
-        assert isinstance(self.source, LocalSource)
+        lock held for microseconds, cheap enough for the loop), and let go of scan-ahead's
+        spares held too long (``ReadAhead.drop_old_spares``)."""
         while True:
             await trio.sleep(DirDescriptors.TTL_S)
-            self.source.drop_idle()
+            if isinstance(self.source, LocalSource):
+                self.source.drop_idle()
+            self.readahead.drop_old_spares()
 
     async def flush(self) -> None:
         """Seal everything fetched so far, the files still waiting for the writer's room

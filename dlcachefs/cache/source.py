@@ -80,6 +80,8 @@ class LocalSource:
 
     #: how often a file that changes while it is read is re-read before giving up
     CHANGE_RETRIES = 3
+    #: fresh walks in a row not giving the exact path before directories are no longer kept
+    INEXACT_LIMIT = 3
 
     def __init__(self, root: str | bytes) -> None:
         root_b = os.fsencode(root)
@@ -89,6 +91,7 @@ class LocalSource:
         self._prefix = self.root if self.root.endswith(b"/") else self.root + b"/"
         self._dirs = DirDescriptors()  # directories walked lately (_open_file)
         self._exact_paths = True  # whether an opened file's /proc path is root + rel
+        self._inexact = 0  # fresh walks in a row whose /proc path was not root + rel
 
     def full(self, rel: bytes) -> bytes:
         return self._prefix + rel if rel else self.root
@@ -187,8 +190,12 @@ class LocalSource:
         busy daemon. A file opened through a remembered directory must then have exactly
         the path asked for (``/proc/self/fd``): a directory renamed or swapped since it
         was walked gives another path (or no such file), and the file is opened again
-        after a fresh walk. A source whose descriptors do not show the exact path (a
-        root reached through a bind mount, say) stops remembering directories."""
+        after a fresh walk. A source whose descriptors do not show the exact path
+        (``INEXACT_LIMIT`` fresh walks in a row) stops remembering directories.
+
+        A directory mounted over after it was walked is still the covered one through its
+        kept descriptor for up to ``DirDescriptors.TTL_S`` plus the sweep's period (a few
+        seconds): the window a network filesystem's own directory cache has too."""
         dirs, name = self._split(rel)
         if not self._exact_paths:
             return self._open_walked(dirs, name, rel)
@@ -210,6 +217,7 @@ class LocalSource:
             self._dirs.give_back(held)
             real = _fd_path(fd)
             if real == self._prefix + rel:
+                self._inexact = 0
                 return fd
             os.close(fd)
             if not fresh:  # a remembered directory that moved since: walk again
@@ -218,10 +226,14 @@ class LocalSource:
                 continue
             if not real.startswith(self._prefix):
                 raise OutsideSource(f"resolves outside the source root: {os.fsdecode(rel)}")
-            # a fresh walk that does not give the exact path: remember nothing from now
-            # on, and check only the root's prefix (as before descriptors were kept)
-            self._exact_paths = False
-            self._dirs.clear()
+            # a fresh walk that does not give the exact path: a rename racing the walk,
+            # or a root whose descriptors never show it (then, after a few in a row,
+            # remember nothing from now on and check only the root's prefix, as before
+            # descriptors were kept)
+            self._inexact += 1
+            if self._inexact >= self.INEXACT_LIMIT:
+                self._exact_paths = False
+                self._dirs.clear()
             return self._open_walked(dirs, name, rel)
 
     def _open_walked(self, dirs: list[bytes], name: bytes, rel: bytes) -> int:
