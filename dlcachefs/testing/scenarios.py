@@ -488,7 +488,7 @@ def source_faults(work: Path, rounds: int, seed: int = 0, cases: tuple[str, ...]
                                "the file did not read again after its fault", 60)
                     out["reads_after_fault_wrong"] += t.wrong
             out["daemon_up_at_end"] = int(chaos.alive(m.pid))
-            out["source_fds_left"] = len(chaos.fds_under(m.pid, str(pt)))
+            out["source_fds_left"] = _source_fds_once_idle(m.pid, pt)
             m.umount()
         finally:
             set_faults({})
@@ -722,6 +722,16 @@ print(json.dumps({"samples": ok, "epochs": epochs, "wrong": wrong}))
 """
 
 
+def _source_fds_once_idle(pid: int, source: Path, wait_s: float = 60.0) -> int:
+    """The daemon's descriptors into ``source`` once it is idle. It keeps the directories
+    of recent fetches for a few seconds (O_PATH, ``dlcachefs.cache.source.DirDescriptors``):
+    wait for the state where it holds nothing (bounded), then count what is left."""
+    deadline = time.monotonic() + wait_s
+    while chaos.fds_under(pid, str(source)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return len(chaos.fds_under(pid, str(source)))
+
+
 def soak(work: Path, seconds: float, seed: int = 0, n_files: int = 400, loaders: int = 2,
          threads: int = 4, cats: int = 2, finds: int = 2, dus: int = 2,
          sample_every: float = 2.0, log: Log = _quiet) -> dict:
@@ -800,13 +810,7 @@ def soak(work: Path, seconds: float, seed: int = 0, n_files: int = 400, loaders:
         end = chaos.proc_sample(m.pid) or {}
         st = m.stats()
         out["daemon_up_at_end"] = int(chaos.alive(m.pid))
-        # the daemon keeps the directories of recent fetches (O_PATH, a few seconds:
-        # dlcachefs.cache.source.DirDescriptors); once idle it must hold nothing of the
-        # source: wait for that state (bounded), then count
-        deadline = time.monotonic() + 60
-        while chaos.fds_under(m.pid, str(src)) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        out["source_fds_after_settle"] = len(chaos.fds_under(m.pid, str(src)))
+        out["source_fds_after_settle"] = _source_fds_once_idle(m.pid, src)
         out["deleted_fds_after_settle"] = end.get("deleted_fds", -1)
         out["chunks_evicted"] = st["chunks_evicted"]
         out["reorder_chunks"] = st["reorder_chunks"]
