@@ -57,7 +57,7 @@ from dlcachefs.cache.policy import CachePolicy, PolicyContext
 from dlcachefs.cache.prefetch import Prefetcher
 from dlcachefs.cache.reader import LogReader
 from dlcachefs.cache.readplan import ReadPlanner
-from dlcachefs.cache.recovery import recover
+from dlcachefs.cache.recovery import check_source, recover
 from dlcachefs.cache.scanahead import ScanAhead
 from dlcachefs.cache.shares import ShareKeeper
 from dlcachefs.cache.source import (
@@ -206,6 +206,8 @@ class Engine:
         (:mod:`dlcachefs.cache.recovery`). With ``--shared-cache``, this dataset's entry
         in the root's ledger first: its limit is the one recovery shrinks to."""
         if self.shares is not None:
+            # before the ledger hears of this mount: a cache of another source is refused
+            check_source(self.cfg, self.index, self.source.root)
             self.writer.limit = self.shares.join()
         return recover(self.cfg, self.index, self.logs, self.ns, self.writer, self.policy,
                        progress)

@@ -32,19 +32,24 @@ from dlcachefs.store.logs import LogStore
 log = logging.getLogger(__name__)
 
 
+def check_source(cfg: Config, index: Index, root: bytes) -> None:
+    """SourceMismatch when the cache directory holds the cache of another source: its
+    snapshot and records must never be served as this one's (a ``--dataset`` name or a
+    ``--cache-dir`` given again for another source)."""
+    was = index.get_meta(S.K_SOURCE)
+    if was is not None and was != root:
+        raise SourceMismatch(
+            f"the cache in {cfg.data_dir} holds the cache of {os.fsdecode(was)}, not of "
+            f"{os.fsdecode(root)}: use another --dataset or --cache-dir for this source, "
+            "or remove that cache directory")
+
+
 def recover(cfg: Config, index: Index, logs: LogStore, ns: Namespace, writer: ChunkWriter,
             policy, progress: Callable[[int, int, float], None] | None = None) -> dict:
     """Recover the cache directory and list the source if needed (module docstring);
     what was found, for the daemon's start-up log line."""
     info: dict = {}
-    was = index.get_meta(S.K_SOURCE)
-    if was is not None and was != ns.source.root:
-        # the snapshot and the records are the other source's: never serve them as this
-        # one's (a --dataset name or a --cache-dir given again for another source)
-        raise SourceMismatch(
-            f"the cache in {cfg.cache_dir} holds the cache of {os.fsdecode(was)}, not of "
-            f"{os.fsdecode(ns.source.root)}: use another --dataset or --cache-dir for this "
-            "source, or remove that cache directory")
+    check_source(cfg, index, ns.source.root)
     chunks = sorted(index.iter_chunks(), key=lambda c: c.chunk_id)
     present = set(logs.log_ids())
     lost = [c for c in chunks if c.log_id not in present]
