@@ -51,6 +51,7 @@ from . import make_dataset as md
 from .dlcmount import DlcMount, counter_delta, dlcachefs_exe
 from .readers import read_all
 from .remote import slow_remote
+from .run import BenchFailure, Verifier
 from .util import drop_page_cache, machine_info, proc_cpu_seconds, write_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,20 +67,18 @@ class Failure(RuntimeError):
     """Wrong bytes or a failed reader: exit status 1."""
 
 
-def raw_epoch(root: str, rels: list[str], threads: int, expected: dict) -> dict:
+def raw_epoch(root: str, rels: list[str], threads: int, verifier: Verifier) -> dict:
     res = read_all([os.path.join(root, r) for r in rels], threads)
-    if res.errors:
-        raise Failure(f"{len(res.errors)} read errors, e.g. {res.errors[0]}")
-    bad = [r for r, s, h in zip(rels, res.sizes, res.hashes, strict=True)
-           if expected[r] != (s, h)]
-    if bad:
-        raise Failure(f"{len(bad)} files differ from the source, e.g. {bad[0]}")
+    try:
+        verifier.check_read(f"raw x{threads}", rels, res)
+    except BenchFailure as e:
+        raise Failure(str(e)) from None
     s = res.summary()
     return {"files_per_s": s["files_per_s"], "seconds": s["wall_s"]}
 
 
 def pipe_epoch(data: str, case: str, workers: int, seed: int, launcher: bool,
-               tree_digest: str) -> dict:
+               verifier: Verifier) -> dict:
     cmd = [sys.executable, "-m", "bench.pipeline", "--data", data, "--epochs", "1",
            "--workers", str(workers), "--sampler",
            "distributed" if case == "pipe-dist" else "random", "--seed", str(seed)]
@@ -90,8 +89,10 @@ def pipe_epoch(data: str, case: str, workers: int, seed: int, launcher: bool,
         raise Failure(f"pipeline {case} failed ({r.returncode}): {r.stderr[-2000:]}")
     ep = next(json.loads(x) for x in r.stdout.splitlines()
               if x.startswith("{") and json.loads(x).get("kind") == "epoch")
-    if not ep.get("all_files") or ep["digest"] != tree_digest:
-        raise Failure(f"pipeline {case}: the epoch's bytes differ from the source")
+    try:
+        verifier.check_epoch(f"pipeline {case}", ep)
+    except BenchFailure as e:
+        raise Failure(str(e)) from None
     return {"files_per_s": ep["files_per_s"], "seconds": ep["seconds"],
             "stall_s": ep["stall_s"], "reader_cpu_s": ep["reader_cpu_s"]}
 
@@ -99,9 +100,9 @@ def pipe_epoch(data: str, case: str, workers: int, seed: int, launcher: bool,
 def one_epoch(case: str, root: str, a: argparse.Namespace, ctx: dict) -> dict:
     """One first epoch of ``case`` over ``root`` (the exported directory, or a mount of it)."""
     if case.startswith("raw"):
-        return raw_epoch(root, ctx["order"], int(case[3:]), ctx["expected"])
+        return raw_epoch(root, ctx["order"], int(case[3:]), ctx["verifier"])
     return pipe_epoch(os.path.join(root, "train"), case, a.workers, a.seed,
-                      case != "pipe" and ctx["mounted"], ctx["tree_digest"])
+                      case != "pipe" and ctx["mounted"], ctx["verifier"])
 
 
 def run_round(rnd: int, a: argparse.Namespace, remote, ctx: dict, runs: list) -> None:
@@ -205,9 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     rels = [r[0] for r in manifest["file_list"]]  # "train/<class>/<file>"
     order = rels[:]
     random.Random(f"first-epoch-{a.seed}").shuffle(order)
-    ctx = {"dataset_root": ds, "order": order,
-           "expected": {r[0]: (r[1], r[2]) for r in manifest["file_list"]},
-           "tree_digest": manifest["tree_digest"]}
+    ctx = {"dataset_root": ds, "order": order, "verifier": Verifier(manifest)}
     doc = {"bench": "first_epoch", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "command": " ".join([os.path.basename(sys.executable), "-m", "bench.first_epoch",
                                 *(argv if argv is not None else sys.argv[1:])]),

@@ -285,17 +285,23 @@ class _HungListener:
             c.close()
 
 
+def _start_reads(nursery, eng, files) -> dict:
+    """Every file read at once in ``nursery``; the dict fills as the reads end."""
+    out = {}
+
+    async def one(rel):
+        out[rel] = await read_all(eng, rel)
+    for rel in files:
+        nursery.start_soon(one, rel)
+    return out
+
+
 def _read_concurrently(files, cfg, src):
     import trio
 
     async def body(eng):
-        out = {}
-
-        async def one(rel):
-            out[rel] = await read_all(eng, rel)
         async with trio.open_nursery() as n:
-            for rel in files:
-                n.start_soon(one, rel)
+            out = _start_reads(n, eng, files)
         assert await eng.peers.drain()
         return out
     return run_engine(cfg, body, src)
@@ -550,13 +556,8 @@ def test_a_node_leases_only_what_it_can_read_at_once(tmp_path, servers):
             mc.close()
 
     async def body(eng):
-        out = {}
-
-        async def one(rel):
-            out[rel] = await read_all(eng, rel)
         async with trio.open_nursery() as n:
-            for rel in files:
-                n.start_soon(one, rel)
+            out = _start_reads(n, eng, files)
             with trio.fail_after(30):
                 # every lookup asked, and the two that hold a slot leased
                 while (eng.peers.stats()["servers"][m.address]["misses"] < len(files)

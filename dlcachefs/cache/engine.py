@@ -205,9 +205,10 @@ class Engine:
         namespace scan when there is no snapshot yet or ``--rescan`` was given
         (:mod:`dlcachefs.cache.recovery`). With ``--shared-cache``, this dataset's entry
         in the root's ledger first: its limit is the one recovery shrinks to."""
+        # first (before a shared root's ledger hears of this mount): a cache of another
+        # source is refused
+        check_source(self.cfg, self.index, self.source.root)
         if self.shares is not None:
-            # before the ledger hears of this mount: a cache of another source is refused
-            check_source(self.cfg, self.index, self.source.root)
             self.writer.limit = self.shares.join()
         return recover(self.cfg, self.index, self.logs, self.ns, self.writer, self.policy,
                        progress)

@@ -3,7 +3,7 @@
 Runs once, blocking, before the filesystem is served (no trio loop yet, so plain calls,
 LMDB write transactions included, are fine here):
 
-0. a cache of another source is refused (:class:`~dlcachefs.errors.SourceMismatch`);
+0. (before it, :func:`check_source`: a cache of another source is refused);
 1. chunks whose log file is gone are dropped from the index;
 2. each log is cut after its last indexed chunk (:meth:`LogStore.recover`): a crash
    between a seal's append and its commit leaves an unindexed tail (see
@@ -49,7 +49,6 @@ def recover(cfg: Config, index: Index, logs: LogStore, ns: Namespace, writer: Ch
     """Recover the cache directory and list the source if needed (module docstring);
     what was found, for the daemon's start-up log line."""
     info: dict = {}
-    check_source(cfg, index, ns.source.root)
     chunks = sorted(index.iter_chunks(), key=lambda c: c.chunk_id)
     present = set(logs.log_ids())
     lost = [c for c in chunks if c.log_id not in present]
