@@ -367,7 +367,8 @@ def test_a_killed_daemons_bytes_count_until_remounted_or_removed(tmp_path, mount
         assert L.counted(doc) <= BUDGET
     # mounted again: the entry is live again, counting what a's cache holds (<= its limit)
     a2 = mount(srcs["a"], *_shared_args("a"), name="ma", cache=root)
-    st = a2.stats()
+    # its stats carry the ledger as of its first share round (moments after the mount)
+    st = a2.wait_stats(lambda st: "a" in st["shared"]["datasets"], "a2's first share round")
     assert st["shared"]["datasets"]["a"]["state"] == "live"
     assert st["chunk_bytes"] <= dead_limit
     drop_page_cache()

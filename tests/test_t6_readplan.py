@@ -105,6 +105,9 @@ def test_shuffled_epoch_reads_what_it_serves(tmp_path, mount):
     assert st["checksum_failures"] == 0
 
 
+# the logs are damaged on purpose: a damaged record this epoch did not read from its log
+# (served from memory or another copy) is still on disk for verify to find
+@pytest.mark.verify_allows(r"damaged record: inode \d+ ")
 def test_planned_reads_never_serve_damaged_bytes(tmp_path, mount):
     """Records damaged on disk are caught by their checksums in the planned reads: the
     opens get the source's bytes, and the failures are counted."""
