@@ -132,6 +132,11 @@ class Config:
            "N at a time, into free cache room only; 0 = off", metavar="N")
     reorder: bool = _opt(
         True, "do not lay out each next epoch's log in its order (LCache)", name="no-reorder")
+    reorder_min: int | None = _opt(
+        None, "lay out the next epoch's log only for a dataset larger than SIZE (default: half "
+              "of --memory: a dataset that fits in memory is read from it in any order, and a "
+              "second copy written during an epoch would only take disk and CPU from it); "
+              "0 = always", kind="size", metavar="SIZE")
     peers: str | None = _opt(
         None, "memcached servers of the cluster's shared peer tier, HOST:PORT,... (the same "
               "list on every node): a file missing here is looked up at its owner (rendezvous "
@@ -364,7 +369,8 @@ def _options() -> tuple[Option, ...]:
         if not spec:
             continue  # source, mountpoint: the command's positional arguments
         spec.setdefault("name", f.name.replace("_", "-"))
-        spec.setdefault("kind", _KIND_OF_TYPE[f.type])
+        if "kind" not in spec:
+            spec["kind"] = _KIND_OF_TYPE[f.type]
         out.append(Option(field=f.name, default=f.default, **spec))
     return tuple(out)
 

@@ -152,7 +152,9 @@ def test_announced_epochs_through_the_session(client, tmp_path, policy):
     c, src, files = client
     source = CountingSource(src)
     n = len(files)
-    cfg = make_config(src, tmp_path / "cache", policy=policy, chunk_size=16 << 10)
+    # reorder_min=0: the 100 KB dataset fits in memory, where no next log would be laid out
+    cfg = make_config(src, tmp_path / "cache", policy=policy, chunk_size=16 << 10,
+                      reorder_min=0)
 
     async def body(sess: Session):
         eng = sess.engine

@@ -59,6 +59,7 @@ from dlcachefs.store.schema import Entry
 
 if TYPE_CHECKING:
     from dlcachefs.cache.buffers import ReadAhead
+    from dlcachefs.cache.memtier import MemoryTier
     from dlcachefs.cache.namespace import Namespace
     from dlcachefs.cache.prefetch import Prefetcher
     from dlcachefs.cache.readplan import ReadPlanner
@@ -104,6 +105,7 @@ class Stream:
     target_epoch: int | None = None  # announced; ``epoch`` catches up once its order is known
     early: list[int] = field(default_factory=list)  # opens seen before the order was known
     next_log: NextEpochLog | None = None  # the next epoch's log being laid out (LCache)
+    reorder: str = ""  # why no next epoch's log is laid out (stats), when that is decided
     memory_prefetch: bool = False  # dataset > half the cache: prefetch into memory only
     current_log: NextEpochLog | None = None  # the reordered log this epoch reads
     explicit: dict | None = None  # epoch -> order, for ``sampler explicit`` (order lines)
@@ -178,7 +180,8 @@ class Stream:
                 "error": self.error, "loader": self.pace.stats(),
                 "next_log": None if self.next_log is None else {
                     "epoch": self.next_log.epoch, "chunks": len(self.next_log.chunks),
-                    "sealed": self.next_log.sealed, "failed": self.next_log.failed}}
+                    "sealed": self.next_log.sealed, "failed": self.next_log.failed},
+                **({"reorder": self.reorder} if self.reorder else {})}
 
 
 class StreamEngine(ReorderEngine, Protocol):
@@ -186,12 +189,14 @@ class StreamEngine(ReorderEngine, Protocol):
     (:class:`~dlcachefs.cache.engine.Engine` provides it), besides what it hands on to the
     :class:`NextEpochLog` of each stream (:class:`ReorderEngine`): the namespace (sample
     lists, sizes, paths), the index's typed listings, ``writer.retire_chunk`` (LCache's
-    release after use), the read-ahead set (``drop_owner``, ``limit``),
+    release after use), the read-ahead set (``drop_owner``, ``limit``), the memory
+    tier's ``limit`` (whether a next epoch's log is worth laying out),
     ``losses.epoch_started``, the policy clock ``future.tick``, ``plans.run`` (an epoch's
     read plan) and ``prefetcher.prefetch_one``."""
 
     ns: Namespace
     readahead: ReadAhead
+    memtier: MemoryTier
     losses: Losses
     future: StreamFuture
     plans: ReadPlanner
@@ -468,11 +473,26 @@ class StreamManager:
         nursery = self._nursery
         if not self.engine.cfg.reorder or not s.replayer.known(epoch + 1):
             return
+        cfg = self.engine.cfg
+        limit = self.engine.memtier.limit
+        floor = cfg.reorder_min if cfg.reorder_min is not None else limit // 2
+        if not s.memory_prefetch and samples.nbytes <= floor:
+            # LCache lays the next epoch's log out in its order so that an epoch whose data
+            # does not fit in memory reads whole chunks front to back. Data that fits in the
+            # memory tier is read a chunk at a time in any order (each chunk loaded once by
+            # the read plan, then kept): a second copy written and read back during this
+            # epoch would buy nothing, and it takes the disk and ~0.6 ms of CPU per sample
+            # from a first epoch's loader. A cache too small for the dataset
+            # (memory_prefetch) always needs the log: it says which samples stay cached.
+            s.reorder = (f"not needed: the dataset's {samples.nbytes / 2**20:.1f} MiB are at "
+                         f"most --reorder-min ({floor / 2**20:.1f} MiB; by default half of "
+                         f"the memory tier, {limit / 2**20:.1f} MiB)")
+            return
+        s.reorder = ""
         # LCache: two logs. When the cache cannot hold two copies of the dataset, the next
         # log holds the samples that come first in its epoch, as many as the cache holds
         # (the current log is released chunk by chunk as it is consumed, so the two fit);
         # the rest is prefetched from the source in order, into memory, when it runs.
-        cfg = self.engine.cfg
         budget = max(self.engine.writer.limit - 2 * cfg.chunk_size, cfg.chunk_size) \
             if s.memory_prefetch else None
         order = await trio.to_thread.run_sync(s.replayer.order, epoch + 1)
