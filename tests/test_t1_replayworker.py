@@ -4,6 +4,12 @@ a closed worker give clear errors."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -68,3 +74,43 @@ def test_a_dead_worker_is_replaced_and_a_closed_one_refuses():
     rep3 = RemoteReplayer(w, SamplerSpec("random", seed=2), 20)
     with pytest.raises(ReplayClosed, match="closed"):
         rep3.order(0)
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie (reparented to a reaper that has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_the_worker_ends_when_its_daemon_is_killed():
+    """A SIGKILLed daemon cannot end its replay worker: the worker's watch of its parent
+    does (otherwise it would live on through torch's import, or here for 10 minutes)."""
+    grandchild = ("import os, time\n"
+                  "from dlcachefs.clairvoyance.replayworker import exit_with_parent\n"
+                  "exit_with_parent(os.getppid(), every=0.05)\n"
+                  "print(os.getpid(), flush=True)\n"
+                  "time.sleep(600)\n")
+    parent = ("import subprocess, sys, time\n"
+              f"p = subprocess.Popen([sys.executable, '-c', {grandchild!r}])\n"
+              "time.sleep(600)\n")
+    mid = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    pid = 0
+    try:
+        pid = int(mid.stdout.readline())
+        time.sleep(0.3)
+        assert not _gone(pid)  # its parent lives: it stays
+        mid.send_signal(signal.SIGKILL)
+        mid.wait()
+        for _ in range(600):  # a bound for a loaded machine, not a speed check
+            if _gone(pid):
+                break
+            time.sleep(0.1)
+        assert _gone(pid)
+    finally:
+        mid.kill()
+        mid.wait()
+        if pid and not _gone(pid):
+            os.kill(pid, signal.SIGKILL)

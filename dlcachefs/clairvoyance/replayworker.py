@@ -26,6 +26,7 @@ import multiprocessing as mp
 import os
 import signal
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -76,7 +77,7 @@ class ReplayWorker:
         self._stop()
         ctx = mp.get_context("spawn")  # never fork a process with trio's threads
         mine, theirs = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(theirs,), daemon=True,
+        self._proc = ctx.Process(target=_serve, args=(theirs, os.getpid()), daemon=True,
                                  name="dlcachefs-replay")
         self._proc.start()
         theirs.close()
@@ -183,8 +184,28 @@ class RemoteReplayer:
 # ----- the worker process ---------------------------------------------------------------
 
 
-def _serve(conn) -> None:
-    """The worker's loop: ``("ping",)`` -> torch importable; ``("order", ...)`` -> array."""
+def exit_with_parent(parent: int, every: float = 0.5) -> None:
+    """End this process (``os._exit``) as soon as ``parent`` is no longer its parent.
+
+    Why: a daemon killed with SIGKILL cannot end its worker, and the worker would only
+    notice at its next ``recv`` (EOF), i.e. after torch's import: ~4 s of CPU and ~500 MB
+    for nothing, once per kill (a remount right after a crash paid two imports at once).
+    ``PR_SET_PDEATHSIG`` cannot do it: it fires when the parent *thread* that started the
+    worker exits, and that is one of trio's worker threads, which come and go. So a
+    daemon thread polls ``getppid`` (reparented to init or a subreaper = the daemon is gone)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _serve(conn, parent: int) -> None:
+    """The worker's loop: ``("ping",)`` -> torch importable; ``("order", ...)`` -> array.
+    ``parent`` is the daemon's pid: the worker ends with it (:func:`exit_with_parent`)."""
+    exit_with_parent(parent)
     with contextlib.suppress(OSError):
         os.nice(10)  # it must not take the daemon's CPU while the first epoch is served
     # the daemon handles ^C and SIGTERM (it ends this process); a foreground daemon's
