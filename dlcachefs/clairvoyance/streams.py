@@ -471,12 +471,19 @@ class StreamManager:
         # close() may forget the nursery while the plan is made: its tasks still go there
         # (cancelled at once then, and nl.run's cleanup runs)
         nursery = self._nursery
+        s.reorder = ""
         if not self.engine.cfg.reorder or not s.replayer.known(epoch + 1):
             return
         cfg = self.engine.cfg
         limit = self.engine.memtier.limit
         floor = cfg.reorder_min if cfg.reorder_min is not None else limit // 2
-        if not s.memory_prefetch and samples.nbytes <= floor:
+        # the memory tier is one for the mount: every dataset streams read now counts
+        # (several ranks of one dataset count it once)
+        read_now = {st.dataset: st.samples.nbytes for st in self.streams.values()
+                    if st.samples is not None and st.dataset is not None}
+        read_now[s.dataset] = samples.nbytes
+        total = sum(read_now.values())
+        if not s.memory_prefetch and total <= floor:
             # LCache lays the next epoch's log out in its order so that an epoch whose data
             # does not fit in memory reads whole chunks front to back. Data that fits in the
             # memory tier is read a chunk at a time in any order (each chunk loaded once by
@@ -484,11 +491,10 @@ class StreamManager:
             # epoch would buy nothing, and it takes the disk and ~0.6 ms of CPU per sample
             # from a first epoch's loader. A cache too small for the dataset
             # (memory_prefetch) always needs the log: it says which samples stay cached.
-            s.reorder = (f"not needed: the dataset's {samples.nbytes / 2**20:.1f} MiB are at "
-                         f"most --reorder-min ({floor / 2**20:.1f} MiB; by default half of "
+            s.reorder = (f"not needed: the {total / 2**20:.1f} MiB of the datasets read now "
+                         f"are at most --reorder-min ({floor / 2**20:.1f} MiB; by default half of "
                          f"the memory tier, {limit / 2**20:.1f} MiB)")
             return
-        s.reorder = ""
         # LCache: two logs. When the cache cannot hold two copies of the dataset, the next
         # log holds the samples that come first in its epoch, as many as the cache holds
         # (the current log is released chunk by chunk as it is consumed, so the two fit);
