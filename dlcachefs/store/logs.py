@@ -291,18 +291,22 @@ class LogStore:
         if empty:
             self._delete(log_id)
             return
-        try:
-            with self._use(log_id) as fd:
-                punch_hole(fd, offset, length)
-        except OSError:
-            log.warning("could not punch a hole in log %d", log_id, exc_info=True)
+        self._punch(log_id, offset, length)
 
     def punch(self, log_id: int, offset: int, length: int) -> None:
         """Free a byte range nothing indexes (a next epoch's chunk given up half written);
         the log's live bytes do not change."""
+        self._punch(log_id, offset, length)
+
+    def _punch(self, log_id: int, offset: int, length: int) -> None:
         try:
             with self._use(log_id) as fd:
                 punch_hole(fd, offset, length)
+        except FileNotFoundError:
+            # Deleted meanwhile: two releases of one log race (threads), the one that
+            # takes its live bytes to 0 deletes it while the other is on its way to punch.
+            # A deleted log's space is free already: nothing to do, nothing to warn about.
+            pass
         except OSError:
             log.warning("could not punch a hole in log %d", log_id, exc_info=True)
 
