@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenario", default="all",
                    help=f"comma-separated: {','.join(S.SCENARIOS)} (default all)")
     p.add_argument("--cycles", type=int, default=1000, help="kill -9 cycles")
+    p.add_argument("--reorder-every", type=int, default=3,
+                   help="every Nth kill cycle waits for a part-written next-epoch log "
+                        "(1: all of them; 0: none)")
     p.add_argument("--injections", type=int, default=1000, help="damage injections")
     p.add_argument("--source-rounds", type=int, default=200, help="source faults per case")
     p.add_argument("--minutes", type=float, default=30.0, help="soak length")
@@ -85,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     base = Path(a.work or tempfile.mkdtemp(prefix="dlc-chaos-"))
     log = (lambda s: None) if a.quiet else (lambda s: print(f"chaos: {s}", file=sys.stderr))
     runs = {
-        "kill": lambda w: S.kill_cycles(w, a.cycles, a.seed, log=log),
+        "kill": lambda w: S.kill_cycles(w, a.cycles, a.seed, reorder_every=a.reorder_every,
+                                        log=log),
         "corrupt": lambda w: S.corruption(w, a.injections, a.seed,
                                           verify_every=max(10, a.injections // 10), log=log),
         "source": lambda w: S.source_faults(w, a.source_rounds, a.seed, log=log),

@@ -95,7 +95,8 @@ def _watch(daemon_oracle, work):
 def test_kill9_cycles_lose_nothing_committed(tmp_path, daemon_oracle):
     """5 cycles of 8 reader threads + an announced DistributedSampler (prefetch, the next
     epoch's log) + eviction, the daemon SIGKILLed at a random moment; a training process
-    SIGKILLed mid-announcement in two of them."""
+    SIGKILLed mid-announcement in two of them; one (the third) killed while the next
+    epoch's log is part-written."""
     _watch(daemon_oracle, tmp_path)
     r = S.kill_cycles(tmp_path, cycles=5, seed=11, n_files=120, trainer_every=2)
     assert r["cycles"] == 5 and r.get("mount_failures", 0) == 0, r
@@ -104,6 +105,9 @@ def test_kill9_cycles_lose_nothing_committed(tmp_path, daemon_oracle):
     assert r["verify_reads"]["errors_by_errno"] == {} and r["reads"]["errors_by_errno"] == {}, r
     assert r["verify_hits"] > 0  # the cache was reused across kills
     assert r["trainer_killed"] == 2 and r["announce_after_ok"] == 2, r
+    # the third cycle waited for a part-written next-epoch log and killed the daemon then;
+    # the remount after it lost nothing committed and served every byte exact (above)
+    assert r["reorder_kill_cycles"] == 1 and r["killed_while_reordering"] >= 1, r
     assert not r.get("daemon_died_with_trainer") and not r.get("daemon_died_before_kill"), r
     assert r["verify_exit"] == 0 and r["verify_problems"] == 0, r
     assert r["tracebacks"] == 0, r["log_examples"]

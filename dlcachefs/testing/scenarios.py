@@ -133,13 +133,20 @@ def _kill_trainer(mnt: Path, n_samples: int, rnd: random.Random) -> dict:
 
 
 def kill_cycles(work: Path, cycles: int, seed: int = 0, threads: int = 8, n_files: int = 200,
-                trainer_every: int = 5, log: Log = _quiet) -> dict:
+                trainer_every: int = 5, reorder_every: int = 3, log: Log = _quiet) -> dict:
     """Reader threads over a mount while the daemon is SIGKILLed at a random moment, with
     eviction (the cache holds ~60% of the data), prefetch and the next epoch's log being
     written (a DistributedSampler is announced). Then remount, and check: every record
     committed before the kill is still indexed (the same chunk, offset and checksum),
     every byte read through the new mount equals the source, the cache is reused. Every
-    ``trainer_every`` cycles a training process is SIGKILLed mid-announcement first."""
+    ``trainer_every`` cycles a training process is SIGKILLed mid-announcement first.
+
+    The random moment (0.05-1.5 s after the readers start) comes before the replay worker
+    has imported torch, so no next epoch's log is being written yet; every
+    ``reorder_every``-th cycle therefore waits instead until the stream's next-epoch log has
+    sealed a chunk and has more to seal, and kills then (``killed_while_reordering``: the
+    last stats before the kill showed the log part-written; ``reorder_wait_timeouts``: it
+    never was within 60 s, killed anyway)."""
     rnd = random.Random(seed)
     src, cache, mnt = work / "src", work / "cache", work / "mnt"
     files = chaos.make_dataset(src, n_files, seed)
@@ -183,13 +190,19 @@ def kill_cycles(work: Path, cycles: int, seed: int = 0, threads: int = 8, n_file
                     out["daemon_died_with_trainer"] += 1
             out["announced"] += _announce(m.mnt, cycle % 5, seed)
             with chaos.ReaderThreads(m.mnt, files, threads, seed=cycle) as readers:
-                t = rnd.uniform(0.05, 1.5)
-                kill_after.append(t)
-                time.sleep(t)
+                t0 = time.monotonic()
+                if reorder_every and cycle % reorder_every == reorder_every - 1:
+                    now = _wait_mid_reorder(m, rnd)
+                    out["reorder_kill_cycles"] += 1
+                    out["reorder_wait_timeouts"] += now is None
+                else:
+                    time.sleep(rnd.uniform(0.05, 1.5))
+                    now = _stats_or(m, {})
+                kill_after.append(time.monotonic() - t0)
                 if not chaos.alive(m.pid):
                     out["daemon_died_before_kill"] += 1
-                with contextlib.suppress(OSError, ValueError):
-                    _note_in_flight(out, st, m.stats())
+                if now:
+                    _note_in_flight(out, st, now)
                 m.kill9()
             out["reads_cut_by_kill"] += readers.gone
             _merge(reads, readers.tally)
@@ -218,6 +231,28 @@ def kill_cycles(work: Path, cycles: int, seed: int = 0, threads: int = 8, n_file
             **_log_summary(daemon_log)}
 
 
+def _mid_reorder(st: dict) -> bool:
+    """Whether a stream's next-epoch log is part-written (a chunk sealed, more to come)."""
+    for s in (st.get("streams") or {}).values():
+        nl = s.get("next_log") if isinstance(s, dict) else None
+        if nl and not nl["failed"] and 0 < nl["sealed"] < nl["chunks"]:
+            return True
+    return False
+
+
+def _wait_mid_reorder(m: Mount, rnd: random.Random, timeout: float = 60.0) -> dict | None:
+    """Poll the stats until a next-epoch log is part-written, then wait 0-30 ms more; those
+    stats (None: not within ``timeout``)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        st = _stats_or(m, {})
+        if _mid_reorder(st):
+            time.sleep(rnd.uniform(0.0, 0.03))
+            return st
+        time.sleep(0.02)
+    return None
+
+
 def _note_in_flight(out: Counter, before: dict, now: dict) -> None:
     """What the daemon was doing when it was killed (from its stats just before)."""
     out["killed_with_records_pending"] += now["pending_bytes"] > 0
@@ -225,7 +260,7 @@ def _note_in_flight(out: Counter, before: dict, now: dict) -> None:
                                      or now["chunks_evicted"] > before["chunks_evicted"])
     out["killed_while_fetching"] += now["misses"] + now["prefetched"] > \
         before["misses"] + before["prefetched"]
-    out["killed_while_reordering"] += now["reorder_chunks"] > before["reorder_chunks"]
+    out["killed_while_reordering"] += _mid_reorder(now)
 
 
 def _merge(into: chaos.ReadTally, t: chaos.ReadTally) -> None:
