@@ -193,6 +193,19 @@ class Config:
     share_halflife: float = _opt(
         600.0, "with --shared-cache: past the cooldown, a dataset's value halves in this "
                "long (LRFU's decay)", metavar="SECONDS")
+    dedup: bool = _opt(
+        True, "with --shared-cache: do not share identical bytes with the root's other "
+              "datasets (by default a file whose SHA-256 another dataset holds is served "
+              "from that copy and not cached twice)", name="no-dedup")
+    content_manifest: str | None = _opt(
+        None, "with --shared-cache: a SHA-256 list of the source's files (sha256sum's "
+              "output; its paths are relative to the list's directory): a file it names "
+              "that another dataset holds is served from there without a read of the "
+              "source (trusted for files not modified after the list)", kind="path",
+        metavar="FILE")
+    content_xattr: str | None = _opt(
+        None, "with --shared-cache: an extended attribute of the source's files holding "
+              "their SHA-256 (64 hex digits, or 32 bytes), e.g. user.sha256", metavar="NAME")
     foreground: bool = _opt(False, "do not daemonize", short="-f")
     allow_other: bool = _opt(
         False, "let other users use the mount (with default_permissions)")
@@ -240,6 +253,12 @@ class Config:
             if not _DATASET_NAME.fullmatch(self.dataset):
                 raise ValueError("--dataset: 1-64 letters, digits, '.', '_' or '-', not "
                                  f"starting with '.' or '-': {self.dataset!r}")
+        if (self.content_manifest or self.content_xattr) and not self.shared_cache:
+            raise ValueError("--content-manifest and --content-xattr need --shared-cache "
+                             "(identical bytes are shared between the datasets of a root)")
+        if (self.content_manifest or self.content_xattr) and not self.dedup:
+            raise ValueError("--content-manifest and --content-xattr are for dedup: "
+                             "drop --no-dedup")
         if not 0.0 <= self.share_floor <= 1.0:
             raise ValueError("--share-floor must be within [0, 1]")
         if self.share_interval <= 0 or self.share_cooldown < 0 or self.share_halflife <= 0:

@@ -237,6 +237,8 @@ def values(o):
         return st.sampled_from(["imagenet", "/nfs/imagenet"])
     if o.field == "dataset":
         return st.sampled_from(["imagenet", "coco_2017", "a.b-c"])
+    if o.field == "content_xattr":
+        return st.sampled_from(["user.sha256", "user.checksum.sha256"])
     if o.field == "metrics_addr":
         return st.sampled_from(["127.0.0.1", "0.0.0.0", "::1"])
     return st.sampled_from(o.choices)
@@ -246,8 +248,9 @@ def values(o):
 def option_sets(draw):
     chosen = draw(st.lists(st.sampled_from(OPTIONS), unique=True))
     vals = {o.field: draw(values(o)) for o in chosen}
-    if "dataset" in vals:  # --dataset needs --shared-cache
-        vals["shared_cache"] = True
+    if vals.keys() & {"dataset", "content_manifest", "content_xattr"}:
+        vals["shared_cache"] = True  # these need --shared-cache
+        vals.pop("dedup", None)  # and dedup on (the flag is --no-dedup)
     return vals
 
 

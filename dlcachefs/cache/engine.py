@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import trio
 
 from dlcachefs.cache.buffers import LATER_CHUNKS, Backlog, ReadAhead
+from dlcachefs.cache.dedup import ContentStore
 from dlcachefs.cache.fetch import Fetcher, SourceCalls
 from dlcachefs.cache.invariants import check_cache
 from dlcachefs.cache.memlimit import cgroup_limit, current_rss, fit
@@ -194,6 +195,12 @@ class Engine:
         # --shared-cache: this dataset's share of the root's budget (dlcachefs.cache.shares)
         self.shares = (ShareKeeper(cfg, self.index, self.writer, self.counters, self.calls)
                        if cfg.shared_cache else None)
+        # --shared-cache dedup: identical bytes held once in the root (dlcachefs.cache.dedup)
+        self.dedup = (ContentStore(cfg, self.index, self.calls)
+                      if cfg.shared_cache and cfg.dedup else None)
+        if self.dedup is not None:
+            self.writer.content_keys = True
+            self.fetcher.dedup = self.dedup
         self.handles: dict[int, Handle] = {}
         self._next_fh = 1
         self.started = time.time()
@@ -210,6 +217,8 @@ class Engine:
         check_source(self.cfg, self.index, self.source.root)
         if self.shares is not None:
             self.writer.limit = self.shares.join()
+        if self.dedup is not None:
+            self.dedup.load_manifest()
         return recover(self.cfg, self.index, self.logs, self.ns, self.writer, self.policy,
                        progress)
 
@@ -247,6 +256,8 @@ class Engine:
             nursery.start_soon(self._let_idle_things_go)
             if self.shares is not None:
                 await nursery.start(self.shares.run)
+            if self.dedup is not None:
+                await nursery.start(self.dedup.run)
             if self.packer is not None:
                 await nursery.start(self.packer.run)
             task_status.started()

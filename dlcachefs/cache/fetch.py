@@ -41,6 +41,7 @@ from dlcachefs.store.schema import Entry
 
 if TYPE_CHECKING:
     from dlcachefs.cache.buffers import Backlog
+    from dlcachefs.cache.dedup import ContentStore
     from dlcachefs.cache.namespace import Namespace
     from dlcachefs.cache.policy import CachePolicy
     from dlcachefs.cache.versions import Versions
@@ -177,7 +178,9 @@ class Fetcher(TaskOwner):
       over once there is room), and only past the backlog's bound does the reader wait
       (backpressure: memory stays bounded and nothing is left uncached);
     * whole files are read through :meth:`read_whole`: the peer tier (``--peers``) first,
-      then the source;
+      then the source; with ``--shared-cache`` dedup, a file whose bytes another dataset
+      of the root holds is read from there before either, and not cached twice
+      (:mod:`dlcachefs.cache.dedup`);
     * ``demand_fetches`` counts readers waiting for the source right now (scan-ahead
       then leaves them the link); ``demand_idle`` is set when it drops to 0.
 
@@ -191,6 +194,8 @@ class Fetcher(TaskOwner):
         self.cfg = cfg
         self.calls = calls
         self.peers = peers  # the cluster's shared tier (--peers), looked up before the source
+        #: the root's other datasets (--shared-cache dedup), looked up before the peers
+        self.dedup: ContentStore | None = None
         self.ns = ns
         self.writer = writer
         self.policy = policy
@@ -277,6 +282,12 @@ class Fetcher(TaskOwner):
 
     async def _fetch_now(self, e: Entry, cache: bool = True) -> tuple[bytes, Entry]:
         rel = self.ns.path_of(e)
+        dedup = self.dedup
+        if dedup is not None:
+            data = await dedup.borrow(e, rel)
+            if data is not None:  # another dataset's copy: charged there, not cached here
+                self.counters.bytes_from_datasets += len(data)
+                return data, e
         data, ident = await self.read_whole(e, rel)
         if ident != identity(e):
             # changed since it was listed: serve the new version, and tell the kernel
@@ -284,6 +295,11 @@ class Fetcher(TaskOwner):
             self.ns.changed_on_source(e)
         if not cache:
             return data, e
+        sha = None
+        if dedup is not None:
+            sha, elsewhere = await dedup.after_fetch(e, ident, data)
+            if elsewhere:
+                return data, e  # the same bytes are another dataset's: not a second copy
         if not self.policy.admit(e.ino, len(data)):
             self.counters.not_admitted += 1
             return data, e
@@ -292,29 +308,30 @@ class Fetcher(TaskOwner):
             # under load takes 100s of ms): the file waits for the writer's room in the
             # background, up to the backlog's bound; past that the reader waits
             # (backpressure: memory stays bounded and nothing is left uncached)
-            if self._submit_later(e.ino, rel, ident, data):
+            if self._submit_later(e.ino, rel, ident, data, sha):
                 return data, e
             await self.writer.wait_room(len(data))
-        if not self.writer.submit(e.ino, rel, ident, data):
+        if not self.writer.submit(e.ino, rel, ident, data, sha):
             self.policy.on_dropped(e.ino)
         return data, e
 
-    def _submit_later(self, ino: int, rel: bytes, ident: Identity, data: bytes) -> bool:
+    def _submit_later(self, ino: int, rel: bytes, ident: Identity, data: bytes,
+                      sha: bytes | None = None) -> bool:
         """Queue the file for the writer in the background; False when the backlog's
         bound is reached."""
         if not self.running or not self.backlog.try_hold(ino, ident, data):
             return False
-        return self.spawn(self._submit_when_room, ino, rel, ident, data)
+        return self.spawn(self._submit_when_room, ino, rel, ident, data, sha)
 
     async def _submit_when_room(self, ino: int, rel: bytes, ident: Identity,
-                                data: bytes) -> None:
+                                data: bytes, sha: bytes | None = None) -> None:
         try:
             await self.writer.wait_room(len(data))
             if self.versions.in_writer(ino, ident):
                 pass  # this version is already on its way
             elif not self.versions.is_listed(ino, ident) or ino in self.writer.pending:
                 self.policy.on_dropped(ino)  # a newer version came meanwhile: not this one
-            elif not self.writer.submit(ino, rel, ident, data):
+            elif not self.writer.submit(ino, rel, ident, data, sha):
                 self.policy.on_dropped(ino)
         except Exception:  # noqa: BLE001 - a policy's failure must not end the mount
             log.exception("caching a fetched file failed")

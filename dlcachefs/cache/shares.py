@@ -275,7 +275,8 @@ class ShareKeeper:
         snap = self.index.snapshot()
         if snap["files"]:
             self.demand = demand_of(snap["bytes_total"], snap["files"], self.writer.chunk_target)
-        served = c.bytes_from_cache + c.bytes_from_source + c.bytes_from_peers
+        served = (c.bytes_from_cache + c.bytes_from_source + c.bytes_from_peers
+                  + c.bytes_from_datasets)
         new = served - self.served_seen
         self.served_seen = served
         self.crf = decayed(self.crf, self.crf_t, self.last_read, now,

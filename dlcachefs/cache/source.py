@@ -291,6 +291,21 @@ class LocalSource:
     def statvfs(self) -> os.statvfs_result:
         return os.statvfs(self.root)
 
+    def get_xattr(self, rel: bytes, name: str) -> bytes | None:
+        """Extended attribute ``name`` of regular file ``rel`` (resolved as
+        :meth:`read_file` resolves it); None when the file has no such
+        attribute or the filesystem has none."""
+        fd = self._open_file(rel)
+        try:
+            return os.getxattr(fd, name)
+        except OSError as e:
+            if e.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ERANGE,
+                           errno.E2BIG):
+                return None
+            raise SourceError(f"getxattr {os.fsdecode(rel)}: {e.strerror}", e.errno) from e
+        finally:
+            os.close(fd)
+
     def drop_idle(self) -> int:
         """Close the remembered directory descriptors that have expired (see
         :class:`DirDescriptors`); how many are still held."""

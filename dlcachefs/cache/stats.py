@@ -28,6 +28,8 @@ class Counters:
     prefetch_hits: int = 0         # opens served from memory, fetched ahead of the reader
                                    # and not cached (the dataset is larger than the cache)
     bytes_from_source: int = 0
+    bytes_from_datasets: int = 0   # whole files read from another dataset's cache in a
+                                   # shared root (--shared-cache dedup) instead
     bytes_from_peers: int = 0      # whole files served by the peer tier (--peers) instead
     bytes_from_cache: int = 0      # bytes returned to readers from cached data
     chunk_reads: int = 0           # whole-chunk reads from the logs
@@ -123,6 +125,8 @@ def stats_document(eng: Engine) -> dict:
             out["streams"][key]["scan_ahead"] = rel
     # --shared-cache: the root's budget, this dataset's share, the ledger's entries
     out["shared"] = None if eng.shares is None else eng.shares.stats()
+    # --shared-cache dedup: files served from the root's other datasets (bytes_from_datasets)
+    out["dedup"] = None if eng.dedup is None else eng.dedup.stats()
     out["policy"] = {"name": eng.cfg.policy, **eng.policy.stats()}
     # the cluster's shared tier (--peers): per server and lease counts
     out["peers"] = None if eng.peers is None else eng.peers.stats()

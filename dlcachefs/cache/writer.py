@@ -61,6 +61,7 @@ to be sealed stay readable from :attr:`pending`.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -110,6 +111,7 @@ class Pending:
     data: bytes
     target: int = 0  # bytes of the unit it goes into (the policy's pack answer)
     unit: int = 0  # nonzero: member of a package submitted whole (one unit per tag)
+    sha256: bytes | None = None  # its content key, when the fetch computed it already
 
     @property
     def encoded_len(self) -> int:
@@ -195,6 +197,10 @@ class ChunkWriter:
         #: keeps victims' records in the cluster (``--peers``; the module docstring)
         self.keeper: LastCopyKeeper | None = None
         self.backoff_until = 0.0
+        #: index every record with its SHA-256 and offer it to the other datasets of a
+        #: shared root (``--shared-cache`` dedup, :mod:`dlcachefs.cache.dedup`); hashed in
+        #: the commit's thread unless the fetch hashed it already
+        self.content_keys = False
         self.disk_free = _free_bytes(cfg.cache_dir)
         self._limiter = trio.CapacityLimiter(1)
         self._wake = trio.Event()
@@ -211,8 +217,10 @@ class ChunkWriter:
 
     # ----- called from the read path (trio loop) -------------------------------------
 
-    def submit(self, ino: int, key: bytes, ident: Identity, data: bytes) -> bool:
-        """Queue a fetched file for caching. False when it is not cached (and why is counted)."""
+    def submit(self, ino: int, key: bytes, ident: Identity, data: bytes,
+               sha256: bytes | None = None) -> bool:
+        """Queue a fetched file for caching. False when it is not cached (and why is counted).
+        ``sha256``: the bytes' digest, when the caller has it (see :attr:`content_keys`)."""
         p = self.pending.get(ino)
         if p is not None and p.ident == ident:
             return True
@@ -221,7 +229,7 @@ class ChunkWriter:
             return False
         target = self.policy.pack(ino, len(data))
         target = self.chunk_target if target == PACK_CHUNK else min(target, self.max_unit)
-        rec = Pending(ino, key, ident, data, target)
+        rec = Pending(ino, key, ident, data, target, sha256=sha256)
         # bounded memory: one chunk filling, one being sealed, and a little slack
         if self.open_bytes + self.sealing_bytes + rec.encoded_len > 3 * self.cfg.chunk_size and (
                 self.open or self.sealing_bytes):
@@ -717,7 +725,8 @@ class ChunkWriter:
             for k, (g, (_, metas, length)) in enumerate(zip(groups, encoded, strict=True)):
                 recs = [NewRecord(r.ino, r.ident, Record(cid + k, log_id, off + m.data_offset,
                                                          m.size, m.data_xxh, m.mtime_ns,
-                                                         m.src_ino))
+                                                         m.src_ino),
+                                  self._sha256(r))
                         for m, r in zip(metas, g, strict=True)]
                 members = tuple(r.ino for r in g)
                 new.append(NewChunk(Chunk(cid + k, log_id, off, length, time.time_ns(),
@@ -736,6 +745,12 @@ class ChunkWriter:
         res.disk_free = _free_bytes(self.cfg.cache_dir)
         return res
 
+
+    def _sha256(self, r: Pending) -> bytes | None:
+        """Thread: the record's content key, when records are keyed (:attr:`content_keys`)."""
+        if not self.content_keys:
+            return None
+        return r.sha256 if r.sha256 is not None else hashlib.sha256(r.data).digest()
 
     def _read_victims(self, victims: list[int], drops: set[int], room: int
                       ) -> tuple[list[Evicted], int]:

@@ -245,7 +245,7 @@ class CacheReader:
 
 # ----- per-process state -------------------------------------------------------------------
 
-class _LogFiles:
+class LogFiles:
     """Read-only descriptors of one cache's log files, shared by the threads of a process.
 
     Protocol (``_lock`` guards both tables): a descriptor is taken (``users`` + 1) for
@@ -355,7 +355,7 @@ class _Process:
 
     def __init__(self, info: CacheInfo) -> None:
         self.info = info
-        self.logs = _LogFiles(info.logs_dir)
+        self.logs = LogFiles(info.logs_dir)
         self._lock = threading.Lock()
         # lookups in flight, so that a fork waits for them before closing the index
         self._gate = threading.Condition(threading.Lock())

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import lmdb
 
 from dlcachefs.store import schema as S
-from dlcachefs.store.schema import Chunk, Entry, Record, dirent_key, ukey, unkey
+from dlcachefs.store.schema import Chunk, ContentKey, Entry, Record, dirent_key, ukey, unkey
 
 _Q = struct.Struct("<Q")
 _q = struct.Struct("<q")
@@ -47,6 +47,8 @@ class Index:
         self.dirent = self.env.open_db(S.DB_DIRENT)
         self.record = self.env.open_db(S.DB_RECORD)
         self.chunk = self.env.open_db(S.DB_CHUNK)
+        self.ckey = self.env.open_db(S.DB_CKEY)
+        self.content = self.env.open_db(S.DB_CONTENT)
         with self.env.begin(write=True) as txn:
             fmt = txn.get(S.K_FORMAT, db=self.meta)
             if fmt is None:
@@ -107,6 +109,12 @@ class Index:
         with self.env.begin(db=self.record) as txn:
             v = txn.get(ukey(ino))
         return Record.unpack(v) if v is not None else None
+
+    def get_key(self, ino: int) -> ContentKey | None:
+        """The content key known for ``ino`` (of any version: the caller compares)."""
+        with self.env.begin(db=self.ckey) as txn:
+            v = txn.get(ukey(ino))
+        return ContentKey.unpack(v) if v is not None else None
 
     def get_chunk(self, chunk_id: int) -> Chunk | None:
         with self.env.begin(db=self.chunk) as txn:
@@ -194,6 +202,16 @@ class Index:
         chunk_bytes = sum(c.length for c in chunks.values())
         if chunk_bytes != self.counter(S.K_CHUNK_BYTES):
             problems.append(f"chunk_bytes counter {self.counter(S.K_CHUNK_BYTES)} != {chunk_bytes}")
+        with self.env.begin() as txn:
+            for sha, v in txn.cursor(db=self.content):
+                k = txn.get(v, db=self.ckey)
+                rb = txn.get(v, db=self.record)
+                if k is None or ContentKey.unpack(k).sha256 != sha:
+                    problems.append(f"content {sha.hex()[:16]} names inode {unkey(v)}, "
+                                    "whose key is another")
+                elif rb is None or not ContentKey.unpack(k).same_version(Record.unpack(rb)):
+                    problems.append(f"content {sha.hex()[:16]} names inode {unkey(v)}, "
+                                    "which has no record of the key's version")
         return problems
 
 
@@ -287,6 +305,7 @@ class IndexTxn:
                         break
                     stack.append(unkey(v))
             self.drop_record(cur)
+            self.txn.delete(ukey(cur), db=self.ix.ckey)
             if _is_file(e.mode):
                 self._add(S.K_FILES, -1)
                 self._add(S.K_BYTES_TOTAL, -e.size)
@@ -312,15 +331,47 @@ class IndexTxn:
             self._add(S.K_CACHED_BYTES, -old.size)
         self.txn.put(ukey(ino), rec.pack(), db=self.ix.record)
         self._add(S.K_CACHED_BYTES, rec.size)
+        k = self.get_key(ino)
+        if k is not None and not k.same_version(rec):
+            # other bytes than the key's now: never offered under the old key again
+            self._unpublish(ino)
+            self.txn.delete(ukey(ino), db=self.ix.ckey)
 
     def drop_record(self, ino: int, only_chunk: int | None = None) -> Record | None:
-        """Delete the record of ``ino`` (only if it lives in ``only_chunk``, when given)."""
+        """Delete the record of ``ino`` (only if it lives in ``only_chunk``, when given);
+        its bytes are no longer offered to the other datasets (``content``)."""
         old = self.get_record(ino)
         if old is None or (only_chunk is not None and old.chunk_id != only_chunk):
             return None
         self.txn.delete(ukey(ino), db=self.ix.record)
         self._add(S.K_CACHED_BYTES, -old.size)
+        self._unpublish(ino)
         return old
+
+    # content keys (--shared-cache dedup): see the schema
+
+    def get_key(self, ino: int) -> ContentKey | None:
+        v = self.txn.get(ukey(ino), db=self.ix.ckey)
+        return ContentKey.unpack(v) if v is not None else None
+
+    def put_key(self, ino: int, key: ContentKey) -> None:
+        """Remember ``ino``'s content key (a key of another version is replaced, and the
+        bytes offered under it withdrawn)."""
+        old = self.get_key(ino)
+        if old is not None and old != key:
+            self._unpublish(ino)
+        self.txn.put(ukey(ino), key.pack(), db=self.ix.ckey)
+
+    def publish(self, ino: int, key: ContentKey) -> None:
+        """Offer ``ino``'s record (whose bytes hash to ``key``) to the other datasets."""
+        self.put_key(ino, key)
+        self.txn.put(key.sha256, ukey(ino), db=self.ix.content)
+
+    def _unpublish(self, ino: int) -> None:
+        """Withdraw what ``ino`` offered under its content key (the key stays known)."""
+        k = self.get_key(ino)
+        if k is not None and self.txn.get(k.sha256, db=self.ix.content) == ukey(ino):
+            self.txn.delete(k.sha256, db=self.ix.content)
 
     def get_chunk(self, chunk_id: int) -> Chunk | None:
         v = self.txn.get(ukey(chunk_id), db=self.ix.chunk)

@@ -116,6 +116,8 @@ class IndexReader:
             self.inode = self.env.open_db(S.DB_INODE, create=False)
             self.dirent = self.env.open_db(S.DB_DIRENT, create=False)
             self.record = self.env.open_db(S.DB_RECORD, create=False)
+            self.ckey = self.content = None  # an index no daemon of this build opened yet
+            self.open_content()
             with self.env.begin(buffers=False) as txn:
                 fmt = txn.get(S.K_FORMAT, db=self.meta)
             if fmt is None or _Q.unpack(fmt)[0] != S.SCHEMA_VERSION:
@@ -125,6 +127,36 @@ class IndexReader:
         except BaseException:
             self.env.close()
             raise
+
+    def open_content(self) -> bool:
+        """Open the content-key databases (dedup) if the daemon has made them; whether
+        they are open."""
+        if self.content is None:
+            try:
+                self.ckey = self.env.open_db(S.DB_CKEY, create=False)
+                self.content = self.env.open_db(S.DB_CONTENT, create=False)
+            except lmdb.NotFoundError:
+                return False
+        return True
+
+    def by_content(self, sha256: bytes) -> Located | None:
+        """Where this cache holds bytes whose SHA-256 is ``sha256``: the ``content``
+        entry's inode, whose key must be that digest and whose record must have the key's
+        version (then the record's bytes are the ones the daemon hashed; the caller still
+        checks the xxh3 of what it reads). None when it holds none."""
+        if self.content is None:
+            return None
+        with self.env.begin(buffers=False) as txn:
+            v = txn.get(sha256, db=self.content)
+            if v is None:
+                return None
+            k, rb = txn.get(v, db=self.ckey), txn.get(v, db=self.record)
+        if k is None or rb is None:
+            return None
+        key, rec = S.ContentKey.unpack(k), Record.unpack(rb)
+        if key.sha256 != sha256 or not key.same_version(rec):
+            return None
+        return Located(unkey(v), rec.log_id, rec.offset, rec.size, rec.data_xxh)
 
     def replaced(self) -> bool:
         """True when the index file at the path is no longer the one opened (the cache

@@ -12,6 +12,10 @@ inode      ino                          :class:`Entry` (attributes mirrored from
 dirent     parent ino + name bytes      child ino  (a prefix scan lists a directory, sorted)
 record     ino                          :class:`Record` (where the cached bytes are)
 chunk      chunk id                     :class:`Chunk` (log, offset, length, member inodes)
+ckey       ino                          :class:`ContentKey`: the SHA-256 of the file's bytes
+                                        at one version (``--shared-cache`` dedup)
+content    SHA-256 (32 bytes)           ino whose ``record`` holds those bytes (published
+                                        for the other datasets of a shared root)
 =========  ===========================  ==================================================
 
 Invariants (checked by :meth:`Index.check_invariants` and by ``dlcachefs verify``):
@@ -19,7 +23,14 @@ Invariants (checked by :meth:`Index.check_invariants` and by ``dlcachefs verify`
 * every ``record`` names a ``chunk`` that lists the record's inode, and its inode exists;
 * every inode in a chunk's member list either has a record in that chunk or was dropped
   since (a chunk may hold dead records; they only cost space until the chunk is evicted);
-* the bytes a chunk points at were fsync'ed before the chunk was written to the index.
+* the bytes a chunk points at were fsync'ed before the chunk was written to the index;
+* a ``content`` entry names an inode whose ``ckey`` has that digest; a reader of another
+  process still checks that the inode's record has the ckey's version and that the bytes
+  it reads have the record's xxh3 (:meth:`dlcachefs.store.readonly.IndexReader.by_content`),
+  so an entry left behind by a crash can make a lookup miss, never serve other bytes.
+
+Both ``ckey`` and ``content`` were added in place (version 1 still): an index without
+them gets them at its next open by a daemon; readers treat them as empty until then.
 """
 
 from __future__ import annotations
@@ -40,6 +51,8 @@ DB_INODE = b"inode"
 DB_DIRENT = b"dirent"
 DB_RECORD = b"record"
 DB_CHUNK = b"chunk"
+DB_CKEY = b"ckey"
+DB_CONTENT = b"content"
 
 # meta keys
 K_FORMAT = b"format"
@@ -179,3 +192,26 @@ class Chunk:
         log_id, offset, length, sealed, n = cls._S.unpack_from(buf)
         members = struct.unpack_from(f"<{n}Q", buf, cls._S.size)
         return cls(chunk_id, log_id, offset, length, sealed, members)
+
+
+@dataclass(frozen=True, slots=True)
+class ContentKey:
+    """The SHA-256 of one file's whole bytes, and the version (size, mtime, source inode)
+    those bytes were the file's content at."""
+
+    sha256: bytes
+    size: int
+    mtime_ns: int
+    src_ino: int
+
+    _S = struct.Struct("<32sQqQ")
+
+    def pack(self) -> bytes:
+        return self._S.pack(self.sha256, self.size, self.mtime_ns, self.src_ino)
+
+    @classmethod
+    def unpack(cls, buf: bytes) -> ContentKey:
+        return cls(*cls._S.unpack(buf))
+
+    def same_version(self, v: Entry | Record) -> bool:
+        return (self.size, self.mtime_ns, self.src_ino) == (v.size, v.mtime_ns, v.src_ino)

@@ -8,7 +8,7 @@ chunk of a next epoch's log, whose records move there). One transaction, in this
 1. drop the victims (chunks, and every record still in them) and the dropped records;
 2. per new chunk: put each record whose inode's namespace entry still has the version
    the bytes were read under (a file changed or removed while its bytes waited is never
-   indexed), then the chunk itself (its member list names every record written into
+   indexed), with its content key when it has one, then the chunk itself (its member list names every record written into
    it, indexed or not: a chunk may hold dead records);
 3. raise the chunk and log id sequences past what was used;
 4. find the chunks that lost a record here and hold none any more (dead).
@@ -56,6 +56,9 @@ class NewRecord:
     ino: int
     version: Version
     record: Record
+    #: the SHA-256 of the record's bytes (``--shared-cache`` dedup): offered to the other
+    #: datasets of the root under it once indexed
+    sha256: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +128,9 @@ def _index_record(w: IndexTxn, nr: NewRecord, keep_indexed: bool, lost: dict[int
             return False
         lost[old.chunk_id] = None
     w.put_record(nr.ino, nr.record)
+    if nr.sha256 is not None:
+        v = nr.version
+        w.publish(nr.ino, S.ContentKey(nr.sha256, v.size, v.mtime_ns, v.src_ino))
     return True
 
 

@@ -1,0 +1,387 @@
+"""Identical bytes cached once across the datasets of a shared root (``--shared-cache``).
+
+DLCache (section III, dataset preparation) keys every file by a content hash, so a dataset
+uploaded twice, or copied to another NFS path, is stored once. Here each dataset of a
+shared root keeps its own cache (:mod:`dlcachefs.cache.shares`); this module lets one
+dataset serve a file from the bytes another dataset of the root already holds, instead of
+reading its own source and storing a second copy.
+
+**The key** is the SHA-256 of the file's whole bytes. DLCache hashes the first MiB plus the
+size, to keep its preparation from reading large files whole; two files equal there and
+different later would then be served each other's bytes, and this cache never serves
+bytes other than the source's. So a key is only ever the digest of the whole content:
+
+* computed by the daemon that holds the bytes (the chunk writer hashes each record in its
+  commit thread; :attr:`ChunkWriter.content_keys`) and stored with the record: index
+  ``ckey`` (inode -> digest and the version it is of) and ``content`` (digest -> inode,
+  the offer to the root's other datasets; :mod:`dlcachefs.store.schema`);
+* for a file about to be fetched (:meth:`ContentStore.key_of`): the key this dataset
+  learned for the entry's version before; else ``--content-manifest`` (sha256sum output,
+  trusted for files whose mtime is not after the list's); else ``--content-xattr`` (an
+  attribute the source keeps, e.g. an object store's checksum exposed by its mount);
+* otherwise the file is read from the source and hashed (:meth:`after_fetch`): if another
+  dataset holds those bytes, nothing is written here and the key is remembered, so the
+  next open of the file borrows them. Only the space is saved then, not the read; a
+  manifest or an attribute saves the read too.
+
+**Borrowing** (:meth:`borrow`): each other dataset's index is opened read-only, as the
+zero-copy reader opens one (:class:`~dlcachefs.store.readonly.IndexReader`, ``lock=True``);
+``content[digest]`` gives an inode whose key must be that digest and whose record must have
+the key's version (:meth:`IndexReader.by_content`); the record is read from that dataset's
+log through a read-only descriptor (:class:`~dlcachefs.data.reader.LogFiles`) and served
+only if its xxh3 is the record's. An eviction in the other dataset at the same moment
+(index entry gone, hole punched, log deleted) makes one of these checks fail, and the fetch
+goes on to the peers and the source: never other bytes. Nothing here writes to another
+dataset's cache, and nothing here holds a read transaction between calls.
+
+**Budget**: a borrowed file is charged to the dataset whose record holds it, never to the
+borrower: bytes held once are charged once. When the holder evicts them, the borrower's
+next open reads its own source and caches them as its own (and offers them in turn).
+
+Concurrency: called on the trio loop. Index reads of other datasets, log reads and
+hashing run in worker threads (:class:`IndexReader` opens a read transaction per call;
+:class:`LogFiles` is thread-safe). :meth:`refresh` (the root's dataset list, at most every
+:data:`RESCAN_S`) runs in a thread too; the ``_siblings`` dict is replaced, not mutated,
+so a thread iterating an old one is unaffected. Learned keys are written to this dataset's
+index by :meth:`run`'s task, one write transaction every :data:`PERSIST_S`.
+"""
+
+from __future__ import annotations
+
+import binascii
+import contextlib
+import hashlib
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import lmdb
+import trio
+
+from dlcachefs.cache.namespace import identity
+from dlcachefs.cache.source import Identity
+from dlcachefs.config import DATASETS_DIR, Config
+from dlcachefs.data.reader import LogFiles
+from dlcachefs.errors import DlcError, InvalidArgument
+from dlcachefs.store.chunkfmt import checksum
+from dlcachefs.store.index import Index
+from dlcachefs.store.readonly import IndexReader
+from dlcachefs.store.schema import ContentKey, Entry
+
+if TYPE_CHECKING:
+    from dlcachefs.cache.fetch import SourceCalls
+
+log = logging.getLogger(__name__)
+
+#: how often the root's list of datasets is read again (a dataset mounted later is seen)
+RESCAN_S = 5.0
+#: how often keys learned from reads are written to this dataset's index
+PERSIST_S = 2.0
+#: digests remembered as failed (see ``ContentStore._failed``)
+FAILED_MAX = 10_000
+
+
+@dataclass(slots=True)
+class _Sibling:
+    """Another dataset of the root: its index, read-only, and its logs' descriptors."""
+
+    name: str
+    reader: IndexReader
+    logs: LogFiles
+
+
+def parse_manifest(text: bytes, base: bytes, root: bytes) -> dict[bytes, bytes]:
+    """``sha256sum`` output -> {path relative to ``root``: digest}. Paths in the list are
+    relative to ``base`` (the list's directory) or absolute; lines that are not
+    ``<64 hex> <space><space or *><path>``, and paths outside ``root``, are skipped.
+    sha256sum's escaped form (a line starting with a backslash) is not supported."""
+    out: dict[bytes, bytes] = {}
+    root = os.path.normpath(root)
+    for line in text.split(b"\n"):
+        line = line.rstrip(b"\r")
+        if len(line) < 67 or line[64:65] != b" " or line[65:66] not in (b" ", b"*"):
+            continue
+        try:
+            digest = binascii.unhexlify(line[:64])
+        except (binascii.Error, ValueError):
+            continue
+        path = os.path.normpath(os.path.join(base, line[66:]))
+        rel = os.path.relpath(path, root)
+        if rel == b"." or rel.startswith(b"../") or rel == b"..":
+            continue
+        out[rel] = digest
+    return out
+
+
+def parse_key(value: bytes) -> bytes | None:
+    """An attribute's value as a digest: 32 raw bytes, or 64 hex digits (optionally
+    ``sha256:``-prefixed, surrounding whitespace ignored); None otherwise."""
+    if len(value) == 32:
+        return bytes(value)
+    v = value.strip().removeprefix(b"sha256:")
+    if len(v) == 64:
+        with contextlib.suppress(binascii.Error, ValueError):
+            return binascii.unhexlify(v)
+    return None
+
+
+class ContentStore:
+    """This dataset's side of content dedup in a shared root (see the module doc)."""
+
+    def __init__(self, cfg: Config, index: Index, calls: SourceCalls) -> None:
+        self.root = os.path.join(cfg.cache_dir, DATASETS_DIR)
+        self.own = cfg.dataset_id
+        self.index = index
+        self.calls = calls
+        self.source_root = os.fsencode(os.path.realpath(cfg.source))
+        self.xattr = cfg.content_xattr
+        self.manifest_path = cfg.content_manifest
+        self.manifest: dict[bytes, bytes] = {}
+        self.manifest_mtime_ns = 0
+        #: keys learned for inodes without a record here (their bytes are a sibling's)
+        self.known: dict[int, ContentKey] = {}
+        self._learned: dict[int, ContentKey] = {}  # not yet in the index
+        self._siblings: dict[str, _Sibling] = {}
+        self._scanned_at = float("-inf")
+        #: digests whose copy elsewhere failed its check lately: a file read from the
+        #: source for one of them is cached here (the other dataset re-fetches its own
+        #: when it reads it); bounded, forgotten when full
+        self._failed: set[bytes] = set()
+        self.counts: Counter[str] = Counter()
+
+    # ----- start and background ------------------------------------------------------
+
+    def load_manifest(self) -> None:
+        """Blocking (at start): read ``--content-manifest``. A list that cannot be read
+        fails the mount (:class:`InvalidArgument`, with the reason)."""
+        if not self.manifest_path:
+            return
+        path = os.fsencode(self.manifest_path)
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                text = f.read()
+        except OSError as e:
+            raise InvalidArgument(f"--content-manifest {self.manifest_path}: "
+                                  f"{e.strerror}") from None
+        self.manifest = parse_manifest(text, os.path.dirname(os.path.realpath(path)),
+                                       self.source_root)
+        self.manifest_mtime_ns = st.st_mtime_ns
+        log.info("content manifest %s: %d files", self.manifest_path, len(self.manifest))
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Write learned keys to the index every :data:`PERSIST_S` (and read the root's
+        dataset list when due), until cancelled; the last batch at the end."""
+        task_status.started()
+        try:
+            while True:
+                await trio.sleep(PERSIST_S)
+                await self.persist()
+                await self.refresh()  # stats name the datasets seen, between fetches too
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.persist()
+                await trio.to_thread.run_sync(self._close_all)
+
+    async def persist(self) -> None:
+        """Write the keys learned so far (one transaction, in a thread)."""
+        if not self._learned:
+            return
+        batch, self._learned = self._learned, {}
+        try:
+            await trio.to_thread.run_sync(self._persist, batch)
+        except lmdb.Error as e:  # a full or damaged index: keys are only an optimisation
+            log.warning("content keys not saved (%s)", e)
+
+    def _persist(self, batch: dict[int, ContentKey]) -> None:
+        with self.index.write() as w:
+            for ino, k in batch.items():
+                e = w.get_entry(ino)
+                if e is not None and k.same_version(e):
+                    w.put_key(ino, k)
+
+    # ----- the read path (trio loop) -------------------------------------------------
+
+    async def key_of(self, e: Entry, rel: bytes) -> bytes | None:
+        """The digest of ``e``'s current version when it is known without reading it."""
+        k = self.known.get(e.ino)
+        if k is None:
+            k = self.index.get_key(e.ino)
+        if k is not None and k.same_version(e):
+            self.counts["key_learned"] += 1
+            return k.sha256
+        sha = self.manifest.get(rel)
+        if sha is not None and e.mtime_ns <= self.manifest_mtime_ns:
+            self.counts["key_manifest"] += 1
+            return sha
+        if self.xattr:
+            try:
+                raw = await self.calls.call(_get_xattr, self.calls.source, rel, self.xattr)
+            except DlcError:
+                raw = None
+            sha = parse_key(raw) if raw is not None else None
+            if sha is not None:
+                self.counts["key_xattr"] += 1
+                return sha
+        return None
+
+    async def borrow(self, e: Entry, rel: bytes) -> bytes | None:
+        """``e``'s bytes from another dataset of the root, checked; None when its key is
+        not known without a read, or no other dataset holds them intact."""
+        await self.refresh()
+        if not self._siblings:
+            return None
+        sha = await self.key_of(e, rel)
+        if sha is None:
+            return None
+        got, failed, errors = await trio.to_thread.run_sync(
+            self._read_from_siblings, self._siblings, sha, e.size)
+        self.counts["mismatches"] += failed
+        self.counts["errors"] += errors
+        if got is None:
+            if failed:  # held, but no copy passed its check: cache this one here
+                if len(self._failed) >= FAILED_MAX:
+                    self._failed.clear()
+                self._failed.add(sha)
+            else:
+                self.counts["key_not_held"] += 1
+            return None
+        self.counts["borrowed_files"] += 1
+        self.counts["borrowed_bytes"] += len(got)
+        self._learn(e.ino, identity(e), sha)
+        return got
+
+    async def after_fetch(self, e: Entry, ident: Identity, data: bytes
+                          ) -> tuple[bytes | None, bool]:
+        """A file just read from the source (``ident``: the version read): its digest
+        (None: let the writer hash it) and whether another dataset holds the same bytes
+        (then it is not cached here; its key is remembered for the next open)."""
+        if not self._siblings:
+            return None, False
+        sha, holder = await trio.to_thread.run_sync(self._hash_and_find, self._siblings, data)
+        if holder is None:
+            return sha, False
+        self.counts["held_elsewhere"] += 1
+        self._learn(e.ino, ident, sha)
+        return sha, True
+
+    def _learn(self, ino: int, v: Identity, sha: bytes) -> None:
+        k = ContentKey(sha, v.size, v.mtime_ns, v.src_ino)
+        if self.known.get(ino) != k:
+            self.known[ino] = k
+            self._learned[ino] = k
+
+    # ----- other datasets (threads) --------------------------------------------------
+
+    async def refresh(self) -> None:
+        """Read the root's dataset list again when it is older than :data:`RESCAN_S`."""
+        now = trio.current_time()
+        if now - self._scanned_at < RESCAN_S:
+            return
+        self._scanned_at = now
+        self._siblings = await trio.to_thread.run_sync(self._rescan, self._siblings)
+
+    def _rescan(self, old: dict[str, _Sibling]) -> dict[str, _Sibling]:
+        try:
+            names = sorted(n for n in os.listdir(self.root) if n != self.own)
+        except OSError:
+            names = []
+        new: dict[str, _Sibling] = {}
+        for name in names:
+            s = old.get(name)
+            if s is not None and s.reader.replaced():
+                self._close(s)
+                s = None
+            if s is None:
+                s = self._open(name)
+            if s is not None:
+                s.reader.open_content()
+                s.logs.sweep()  # descriptors of logs deleted since go
+                new[name] = s
+        for name, s in old.items():
+            if name not in new and new.get(name) is not s:
+                self._close(s)
+        return new
+
+    def _open(self, name: str) -> _Sibling | None:
+        d = os.path.join(self.root, name)
+        ix = os.path.join(d, "meta.lmdb")
+        if not os.path.exists(os.path.join(ix, "data.mdb")):
+            return None
+        try:
+            reader = IndexReader(ix)
+        except lmdb.Error as e:
+            log.info("dataset %s of the shared root: index not readable (%s)", name, e)
+            return None
+        return _Sibling(name, reader, LogFiles(os.path.join(d, "logs")))
+
+    @staticmethod
+    def _close(s: _Sibling) -> None:
+        s.logs.sweep(everything=True)
+        with contextlib.suppress(lmdb.Error):
+            s.reader.close()
+
+    def _close_all(self) -> None:
+        for s in self._siblings.values():
+            self._close(s)
+        self._siblings = {}
+
+    def _hash_and_find(self, siblings: dict[str, _Sibling], data: bytes
+                       ) -> tuple[bytes, str | None]:
+        """The digest of ``data`` and a dataset that holds the same bytes (or None)."""
+        sha = hashlib.sha256(data).digest()
+        if sha in self._failed:
+            return sha, None
+        return sha, self._held_by(siblings, sha, len(data))
+
+    def _held_by(self, siblings: dict[str, _Sibling], sha: bytes, size: int) -> str | None:
+        for s in siblings.values():
+            try:
+                loc = s.reader.by_content(sha)
+            except lmdb.Error:
+                continue
+            if loc is not None and loc.size == size:
+                return s.name
+        return None
+
+    @staticmethod
+    def _read_from_siblings(siblings: dict[str, _Sibling], sha: bytes, size: int
+                            ) -> tuple[bytes | None, int, int]:
+        """The bytes from the first dataset that holds them intact (or None), how many
+        copies failed their check, how many indexes could not be read."""
+        failed = errors = 0
+        for s in siblings.values():
+            try:
+                loc = s.reader.by_content(sha)
+            except lmdb.Error:
+                errors += 1
+                continue
+            if loc is None or loc.size != size:
+                continue
+            try:
+                data = s.logs.pread(loc.log_id, loc.size, loc.offset)
+            except OSError:  # the log was deleted (evicted) meanwhile
+                failed += 1
+                continue
+            if len(data) != loc.size or checksum(data) != loc.data_xxh:
+                failed += 1  # evicted under us (a punched hole), or damaged
+                continue
+            return data, failed, errors
+        return None, failed, errors
+
+    def stats(self) -> dict:
+        """The ``dedup`` section of ``.dlcache/stats``."""
+        return {"siblings": sorted(self._siblings), "manifest_files": len(self.manifest),
+                "xattr": self.xattr, "known_keys": len(self.known),
+                **{k: self.counts[k] for k in (
+                    "borrowed_files", "borrowed_bytes", "held_elsewhere", "key_learned",
+                    "key_manifest", "key_xattr", "key_not_held", "mismatches", "errors")}}
+
+
+def _get_xattr(source: object, rel: bytes, name: str) -> bytes | None:
+    """Blocking: attribute ``name`` of the source file ``rel`` (None: a source that has
+    no attributes; see :meth:`LocalSource.get_xattr`)."""
+    get = getattr(source, "get_xattr", None)
+    return None if get is None else get(rel, name)

@@ -1,0 +1,197 @@
+"""Identical bytes cached once in a shared root (--shared-cache dedup), mounted for real.
+
+Two sources hold the same bytes under other names, other directories and other mtimes (a
+dataset copied to another path, re-uploaded). Dataset ``a`` is mounted and read whole, so
+its cache holds every file; then dataset ``b`` is mounted on the same root and read
+through the kernel. Every byte read is compared with ``b``'s source; ``b``'s names and
+metadata must be its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from pathlib import Path
+
+import pytest
+from conftest import requires_fuse
+
+from dlcachefs.testing.mounting import drop_page_cache
+
+KIB = 1024
+N = 30
+
+
+def _copies(tmp_path: Path) -> tuple[Path, Path, dict[str, bytes], dict[str, str]]:
+    """Source ``a`` (``cK/fNNN.jpg``) and source ``b``, the same bytes at other paths
+    (``train/kK_NNN.jpg``), written later (other mtimes). Returns both roots, ``a``'s
+    files and the name in ``b`` of each of them."""
+    rnd = random.Random(7)
+    a, b = tmp_path / "a", tmp_path / "b"
+    files, names = {}, {}
+    for i in range(N):
+        rel = f"c{i % 3}/f{i:03d}.jpg"
+        data = rnd.randbytes(rnd.randrange(1, 80 * KIB))
+        (a / rel).parent.mkdir(parents=True, exist_ok=True)
+        (a / rel).write_bytes(data)
+        files[rel] = data
+    for i, (rel, data) in enumerate(files.items()):
+        other = f"train/k{i % 3}_{i:03d}.jpg"
+        (b / other).parent.mkdir(parents=True, exist_ok=True)
+        (b / other).write_bytes(data)
+        os.utime(b / other, ns=(1_600_000_000_000_000_000 + i, 1_600_000_000_000_000_000 + i))
+        names[rel] = other
+    return a, b, files, names
+
+
+def _args(name: str, *extra: str) -> list[str]:
+    return ["--shared-cache", "--dataset", name, "--cache-size", "64M",
+            "--flush-interval", "0.2", "--scan-ahead", "0", *extra]
+
+
+def _manifest(b: Path) -> Path:
+    """``sha256sum`` of ``b``'s files, written in ``b`` (as datasets ship one)."""
+    lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  ./{p.relative_to(b)}"
+             for p in sorted(b.rglob("*.jpg"))]
+    out = b / "SHA256SUMS"
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+def _read_b(mb, b: Path, files: dict[str, bytes], names: dict[str, str]) -> None:
+    """Every file of ``b`` through the mount (page cache dropped first): ``b``'s bytes,
+    and ``b``'s own metadata."""
+    drop_page_cache()
+    for rel, data in files.items():
+        p = mb.mnt / names[rel]
+        assert p.read_bytes() == data, names[rel]
+        assert p.stat().st_mtime_ns == (b / names[rel]).stat().st_mtime_ns
+    assert sorted(os.listdir(mb.mnt / "train")) == sorted(os.listdir(b / "train"))
+
+
+def _cached_a(mount, a: Path, root: Path, files: dict[str, bytes]):
+    ma = mount(a, *_args("a"), name="ma", cache=root)
+    for rel, data in files.items():
+        assert (ma.mnt / rel).read_bytes() == data
+    ma.wait_cached(len(files))
+    return ma
+
+
+@requires_fuse
+def test_a_copy_with_a_manifest_is_served_from_the_first_without_a_source_read(
+        tmp_path, mount):
+    a, b, files, names = _copies(tmp_path)
+    root = tmp_path / "root"
+    ma = _cached_a(mount, a, root, files)
+    total = sum(map(len, files.values()))
+    mb = mount(b, *_args("b", "--content-manifest", str(_manifest(b))), name="mb", cache=root)
+    for _ in range(2):  # twice: a second epoch borrows again, still nothing cached in b
+        _read_b(mb, b, files, names)
+    st = mb.stats()
+    assert st["bytes_from_source"] == 0, st  # b's source was not read at all
+    assert st["bytes_from_datasets"] == 2 * total
+    assert st["cached_bytes"] == 0 and st["chunk_bytes"] == 0  # not a second copy
+    d = st["dedup"]
+    assert d["siblings"] == ["a"] and d["manifest_files"] == N
+    assert d["borrowed_files"] == 2 * N and d["mismatches"] == 0
+    assert ma.stats()["cached_bytes"] == total  # the one copy, charged to a
+
+
+@requires_fuse
+def test_a_copy_keyed_by_an_attribute_is_served_from_the_first(tmp_path, mount):
+    a, b, files, names = _copies(tmp_path)
+    try:
+        for rel, data in files.items():
+            os.setxattr(b / names[rel], "user.sha256", hashlib.sha256(data).hexdigest().encode())
+    except OSError as e:
+        pytest.skip(f"no user xattrs on {tmp_path}: {e.strerror}")
+    root = tmp_path / "root"
+    _cached_a(mount, a, root, files)
+    mb = mount(b, *_args("b", "--content-xattr", "user.sha256"), name="mb", cache=root)
+    _read_b(mb, b, files, names)
+    st = mb.stats()
+    assert st["bytes_from_source"] == 0 and st["cached_bytes"] == 0, st
+    assert st["dedup"]["key_xattr"] == N and st["dedup"]["borrowed_files"] == N
+
+
+@requires_fuse
+def test_without_keys_a_copy_is_read_once_stored_once_and_then_borrowed(tmp_path, mount):
+    """No manifest, no attribute: b's first read of each file goes to its source (the
+    only way to know its digest), finds a's copy and stores nothing; later opens, and a
+    new mount of b, borrow a's copy by the key b learned."""
+    a, b, files, names = _copies(tmp_path)
+    root = tmp_path / "root"
+    _cached_a(mount, a, root, files)
+    total = sum(map(len, files.values()))
+    mb = mount(b, *_args("b"), name="mb", cache=root)
+    _read_b(mb, b, files, names)
+    st = mb.stats()
+    assert st["bytes_from_source"] == total and st["dedup"]["held_elsewhere"] == N, st
+    _read_b(mb, b, files, names)
+    st = mb.stats()
+    assert st["bytes_from_source"] == total and st["dedup"]["borrowed_files"] == N, st
+    assert st["cached_bytes"] == 0 and st["chunk_bytes"] == 0
+    mb.umount()  # the learned keys are in b's index now
+    mb2 = mount(b, *_args("b"), name="mb", cache=root)
+    _read_b(mb2, b, files, names)
+    st = mb2.stats()
+    assert st["bytes_from_source"] == 0 and st["dedup"]["key_learned"] == N, st
+
+
+@requires_fuse
+def test_a_damaged_or_vanished_copy_is_never_served_and_the_borrower_caches_its_own(
+        tmp_path, mount, daemon_oracle):
+    """a's logs are damaged under b (as an eviction's punched hole would leave them, but
+    with a's index still pointing at them), then deleted: b reads b's source each time,
+    never a's bad bytes, and keeps its own copy once a's failed its check."""
+    a, b, files, names = _copies(tmp_path)
+    root = tmp_path / "root"
+    ma = _cached_a(mount, a, root, files)
+    ma.umount()  # a's cache stays, unmounted: nobody repairs it
+    logs = sorted((root / "datasets" / "a" / "logs").glob("*.log"))
+    assert logs
+    for p in logs:  # zero everything past each log's header
+        size = p.stat().st_size
+        with open(p, "r+b") as f:
+            f.seek(4096)
+            f.write(b"\0" * max(0, size - 4096))
+    mb = mount(b, *_args("b", "--content-manifest", str(_manifest(b))), name="mb", cache=root)
+    _read_b(mb, b, files, names)
+    st = mb.stats()
+    assert st["dedup"]["borrowed_files"] == 0 and st["dedup"]["mismatches"] == N, st["dedup"]
+    assert st["bytes_from_source"] == sum(map(len, files.values()))
+    st = mb.wait_cached(N)  # its own copies now
+    for p in logs:
+        p.unlink()
+    _read_b(mb, b, files, names)  # from b's own cache
+    assert mb.stats()["hits"] >= N
+
+
+@requires_fuse
+def test_a_file_changed_after_the_manifest_is_read_from_its_source(tmp_path, mount):
+    a, b, files, names = _copies(tmp_path)
+    root = tmp_path / "root"
+    _cached_a(mount, a, root, files)
+    manifest = _manifest(b)
+    rel = next(iter(files))
+    new = b"changed after the manifest was written"
+    (b / names[rel]).write_bytes(new)  # now later than the manifest
+    files = {**files, rel: new}
+    mb = mount(b, *_args("b", "--content-manifest", str(manifest)), name="mb", cache=root)
+    _read_b(mb, b, files, names)
+    st = mb.stats()
+    assert st["dedup"]["key_manifest"] == N - 1 and st["bytes_from_source"] == len(new), st
+
+
+@requires_fuse
+def test_content_options_need_a_shared_cache(tmp_path):
+    import subprocess  # noqa: PLC0415
+
+    from dlcachefs.testing.mounting import DLCACHEFS  # noqa: PLC0415
+
+    (tmp_path / "src").mkdir()
+    r = subprocess.run([*DLCACHEFS, "mount", str(tmp_path / "src"), str(tmp_path / "m"),
+                        "--content-xattr", "user.sha256"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode != 0 and "need --shared-cache" in r.stderr, r.stderr
