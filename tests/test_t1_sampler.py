@@ -268,3 +268,23 @@ def test_positions_match_a_plain_model(order_inos, pops):
         assert pos.pop(ino) == want
         if want is not None:
             model[ino].pop(0)
+
+
+def test_an_order_naming_samples_outside_the_list_is_a_reason_not_a_crash():
+    """A subset's indices or an order announced for a larger dataset than the one listed
+    (an empty class directory, in 100,000 fuzzed writes to a live mount) make the
+    stream's order unknown with a reason (ValueError, as every other replay failure), not
+    an IndexError out of the prefetch task."""
+    from dlcachefs.clairvoyance.samplelist import SampleList  # noqa: PLC0415
+    from dlcachefs.clairvoyance.streams import _first_positions, _positions  # noqa: PLC0415
+
+    empty = SampleList("d", [], [], [], [])
+    three = SampleList("d", ["a"], [5, 6, 7], [0, 0, 0], ["x", "y", "z"])
+    for samples, order in ((empty, [25]), (three, [0, 3]), (three, [-1, 2])):
+        with pytest.raises(ValueError, match="outside the dataset's"):
+            _first_positions(order, samples)
+        with pytest.raises(ValueError, match="outside the dataset's"):
+            _positions(order, samples)
+    positions, consumed = _positions([2, 0, 2], three)
+    assert bytes(consumed) == b"\0\0\0"
+    assert _positions([], empty)[1] == bytearray()

@@ -413,7 +413,10 @@ class ControlState:
             ops = self._parse(data)
             self._check(ops, pid)
         except ControlError as e:
-            self._refuse(pid, str(e))
+            reason = _one_line(str(e))
+            self._refuse(pid, reason)
+            if reason != str(e):  # the writer is told the reason the error log shows
+                raise ControlError(reason) from None
             raise
         job, rank = self.binding_of(pid)
         touched: dict[tuple[str, int], StreamState] = {}

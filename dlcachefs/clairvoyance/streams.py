@@ -937,7 +937,16 @@ class Positions:
 
 
 def _order_inos(order: list[int], samples: SampleList) -> np.ndarray:
-    return samples.inos_array()[np.asarray(order, dtype=np.int64)]
+    """The inodes of ``order``'s samples. An index outside the sample list (a subset's
+    indices, or an order, announced for a larger dataset than the one listed) is a
+    ValueError, which makes the stream's order unknown with that reason."""
+    idx = np.asarray(order, dtype=np.int64)
+    inos = samples.inos_array()
+    if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= len(inos)):
+        bad = int(idx.max()) if int(idx.max()) >= len(inos) else int(idx.min())
+        raise ValueError(f"the order names sample {bad}, outside the dataset's "
+                         f"{len(inos)} samples")
+    return inos[idx]
 
 
 def _positions(order: list[int], samples: SampleList) -> tuple[Positions, bytearray]:
