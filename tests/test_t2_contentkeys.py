@@ -148,3 +148,22 @@ def test_an_index_made_before_content_keys_is_read_without_them(tmp_path):
     k = _cache(ix, 2, b"now")
     ix.close()
     assert _offered(path, k.sha256) == 2
+
+
+def test_the_index_walk_reads_the_content_keys_too(tmp_path):
+    """The walk that decides whether an index is damaged (in a child process, before the
+    daemon reads it) touches ``ckey`` and ``content`` and checks their lengths; an index
+    without them (made before them) is not damaged."""
+    from dlcachefs.store.integrity import check_index  # noqa: PLC0415
+
+    ix = _index(tmp_path)
+    _cache(ix, 2, b"ok")
+    path = ix.path
+    ix.close()
+    assert check_index(path) is None
+    ix = Index(path)
+    with ix.write() as w:
+        w.txn.put((3).to_bytes(8, "big"), b"short", db=ix.ckey)
+    ix.close()
+    why = check_index(path)
+    assert why is not None and "ckey" in why, why

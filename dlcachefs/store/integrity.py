@@ -45,6 +45,7 @@ DAMAGED_SUFFIX = ".damaged"
 _ENTRY = S.Entry._S.size
 _RECORD = S.Record._S.size
 _CHUNK = S.Chunk._S.size
+_CKEY = S.ContentKey._S.size
 
 
 def probe(path: str) -> list[str]:
@@ -70,9 +71,12 @@ def probe(path: str) -> list[str]:
         with env.begin() as txn:
             names = [bytes(k) for k in txn.cursor().iternext(keys=True, values=False)]
         items: dict[bytes, tuple[list[bytes], list[bytes]]] = {}
-        for name in (S.DB_META, S.DB_INODE, S.DB_DIRENT, S.DB_RECORD, S.DB_CHUNK):
+        for name in (S.DB_META, S.DB_INODE, S.DB_DIRENT, S.DB_RECORD, S.DB_CHUNK,
+                     S.DB_CKEY, S.DB_CONTENT):
             if name not in names:
-                if names:  # a fresh index has all of them; an empty file has none
+                # a fresh index has all of them; an empty file has none; an index made
+                # before content keys has no ckey/content (added at its next open)
+                if names and name not in (S.DB_CKEY, S.DB_CONTENT):
                     problems.append(f"sub-database {name.decode()} is missing")
                 items[name] = ([], [])
                 continue
@@ -114,7 +118,9 @@ def _check_items(items: dict[bytes, tuple[list[bytes], list[bytes]]]) -> list[st
             (S.DB_INODE, lambda n: n == 8, lambda n: n >= _ENTRY),
             (S.DB_DIRENT, lambda n: n > 8, lambda n: n == 8),
             (S.DB_RECORD, lambda n: n == 8, lambda n: n == _RECORD),
-            (S.DB_CHUNK, lambda n: n == 8, lambda n: n >= _CHUNK)):
+            (S.DB_CHUNK, lambda n: n == 8, lambda n: n >= _CHUNK),
+            (S.DB_CKEY, lambda n: n == 8, lambda n: n == _CKEY),
+            (S.DB_CONTENT, lambda n: n == 32, lambda n: n == 8)):
         ks, vs = items[db]
         bad = _n_bad(ks, keys_ok) + _n_bad(vs, vals_ok) + abs(len(ks) - len(vs))
         if bad:
