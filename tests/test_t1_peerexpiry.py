@@ -96,3 +96,43 @@ def test_the_pace_is_the_current_epochs_else_the_last_ones():
     assert p.seconds_per_sample() == 0.5
     p.note(10, 200.25, 200.3, epoch=1)
     assert p.seconds_per_sample() == 0.25
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 60), world=st.integers(2, 5), step=st.integers(0, 30),
+       nxt_known=st.booleans(), pace=st.floats(1e-3, 10.0), ino=st.integers(1, 61))
+def test_a_distributed_samplers_expiry_is_the_clusters_last_use(n, world, step, nxt_known,
+                                                                pace, ino):
+    """With every rank's order (a DistributedSampler: ranks step together), the expiry is
+    the step at which ANY rank reads the sample last, in this epoch or the next, plus a
+    small margin (EXACT_SLACK, at least 300 s): never before another rank's read."""
+    from dlcachefs.clairvoyance.replay import SamplerSpec, distributed_epoch  # noqa: PLC0415
+    from dlcachefs.clairvoyance.streams import ClusterUse  # noqa: PLC0415
+    from dlcachefs.peers.expiry import EXACT_SLACK  # noqa: PLC0415
+
+    spec = SamplerSpec(kind="distributed", world=world, rank=0, shuffle=False)
+    inos = list(range(1, n + 1))  # sample i is inode i + 1
+    g_cur = [inos[i] for i in distributed_epoch(spec, n, 0, whole=True)]
+    g_nxt = [inos[i] for i in distributed_epoch(spec, n, 1, whole=True)]
+    per_rank = len(g_cur) // world
+    position = min(step, per_rank)
+    cu = ClusterUse(world, Positions(g_cur[::-1]), len(g_cur),
+                    Positions(g_nxt[::-1]) if nxt_known else None, len(g_nxt))
+    cur, nxt = cu.steps(ino)
+    if cur is not None and cur < position:
+        cur = None
+    u = planned_use(position, cur, per_rank, nxt, pace, exact=True)
+    # the reference: the last step at which any rank reads ino, from the orders
+    later = [g // world - position for g, x in enumerate(g_cur) if x == ino
+             and g // world >= position]
+    if nxt_known:
+        later += [per_rank - position + g // world for g, x in enumerate(g_nxt) if x == ino]
+    if not later:
+        assert u is None
+        return
+    t = max(later) * pace
+    want = math.ceil(t + max(MIN_MARGIN_S, EXACT_SLACK * t))
+    assert expiry_s([u]) == want
+    # every rank's read of it in the known epochs comes before the expiry (the padding's
+    # repeats at the end of an epoch included, within the margin)
+    assert all(k * pace <= expiry_s([u]) for k in later)

@@ -288,3 +288,25 @@ def test_an_order_naming_samples_outside_the_list_is_a_reason_not_a_crash():
     positions, consumed = _positions([2, 0, 2], three)
     assert bytes(consumed) == b"\0\0\0"
     assert _positions([], empty)[1] == bytearray()
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 50), world=st.integers(1, 6), seed=st.integers(0, 2**31),
+       epoch=st.integers(0, 5), shuffle=st.booleans(), drop_last=st.booleans())
+def test_the_cluster_order_holds_every_ranks_order(n, world, seed, epoch, shuffle,
+                                                   drop_last):
+    """A DistributedSampler's global order (every rank's, for the peer tier's expiry):
+    rank r reads its position g at step g // world, exactly as torch's sampler of rank r
+    yields them."""
+    from dlcachefs.clairvoyance.replay import distributed_epoch  # noqa: PLC0415
+
+    if drop_last and n < world:
+        return  # torch's sampler would have no samples for some ranks
+    whole = distributed_epoch(SamplerSpec(kind="distributed", seed=seed, world=world, rank=0,
+                                          shuffle=shuffle, drop_last=drop_last),
+                              n, epoch, whole=True)
+    for r in range(world):
+        s = DistributedSampler(range(n), num_replicas=world, rank=r, shuffle=shuffle,
+                               seed=seed, drop_last=drop_last)
+        s.set_epoch(epoch)
+        assert whole[r::world] == list(s)

@@ -479,3 +479,31 @@ def test_values_get_an_expiry_once_an_order_is_announced(tmp_path, mount, server
     assert all(0 < t <= 30 * 24 * 3600 for t in with_expiry)
     assert st["peers"]["expiries_set"] - before["expiries_set"] > 0
     assert st["peers"]["expiries_set"] >= len(with_expiry)
+
+
+def test_a_distributed_sampler_gives_the_tier_every_ranks_use(tmp_path, mount, servers):
+    """With --peers, a DistributedSampler's announcement makes the daemon compute every
+    rank's order (the replay worker's global order), so the expiries it sets follow the
+    cluster's last use, not only this node's rank: the stream says so
+    (``cluster_ranks``), and the values this rank stores get an expiry."""
+    from torch.utils.data import DistributedSampler  # noqa: PLC0415
+
+    src = tmp_path / "src"
+    files = make_tree(src)
+    imagefolder = sorted(files, key=lambda p: (p.parent.name, p.name))
+    m = mount(src, "--peers", ",".join(s.address for s in servers), "--peer-item-max", "8M",
+              "--scan-ahead", "0")
+    fd = os.open(m.mnt / ".dlcache" / "control", os.O_WRONLY)
+    try:
+        os.write(fd, b"job d\ndataset train\nsampler distributed seed=5 world=3 rank=1\n"
+                     b"epoch 0\n")
+    finally:
+        os.close(fd)
+    st = m.wait_stats(lambda st: (st["streams"].get("d/1") or {}).get("cluster_ranks") == 3,
+                      "no cluster-wide order", timeout=120)
+    assert st["streams"]["d/1"]["mode"] == "replayed", st["streams"]["d/1"]
+    sampler = DistributedSampler(range(len(files)), num_replicas=3, rank=1, seed=5)
+    sampler.set_epoch(0)
+    read_exact(m, src, [imagefolder[i] for i in sampler])
+    st = drained(m)
+    assert st["peers"]["expiries_set"] > 0, st["peers"]

@@ -337,12 +337,22 @@ class Engine:
 
     def peer_expiry(self, ino: int) -> int:
         """The memcached expiry (s, 0: never) of ``ino``'s value in the peer tier: its last
-        planned use over the streams that know their order, plus a margin
-        (:mod:`dlcachefs.peers.expiry`). Trio loop; O(streams)."""
+        planned use over the streams that know their order (a distributed sampler's over
+        every rank), plus a margin (:mod:`dlcachefs.peers.expiry`). Trio loop;
+        O(streams)."""
         from dlcachefs.peers.expiry import expiry_s, planned_use  # noqa: PLC0415 - --peers only
         uses = []
         for s in self.streams.streams.values():
             if not s.order or s.samples is None:
+                continue
+            if s.cluster is not None:  # every rank's use: the cluster's last one
+                cur, nxt = s.cluster.steps(ino)
+                if cur is not None and cur < s.position:
+                    cur = None  # read by the cluster already in this epoch
+                u = planned_use(s.position, cur, len(s.order), nxt,
+                                s.pace.seconds_per_sample(), exact=True)
+                if u is not None:
+                    uses.append(u)
                 continue
             nxt = s.next_first.next(ino) if s.next_first is not None else None
             u = planned_use(s.position, s.positions.next(ino), len(s.order), nxt,

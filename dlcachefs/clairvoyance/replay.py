@@ -132,8 +132,10 @@ def random_epoch(g: torch.Generator, n: int, num_samples: int, replacement: bool
     return out
 
 
-def distributed_epoch(spec: SamplerSpec, n: int, epoch: int) -> list[int]:
-    """DistributedSampler.__iter__ for ``epoch`` (see torch/utils/data/distributed.py)."""
+def distributed_epoch(spec: SamplerSpec, n: int, epoch: int, whole: bool = False) -> list[int]:
+    """DistributedSampler.__iter__ for ``epoch`` (see torch/utils/data/distributed.py).
+    ``whole``: every rank's samples, the padded global order, whose position ``g`` rank
+    ``g % world`` reads at its step ``g // world`` (the ranks step together)."""
     if spec.drop_last and n % spec.world != 0:
         per_rank = math.ceil((n - spec.world) / spec.world)
     else:
@@ -153,6 +155,8 @@ def distributed_epoch(spec: SamplerSpec, n: int, epoch: int) -> list[int]:
             indices += (indices * math.ceil(pad / len(indices)))[:pad]
     else:
         indices = indices[:total]
+    if whole:
+        return indices[:total]
     return indices[spec.rank : total : spec.world]
 
 
@@ -203,6 +207,15 @@ class OrderReplayer:
         """Dataset indices of ``epoch``, in the order the sampler yields them."""
         with self._lock:
             return self._order(epoch)
+
+    def cluster_order(self, epoch: int) -> list[int]:
+        """A distributed sampler's global order of ``epoch`` (every rank's samples; see
+        :func:`distributed_epoch`); ValueError for other samplers."""
+        if self.spec.kind != "distributed":
+            raise ValueError("only a distributed sampler has a cluster-wide order")
+        if not self.known(epoch):
+            raise ValueError(f"the order of epoch {epoch} is not known from this sampler")
+        return distributed_epoch(self.spec, self.n, epoch, whole=True)
 
     def _order(self, epoch: int) -> list[int]:
         if not self.known(epoch):

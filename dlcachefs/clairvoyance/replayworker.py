@@ -100,6 +100,14 @@ class ReplayWorker:
             raise (ReplayClosed if self._closed else ValueError)(value)
         return value.tolist()
 
+    def cluster_order(self, spec: SamplerSpec, n: int, base_epoch: int, epoch: int
+                      ) -> list[int]:
+        """A distributed sampler's global order of ``epoch`` (every rank's). Thread."""
+        ok, value = self._call(("cluster", spec, n, base_epoch, None, epoch), TIMEOUT_S)
+        if not ok:
+            raise (ReplayClosed if self._closed else ValueError)(value)
+        return value.tolist()
+
     def _call(self, msg: tuple, timeout: float) -> tuple[bool, object]:
         with self._lock:
             try:
@@ -180,6 +188,15 @@ class RemoteReplayer:
                 self._cache.popitem(last=False)
         return out
 
+    def cluster_order(self, epoch: int) -> list[int]:
+        """A distributed sampler's global order of ``epoch``: every rank's samples (see
+        :func:`~dlcachefs.clairvoyance.replay.distributed_epoch`). Thread."""
+        if not self.known(epoch):
+            raise ValueError(f"the order of epoch {epoch} is not known from this sampler")
+        if self.spec.kind == "distributed" and not self.spec.shuffle:
+            return OrderReplayer(self.spec, self.n, self.base_epoch).cluster_order(epoch)
+        return self.worker.cluster_order(self.spec, self.n, self.base_epoch, epoch)
+
 
 # ----- the worker process ---------------------------------------------------------------
 
@@ -203,7 +220,8 @@ def exit_with_parent(parent: int, every: float = 0.5) -> None:
 
 
 def _serve(conn, parent: int) -> None:
-    """The worker's loop: ``("ping",)`` -> torch importable; ``("order", ...)`` -> array.
+    """The worker's loop: ``("ping",)`` -> torch importable; ``("order", ...)`` -> array;
+    ``("cluster", ...)`` -> a distributed sampler's global order (array).
     ``parent`` is the daemon's pid: the worker ends with it (:func:`exit_with_parent`)."""
     exit_with_parent(parent)
     with contextlib.suppress(OSError):
@@ -244,7 +262,8 @@ def _serve(conn, parent: int) -> None:
                 while len(replayers) > MAX_REPLAYERS:
                     replayers.popitem(last=False)
             replayers.move_to_end(key)
-            _answer(conn, (True, np.asarray(rep.order(epoch), dtype=np.int64)))
+            got = rep.cluster_order(epoch) if msg[0] == "cluster" else rep.order(epoch)
+            _answer(conn, (True, np.asarray(got, dtype=np.int64)))
         except _ParentGone:
             return  # the daemon ended (a SIGKILL too): so does this process, quietly
         except Exception as e:  # noqa: BLE001 - an answer, never the end of the worker

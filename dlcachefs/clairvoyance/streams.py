@@ -112,6 +112,8 @@ class Stream:
     # the next epoch's order when known: sample -> first position (the policy's future)
     next_first: Positions | None = None
     next_first_order: list[int] = field(default_factory=list)
+    #: a distributed sampler's cluster-wide use (every rank's order), with --peers only
+    cluster: ClusterUse | None = None
     used: set[int] = field(default_factory=set)  # inodes served this epoch (substitution)
     substituted: dict[int, int] = field(default_factory=dict)  # requested -> served ino
     substituted_before: dict[int, int] = field(default_factory=dict)  # the last epoch's
@@ -178,6 +180,8 @@ class Stream:
                 "bytes_from_source": self.bytes_from_source, "dataset": self.dataset,
                 "substitutions": {str(k): v for k, v in sorted(self.substitutions.items())},
                 "error": self.error, "loader": self.pace.stats(),
+                # --peers: every rank's order is known (the tier's expiry is the cluster's)
+                "cluster_ranks": None if self.cluster is None else self.cluster.world,
                 "next_log": None if self.next_log is None else {
                     "epoch": self.next_log.epoch, "chunks": len(self.next_log.chunks),
                     "sealed": self.next_log.sealed, "failed": self.next_log.failed},
@@ -409,6 +413,7 @@ class StreamManager:
                 nxt_first = await trio.to_thread.run_sync(_first_positions, nxt, samples)
             need = self._dataset_bytes(samples)
             positions, consumed = await trio.to_thread.run_sync(_positions, order, samples)
+            cluster = await self._cluster_use(s, spec, epoch, samples)
         except (DlcError, ValueError, OSError) as e:
             s.error = str(e)
             s.mode, s.reason = "none", str(e)
@@ -440,6 +445,7 @@ class StreamManager:
         s.hit_n = s.miss_n = 0
         s.epoch_t0 = time.monotonic()
         s.next_first, s.next_first_order = nxt_first, nxt
+        s.cluster = cluster
         early, s.early = s.early, []
         for ino in early:
             self.note_open(s, ino)
@@ -464,6 +470,26 @@ class StreamManager:
             # this epoch's reads from the logs, in its order (dlcachefs.cache.readplan)
             nursery.start_soon(self.engine.plans.run, s)
             await self._plan_next(s, samples, epoch)
+
+    async def _cluster_use(self, s: Stream, spec: SamplerSpec, epoch: int,
+                           samples: SampleList) -> ClusterUse | None:
+        """With ``--peers``, a distributed sampler's every rank's order (this epoch's and
+        the next one's when known): when each sample is used cluster-wide, for the peer
+        tier's expiry (:meth:`Engine.peer_expiry`). None otherwise, or when it cannot be
+        computed (the expiry then falls back to this node's ranks and a margin)."""
+        rep = s.replayer
+        if (self.engine.cfg.peers is None or spec.kind != "distributed" or spec.world < 2
+                or not isinstance(rep, RemoteReplayer)):
+            return None
+        try:
+            cur = await trio.to_thread.run_sync(rep.cluster_order, epoch)
+            nxt = None
+            if rep.known(epoch + 1):
+                nxt = await trio.to_thread.run_sync(rep.cluster_order, epoch + 1)
+            return await trio.to_thread.run_sync(ClusterUse.of, spec.world, cur, nxt, samples)
+        except ValueError as e:
+            log.info("stream %s: no cluster-wide order (%s)", s.key, e)
+            return None
 
     async def _plan_next(self, s: Stream, samples: SampleList, epoch: int) -> None:
         """LCache: when epoch+1's order is known, lay out its log while this epoch runs."""
@@ -857,6 +883,36 @@ class _Explicit:
         if any(not 0 <= i < self.n for i in out):
             raise ValueError(f"the order of epoch {epoch} names a sample outside 0..{self.n - 1}")
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterUse:
+    """When a distributed sampler's samples are read cluster-wide, from each epoch's
+    global order (every rank's; position ``g`` is read at step ``g // world``, the ranks
+    stepping together): ``current`` and ``next`` are :class:`Positions` of the REVERSED
+    orders (of ``current_len`` and ``next_len`` positions), so that they give each inode's
+    last position (DistributedSampler's padding repeats a few samples at the end)."""
+
+    world: int
+    current: Positions
+    current_len: int
+    next: Positions | None = None
+    next_len: int = 0
+
+    @classmethod
+    def of(cls, world: int, cur: list[int], nxt: list[int] | None,
+           samples: SampleList) -> ClusterUse:
+        """Thread: from the global orders (dataset indices) of this epoch and the next."""
+        return cls(world, _first_positions(cur[::-1], samples), len(cur),
+                   None if nxt is None else _first_positions(nxt[::-1], samples),
+                   0 if nxt is None else len(nxt))
+
+    def steps(self, ino: int) -> tuple[int | None, int | None]:
+        """The last step at which the cluster reads ``ino`` in this epoch and the next."""
+        c = self.current.next(ino)
+        n = self.next.next(ino) if self.next is not None else None
+        return (None if c is None else (self.current_len - 1 - c) // self.world,
+                None if n is None else (self.next_len - 1 - n) // self.world)
 
 
 class Positions:

@@ -11,7 +11,11 @@ the mount's streams, in seconds from now.
 The margin is two epochs of that stream's pace (and at least :data:`MIN_MARGIN_S`): a
 node knows its own ranks' orders only, and another rank's use of the sample in the next
 epoch (announced at that epoch's start) comes at most two epochs after any point of this
-one; it also absorbs a pace that slows down. Nothing known (no order, no pace, the
+one; it also absorbs a pace that slows down. A distributed sampler's use is known
+cluster-wide (every rank's order follows from the announced seed, world size and epoch,
+and the ranks step together): such a use is *exact*, and its margin is only
+:data:`EXACT_SLACK` of the time until it (for a pace that slows down), at least
+:data:`MIN_MARGIN_S`. Nothing known (no order, no pace, the
 sample in no known order): 0, memcached's "never". memcached reads an expiry over 30 days
 as an absolute Unix time, so a longer one is also 0.
 
@@ -30,6 +34,8 @@ from dataclasses import dataclass
 MIN_MARGIN_S = 300.0
 #: epochs of margin past the last planned use
 MARGIN_EPOCHS = 2.0
+#: an exact use's margin, as a share of the time until it
+EXACT_SLACK = 0.25
 #: memcached takes a larger expiry as an absolute Unix time
 MAX_RELATIVE_S = 30 * 24 * 3600
 
@@ -42,6 +48,7 @@ class PlannedUse:
     ahead: int
     seconds_per_sample: float
     epoch_samples: int
+    exact: bool = False  # the cluster's last use (every rank's order), not this node's
 
 
 def expiry_s(uses: Iterable[PlannedUse]) -> int:
@@ -55,8 +62,12 @@ def expiry_s(uses: Iterable[PlannedUse]) -> int:
         if not math.isfinite(u.seconds_per_sample):
             continue
         known = True
-        t = (u.ahead * u.seconds_per_sample
-             + max(MIN_MARGIN_S, MARGIN_EPOCHS * u.epoch_samples * u.seconds_per_sample))
+        until = u.ahead * u.seconds_per_sample
+        if u.exact:
+            t = until + max(MIN_MARGIN_S, EXACT_SLACK * until)
+        else:
+            t = until + max(MIN_MARGIN_S,
+                            MARGIN_EPOCHS * u.epoch_samples * u.seconds_per_sample)
         best = max(best, t)
     if not known or best > MAX_RELATIVE_S:  # (an overflow to inf included)
         return 0
@@ -65,13 +76,13 @@ def expiry_s(uses: Iterable[PlannedUse]) -> int:
 
 
 def planned_use(position: int, current: int | None, epoch_samples: int,
-                next_first: int | None, seconds_per_sample: float | None
-                ) -> PlannedUse | None:
+                next_first: int | None, seconds_per_sample: float | None,
+                exact: bool = False) -> PlannedUse | None:
     """One stream's last known use of a sample: ``current``, its next position in the
     current epoch (None: not left in it), ``next_first`` its first position in the next
     epoch (None: not known), the reader at ``position``. A permutation uses a sample once
     per epoch, so the next epoch's use is the last known one; None when neither is known
-    or the pace is not."""
+    or the pace is not. ``exact``: the positions are the cluster's steps (every rank's)."""
     if seconds_per_sample is None or seconds_per_sample <= 0:
         return None
     if next_first is not None:
@@ -80,4 +91,4 @@ def planned_use(position: int, current: int | None, epoch_samples: int,
         ahead = current - position
     else:
         return None
-    return PlannedUse(max(0, ahead), seconds_per_sample, epoch_samples)
+    return PlannedUse(max(0, ahead), seconds_per_sample, epoch_samples, exact)
