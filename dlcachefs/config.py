@@ -164,6 +164,11 @@ class Config:
                "inode, as the local cache does), for sources whose inode numbers agree "
                "across nodes (NFS, Lustre); not for sshfs, where they differ per node and "
                "no node would find another's values")
+    peer_self: str | None = _opt(
+        None, "this node's own server among --peers (HOST:PORT, as listed there): with it, "
+              "the node fetches ahead, in the cluster's first-use order, the files it owns "
+              "that a DistributedSampler's ranks will read (each file leaves the remote "
+              "once, before any rank waits for it)", metavar="HOST:PORT", show_default=False)
     peer_keep: bool = _opt(
         True, "do not make sure the owner holds a file this node evicts (keeping the last "
               "copy in the cluster, Lobster 4.4, is on by default with --peers)",
@@ -245,6 +250,11 @@ class Config:
             peer_list(self.peers)  # raises ValueError naming the bad entry
         if self.peer_timeout <= 0 or self.peer_dead_time <= 0 or self.peer_lease <= 0:
             raise ValueError("--peer-timeout, --peer-dead-time and --peer-lease must be > 0")
+        if self.peer_self is not None:
+            if self.peers is None:
+                raise ValueError("--peer-self needs --peers")
+            if peer_list(self.peer_self)[0] not in peer_list(self.peers):
+                raise ValueError(f"--peer-self {self.peer_self} is not one of --peers")
         if self.peer_item_max < 4096:
             raise ValueError("--peer-item-max must be at least 4K")
         if self.dataset is not None:

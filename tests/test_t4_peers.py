@@ -507,3 +507,75 @@ def test_a_distributed_sampler_gives_the_tier_every_ranks_use(tmp_path, mount, s
     read_exact(m, src, [imagefolder[i] for i in sampler])
     st = drained(m)
     assert st["peers"]["expiries_set"] > 0, st["peers"]
+
+
+def test_an_owner_fetches_the_files_it_owns_for_the_other_ranks(tmp_path, mount, servers):
+    """--peer-self: three nodes; only node 0 has announced its rank (0 of a
+    DistributedSampler of world 3), the other ranks have not started. Node 0 walks the
+    cluster's global order and fetches every file its own server owns, the other ranks'
+    included: each is at its owner before anyone reads it. Files node 0 neither owns nor
+    reads stay out of the tier. Then ranks 1 and 2 start and read: each file left the
+    remote once across the cluster, every byte exact."""
+    from torch.utils.data import DistributedSampler  # noqa: PLC0415
+
+    from dlcachefs.peers.servers import Rendezvous  # noqa: PLC0415
+    from dlcachefs.testing.mounting import wait_until  # noqa: PLC0415
+
+    src = tmp_path / "src"
+    files = make_tree(src)
+    imagefolder = sorted(files, key=lambda p: (p.parent.name, p.name))
+    by_name = {s.address: s for s in servers}
+    h = Rendezvous(list(by_name))
+    ns = os.fsencode(os.path.realpath(src))
+
+    def key_of(p: Path):
+        st = p.stat()
+        return content_key(ns, os.fsencode(p.relative_to(src)), st.st_size, st.st_mtime_ns).key
+
+    def announce(m, rank: int) -> None:
+        fd = os.open(m.mnt / ".dlcache" / "control", os.O_WRONLY)
+        try:
+            os.write(fd, f"job d\ndataset train\nsampler distributed seed=9 world={NODES} "
+                         f"rank={rank}\nepoch 0\n".encode())
+        finally:
+            os.close(fd)
+
+    def rank_files(rank: int) -> list[Path]:
+        sampler = DistributedSampler(range(len(files)), num_replicas=NODES, rank=rank, seed=9)
+        sampler.set_epoch(0)
+        return [imagefolder[i] for i in sampler]
+
+    peers = ",".join(by_name)
+    mounts = [mount(src, "--peers", peers, "--peer-self", servers[i].address,
+                    "--peer-item-max", "8M", "--peer-lease", "60", "--peer-timeout", "2",
+                    "--scan-ahead", "0", name=f"mnt{i}", cache=tmp_path / f"cache{i}")
+              for i in range(NODES)]
+    announce(mounts[0], 0)
+
+    def walked() -> dict | None:
+        st = mounts[0].stats()
+        op = st["peers"].get("owner_prefetch") or {}
+        s = st["streams"].get("d/0") or {}
+        done = (s.get("cluster_ranks") == NODES and op.get("walk_left") == 0
+                and op.get("in_flight") == 0 and st["peers"]["store_pending"] == 0
+                and s.get("prefetch_lead", 0) + s.get("position", 0) >= s.get("samples", 1))
+        return st if done else None
+
+    st = wait_until(walked, "node 0 did not walk the cluster's order", timeout=180)
+    assert st["peers"]["owner_prefetch"]["errors"] == 0, st["peers"]
+    own = servers[0].address
+    owned = [p for p in files if h.get_node(key_of(p)) == own]
+    mine = set(rank_files(0))
+    others = [p for p in owned if p not in mine]  # owned by node 0, read by ranks 1 and 2
+    assert others and st["peers"]["owner_prefetch"]["files"] >= len(others)
+    for p in owned:  # at its owner before any rank that reads it has started
+        assert remaining_ttl(by_name[own], key_of(p)) is not None, p
+    for p in files:  # nothing else went into the tier
+        if p not in mine and p not in owned:
+            assert remaining_ttl(by_name[h.get_node(key_of(p))], key_of(p)) is None, p
+    for r in (1, 2):
+        announce(mounts[r], r)
+        read_exact(mounts[r], src, rank_files(r))
+    read_exact(mounts[0], src, rank_files(0))
+    after = [drained(m) for m in mounts]
+    assert sum(a["bytes_from_source"] for a in after) == total(files)  # once per cluster

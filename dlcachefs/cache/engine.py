@@ -54,6 +54,7 @@ from dlcachefs.cache.invariants import check_cache
 from dlcachefs.cache.memlimit import cgroup_limit, current_rss, fit
 from dlcachefs.cache.memtier import MemoryTier
 from dlcachefs.cache.namespace import Namespace, identity, is_file
+from dlcachefs.cache.ownerfetch import OwnerPrefetch
 from dlcachefs.cache.policy import CachePolicy, PolicyContext
 from dlcachefs.cache.prefetch import Prefetcher
 from dlcachefs.cache.reader import LogReader
@@ -177,6 +178,9 @@ class Engine:
             self.peers.expiry_of = self.peer_expiry
         self.fetcher = Fetcher(cfg, self.calls, self.ns, self.writer, self.policy,
                                self.versions, self.backlog, self.counters, self.peers)
+        # --peer-self: this node fetches ahead the files it owns in the cluster's order
+        self.owner_prefetch = (OwnerPrefetch(self) if self.peers is not None
+                               and cfg.peer_self is not None else None)
         # planned reads of known orders (issue 9): half of --memory, taken from the tier
         self.plans = ReadPlanner(self, min(self.memory.memory // 2, self.streams.lead_bytes),
                                  lead=self.streams.lead,
@@ -258,6 +262,8 @@ class Engine:
                 await nursery.start(self.shares.run)
             if self.dedup is not None:
                 await nursery.start(self.dedup.run)
+            if self.owner_prefetch is not None:
+                await nursery.start(self.owner_prefetch.run)
             if self.packer is not None:
                 await nursery.start(self.packer.run)
             task_status.started()

@@ -130,6 +130,8 @@ def stats_document(eng: Engine) -> dict:
     out["policy"] = {"name": eng.cfg.policy, **eng.policy.stats()}
     # the cluster's shared tier (--peers): per server and lease counts
     out["peers"] = None if eng.peers is None else eng.peers.stats()
+    if eng.owner_prefetch is not None:  # --peer-self: fetched ahead for the cluster
+        out["peers"]["owner_prefetch"] = eng.owner_prefetch.stats()
     out["packer"] = None if eng.packer is None else eng.packer.as_dict()
     t = eng.importance.table
     out["importance"] = None if t is None else {

@@ -898,6 +898,8 @@ class ClusterUse:
     current_len: int
     next: Positions | None = None
     next_len: int = 0
+    #: this epoch's global order as inodes (the owner's prefetch walks it)
+    inos: np.ndarray | None = None
 
     @classmethod
     def of(cls, world: int, cur: list[int], nxt: list[int] | None,
@@ -905,7 +907,7 @@ class ClusterUse:
         """Thread: from the global orders (dataset indices) of this epoch and the next."""
         return cls(world, _first_positions(cur[::-1], samples), len(cur),
                    None if nxt is None else _first_positions(nxt[::-1], samples),
-                   0 if nxt is None else len(nxt))
+                   0 if nxt is None else len(nxt), _order_inos(cur, samples))
 
     def steps(self, ino: int) -> tuple[int | None, int | None]:
         """The last step at which the cluster reads ``ino`` in this epoch and the next."""

@@ -189,6 +189,11 @@ class PeerTier:
         self.servers = Servers(peer_list(cfg.peers), cfg.peer_timeout,
                                pool_size=int(self._threads.total_tokens))
         self.per_server = {n: PeerCounters() for n in self.servers.names}
+        #: this node's own server (--peer-self), named as in :attr:`servers`
+        self.self_name: str | None = None
+        if cfg.peer_self is not None:
+            h, p = peer_list(cfg.peer_self)[0]
+            self.self_name = f"[{h}]:{p}" if ":" in h else f"{h}:{p}"
         self.counters = TierCounters()
         self._down: frozenset[str] = frozenset()
         self._down_until: dict[str, float] = {}
@@ -221,6 +226,10 @@ class PeerTier:
 
     def owner(self, ck: ContentKey) -> str | None:
         return self.servers.owner(ck.key, self._down)
+
+    def mine(self, rel: bytes, ident: Identity) -> bool:
+        """Whether this node's own server (``--peer-self``) owns the file's value now."""
+        return self.self_name is not None and self.owner(self.key_of(rel, ident)) == self.self_name
 
     def _mark_down(self, name: str, why: object) -> None:
         c = self.per_server[name]

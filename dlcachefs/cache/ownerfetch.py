@@ -1,0 +1,145 @@
+"""The owner's prefetch (``--peers`` with ``--peer-self``): each file leaves the remote
+once per cluster, before a rank waits for it.
+
+A DistributedSampler's ranks read one global order together (rank ``g % world`` reads
+position ``g`` at its step ``g // world``; :class:`~dlcachefs.clairvoyance.streams.ClusterUse`
+holds it, computed from the announced seed, world size and epoch). Every node knows that
+order, so every node can walk it ahead of the cluster and fetch, in first-use order, the
+files *it* owns in the peer tier (the rendezvous owner of the file's content key is its
+own server, ``--peer-self``): a rank that reaches the file later finds it at the owner.
+Without this, the first rank to miss takes the lease and the others wait for it.
+
+What one step does, for the next file of the walk that this node owns and does not hold
+in its local cache: :meth:`~dlcachefs.cache.fetch.Fetcher.read_whole`, the one place
+whole files are read: a value the owner (this node's server) holds already is a hit and
+nothing is read; else the lease decides who reads the source (this node, or a rank that
+got there first), and what this node read is stored at the owner in the background. The
+bytes are not cached locally: this node's own ranks fetch what they read as always.
+
+Bounds: at most ``lead x world`` global positions ahead of this node's rank (the
+streams' prefetch lead per rank; the ranks step together, so this node's position is the
+cluster's), at most :data:`PARALLEL` fetches at once, and only while no reader of this
+node waits for the source (``Fetcher.demand_fetches``), as scan-ahead yields to readers.
+
+Concurrency: one task on the trio loop (:meth:`OwnerPrefetch.run`, in the engine's
+nursery) and its fetch tasks; no threads of its own (the fetch's source read and the
+tier's calls run in theirs).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import trio
+
+from dlcachefs.cache.namespace import identity, is_file
+from dlcachefs.errors import DlcError
+
+if TYPE_CHECKING:
+    from dlcachefs.cache.engine import Engine
+
+log = logging.getLogger(__name__)
+
+#: owner fetches in flight at once
+PARALLEL = 2
+#: how long the walk sleeps when there is nothing to do (no stream, all done, readers)
+IDLE_S = 0.05
+
+
+class OwnerPrefetch:
+    """Walks each distributed stream's global order and fetches the files this node owns
+    (see the module doc)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.counts: Counter[str] = Counter()
+        # stream key -> (the ClusterUse walked, the next global position to look at)
+        self._cursor: dict[str, tuple[object, int]] = {}
+        self._limiter = trio.CapacityLimiter(PARALLEL)
+        self.in_flight = 0
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Until cancelled."""
+        task_status.started()
+        async with trio.open_nursery() as nursery:
+            while True:
+                ino = self._next()
+                if ino is None:
+                    await trio.sleep(IDLE_S)
+                    continue
+                token = object()  # an inode may be walked again (a new order) while in flight
+                await self._limiter.acquire_on_behalf_of(token)
+                nursery.start_soon(self._fetch, ino, token)
+
+    def _next(self) -> int | None:
+        """The next inode to fetch for the cluster, or None (nothing now)."""
+        eng = self.engine
+        fetcher = eng.fetcher
+        if fetcher.demand_fetches:  # a reader waits for the source: leave it the link
+            return None
+        peers = eng.peers
+        if peers is None:
+            return None
+        for s in list(eng.streams.streams.values()):
+            cu = s.cluster
+            if cu is None or cu.inos is None or not s.order:
+                continue
+            walked, g = self._cursor.get(s.key, (None, 0))
+            if walked is not cu:
+                g = 0  # a new epoch (or order): walk it from the cluster's position
+            g = max(g, s.position * cu.world)
+            end = min(len(cu.inos), (s.position + eng.streams.lead) * cu.world)
+            while g < end:
+                ino = int(cu.inos[g])
+                g += 1
+                if ino == 0 or fetcher.in_flight(ino):
+                    continue
+                e = eng.index.get_entry(ino)
+                if e is None or not is_file(e) or e.size > eng.cfg.max_cached_file:
+                    continue
+                if eng.index.get_record(ino) is not None:
+                    continue  # held here: stored at its owner when it was fetched
+                rel = eng.ns.path_of(e)
+                if not peers.mine(rel, identity(e)):
+                    continue
+                self._cursor[s.key] = (cu, g)
+                return ino
+            self._cursor[s.key] = (cu, g)
+        return None
+
+    async def _fetch(self, ino: int, token: object) -> None:
+        self.in_flight += 1
+        try:
+            e = self.engine.index.get_entry(ino)
+            if e is None:
+                return
+            rel = self.engine.ns.path_of(e)
+            data, _ = await self.engine.fetcher.read_whole(e, rel)
+            self.counts["files"] += 1
+            self.counts["bytes"] += len(data)
+        except DlcError as e:  # the file's own problem: its readers will see it
+            self.counts["errors"] += 1
+            log.debug("owner prefetch of inode %d: %s", ino, e)
+        except Exception:  # noqa: BLE001 - a bug here must cost speed, never the mount
+            self.counts["errors"] += 1
+            if self.counts["errors"] == 1:
+                log.exception("owner prefetch failed (it goes on)")
+        finally:
+            self.in_flight -= 1
+            self._limiter.release_on_behalf_of(token)
+
+    def stats(self) -> dict:
+        """``peers.owner_prefetch`` in ``.dlcache/stats``: files looked up or fetched for
+        the cluster (read from the remote by this node when the owner had none: counted in
+        ``bytes_from_source``), their bytes, errors, fetches in flight, and the global
+        positions of the streams' current epochs not walked yet."""
+        left = 0
+        for s in self.engine.streams.streams.values():
+            cu = s.cluster
+            if cu is not None and cu.inos is not None:
+                walked, g = self._cursor.get(s.key, (None, 0))
+                left += len(cu.inos) - (g if walked is cu else 0)
+        return {**{k: self.counts[k] for k in ("files", "bytes", "errors")},
+                "in_flight": self.in_flight, "walk_left": left}
