@@ -237,6 +237,8 @@ def values(o):
         return st.sampled_from(["imagenet", "/nfs/imagenet"])
     if o.field == "dataset":
         return st.sampled_from(["imagenet", "coco_2017", "a.b-c"])
+    if o.field == "peer_self":
+        return st.just("h1:11211")
     if o.field == "content_xattr":
         return st.sampled_from(["user.sha256", "user.checksum.sha256"])
     if o.field == "metrics_addr":
@@ -251,6 +253,8 @@ def option_sets(draw):
     if vals.keys() & {"dataset", "content_manifest", "content_xattr"}:
         vals["shared_cache"] = True  # these need --shared-cache
         vals.pop("dedup", None)  # and dedup on (the flag is --no-dedup)
+    if "peer_self" in vals:  # one of --peers
+        vals["peers"] = "h1:11211,10.0.0.2:11211"
     return vals
 
 
@@ -336,3 +340,15 @@ def test_the_core_does_not_import_pymemcache_without_peers():
             "assert 'pymemcache' not in sys.modules, 'imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"peer_self": "h1:11211"}, "--peer-self needs --peers"),
+    ({"peer_self": "h3:11211", "peers": "h1:11211,h2:11211"}, "is not one of --peers"),
+    ({"content_manifest": "/x/SHA256SUMS"}, "need --shared-cache"),
+    ({"content_xattr": "user.sha256", "shared_cache": True, "dedup": False},
+     "drop --no-dedup"),
+])
+def test_options_that_need_another_are_refused_with_the_reason(extra, message):
+    with pytest.raises(ValueError, match=message):
+        Config(source=SRC, mountpoint=MNT, cache_dir="/c", **extra)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -51,7 +52,10 @@ def _args(name: str, *extra: str) -> list[str]:
 
 
 def _manifest(b: Path) -> Path:
-    """``sha256sum`` of ``b``'s files, written in ``b`` (as datasets ship one)."""
+    """``sha256sum`` of ``b``'s files, written in ``b`` (as datasets ship one). Files are
+    trusted when their ctime is before the list's: the pause keeps the list's timestamp
+    clear of the files' on a filesystem with coarse (jiffy) timestamps."""
+    time.sleep(0.05)
     lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  ./{p.relative_to(b)}"
              for p in sorted(b.rglob("*.jpg"))]
     out = b / "SHA256SUMS"
@@ -182,6 +186,48 @@ def test_a_file_changed_after_the_manifest_is_read_from_its_source(tmp_path, mou
     _read_b(mb, b, files, names)
     st = mb.stats()
     assert st["dedup"]["key_manifest"] == N - 1 and st["bytes_from_source"] == len(new), st
+
+
+@requires_fuse
+def test_a_file_replaced_with_its_old_mtime_is_not_trusted_to_the_manifest(tmp_path, mount):
+    """rsync -a, cp -p, tar x: a new version of the same size whose mtime is set back to
+    before the list. Its ctime is not: the list's digest is not used for it, and the
+    reader gets the new bytes (not a's copy of the old ones)."""
+    a, b, files, names = _copies(tmp_path)
+    root = tmp_path / "root"
+    _cached_a(mount, a, root, files)
+    manifest = _manifest(b)
+    rel = next(iter(files))
+    p = b / names[rel]
+    st = p.stat()
+    new = bytes(x ^ 0xFF for x in files[rel])  # same size, other bytes
+    p.write_bytes(new)
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))  # the old mtime, as rsync -a keeps it
+    files = {**files, rel: new}
+    mb = mount(b, *_args("b", "--content-manifest", str(manifest)), name="mb", cache=root)
+    _read_b(mb, b, files, names)
+    st = mb.stats()
+    assert st["dedup"]["key_manifest"] == N - 1 and st["bytes_from_source"] == len(new), st
+
+
+@requires_fuse
+@pytest.mark.daemon_log_allows("its index is damaged")
+@pytest.mark.verify_allows("damaged")
+def test_a_damaged_index_of_another_dataset_is_not_read(tmp_path, mount):
+    """a's index truncated while a is unmounted (reading it would kill a process with
+    SIGBUS): b walks it in a child process first, finds the damage, and never opens it;
+    b serves every file from its own source, and stays up."""
+    a, b, files, names = _copies(tmp_path)
+    root = tmp_path / "root"
+    ma = _cached_a(mount, a, root, files)
+    ma.umount()
+    data = root / "datasets" / "a" / "meta.lmdb" / "data.mdb"
+    os.truncate(data, data.stat().st_size // 3)
+    mb = mount(b, *_args("b", "--content-manifest", str(_manifest(b))), name="mb", cache=root)
+    _read_b(mb, b, files, names)
+    st = mb.stats()
+    assert st["dedup"]["siblings"] == [] and st["dedup"]["borrowed_files"] == 0, st["dedup"]
+    assert st["bytes_from_source"] == sum(map(len, files.values()))
 
 
 @requires_fuse

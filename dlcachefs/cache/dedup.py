@@ -38,12 +38,31 @@ dataset's cache, and nothing here holds a read transaction between calls.
 borrower: bytes held once are charged once. When the holder evicts them, the borrower's
 next open reads its own source and caches them as its own (and offers them in turn).
 
-Concurrency: called on the trio loop. Index reads of other datasets, log reads and
-hashing run in worker threads (:class:`IndexReader` opens a read transaction per call;
-:class:`LogFiles` is thread-safe). :meth:`refresh` (the root's dataset list, at most every
-:data:`RESCAN_S`) runs in a thread too; the ``_siblings`` dict is replaced, not mutated,
-so a thread iterating an old one is unaffected. Learned keys are written to this dataset's
-index by :meth:`run`'s task, one write transaction every :data:`PERSIST_S`.
+**Other datasets' damage**: an LMDB file read while damaged can kill the reading process
+(SIGBUS), so another dataset's index is opened only after the walk the daemon makes of
+its own index after a crash (:func:`~dlcachefs.store.integrity.check_index`, in a child
+process) found it sound, and any error reading it later is a miss. Damage done to it
+after that, while it is open here, can still take this daemon down as damage to its own
+index would (a known limit, as for the zero-copy reader).
+
+**Trust**: a manifest's digest is used only for a file whose ctime (which, unlike the
+mtime, cannot be set back) is before the list was written; an attribute's only when it
+was read from the version listed (size, mtime, inode). Both are claims the source makes:
+a list or an attribute that was wrong when written is served as written.
+
+**Not shared**: a stream whose next epoch's log is laid out (LCache) copies the files it
+borrowed into that log, and the packer packs borrowed files into its packages: those
+are second copies (charged to this dataset, so the budget still holds).
+
+Concurrency: on the trio loop, but for the threads: index reads of other datasets, log
+reads and hashing (:class:`IndexReader` opens a read transaction per call;
+:class:`LogFiles` is thread-safe), and :meth:`refresh` (the root's dataset list and the
+walks, every :data:`RESCAN_S` from :meth:`run`; borrowing waits for the first). The
+``_siblings`` dict is replaced, never mutated; a dataset replaced or gone is closed only
+at the next scan, when no read begun before it can still be running. ``known`` and the
+counters are touched on the loop only. Learned keys are written to this dataset's index
+by :meth:`run`'s task, one write transaction every :data:`PERSIST_S`, and then dropped
+from memory (``key_of`` reads the index).
 """
 
 from __future__ import annotations
@@ -67,6 +86,7 @@ from dlcachefs.data.reader import LogFiles
 from dlcachefs.errors import DlcError, InvalidArgument
 from dlcachefs.store.chunkfmt import checksum
 from dlcachefs.store.index import Index
+from dlcachefs.store.integrity import check_index
 from dlcachefs.store.readonly import IndexReader
 from dlcachefs.store.schema import ContentKey, Entry
 
@@ -139,12 +159,15 @@ class ContentStore:
         self.xattr = cfg.content_xattr
         self.manifest_path = cfg.content_manifest
         self.manifest: dict[bytes, bytes] = {}
-        self.manifest_mtime_ns = 0
+        #: files whose ctime is before this are trusted to have the list's digest
+        self.manifest_trust_ns = 0
         #: keys learned for inodes without a record here (their bytes are a sibling's)
         self.known: dict[int, ContentKey] = {}
         self._learned: dict[int, ContentKey] = {}  # not yet in the index
         self._siblings: dict[str, _Sibling] = {}
-        self._scanned_at = float("-inf")
+        # replaced or gone: closed at the next scan (a thread may still read one now)
+        self._retired: list[_Sibling] = []
+        self._scanned = trio.Event()  # the first scan is done (borrowing waits for it)
         #: digests whose copy elsewhere failed its check lately: a file read from the
         #: source for one of them is cached here (the other dataset re-fetches its own
         #: when it reads it); bounded, forgotten when full
@@ -168,19 +191,28 @@ class ContentStore:
                                   f"{e.strerror}") from None
         self.manifest = parse_manifest(text, os.path.dirname(os.path.realpath(path)),
                                        self.source_root)
-        self.manifest_mtime_ns = st.st_mtime_ns
+        # a file's ctime cannot be set back (its mtime can: rsync -a, cp -p, tar x): a file
+        # is trusted only if nothing about it changed since before the list was written
+        # (the earlier of the list's mtime and ctime: a list copied with its old mtime
+        # describes the files as they were then)
+        self.manifest_trust_ns = min(st.st_mtime_ns, st.st_ctime_ns)
         log.info("content manifest %s: %d files", self.manifest_path, len(self.manifest))
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Write learned keys to the index every :data:`PERSIST_S` (and read the root's
         dataset list when due), until cancelled; the last batch at the end."""
         task_status.started()
+        last_scan = float("-inf")
         try:
             while True:
+                if trio.current_time() - last_scan >= RESCAN_S:
+                    last_scan = trio.current_time()
+                    await self.refresh()
+                    self._scanned.set()
                 await trio.sleep(PERSIST_S)
                 await self.persist()
-                await self.refresh()  # stats name the datasets seen, between fetches too
         finally:
+            self._scanned.set()
             with trio.CancelScope(shield=True):
                 await self.persist()
                 await trio.to_thread.run_sync(self._close_all)
@@ -194,6 +226,12 @@ class ContentStore:
             await trio.to_thread.run_sync(self._persist, batch)
         except lmdb.Error as e:  # a full or damaged index: keys are only an optimisation
             log.warning("content keys not saved (%s)", e)
+            return
+        # in the index now (key_of reads them there): memory holds only what is not yet,
+        # so it stays bounded by what is learned in PERSIST_S
+        for ino, k in batch.items():
+            if self.known.get(ino) == k and ino not in self._learned:
+                del self.known[ino]
 
     def _persist(self, batch: dict[int, ContentKey]) -> None:
         with self.index.write() as w:
@@ -213,24 +251,27 @@ class ContentStore:
             self.counts["key_learned"] += 1
             return k.sha256
         sha = self.manifest.get(rel)
-        if sha is not None and e.mtime_ns <= self.manifest_mtime_ns:
+        if sha is not None and e.ctime_ns < self.manifest_trust_ns:
             self.counts["key_manifest"] += 1
             return sha
         if self.xattr:
             try:
-                raw = await self.calls.call(_get_xattr, self.calls.source, rel, self.xattr)
+                got = await self.calls.call(_get_xattr, self.calls.source, rel, self.xattr,
+                                            self.calls.use_src_ino)
             except DlcError:
-                raw = None
-            sha = parse_key(raw) if raw is not None else None
-            if sha is not None:
-                self.counts["key_xattr"] += 1
-                return sha
+                got = None
+            # the attribute of the version listed, not of one that replaced it since
+            if got is not None and got[1] == identity(e):
+                sha = parse_key(got[0]) if got[0] is not None else None
+                if sha is not None:
+                    self.counts["key_xattr"] += 1
+                    return sha
         return None
 
     async def borrow(self, e: Entry, rel: bytes) -> bytes | None:
         """``e``'s bytes from another dataset of the root, checked; None when its key is
         not known without a read, or no other dataset holds them intact."""
-        await self.refresh()
+        await self._scanned.wait()  # the other datasets' indexes, checked (refresh)
         if not self._siblings:
             return None
         sha = await self.key_of(e, rel)
@@ -276,45 +317,65 @@ class ContentStore:
     # ----- other datasets (threads) --------------------------------------------------
 
     async def refresh(self) -> None:
-        """Read the root's dataset list again when it is older than :data:`RESCAN_S`."""
-        now = trio.current_time()
-        if now - self._scanned_at < RESCAN_S:
-            return
-        self._scanned_at = now
-        self._siblings = await trio.to_thread.run_sync(self._rescan, self._siblings)
+        """Read the root's dataset list again (:meth:`run` does, every :data:`RESCAN_S`):
+        new datasets are opened once their index passed the walk, replaced or removed
+        ones retired. A failure is logged; the list stays as it was."""
+        try:
+            old, retired = self._siblings, self._retired
+            self._retired = []
+            new, gone = await trio.to_thread.run_sync(self._rescan, old, retired)
+            self._siblings = new
+            self._retired = gone
+        except Exception:  # noqa: BLE001 - dedup is an optimisation: never the mount's end
+            log.exception("reading the shared root's datasets failed")
 
-    def _rescan(self, old: dict[str, _Sibling]) -> dict[str, _Sibling]:
+    def _rescan(self, old: dict[str, _Sibling], retired: list[_Sibling]
+                ) -> tuple[dict[str, _Sibling], list[_Sibling]]:
+        """Thread: (the datasets to read from now, those to close at the next scan). The
+        ones retired at the last scan are closed here: no read started before that scan
+        is still running (a borrow's thread reads one record)."""
+        for s in retired:
+            self._close(s)
         try:
             names = sorted(n for n in os.listdir(self.root) if n != self.own)
         except OSError:
             names = []
         new: dict[str, _Sibling] = {}
+        gone: list[_Sibling] = []
         for name in names:
             s = old.get(name)
-            if s is not None and s.reader.replaced():
-                self._close(s)
-                s = None
-            if s is None:
-                s = self._open(name)
-            if s is not None:
-                s.reader.open_content()
-                s.logs.sweep()  # descriptors of logs deleted since go
-                new[name] = s
-        for name, s in old.items():
-            if name not in new and new.get(name) is not s:
-                self._close(s)
-        return new
+            try:
+                if s is not None and s.reader.replaced():
+                    gone.append(s)
+                    s = None
+                if s is None:
+                    s = self._open(name)
+                if s is not None:
+                    s.reader.open_content()
+                    s.logs.sweep()  # descriptors of logs deleted since go
+                    new[name] = s
+            except Exception as e:  # noqa: BLE001 - a dataset removed or damaged meanwhile
+                log.info("dataset %s of the shared root: not read (%s)", name, e)
+                if s is not None:
+                    gone.append(s)
+        gone += [s for name, s in old.items() if new.get(name) is not s and s not in gone]
+        return new, gone
 
     def _open(self, name: str) -> _Sibling | None:
+        """Thread: another dataset's index, read-only, once the same walk the daemon
+        makes of its own index after a crash (:func:`dlcachefs.store.integrity.check_index`,
+        in a child process) found it sound: reading a damaged LMDB file can kill the
+        reading process (SIGBUS), and this daemon must not die of another's damage."""
         d = os.path.join(self.root, name)
         ix = os.path.join(d, "meta.lmdb")
         if not os.path.exists(os.path.join(ix, "data.mdb")):
             return None
-        try:
-            reader = IndexReader(ix)
-        except lmdb.Error as e:
-            log.info("dataset %s of the shared root: index not readable (%s)", name, e)
+        why = check_index(ix)
+        if why is not None:
+            log.warning("dataset %s of the shared root: its index is damaged (%s); "
+                        "not borrowed from", name, why)
             return None
+        reader = IndexReader(ix)
         return _Sibling(name, reader, LogFiles(os.path.join(d, "logs")))
 
     @staticmethod
@@ -324,9 +385,10 @@ class ContentStore:
             s.reader.close()
 
     def _close_all(self) -> None:
-        for s in self._siblings.values():
+        siblings, retired = self._siblings, self._retired
+        self._siblings, self._retired = {}, []
+        for s in [*siblings.values(), *retired]:
             self._close(s)
-        self._siblings = {}
 
     def _hash_and_find(self, siblings: dict[str, _Sibling], data: bytes
                        ) -> tuple[bytes, str | None]:
@@ -340,7 +402,7 @@ class ContentStore:
         for s in siblings.values():
             try:
                 loc = s.reader.by_content(sha)
-            except lmdb.Error:
+            except Exception:  # noqa: BLE001 - closed, or a value of a damaged index: a miss
                 continue
             if loc is not None and loc.size == size:
                 return s.name
@@ -355,7 +417,7 @@ class ContentStore:
         for s in siblings.values():
             try:
                 loc = s.reader.by_content(sha)
-            except lmdb.Error:
+            except Exception:  # noqa: BLE001 - closed, or a value of a damaged index: a miss
                 errors += 1
                 continue
             if loc is None or loc.size != size:
@@ -380,8 +442,10 @@ class ContentStore:
                     "key_manifest", "key_xattr", "key_not_held", "mismatches", "errors")}}
 
 
-def _get_xattr(source: object, rel: bytes, name: str) -> bytes | None:
-    """Blocking: attribute ``name`` of the source file ``rel`` (None: a source that has
-    no attributes; see :meth:`LocalSource.get_xattr`)."""
+def _get_xattr(source: object, rel: bytes, name: str, use_src_ino: bool
+               ) -> tuple[bytes | None, Identity] | None:
+    """Blocking: attribute ``name`` of the source file ``rel`` and the identity of the
+    file it was read from (None: a source that has no attributes; see
+    :meth:`LocalSource.get_xattr`)."""
     get = getattr(source, "get_xattr", None)
-    return None if get is None else get(rel, name)
+    return None if get is None else get(rel, name, use_src_ino)

@@ -275,8 +275,9 @@ class ShareKeeper:
         snap = self.index.snapshot()
         if snap["files"]:
             self.demand = demand_of(snap["bytes_total"], snap["files"], self.writer.chunk_target)
-        served = (c.bytes_from_cache + c.bytes_from_source + c.bytes_from_peers
-                  + c.bytes_from_datasets)
+        # bytes borrowed from another dataset of the root (dedup) are not this dataset's
+        # cache at work: they do not raise its value (they are held in the other's share)
+        served = c.bytes_from_cache + c.bytes_from_source + c.bytes_from_peers
         new = served - self.served_seen
         self.served_seen = served
         self.crf = decayed(self.crf, self.crf_t, self.last_read, now,

@@ -291,17 +291,22 @@ class LocalSource:
     def statvfs(self) -> os.statvfs_result:
         return os.statvfs(self.root)
 
-    def get_xattr(self, rel: bytes, name: str) -> bytes | None:
+    def get_xattr(self, rel: bytes, name: str, use_src_ino: bool
+                  ) -> tuple[bytes | None, Identity]:
         """Extended attribute ``name`` of regular file ``rel`` (resolved as
-        :meth:`read_file` resolves it); None when the file has no such
-        attribute or the filesystem has none."""
+        :meth:`read_file` resolves it; None when the file has no such attribute or the
+        filesystem has none), and the identity of the file it was read from."""
         fd = self._open_file(rel)
         try:
-            return os.getxattr(fd, name)
+            ident = identity_of(os.fstat(fd), use_src_ino)
+            try:
+                return os.getxattr(fd, name), ident
+            except OSError as e:
+                if e.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ERANGE,
+                               errno.E2BIG):
+                    return None, ident
+                raise
         except OSError as e:
-            if e.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ERANGE,
-                           errno.E2BIG):
-                return None
             raise SourceError(f"getxattr {os.fsdecode(rel)}: {e.strerror}", e.errno) from e
         finally:
             os.close(fd)

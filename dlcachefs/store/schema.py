@@ -27,7 +27,8 @@ Invariants (checked by :meth:`Index.check_invariants` and by ``dlcachefs verify`
 * a ``content`` entry names an inode whose ``ckey`` has that digest; a reader of another
   process still checks that the inode's record has the ckey's version and that the bytes
   it reads have the record's xxh3 (:meth:`dlcachefs.store.readonly.IndexReader.by_content`),
-  so an entry left behind by a crash can make a lookup miss, never serve other bytes.
+  so an entry left stale (by a build without content keys that wrote the index since)
+  can make a lookup miss, never serve other bytes.
 
 Both ``ckey`` and ``content`` were added in place (version 1 still): an index without
 them gets them at its next open by a daemon; readers treat them as empty until then.
