@@ -5,7 +5,7 @@ extstore), side by side in one run. Remote bytes, epoch-1 and epoch-2 times.
     sudo .venv/bin/python -m bench.peers [--files 1500] [--size 110000] [--epochs 2]
         [--workload distributed|full] [--remote delay|sshfs] [--delay-ms 4] [--rate 400mbit]
         [--threads 4] [--scan-ahead N] [--node-cache 4G] [--tier-mb 256 --tier-ext-mb 1024 --tier-item-mb 8]
-        [--keep-control] [--out bench/results/peers-<ts>.json]
+        [--keep-control] [--announce] [--out bench/results/peers-<ts>.json]
 
 * The remote: ``delay`` (default) is ``bench.passthrough --delay-ms`` over the dataset
   directory (every open waits, concurrent opens overlap: an object store's per-request
@@ -23,6 +23,13 @@ extstore), side by side in one run. Remote bytes, epoch-1 and epoch-2 times.
   multiple of the dataset), bytes from the tier (``bytes_from_peers``), errors and
   mismatches (every file's sha256 is compared with the dataset's); then ratios
   peers / independent. The page cache is not dropped: both configurations see the same.
+* ``--announce`` (with ``distributed``): each node announces its rank of a
+  DistributedSampler (world 3) to its mount at the start of each epoch, and reads
+  torch's ``DistributedSampler`` shard of the dataset (files named
+  ``.jpg``, so the mount's ImageFolder sample list is the dataset in the same order); a
+  third configuration, ``peers-owner``, adds ``--peer-self`` (each node fetches ahead
+  the files its own server owns, in the cluster's first-use order); ratios owner /
+  peers.
 * Smaller than the dataset: ``--node-cache`` (each mount's ``--cache-size``) and
   ``--tier-mb``/``--tier-ext-mb`` (each memcached's memory and extstore). Then nodes evict
   and the tier loses values; ``--keep-control`` adds a third configuration, the peers
@@ -58,8 +65,19 @@ NODES = 3
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def shards(n: int, epoch: int, workload: str, seed: int = 0) -> list[list[int]]:
-    """Each node's indices of one epoch (DistributedSampler-style, or the whole set)."""
+def shards(n: int, epoch: int, workload: str, seed: int = 0,
+           torch_sampler: bool = False) -> list[list[int]]:
+    """Each node's indices of one epoch (DistributedSampler-style, or the whole set;
+    ``torch_sampler``: torch's DistributedSampler itself, as the announcement says)."""
+    if torch_sampler:
+        from torch.utils.data import DistributedSampler  # noqa: PLC0415
+
+        out = []
+        for r in range(NODES):
+            s = DistributedSampler(range(n), num_replicas=NODES, rank=r, seed=seed)
+            s.set_epoch(epoch)
+            out.append(list(s))
+        return out
     if workload == "full":
         out = []
         for r in range(NODES):
@@ -110,23 +128,42 @@ def run_epoch(mounts, rels, expected, idx_lists, threads: int) -> dict:
     }
 
 
+def announce(mounts, epoch: int) -> None:
+    """Each node's rank of a DistributedSampler (world NODES, seed 0) for ``epoch``, as
+    ``dlcachefs run`` sends it at the loader's ``iter()``: the epoch's reads start at once
+    (a daemon's first announcement waits for its torch import, ~4 s, before it replays)."""
+    for r, m in enumerate(mounts):
+        fd = os.open(os.path.join(m.mnt, ".dlcache", "control"), os.O_WRONLY)
+        try:
+            os.write(fd, (f"job bench\ndataset .\nsampler distributed seed=0 world={NODES} "
+                          f"rank={r}\nepoch {epoch}\n").encode())
+        finally:
+            os.close(fd)
+
+
 def run_config(label: str, remote_mnt: str, work: str, rels, expected, a,
                peers: list[str] | None, more: tuple[str, ...] = ()) -> dict:
     extra = ["--ignore-source-inode", "--cache-size", a.node_cache]
     if a.scan_ahead is not None:
         extra += ["--scan-ahead", str(a.scan_ahead)]
     if peers:
-        extra += ["--peers", ",".join(peers), "--peer-item-max", f"{a.tier_item_mb}M", *more]
+        extra += ["--peers", ",".join(peers), "--peer-item-max", f"{a.tier_item_mb}M",
+                  *(m for m in more if m != "--peer-self")]
     out = {"label": label, "epochs": []}
     with contextlib.ExitStack() as stack:
         mounts = []
         for r in range(NODES):
+            own = ["--peer-self", peers[r]] if peers and "--peer-self" in more else []
             m = DlcMount(remote_mnt, os.path.join(work, f"{label}-mnt{r}"),
-                         os.path.join(work, f"{label}-cache{r}"), extra)
+                         os.path.join(work, f"{label}-cache{r}"),
+                         [*extra, *own] if own else extra)
             stack.enter_context(m)
             mounts.append(m)
         for epoch in range(a.epochs):
-            ep = run_epoch(mounts, rels, expected, shards(len(rels), epoch, a.workload),
+            if a.announce:
+                announce(mounts, epoch)
+            ep = run_epoch(mounts, rels, expected,
+                           shards(len(rels), epoch, a.workload, torch_sampler=a.announce),
                            a.threads)
             ep["epoch"] = epoch + 1
             ep["remote_x_dataset"] = round(ep["remote_bytes"] / (len(rels) * a.size), 3)
@@ -179,13 +216,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="each memcached's -I (MiB; at most half of --tier-mb)")
     p.add_argument("--keep-control", action="store_true",
                    help="also run the peers with --no-peer-keep")
+    p.add_argument("--announce", action="store_true",
+                   help="announce each node's DistributedSampler rank, and also run the "
+                        "peers with --peer-self (the owner's prefetch)")
     p.add_argument("--out")
     a = p.parse_args(argv)
+    if a.announce and a.workload != "distributed":
+        p.error("--announce needs --workload distributed")
     if not memcached_available():
         print("bench.peers: needs memcached (apt-get install memcached)", file=sys.stderr)
         return 2
-    a.data = a.data or os.path.join(HERE, "out", "peers", f"data-{a.files}-{a.size}")
-    rels = ensure_random_files(a.data, a.files, size=a.size)
+    ext = ".jpg" if a.announce else ".bin"
+    a.data = a.data or os.path.join(HERE, "out", "peers", f"data-{a.files}-{a.size}"
+                                    + ("-jpg" if a.announce else ""))
+    rels = ensure_random_files(a.data, a.files, size=a.size, ext=ext)
     expected = reference_hashes(a.data, rels)
     work = tempfile.mkdtemp(prefix="peers-", dir=os.path.join(HERE, "out", "peers"))
     doc = {"bench": "peers", "args": vars(a), "machine": machine_info(os.path.dirname(HERE)),
@@ -194,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         with the_remote(a, a.data, work) as remote_mnt:
             doc["configs"].append(run_config("independent", remote_mnt, work, rels, expected,
                                              a, None))
-            controls = [("peers", ())] + ([("peers-nokeep", ("--no-peer-keep",))]
-                                          if a.keep_control else [])
+            controls = ([("peers", ())]
+                        + ([("peers-nokeep", ("--no-peer-keep",))] if a.keep_control else [])
+                        + ([("peers-owner", ("--peer-self",))] if a.announce else []))
             for label, more in controls:  # a fresh (empty) tier for each
                 with memcached_cluster(NODES, os.path.join(work, "mc"),
                                        memory_mb=a.tier_mb, item_mb=a.tier_item_mb,
@@ -218,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
             r["remote_bytes_peers_over_nokeep"] = round(
                 peer[i]["remote_bytes"] / max(1, nokeep[i]["remote_bytes"]), 3)
             r["wall_peers_over_nokeep"] = round(peer[i]["wall_s"] / nokeep[i]["wall_s"], 3)
+    if a.announce:
+        owner = next(c for c in doc["configs"] if c["label"] == "peers-owner")["epochs"]
+        for i, r in enumerate(doc["ratios"]):
+            r["wall_owner_over_peers"] = round(owner[i]["wall_s"] / peer[i]["wall_s"], 3)
+            r["remote_bytes_owner_over_dataset"] = owner[i]["remote_x_dataset"]
     out = a.out or os.path.join(HERE, "results", f"peers-{time.strftime('%Y%m%d-%H%M%S')}.json")
     write_json(out, doc)
     print(json.dumps({"ratios": doc["ratios"],

@@ -233,17 +233,19 @@ def slow_remote(export_dir: str, mount_dir: str | None, rate: str | None = None,
 
 # ----- a random test dataset (shared) -------------------------------------------------------
 
-def random_file_list(n: int, per_dir: int = 100) -> list[str]:
-    return [f"d{i // per_dir:03d}/f{i:06d}.bin" for i in range(n)]
+def random_file_list(n: int, per_dir: int = 100, ext: str = ".bin") -> list[str]:
+    """Relative paths, in ImageFolder's order (classes ``dNNN`` sorted, files sorted)."""
+    return [f"d{i // per_dir:03d}/f{i:06d}{ext}" for i in range(n)]
 
 
 def ensure_random_files(root: str, n: int, size: int = 110_000, seed: int = 0,
-                        per_dir: int = 100) -> list[str]:
+                        per_dir: int = 100, ext: str = ".bin") -> list[str]:
     """``n`` files of ``size`` random bytes under ``root`` (``per_dir`` per folder), made
-    once and kept (a file of the right size is reused). Returns the relative paths."""
+    once and kept (a file of the right size is reused). Returns the relative paths
+    (``ext`` ``.jpg``: an ImageFolder's samples, in its order)."""
     import random
 
-    rels = random_file_list(n, per_dir)
+    rels = random_file_list(n, per_dir, ext)
     made = 0
     for i, rel in enumerate(rels):
         p = os.path.join(root, rel)

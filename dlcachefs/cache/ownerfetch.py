@@ -10,11 +10,12 @@ own server, ``--peer-self``): a rank that reaches the file later finds it at the
 Without this, the first rank to miss takes the lease and the others wait for it.
 
 What one step does, for the next file of the walk that this node owns and does not hold
-in its local cache: :meth:`~dlcachefs.cache.fetch.Fetcher.read_whole`, the one place
-whole files are read: a value the owner (this node's server) holds already is a hit and
-nothing is read; else the lease decides who reads the source (this node, or a rank that
-got there first), and what this node read is stored at the owner in the background. The
-bytes are not cached locally: this node's own ranks fetch what they read as always.
+in its local cache: a ``touch`` at its server (:meth:`PeerTier.held`: held already, its
+expiry renewed, nothing sent); else :meth:`~dlcachefs.cache.fetch.Fetcher.read_whole`,
+the one place whole files are read, where the lease decides who reads the source (this
+node, or a rank that got there first) and what this node read is stored at the owner in
+the background. The bytes are not cached locally: this node's own ranks fetch what they
+read as always.
 
 Bounds: at most ``lead x world`` global positions ahead of this node's rank (the
 streams' prefetch lead per rank; the ranks step together, so this node's position is the
@@ -116,6 +117,11 @@ class OwnerPrefetch:
             if e is None:
                 return
             rel = self.engine.ns.path_of(e)
+            peers = self.engine.peers
+            assert peers is not None
+            if await peers.held(rel, identity(e), ino):  # no bytes sent: a touch
+                self.counts["held"] += 1
+                return
             data, _ = await self.engine.fetcher.read_whole(e, rel)
             self.counts["files"] += 1
             self.counts["bytes"] += len(data)
@@ -131,15 +137,16 @@ class OwnerPrefetch:
             self._limiter.release_on_behalf_of(token)
 
     def stats(self) -> dict:
-        """``peers.owner_prefetch`` in ``.dlcache/stats``: files looked up or fetched for
-        the cluster (read from the remote by this node when the owner had none: counted in
-        ``bytes_from_source``), their bytes, errors, fetches in flight, and the global
-        positions of the streams' current epochs not walked yet."""
+        """``peers.owner_prefetch`` in ``.dlcache/stats``: files fetched for the cluster
+        (read from the remote by this node when the owner had none and this node got the
+        lease: counted in ``bytes_from_source``), their bytes, files the owner held
+        already (``held``: a touch, nothing sent), errors, fetches in flight, and the
+        global positions of the streams' current epochs not walked yet."""
         left = 0
         for s in self.engine.streams.streams.values():
             cu = s.cluster
             if cu is not None and cu.inos is not None:
                 walked, g = self._cursor.get(s.key, (None, 0))
                 left += len(cu.inos) - (g if walked is cu else 0)
-        return {**{k: self.counts[k] for k in ("files", "bytes", "errors")},
+        return {**{k: self.counts[k] for k in ("files", "bytes", "held", "errors")},
                 "in_flight": self.in_flight, "walk_left": left}

@@ -202,6 +202,11 @@ class Servers:
             return "pushed"
         return "held"  # another node stored it between the two calls
 
+    def touch(self, name: str, ck: ContentKey, expire: int) -> bool:
+        """Whether ``name`` holds a value under ``ck``'s key (its expiry becomes
+        ``expire``), without sending it: a ``touch``."""
+        return bool(self._call(name, "touch", ck.key, expire=expire, noreply=False))
+
     def probe(self, name: str) -> None:
         """A round trip to ``name`` (raises :class:`ServerDown` if it does not answer)."""
         self._call(name, "version")

@@ -414,6 +414,27 @@ class PeerTier:
         self._store_key(got.key, value, got)  # at the owner; then its lease goes
         return Lookup(value, key=got.key, owner=alt)
 
+    async def held(self, rel: bytes, ident: Identity, ino: int = 0) -> bool:
+        """Whether the file's owner holds a value under its key now (a ``touch``: its
+        expiry is renewed, nothing is sent; the value is checked only when read). False
+        when the owner is down or the call fails. For the owner's prefetch
+        (:mod:`dlcachefs.cache.ownerfetch`), which needs no bytes it already has."""
+        ck = self.key_of(rel, ident)
+        owner = self.owner(ck)
+        if owner is None:
+            return False
+        try:
+            return bool(await self._in_thread(self.servers.touch, owner, ck,
+                                              self._expiry(ino), server=owner))
+        except _Skipped:
+            return False
+        except ServerDown as e:
+            self._mark_down(owner, e)
+            return False
+        except ServerError:
+            self.per_server[owner].errors += 1
+            return False
+
     def store_later(self, rel: bytes, ident: Identity, data: bytes | memoryview,
                     got: Lookup | None = None, ino: int = 0) -> None:
         """Store this version of ``rel``, read from the source, at its owner, in the
