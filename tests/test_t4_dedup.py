@@ -74,6 +74,14 @@ def _read_b(mb, b: Path, files: dict[str, bytes], names: dict[str, str]) -> None
     assert sorted(os.listdir(mb.mnt / "train")) == sorted(os.listdir(b / "train"))
 
 
+def _mount_b(mount, b: Path, root: Path, *extra: str, sees: str = "siblings"):
+    """b's mount, once its daemon has walked a's index (``sees``: ``siblings`` when it
+    reads from a, ``not_read`` when it refused to); until then b reads its own source."""
+    mb = mount(b, *_args("b", *extra), name="mb", cache=root)
+    mb.wait_stats(lambda st: st["dedup"][sees] == ["a"], f"b's dedup {sees} is not ['a']")
+    return mb
+
+
 def _cached_a(mount, a: Path, root: Path, files: dict[str, bytes]):
     ma = mount(a, *_args("a"), name="ma", cache=root)
     for rel, data in files.items():
@@ -89,7 +97,7 @@ def test_a_copy_with_a_manifest_is_served_from_the_first_without_a_source_read(
     root = tmp_path / "root"
     ma = _cached_a(mount, a, root, files)
     total = sum(map(len, files.values()))
-    mb = mount(b, *_args("b", "--content-manifest", str(_manifest(b))), name="mb", cache=root)
+    mb = _mount_b(mount, b, root, "--content-manifest", str(_manifest(b)))
     for _ in range(2):  # twice: a second epoch borrows again, still nothing cached in b
         _read_b(mb, b, files, names)
     st = mb.stats()
@@ -112,7 +120,7 @@ def test_a_copy_keyed_by_an_attribute_is_served_from_the_first(tmp_path, mount):
         pytest.skip(f"no user xattrs on {tmp_path}: {e.strerror}")
     root = tmp_path / "root"
     _cached_a(mount, a, root, files)
-    mb = mount(b, *_args("b", "--content-xattr", "user.sha256"), name="mb", cache=root)
+    mb = _mount_b(mount, b, root, "--content-xattr", "user.sha256")
     _read_b(mb, b, files, names)
     st = mb.stats()
     assert st["bytes_from_source"] == 0 and st["cached_bytes"] == 0, st
@@ -128,7 +136,7 @@ def test_without_keys_a_copy_is_read_once_stored_once_and_then_borrowed(tmp_path
     root = tmp_path / "root"
     _cached_a(mount, a, root, files)
     total = sum(map(len, files.values()))
-    mb = mount(b, *_args("b"), name="mb", cache=root)
+    mb = _mount_b(mount, b, root)
     _read_b(mb, b, files, names)
     st = mb.stats()
     assert st["bytes_from_source"] == total and st["dedup"]["held_elsewhere"] == N, st
@@ -137,7 +145,7 @@ def test_without_keys_a_copy_is_read_once_stored_once_and_then_borrowed(tmp_path
     assert st["bytes_from_source"] == total and st["dedup"]["borrowed_files"] == N, st
     assert st["cached_bytes"] == 0 and st["chunk_bytes"] == 0
     mb.umount()  # the learned keys are in b's index now
-    mb2 = mount(b, *_args("b"), name="mb", cache=root)
+    mb2 = _mount_b(mount, b, root)
     _read_b(mb2, b, files, names)
     st = mb2.stats()
     assert st["bytes_from_source"] == 0 and st["dedup"]["key_learned"] == N, st
@@ -160,10 +168,13 @@ def test_a_damaged_or_vanished_copy_is_never_served_and_the_borrower_caches_its_
         with open(p, "r+b") as f:
             f.seek(4096)
             f.write(b"\0" * max(0, size - 4096))
-    mb = mount(b, *_args("b", "--content-manifest", str(_manifest(b))), name="mb", cache=root)
+    index = root / "datasets" / "a" / "meta.lmdb" / "data.mdb"
+    stamp = index.stat().st_mtime_ns
+    mb = _mount_b(mount, b, root, "--content-manifest", str(_manifest(b)))
     _read_b(mb, b, files, names)
     st = mb.stats()
     assert st["dedup"]["borrowed_files"] == 0 and st["dedup"]["mismatches"] == N, st["dedup"]
+    assert index.stat().st_mtime_ns == stamp  # b's walk of a's index wrote nothing
     assert st["bytes_from_source"] == sum(map(len, files.values()))
     st = mb.wait_cached(N)  # its own copies now
     for p in logs:
@@ -182,7 +193,7 @@ def test_a_file_changed_after_the_manifest_is_read_from_its_source(tmp_path, mou
     new = b"changed after the manifest was written"
     (b / names[rel]).write_bytes(new)  # now later than the manifest
     files = {**files, rel: new}
-    mb = mount(b, *_args("b", "--content-manifest", str(manifest)), name="mb", cache=root)
+    mb = _mount_b(mount, b, root, "--content-manifest", str(manifest))
     _read_b(mb, b, files, names)
     st = mb.stats()
     assert st["dedup"]["key_manifest"] == N - 1 and st["bytes_from_source"] == len(new), st
@@ -204,7 +215,7 @@ def test_a_file_replaced_with_its_old_mtime_is_not_trusted_to_the_manifest(tmp_p
     p.write_bytes(new)
     os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))  # the old mtime, as rsync -a keeps it
     files = {**files, rel: new}
-    mb = mount(b, *_args("b", "--content-manifest", str(manifest)), name="mb", cache=root)
+    mb = _mount_b(mount, b, root, "--content-manifest", str(manifest))
     _read_b(mb, b, files, names)
     st = mb.stats()
     assert st["dedup"]["key_manifest"] == N - 1 and st["bytes_from_source"] == len(new), st
@@ -223,7 +234,7 @@ def test_a_damaged_index_of_another_dataset_is_not_read(tmp_path, mount):
     ma.umount()
     data = root / "datasets" / "a" / "meta.lmdb" / "data.mdb"
     os.truncate(data, data.stat().st_size // 3)
-    mb = mount(b, *_args("b", "--content-manifest", str(_manifest(b))), name="mb", cache=root)
+    mb = _mount_b(mount, b, root, "--content-manifest", str(_manifest(b)), sees="not_read")
     _read_b(mb, b, files, names)
     st = mb.stats()
     assert st["dedup"]["siblings"] == [] and st["dedup"]["borrowed_files"] == 0, st["dedup"]

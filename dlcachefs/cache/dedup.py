@@ -57,9 +57,10 @@ are second copies (charged to this dataset, so the budget still holds).
 Concurrency: on the trio loop, but for the threads: index reads of other datasets, log
 reads and hashing (:class:`IndexReader` opens a read transaction per call;
 :class:`LogFiles` is thread-safe), and :meth:`refresh` (the root's dataset list and the
-walks, every :data:`RESCAN_S` from :meth:`run`; borrowing waits for the first). The
-``_siblings`` dict is replaced, never mutated; a dataset replaced or gone is closed only
-at the next scan, when no read begun before it can still be running. ``known`` and the
+walks, every :data:`RESCAN_S` from :meth:`run`; until a dataset's walk is done, files are
+read from the source). The ``_siblings`` dict is replaced, never mutated; a thread takes
+a dataset for one lookup or read (``users``, under ``_lock``), and a dataset replaced or
+gone is closed by whoever lets go of it last, never under a read. ``known`` and the
 counters are touched on the loop only. Learned keys are written to this dataset's index
 by :meth:`run`'s task, one write transaction every :data:`PERSIST_S`, and then dropped
 from memory (``key_of`` reads the index).
@@ -72,6 +73,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import threading
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -110,6 +112,8 @@ class _Sibling:
     name: str
     reader: IndexReader
     logs: LogFiles
+    users: int = 0  # threads reading it now (ContentStore._lock)
+    retired: bool = False  # replaced or gone: closed by its last user
 
 
 def parse_manifest(text: bytes, base: bytes, root: bytes) -> dict[bytes, bytes]:
@@ -166,8 +170,9 @@ class ContentStore:
         self._learned: dict[int, ContentKey] = {}  # not yet in the index
         self._siblings: dict[str, _Sibling] = {}
         # replaced or gone: closed at the next scan (a thread may still read one now)
-        self._retired: list[_Sibling] = []
-        self._scanned = trio.Event()  # the first scan is done (borrowing waits for it)
+        self._lock = threading.Lock()  # the siblings' users and retired flags
+        #: datasets whose index failed the walk, by the stamp of the file walked
+        self._bad: dict[str, tuple[int, int, int]] = {}
         #: digests whose copy elsewhere failed its check lately: a file read from the
         #: source for one of them is cached here (the other dataset re-fetches its own
         #: when it reads it); bounded, forgotten when full
@@ -208,11 +213,9 @@ class ContentStore:
                 if trio.current_time() - last_scan >= RESCAN_S:
                     last_scan = trio.current_time()
                     await self.refresh()
-                    self._scanned.set()
                 await trio.sleep(PERSIST_S)
                 await self.persist()
         finally:
-            self._scanned.set()
             with trio.CancelScope(shield=True):
                 await self.persist()
                 await trio.to_thread.run_sync(self._close_all)
@@ -271,8 +274,7 @@ class ContentStore:
     async def borrow(self, e: Entry, rel: bytes) -> bytes | None:
         """``e``'s bytes from another dataset of the root, checked; None when its key is
         not known without a read, or no other dataset holds them intact."""
-        await self._scanned.wait()  # the other datasets' indexes, checked (refresh)
-        if not self._siblings:
+        if not self._siblings:  # none, or not checked yet (refresh): the source
             return None
         sha = await self.key_of(e, rel)
         if sha is None:
@@ -321,33 +323,22 @@ class ContentStore:
         new datasets are opened once their index passed the walk, replaced or removed
         ones retired. A failure is logged; the list stays as it was."""
         try:
-            old, retired = self._siblings, self._retired
-            self._retired = []
-            new, gone = await trio.to_thread.run_sync(self._rescan, old, retired)
-            self._siblings = new
-            self._retired = gone
+            self._siblings = await trio.to_thread.run_sync(self._rescan, self._siblings)
         except Exception:  # noqa: BLE001 - dedup is an optimisation: never the mount's end
             log.exception("reading the shared root's datasets failed")
 
-    def _rescan(self, old: dict[str, _Sibling], retired: list[_Sibling]
-                ) -> tuple[dict[str, _Sibling], list[_Sibling]]:
-        """Thread: (the datasets to read from now, those to close at the next scan). The
-        ones retired at the last scan are closed here: no read started before that scan
-        is still running (a borrow's thread reads one record)."""
-        for s in retired:
-            self._close(s)
+    def _rescan(self, old: dict[str, _Sibling]) -> dict[str, _Sibling]:
+        """Thread: the datasets to read from now; the others of ``old`` are retired."""
         try:
             names = sorted(n for n in os.listdir(self.root) if n != self.own)
         except OSError:
             names = []
         new: dict[str, _Sibling] = {}
-        gone: list[_Sibling] = []
         for name in names:
             s = old.get(name)
             try:
                 if s is not None and s.reader.replaced():
-                    gone.append(s)
-                    s = None
+                    s = None  # retired below
                 if s is None:
                     s = self._open(name)
                 if s is not None:
@@ -356,27 +347,62 @@ class ContentStore:
                     new[name] = s
             except Exception as e:  # noqa: BLE001 - a dataset removed or damaged meanwhile
                 log.info("dataset %s of the shared root: not read (%s)", name, e)
-                if s is not None:
-                    gone.append(s)
-        gone += [s for name, s in old.items() if new.get(name) is not s and s not in gone]
-        return new, gone
+        for name, s in old.items():
+            if new.get(name) is not s:
+                self._retire(s)
+        return new
 
     def _open(self, name: str) -> _Sibling | None:
         """Thread: another dataset's index, read-only, once the same walk the daemon
-        makes of its own index after a crash (:func:`dlcachefs.store.integrity.check_index`,
-        in a child process) found it sound: reading a damaged LMDB file can kill the
-        reading process (SIGBUS), and this daemon must not die of another's damage."""
+        makes of its own index after a crash found it sound
+        (:func:`dlcachefs.store.integrity.check_index`, in a child process, read-only:
+        nothing of the other dataset changes): reading a damaged LMDB file can kill the
+        reading process (SIGBUS), and this daemon must not die of another's damage. An
+        index that failed the walk, or could not be walked, is walked again only once
+        its file changed."""
         d = os.path.join(self.root, name)
         ix = os.path.join(d, "meta.lmdb")
-        if not os.path.exists(os.path.join(ix, "data.mdb")):
+        try:
+            st = os.stat(os.path.join(ix, "data.mdb"))
+        except OSError:
             return None
-        why = check_index(ix)
+        stamp = (st.st_size, st.st_mtime_ns, st.st_ino)
+        if self._bad.get(name) == stamp:
+            return None
+        why = check_index(ix, other=True)
         if why is not None:
-            log.warning("dataset %s of the shared root: its index is damaged (%s); "
-                        "not borrowed from", name, why)
+            self._bad[name] = stamp
+            log.warning("dataset %s of the shared root: its index is damaged or could "
+                        "not be checked (%s); not borrowed from", name, why)
             return None
+        self._bad.pop(name, None)
         reader = IndexReader(ix)
         return _Sibling(name, reader, LogFiles(os.path.join(d, "logs")))
+
+    # a sibling in use by a thread is closed by its last user (never under a read)
+
+    def _use(self, s: _Sibling) -> bool:
+        with self._lock:
+            if s.retired:
+                return False
+            s.users += 1
+            return True
+
+    def _done(self, s: _Sibling) -> None:
+        with self._lock:
+            s.users -= 1
+            close = s.retired and s.users == 0
+        if close:
+            self._close(s)
+
+    def _retire(self, s: _Sibling) -> None:
+        with self._lock:
+            if s.retired:
+                return
+            s.retired = True
+            close = s.users == 0
+        if close:
+            self._close(s)
 
     @staticmethod
     def _close(s: _Sibling) -> None:
@@ -385,10 +411,9 @@ class ContentStore:
             s.reader.close()
 
     def _close_all(self) -> None:
-        siblings, retired = self._siblings, self._retired
-        self._siblings, self._retired = {}, []
-        for s in [*siblings.values(), *retired]:
-            self._close(s)
+        siblings, self._siblings = self._siblings, {}
+        for s in siblings.values():
+            self._retire(s)
 
     def _hash_and_find(self, siblings: dict[str, _Sibling], data: bytes
                        ) -> tuple[bytes, str | None]:
@@ -400,33 +425,41 @@ class ContentStore:
 
     def _held_by(self, siblings: dict[str, _Sibling], sha: bytes, size: int) -> str | None:
         for s in siblings.values():
+            if not self._use(s):
+                continue
             try:
                 loc = s.reader.by_content(sha)
-            except Exception:  # noqa: BLE001 - closed, or a value of a damaged index: a miss
+            except Exception:  # noqa: BLE001 - a value of a damaged index: a miss
                 continue
+            finally:
+                self._done(s)
             if loc is not None and loc.size == size:
                 return s.name
         return None
 
-    @staticmethod
-    def _read_from_siblings(siblings: dict[str, _Sibling], sha: bytes, size: int
+    def _read_from_siblings(self, siblings: dict[str, _Sibling], sha: bytes, size: int
                             ) -> tuple[bytes | None, int, int]:
         """The bytes from the first dataset that holds them intact (or None), how many
         copies failed their check, how many indexes could not be read."""
         failed = errors = 0
         for s in siblings.values():
-            try:
-                loc = s.reader.by_content(sha)
-            except Exception:  # noqa: BLE001 - closed, or a value of a damaged index: a miss
-                errors += 1
-                continue
-            if loc is None or loc.size != size:
+            if not self._use(s):
                 continue
             try:
-                data = s.logs.pread(loc.log_id, loc.size, loc.offset)
-            except OSError:  # the log was deleted (evicted) meanwhile
-                failed += 1
-                continue
+                try:
+                    loc = s.reader.by_content(sha)
+                except Exception:  # noqa: BLE001 - a value of a damaged index: a miss
+                    errors += 1
+                    continue
+                if loc is None or loc.size != size:
+                    continue
+                try:
+                    data = s.logs.pread(loc.log_id, loc.size, loc.offset)
+                except OSError:  # the log was deleted (evicted) meanwhile
+                    failed += 1
+                    continue
+            finally:
+                self._done(s)
             if len(data) != loc.size or checksum(data) != loc.data_xxh:
                 failed += 1  # evicted under us (a punched hole), or damaged
                 continue
@@ -435,7 +468,8 @@ class ContentStore:
 
     def stats(self) -> dict:
         """The ``dedup`` section of ``.dlcache/stats``."""
-        return {"siblings": sorted(self._siblings), "manifest_files": len(self.manifest),
+        return {"siblings": sorted(self._siblings), "not_read": sorted(self._bad),
+                "manifest_files": len(self.manifest),
                 "xattr": self.xattr, "known_keys": len(self.known),
                 **{k: self.counts[k] for k in (
                     "borrowed_files", "borrowed_bytes", "held_elsewhere", "key_learned",

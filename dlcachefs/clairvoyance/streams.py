@@ -487,6 +487,8 @@ class StreamManager:
             if rep.known(epoch + 1):
                 nxt = await trio.to_thread.run_sync(rep.cluster_order, epoch + 1)
             return await trio.to_thread.run_sync(ClusterUse.of, spec.world, cur, nxt, samples)
+        except ReplayClosed:
+            raise  # the unmount: the stream does not switch
         except ValueError as e:
             log.info("stream %s: no cluster-wide order (%s)", s.key, e)
             return None

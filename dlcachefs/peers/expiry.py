@@ -13,9 +13,11 @@ node knows its own ranks' orders only, and another rank's use of the sample in t
 epoch (announced at that epoch's start) comes at most two epochs after any point of this
 one; it also absorbs a pace that slows down. A distributed sampler's use is known
 cluster-wide (every rank's order follows from the announced seed, world size and epoch,
-and the ranks step together): such a use is *exact*, and its margin is only
-:data:`EXACT_SLACK` of the time until it (for a pace that slows down), at least
-:data:`MIN_MARGIN_S`. Nothing known (no order, no pace, the
+and the ranks step together): such a use is the cluster's (*exact*: the step at which
+whichever rank reads the sample reads it), not this node's. Its margin is the same two
+epochs: a DistributedSampler reads every sample every epoch, and the epoch after the
+next one (its order known too, but not walked) reads it again within two epochs of its
+use in the next one, so the value is still there then; a hit does not renew an expiry. Nothing known (no order, no pace, the
 sample in no known order): 0, memcached's "never". memcached reads an expiry over 30 days
 as an absolute Unix time, so a longer one is also 0.
 
@@ -34,8 +36,6 @@ from dataclasses import dataclass
 MIN_MARGIN_S = 300.0
 #: epochs of margin past the last planned use
 MARGIN_EPOCHS = 2.0
-#: an exact use's margin, as a share of the time until it
-EXACT_SLACK = 0.25
 #: memcached takes a larger expiry as an absolute Unix time
 MAX_RELATIVE_S = 30 * 24 * 3600
 
@@ -62,12 +62,8 @@ def expiry_s(uses: Iterable[PlannedUse]) -> int:
         if not math.isfinite(u.seconds_per_sample):
             continue
         known = True
-        until = u.ahead * u.seconds_per_sample
-        if u.exact:
-            t = until + max(MIN_MARGIN_S, EXACT_SLACK * until)
-        else:
-            t = until + max(MIN_MARGIN_S,
-                            MARGIN_EPOCHS * u.epoch_samples * u.seconds_per_sample)
+        t = (u.ahead * u.seconds_per_sample
+             + max(MIN_MARGIN_S, MARGIN_EPOCHS * u.epoch_samples * u.seconds_per_sample))
         best = max(best, t)
     if not known or best > MAX_RELATIVE_S:  # (an overflow to inf included)
         return 0

@@ -48,7 +48,7 @@ _CHUNK = S.Chunk._S.size
 _CKEY = S.ContentKey._S.size
 
 
-def probe(path: str) -> list[str]:
+def probe(path: str, readonly: bool = False) -> list[str]:
     """Walk the index at ``path`` (an LMDB environment directory) and return what is
     wrong with it (empty: fine). Meant to run in a child process: a damaged file may
     kill the process that reads it.
@@ -65,7 +65,8 @@ def probe(path: str) -> list[str]:
     problems: list[str] = []
     # lock=True: zero-copy readers of a crashed daemon may still hold read transactions;
     # the write below must not reuse pages they see (CacheLock keeps other writers out)
-    env = lmdb.open(path, readonly=False, lock=True, max_dbs=8, subdir=True,
+    # readonly: another daemon's live index (dedup), never written to (no write probe)
+    env = lmdb.open(path, readonly=readonly, lock=True, max_dbs=8, subdir=True,
                     readahead=False, map_size=1 << 36, max_readers=S.MAX_READERS)
     try:
         with env.begin() as txn:
@@ -87,7 +88,7 @@ def probe(path: str) -> list[str]:
                 vals = list(cur.iternext(keys=False, values=True)) if cur.first() else []
             items[name] = (keys, vals)
         problems += _check_items(items)
-        if names and not problems:
+        if names and not problems and not readonly:
             meta = env.open_db(S.DB_META, create=False)
             with env.begin(db=meta, write=True) as txn:
                 txn.put(b"integrity_probe", b"1")
@@ -232,7 +233,7 @@ except BaseException as e:
 NOT_DAMAGE = (MemoryError, OSError, lmdb.MapFullError, lmdb.DiskError, lmdb.LockError,
               lmdb.ReadersFullError, lmdb.ReadonlyError, lmdb.TlsFullError)
 try:
-    print(json.dumps({"problems": probe(sys.argv[1])}))
+    print(json.dumps({"problems": probe(sys.argv[1], readonly=sys.argv[2:] == ["ro"])}))
 except NOT_DAMAGE as e:
     print(json.dumps({"unchecked": f"{type(e).__name__}: {e}"[:300]}))
 except Exception as e:
@@ -243,13 +244,17 @@ except Exception as e:
 _DAMAGE_SIGNALS = {"SIGBUS", "SIGSEGV", "SIGABRT", "SIGILL", "SIGFPE"}
 
 
-def check_index(path: str, timeout: float = 600.0) -> str | None:
+def check_index(path: str, timeout: float = 600.0, other: bool = False) -> str | None:
     """Check the index at ``path`` in a child process: why it is damaged, or None when it
     is fine, absent, or could not be checked (a warning is logged: the child could not
     import the check, ran out of memory or was killed, the disk is full, or it did not
     finish in ``timeout`` seconds). Only what reading the index does (a crash by SIGBUS,
     SIGSEGV, SIGABRT; an LMDB or format error; a structural problem the walk finds)
-    counts as damage: a good cache is never thrown away because its check did not run."""
+    counts as damage: a good cache is never thrown away because its check did not run.
+
+    ``other``: the index of another daemon's dataset (content dedup reads it): opened
+    read-only (no write probe, nothing of it changes), and a check that could not run is
+    a reason too (``"not checked: ..."``: such an index is not read)."""
     if not os.path.exists(os.path.join(path, "data.mdb")):
         return None
     # the same dlcachefs as ours, wherever the working directory is (a daemon is in /)
@@ -257,9 +262,12 @@ def check_index(path: str, timeout: float = 600.0) -> str | None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (pkg_root, env.get("PYTHONPATH"))))
     try:
-        r = subprocess.run([sys.executable, "-c", _CHILD, path], capture_output=True,
+        r = subprocess.run([sys.executable, "-c", _CHILD, path, *(["ro"] if other else [])],
+                           capture_output=True,
                            text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=env)
     except subprocess.TimeoutExpired:
+        if other:
+            return f"not checked: the check did not finish in {timeout:.0f} s"
         log.warning("index %s: the check did not finish in %.0f s; kept unchecked", path,
                     timeout)
         return None
@@ -267,16 +275,22 @@ def check_index(path: str, timeout: float = 600.0) -> str | None:
         name = _signame(-r.returncode)
         if name in _DAMAGE_SIGNALS:
             return f"reading it kills a process ({name})"
+        if other:
+            return f"not checked: the check was killed ({name})"
         log.warning("index %s: the check was killed (%s); kept unchecked", path, name)
         return None
     try:
         report = json.loads(r.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         last = (r.stderr.strip().splitlines() or ["?"])[-1]
+        if other:
+            return f"not checked: no report (exit {r.returncode})"
         log.warning("index %s: the check gave no report (exit %d: %s); kept unchecked",
                     path, r.returncode, last[:300])
         return None
     if "unchecked" in report:
+        if other:
+            return f"not checked: {report['unchecked']}"
         log.warning("index %s: could not be checked (%s); kept unchecked", path,
                     report["unchecked"])
         return None
