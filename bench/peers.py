@@ -122,8 +122,10 @@ def run_epoch(mounts, rels, expected, idx_lists, threads: int) -> dict:
         "errors": sum(r["errors"] for r in results),
         "mismatches": sum(r["mismatches"] for r in results),
         "nodes": [{"wall_s": r["wall_s"], "files_per_s": r["files_per_s"],
-                   "p50_ms": r["latency_ms"]["p50"], "p99_ms": r["latency_ms"]["p99"]}
-                  for r in results],
+                   "p50_ms": r["latency_ms"]["p50"], "p99_ms": r["latency_ms"]["p99"],
+                   "remote_bytes": a["bytes_from_source"] - b["bytes_from_source"],
+                   "bytes_read": r["bytes"]}
+                  for r, a, b in zip(results, after, before, strict=True)],
         "loadavg_1m": round(os.getloadavg()[0], 2),
     }
 
@@ -160,11 +162,12 @@ def run_config(label: str, remote_mnt: str, work: str, rels, expected, a,
             stack.enter_context(m)
             mounts.append(m)
         for epoch in range(a.epochs):
+            # the shards first: the first import of torch here takes seconds, and the
+            # daemons would prefetch meanwhile, before the epoch's counts begin
+            idx = shards(len(rels), epoch, a.workload, torch_sampler=a.announce)
             if a.announce:
                 announce(mounts, epoch)
-            ep = run_epoch(mounts, rels, expected,
-                           shards(len(rels), epoch, a.workload, torch_sampler=a.announce),
-                           a.threads)
+            ep = run_epoch(mounts, rels, expected, idx, a.threads)
             ep["epoch"] = epoch + 1
             ep["remote_x_dataset"] = round(ep["remote_bytes"] / (len(rels) * a.size), 3)
             log(f"{label:<12} epoch {epoch + 1}: {ep['wall_s']:>7} s  "
