@@ -121,7 +121,7 @@ def test_a_distributed_samplers_expiry_is_the_clusters_last_use(n, world, step, 
     cur, nxt = cu.steps(ino)
     if cur is not None and cur < position:
         cur = None
-    u = planned_use(position, cur, per_rank, nxt, pace, exact=True)
+    u = planned_use(position, cur, per_rank, nxt, pace)
     # the reference: the last step at which any rank reads ino, from the orders
     later = [g // world - position for g, x in enumerate(g_cur) if x == ino
              and g // world >= position]

@@ -183,20 +183,31 @@ def test_a_damaged_or_vanished_copy_is_never_served_and_the_borrower_caches_its_
     assert mb.stats()["hits"] >= N
 
 
-@requires_fuse
-def test_a_file_changed_after_the_manifest_is_read_from_its_source(tmp_path, mount):
+def _one_file_changed_after_the_manifest(tmp_path, mount, change) -> None:
+    """a cached; b's manifest written; then ``change(path, old bytes) -> new bytes`` on
+    one of b's files. b must read that file's new bytes from its source (the manifest's
+    digest not used for it) and borrow the others."""
     a, b, files, names = _copies(tmp_path)
     root = tmp_path / "root"
     _cached_a(mount, a, root, files)
     manifest = _manifest(b)
     rel = next(iter(files))
-    new = b"changed after the manifest was written"
-    (b / names[rel]).write_bytes(new)  # now later than the manifest
+    new = change(b / names[rel], files[rel])
     files = {**files, rel: new}
     mb = _mount_b(mount, b, root, "--content-manifest", str(manifest))
     _read_b(mb, b, files, names)
     st = mb.stats()
     assert st["dedup"]["key_manifest"] == N - 1 and st["bytes_from_source"] == len(new), st
+
+
+@requires_fuse
+def test_a_file_changed_after_the_manifest_is_read_from_its_source(tmp_path, mount):
+    def change(p: Path, old: bytes) -> bytes:
+        new = b"changed after the manifest was written"
+        p.write_bytes(new)  # now later than the manifest
+        return new
+
+    _one_file_changed_after_the_manifest(tmp_path, mount, change)
 
 
 @requires_fuse
@@ -204,21 +215,14 @@ def test_a_file_replaced_with_its_old_mtime_is_not_trusted_to_the_manifest(tmp_p
     """rsync -a, cp -p, tar x: a new version of the same size whose mtime is set back to
     before the list. Its ctime is not: the list's digest is not used for it, and the
     reader gets the new bytes (not a's copy of the old ones)."""
-    a, b, files, names = _copies(tmp_path)
-    root = tmp_path / "root"
-    _cached_a(mount, a, root, files)
-    manifest = _manifest(b)
-    rel = next(iter(files))
-    p = b / names[rel]
-    st = p.stat()
-    new = bytes(x ^ 0xFF for x in files[rel])  # same size, other bytes
-    p.write_bytes(new)
-    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))  # the old mtime, as rsync -a keeps it
-    files = {**files, rel: new}
-    mb = _mount_b(mount, b, root, "--content-manifest", str(manifest))
-    _read_b(mb, b, files, names)
-    st = mb.stats()
-    assert st["dedup"]["key_manifest"] == N - 1 and st["bytes_from_source"] == len(new), st
+    def change(p: Path, old: bytes) -> bytes:
+        st = p.stat()
+        new = bytes(x ^ 0xFF for x in old)  # same size, other bytes
+        p.write_bytes(new)
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))  # the old mtime, as rsync -a keeps
+        return new
+
+    _one_file_changed_after_the_manifest(tmp_path, mount, change)
 
 
 @requires_fuse

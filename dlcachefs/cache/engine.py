@@ -355,14 +355,10 @@ class Engine:
                 cur, nxt = s.cluster.steps(ino)
                 if cur is not None and cur < s.position:
                     cur = None  # read by the cluster already in this epoch
-                u = planned_use(s.position, cur, len(s.order), nxt,
-                                s.pace.seconds_per_sample(), exact=True)
-                if u is not None:
-                    uses.append(u)
-                continue
-            nxt = s.next_first.next(ino) if s.next_first is not None else None
-            u = planned_use(s.position, s.positions.next(ino), len(s.order), nxt,
-                            s.pace.seconds_per_sample())
+            else:
+                cur = s.positions.next(ino)
+                nxt = s.next_first.next(ino) if s.next_first is not None else None
+            u = planned_use(s.position, cur, len(s.order), nxt, s.pace.seconds_per_sample())
             if u is not None:
                 uses.append(u)
         return expiry_s(uses)

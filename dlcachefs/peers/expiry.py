@@ -48,7 +48,6 @@ class PlannedUse:
     ahead: int
     seconds_per_sample: float
     epoch_samples: int
-    exact: bool = False  # the cluster's last use (every rank's order), not this node's
 
 
 def expiry_s(uses: Iterable[PlannedUse]) -> int:
@@ -72,13 +71,14 @@ def expiry_s(uses: Iterable[PlannedUse]) -> int:
 
 
 def planned_use(position: int, current: int | None, epoch_samples: int,
-                next_first: int | None, seconds_per_sample: float | None,
-                exact: bool = False) -> PlannedUse | None:
+                next_first: int | None, seconds_per_sample: float | None
+                ) -> PlannedUse | None:
     """One stream's last known use of a sample: ``current``, its next position in the
     current epoch (None: not left in it), ``next_first`` its first position in the next
     epoch (None: not known), the reader at ``position``. A permutation uses a sample once
     per epoch, so the next epoch's use is the last known one; None when neither is known
-    or the pace is not. ``exact``: the positions are the cluster's steps (every rank's)."""
+    or the pace is not. The positions may be the cluster's steps (every rank's; see the
+    module doc)."""
     if seconds_per_sample is None or seconds_per_sample <= 0:
         return None
     if next_first is not None:
@@ -87,4 +87,4 @@ def planned_use(position: int, current: int | None, epoch_samples: int,
         ahead = current - position
     else:
         return None
-    return PlannedUse(max(0, ahead), seconds_per_sample, epoch_samples, exact)
+    return PlannedUse(max(0, ahead), seconds_per_sample, epoch_samples)
