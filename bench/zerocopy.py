@@ -16,7 +16,10 @@ fixed random permutation; ``median_files_per_s`` and ``ratios`` are over the rou
 * ``raw`` (``bench.readers.read_all``, N threads pulling from one queue), per ``--threads``:
   ``zerocopy``: ``CacheReader.read(path)`` (LMDB lookup, one ``pread``, xxh3 check; no FUSE
   request); ``local``: ``open().read()`` of the local copy; ``mount``: ``open().read()``
-  through the mount.
+  through the mount (the kernel keeps the mount's pages: OPEN and RELEASE reach the
+  daemon); ``mount-daemon``: the same with the mount's pages dropped before the run
+  (``posix_fadvise(DONTNEED)`` through the mount, untimed), so that every read is served
+  by the daemon from its cache, as for a dataset larger than the page cache.
 * ``loader``: ``DataLoader(batch_size=32, num_workers=--workers)`` whose dataset returns
   each sample's bytes (no decoding) to the main process, over the same permutation:
   ``zerocopy``: ``CachedImageFolder(MNT/train).read_bytes(i)``; ``local``: the same class
@@ -52,13 +55,16 @@ from dlcachefs.data.folder import CachedImageFolder
 
 from . import make_dataset as md
 from .dlcmount import DlcMount
+from .passes import drop_mount_pages
 from .readers import read_all
 from .util import file_hash, machine_info, write_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_WORK = os.path.join(REPO, "bench", "out", "zerocopy")
 DEFAULT_OUT = os.path.join(REPO, "bench", "results", "zerocopy.json")
-SYSTEMS = ("zerocopy", "local", "mount")
+SYSTEMS = ("zerocopy", "local", "mount", "mount-daemon")
+#: the loader rows (the DataLoader over the mount leaves the pages to the kernel)
+LOADER_SYSTEMS = ("zerocopy", "local", "mount")
 
 
 def log(msg: str) -> None:
@@ -157,7 +163,7 @@ def run(a: argparse.Namespace) -> dict:
     with DlcMount(root, mnt, cache, extra_args=a.mount_arg) as m:
         paths = {"local": [os.path.join(root, r) for r in order_rels],
                  "mount": [os.path.join(mnt, r) for r in order_rels]}
-        paths["zerocopy"] = paths["mount"]
+        paths["zerocopy"] = paths["mount-daemon"] = paths["mount"]
         log("warm-up: every file through the mount, then the writer idle")
         check_raw("warm-up", order_rels, read_all(paths["mount"], threads=8), expected)
         m.wait_idle()
@@ -169,7 +175,7 @@ def run(a: argparse.Namespace) -> dict:
         reader = CacheReader.for_path(mnt)
         if reader is None:
             raise Failed(f"{mnt} does not describe its cache (.dlcache/zerocopy)")
-        fns = {"zerocopy": reader.read, "local": None, "mount": None}
+        fns = {"zerocopy": reader.read, "local": None, "mount": None, "mount-daemon": None}
         threads = [int(t) for t in a.threads.split(",")]
         train = {"local": os.path.join(root, "train"), "mount": os.path.join(mnt, "train")}
         train["zerocopy"] = train["mount"]
@@ -180,10 +186,13 @@ def run(a: argparse.Namespace) -> dict:
         # systems' order rotates per round so none always runs right after another
         for rnd in range(a.rounds + 1):
             warm = rnd == 0
-            systems = SYSTEMS[rnd % 3:] + SYSTEMS[:rnd % 3]
+            n = len(SYSTEMS)
+            systems = SYSTEMS[rnd % n:] + SYSTEMS[:rnd % n]
             for t in threads:
                 for system in systems:
                     kw = {"reader": fns[system]} if fns[system] else {}
+                    if system == "mount-daemon":
+                        drop_mount_pages(mnt, order_rels)
                     start = m.probe_start()
                     res = read_all(paths[system], threads=t, **kw)
                     check_raw(f"raw {system}", order_rels, res, expected)
@@ -198,7 +207,7 @@ def run(a: argparse.Namespace) -> dict:
                         log(f"raw {system:9s} {t} threads: "
                             f"{res.summary()['files_per_s']} files/s")
             if a.workers >= 0:
-                for system in systems:
+                for system in (s for s in systems if s in LOADER_SYSTEMS):
                     start = m.probe_start()
                     res = loader_run(train[system], system == "zerocopy", order, a.workers,
                                      expected)
@@ -239,7 +248,7 @@ def ratios(doc: dict) -> dict:
         for (system, k), fps in by.items():
             if system != "zerocopy":
                 continue
-            for other in ("local", "mount"):
+            for other in ("local", "mount", "mount-daemon"):
                 ref = by.get((other, k))
                 if ref:
                     out[f"{part} {key}={k}: zerocopy / {other}"] = round(fps / ref, 3)

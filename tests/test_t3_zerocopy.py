@@ -14,6 +14,8 @@ import os
 import pickle
 import shutil
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -150,6 +152,43 @@ def test_revalidation_window_is_the_mounts(src, tmp_path):
         assert r.counts()["hits"] == 1
 
 
+def _swap_dirs(index_dir: str, parent: bytes, a: bytes, b: bytes) -> None:
+    """In another process (py-lmdb allows one environment per files and process), as a
+    daemon re-listing ``parent`` would: directories ``a`` and ``b`` swap names."""
+    code = f"""
+from dlcachefs.store.index import Index
+ix = Index({index_dir!r})
+p = 1
+for part in {parent!r}.split(b"/"):
+    p = ix.lookup(p, part)
+ea, eb = ix.get_entry(ix.lookup(p, {a!r})), ix.get_entry(ix.lookup(p, {b!r}))
+ea.name, eb.name = eb.name, ea.name
+with ix.write() as w:
+    w.put_entry(ea)
+    w.put_entry(eb)
+ix.close()
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_remembered_directory_walk_is_never_used_after_a_commit(src, tmp_path):
+    """The walk to a file's directory is remembered per snapshot: once the daemon commits
+    a rename, paths resolve by the new names (a walk remembered from before would serve
+    ``a``'s files under ``a`` still)."""
+    cache = tmp_path / "cache"
+    fill_cache(src, cache)
+    with reading(src, cache) as r:
+        assert r.read_cached(src / "train/a/1.jpg") == FILES[b"train/a/1.jpg"]
+        assert r.read_cached(src / "train/b/3.png") == FILES[b"train/b/3.png"]
+        _swap_dirs(str(cache / "meta.lmdb"), b"train", b"a", b"b")
+        assert r.read_cached(src / "train/a/1.jpg") is None  # "a" is b's directory now
+        assert r.read_cached(src / "train/a/3.png") == FILES[b"train/b/3.png"]
+        assert r.read_cached(src / "train/b/2.jpg") == FILES[b"train/a/2.jpg"]
+        assert r.read_cached(src / "train/b/3.png") is None
+        c = r.counts()
+    assert (c["hits"], c["unresolved"]) == (4, 2)
+
+
 def entry_at(ix: Index, rel: bytes):
     """The entry of a path, through a writable Index (the test edits what a daemon would)."""
     ino = 1
@@ -268,17 +307,31 @@ def test_descriptors_of_deleted_logs_are_closed(src, tmp_path, monkeypatch):
 
 
 def test_a_cache_made_anew_is_reopened(src, tmp_path, monkeypatch):
+    """A cache directory removed and made again is reopened at the next check (every
+    SWEEP_EVERY reads and CHECK_EVERY_S seconds); before it, a read may still be served
+    from what the removed cache held (its descriptors keep its logs), never after."""
     cache = tmp_path / "cache"
     fill_cache(src, cache)
     monkeypatch.setattr(R, "SWEEP_EVERY", 4)
+    monkeypatch.setattr(R, "CHECK_EVERY_S", 3600.0)  # the count of reads decides
     with reading(src, cache) as r:
-        assert r.read(src / "top.txt") == b"hello"
+        assert r.read(src / "top.txt") == b"hello"  # read 1: checked, opened
         shutil.rmtree(cache)
         (src / "top.txt").write_bytes(b"changed")
         fill_cache(src, cache, only=[b"top.txt"])  # (its own process state is closed)
-        got = {r.read(src / "top.txt") for _ in range(8)}
-        assert got == {b"changed"}  # never the removed cache's bytes of the old version
-        assert r.counts()["hits"] >= 2
+        got = [r.read(src / "top.txt") for _ in range(8)]  # reads 2-9: checked at 4 and 8
+        assert got == [b"hello"] * 2 + [b"changed"] * 6
+        assert r.counts()["hits"] == 1 + 2 + 6
+    monkeypatch.setattr(R, "CHECK_EVERY_S", 0.0)  # every read checks
+    shutil.rmtree(cache)
+    fill_cache(src, cache, only=[b"top.txt"])
+    with reading(src, cache) as r:
+        assert r.read(src / "top.txt") == b"changed"
+        shutil.rmtree(cache)
+        (src / "top.txt").write_bytes(b"again")
+        fill_cache(src, cache, only=[b"top.txt"])
+        assert r.read(src / "top.txt") == b"again"
+        assert r.counts()["hits"] == 2
 
 
 # ----- processes -----------------------------------------------------------------------------
@@ -635,8 +688,6 @@ def test_the_index_has_room_for_many_readers_and_frees_dead_ones(src, tmp_path):
     daemon does it at start and every READER_REAP_S); the table is far larger than LMDB's
     126, so 8 ranks x 16 workers, each in a lookup at once, still fit."""
     import signal
-    import subprocess
-    import sys
 
     from dlcachefs.store.schema import MAX_READERS
 

@@ -100,6 +100,17 @@ class TallyWriter:
             v = self._vals[field] = self._vals[field] + n
             _U64.pack_into(self._map, len(MAGIC) + _U64.size * field, v)
 
+    def add2(self, f1: int, n1: int, f2: int, n2: int) -> None:
+        """Add ``n1`` to ``FIELDS[f1]`` and ``n2`` to ``FIELDS[f2]`` (one lock for both:
+        a hit counts a sample and its bytes)."""
+        with self._lock:
+            if self._closed:
+                return
+            v1 = self._vals[f1] = self._vals[f1] + n1
+            v2 = self._vals[f2] = self._vals[f2] + n2
+            _U64.pack_into(self._map, len(MAGIC) + _U64.size * f1, v1)
+            _U64.pack_into(self._map, len(MAGIC) + _U64.size * f2, v2)
+
     def values(self) -> dict[str, int]:
         with self._lock:
             return dict(zip(FIELDS, self._vals, strict=True))
