@@ -27,6 +27,8 @@ import tempfile
 import time
 from collections import Counter
 
+from dlcachefs.client.hook import prepare_mounts
+
 from . import make_dataset as md
 from .dlcmount import DlcMount, dlcachefs_exe
 from .readers import read_all
@@ -71,6 +73,7 @@ def run(files: int, threads: int, work: str) -> dict:
     with DlcMount(src, mnt, cache, [], dlcachefs_exe()) as m, \
             tempfile.TemporaryDirectory() as tmp:
         assert m.pid is not None
+        prepare_mounts([mnt])  # as a training's hook does at its start
         while not m.stats().get("sampler_replay_ready"):
             time.sleep(0.1)  # the replay worker's torch import is not the fetch path
         raw = os.path.join(tmp, "spy.txt")

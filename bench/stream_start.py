@@ -28,6 +28,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from dlcachefs.client.hook import prepare_mounts
+
 from .dlcmount import DlcMount, dlcachefs_exe
 from .util import machine_info, proc_status_kb, write_json
 
@@ -95,9 +97,11 @@ def _announce_and_wait(m: DlcMount, mnt: str, job: str, timeout: float, out: dic
 
 
 def _wait_replay_ready(m: DlcMount, timeout: float) -> float:
-    # The daemon's replay worker imports torch from mount start on (a training script
-    # spends as long importing its own before it announces).
+    # The daemon's replay worker imports torch from the moment a training's hook opens the
+    # control file at its start (the script spends as long importing its own torch
+    # before it announces).
     t = time.perf_counter()
+    prepare_mounts([str(m.mnt)])  # what a training's hook does at its start
     while not m.stats().get("sampler_replay_ready"):
         if time.perf_counter() - t > timeout:
             raise RuntimeError("the daemon never finished loading torch")

@@ -208,6 +208,10 @@ class Operations(pyfuse3.Operations):
             raise ReadOnly("only .dlcache/control is writable")
         if inode == V.CONTROL_INO and ctx.uid not in (self.vattrs.uid, 0):
             raise PermissionDenied("the control file belongs to the mount's owner")
+        if inode == V.CONTROL_INO:
+            # a training process is here (the hook opens it at interpreter start): the
+            # sampler replay worker imports torch while the script imports its own
+            self.engine.streams.start_replay()
         if inode == V.STATS_INO:
             import json  # noqa: PLC0415  (only here)
 

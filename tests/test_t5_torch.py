@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 from pathlib import Path
 
@@ -89,6 +90,21 @@ print(h.hexdigest())
 '''
 
 
+def children(pid: int) -> list[int]:
+    """The live child processes of ``pid``."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(d))
+    return out
+
+
 def test_launcher_is_bit_identical_and_announces_the_sampler(tmp_path, mount):
     import subprocess
     import sys
@@ -107,10 +123,13 @@ def test_launcher_is_bit_identical_and_announces_the_sampler(tmp_path, mount):
 
     plain = run([*py, str(m.mnt)])
     # an unannounced script works; the mount shows its opens, with no stream of its own
-    streams = m.stats()["streams"]
-    assert streams and all(k.startswith("unannounced/") and v["mode"] == "none"
-                           for k, v in streams.items())
+    st = m.stats()
+    assert st["streams"] and all(k.startswith("unannounced/") and v["mode"] == "none"
+                                 for k, v in st["streams"].items())
+    # and the daemon never started its replay worker (torch's import) for it
+    assert st["sampler_replay_ready"] is False and children(m.pid) == []
     hooked = run([sys.executable, "-m", "dlcachefs.cli", "run", "--", *py, str(m.mnt)])
+    assert children(m.pid)  # the hook's first contact started it (and its tracker)
     assert hooked == plain  # same samples in the same order, same weights
     assert run([*py, str(src)]) == plain
 

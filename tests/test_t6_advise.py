@@ -13,6 +13,7 @@ from conftest import requires_fuse
 from test_t5_torch import make_images
 
 from dlcachefs.admin.advise import algorithm2
+from dlcachefs.client.hook import prepare_mounts
 from dlcachefs.testing.mounting import DLCACHEFS
 
 pytest.importorskip("torchvision")
@@ -50,7 +51,9 @@ def test_advise_after_an_epoch(tmp_path, mount, sampler):
     make_images(tmp_path / "src", classes=2, per_class=40)
     m = mount(tmp_path / "src")
     (tmp_path / "train.py").write_text(TRAIN)
-    # the epoch's order is replayed once the replay worker has imported torch
+    # the epoch's order is replayed once the replay worker has imported torch (started
+    # when a training first opens the control file, as the hook does at its start)
+    prepare_mounts([str(m.mnt)])
     m.wait_stats(lambda st: st["sampler_replay_ready"], "replay worker not ready", 300)
     r = subprocess.run([*DLCACHEFS, "run", "--", sys.executable, str(tmp_path / "train.py"),
                         str(m.mnt), sampler], capture_output=True, text=True, timeout=600)

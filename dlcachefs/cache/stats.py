@@ -102,7 +102,7 @@ def stats_document(eng: Engine) -> dict:
         "cache_account_bytes": eng.writer.account(),
         "open_files": len(eng.handles),
         "revalidate_s": eng.cfg.revalidate,
-        # torch loaded (at mount start, in the background): announced samplers replay
+        # torch loaded (from a training's first contact on, in the background): announced samplers replay
         "sampler_replay_ready": eng.streams.replay_ready,
         "losses_waiting": eng.losses.waiting,
         # trees fetched ahead of readers whose order is unknown (dlcachefs.cache.scanahead)

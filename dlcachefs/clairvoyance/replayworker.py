@@ -4,8 +4,10 @@ Replaying a torch sampler needs torch (:mod:`dlcachefs.clairvoyance.replay`). Im
 ~3-4 s of CPU and ~500 MB. Done in the daemon, even in a background thread, that import
 holds the GIL while the first epoch is being served: every FUSE request waited on it
 (the first pass after a mount ran at half speed, `bench.run` raw readers). So orders are
-computed in one spawned process (``nice`` +10), which imports torch at mount start: the
-first announcement finds it ready, and the daemon's own work never waits on it.
+computed in one spawned process (``nice`` +10), which imports torch as soon as it starts
+(when a training's hook first opens the control file, see
+:meth:`~dlcachefs.clairvoyance.streams.StreamManager.start_replay`): the first announcement
+finds it ready or nearly, and the daemon's own work never waits on it.
 
 :class:`RemoteReplayer` has :class:`~dlcachefs.clairvoyance.replay.OrderReplayer`'s interface
 (``spec``, ``known``, ``order``) for the streams. The worker keeps the replayers it made

@@ -238,14 +238,19 @@ class StreamManager:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
-            self.start_replay()
             await trio.sleep_forever()
 
     def start_replay(self) -> None:
-        """Start the sampler replay worker, once (at mount start). Replaying a sampler needs
-        torch (~3-4 s of CPU to import here), in a worker process (dlcachefs.clairvoyance.replayworker:
-        never in the daemon, whose GIL it would hold), niced, so that a training script's
-        announcement finds it ready. Trio loop."""
+        """Start the sampler replay worker, once. Replaying a sampler needs torch (~3-4 s
+        of CPU to import here), in a worker process (dlcachefs.clairvoyance.replayworker:
+        never in the daemon, whose GIL it would hold), niced. Not at mount start: a mount
+        read by something that never announces (raw readers, DLIO, a script without the
+        hook) would pay that import during its first epoch (~3% of a first pass over a
+        400 Mbit/s link here, ``bench.first_epoch``). It starts when a training process
+        first reaches the control file: the hook opens it at interpreter start
+        (:func:`dlcachefs.client.hook.install`), while the script imports its own torch,
+        so the worker is ready about when the script announces; or at the first
+        announcement. Trio loop."""
         if self._replay_started or self._nursery is None:
             return
         self._replay_started = True
@@ -570,8 +575,9 @@ class StreamManager:
         root (mostly subdirectories), the parent's sample list is made in the background,
         so that the announcement that follows finds it ready (listing 1.28M samples takes
         seconds). Bounded: one guess in flight, each directory once, ``MAX_GUESSES`` per
-        mount. Trio loop."""
-        self.start_replay()
+        mount. (The replay worker is not started here: a script that announces has the
+        hook, which starts it; one without the hook never needs torch in the daemon.)
+        Trio loop."""
         try:
             self._guess(d)
         except Exception:  # noqa: BLE001 - a guess must never fail the opendir
