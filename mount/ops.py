@@ -211,7 +211,10 @@ class Operations(pyfuse3.Operations):
         if inode == V.CONTROL_INO:
             # a training process is here (the hook opens it at interpreter start): the
             # sampler replay worker imports torch while the script imports its own
-            self.engine.streams.start_replay()
+            try:
+                self.engine.streams.start_replay()
+            except Exception:  # noqa: BLE001 - never fail the open for it (unmounting)
+                log.exception("starting the sampler replay worker failed")
         if inode == V.STATS_INO:
             import json  # noqa: PLC0415  (only here)
 

@@ -679,3 +679,20 @@ def test_send_never_raises(monkeypatch):
 
     with pytest.warns(RuntimeWarning, match="could not announce"):
         assert hook._send(BadTarget(), ["epoch 0"]) is False
+
+
+# ----- which mounts a starting training tells (the replay worker's start) -----------------
+
+
+def test_the_mounts_a_training_names_are_prepared_else_all():
+    from dlcachefs.client.hook import mounts_to_prepare
+
+    mounts = ["/mnt/a", "/mnt/ab", "/data"]
+    pick = mounts_to_prepare
+    assert pick(mounts, ["train.py", "/mnt/a/train"], "/home/u") == ["/mnt/a"]
+    # a prefix of a name is not a mount of it; --opt=PATH and relative paths count
+    assert pick(mounts, ["t.py", "--data=/mnt/ab/x", "../../mnt/a"], "/home/u") == [
+        "/mnt/ab", "/mnt/a"]
+    assert pick(mounts, ["t.py", "--epochs", "3"], "/data/run") == ["/data"]  # the cwd
+    assert pick(mounts, ["t.py", "--config", "c.yaml"], "/home/u") == mounts  # none named
+    assert pick([], ["t.py", "/mnt/a"], "/") == []

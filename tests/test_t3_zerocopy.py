@@ -334,6 +334,29 @@ def test_a_cache_made_anew_is_reopened(src, tmp_path, monkeypatch):
         assert r.counts()["hits"] == 2
 
 
+def test_a_removed_cache_is_let_go_and_read_through_the_path(src, tmp_path, monkeypatch):
+    """A cache directory removed for good: the reader closes the removed index (its
+    deleted files keep their disk space while they are open), warns once, reads through
+    the path, and tries to open it again only every RETRY_EVERY reads."""
+    cache = tmp_path / "cache"
+    fill_cache(src, cache)
+    monkeypatch.setattr(R, "SWEEP_EVERY", 4)
+    monkeypatch.setattr(R, "CHECK_EVERY_S", 3600.0)
+    with reading(src, cache) as r:
+        assert r.read(src / "top.txt") == b"hello"
+        proc = R._process(r.info)
+        old = proc._index
+        shutil.rmtree(cache)
+        with pytest.warns(RuntimeWarning, match="cannot open the cache index") as w:
+            got = [r.read(src / "top.txt") for _ in range(12)]
+        assert got == [b"hello"] * 12  # the source's bytes through the path
+        assert len(w) == 1
+        assert proc._index is None and proc._failed_at == 4
+        assert proc.logs.open_count() == 0
+        with pytest.raises(Exception):  # noqa: B017 - closed, not left mapped
+            old.env.info()
+
+
 # ----- processes -----------------------------------------------------------------------------
 
 

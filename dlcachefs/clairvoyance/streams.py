@@ -575,8 +575,9 @@ class StreamManager:
         root (mostly subdirectories), the parent's sample list is made in the background,
         so that the announcement that follows finds it ready (listing 1.28M samples takes
         seconds). Bounded: one guess in flight, each directory once, ``MAX_GUESSES`` per
-        mount. (The replay worker is not started here: a script that announces has the
-        hook, which starts it; one without the hook never needs torch in the daemon.)
+        mount. (The replay worker is not started here: a training under the hook starts
+        it at its start, any announcement starts it, and a script that does neither
+        never needs torch in the daemon.)
         Trio loop."""
         try:
             self._guess(d)

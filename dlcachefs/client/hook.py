@@ -603,35 +603,56 @@ def _time_next(cls) -> None:
     cls._dlcachefs_timed = True
 
 
-#: set in the environment once the mounts were told a training is starting (its child
-#: processes, e.g. DataLoader workers, need not tell them again)
-ENV_PREPARED = "DLCACHEFS_PREPARED"
+def mounts_to_prepare(mounts: Sequence[str], argv: Sequence[str], cwd: str) -> list[str]:
+    """The mounts a training starting with ``argv`` in ``cwd`` will likely read: those
+    its command line names (an argument that is a mountpoint or a path inside one, also
+    as ``--opt=PATH``) or its working directory is in; if none, every one of ``mounts``
+    (the dataset may come from a config file)."""
+    def inside(path: str, mnt: str) -> bool:
+        return path == mnt or path.startswith(mnt.rstrip("/") + "/")
+
+    named = []
+    for a in [*argv, cwd]:
+        a = a.partition("=")[2] if a.startswith("-") else a
+        if a:
+            p = os.path.abspath(os.path.join(cwd, a))
+            named += [m for m in mounts if inside(p, m) and m not in named]
+    return named or list(mounts)
 
 
-def prepare_mounts(mounts: Sequence[str] | None = None) -> None:
-    """Tell the dlcachefs mounts (default: every one this process sees) that a training is
-    starting: one ``open`` of each one's control file, which starts the mount's sampler
-    replay worker (it imports torch, ~3-4 s, while the script imports its own). Errors
-    are ignored (a mount of another user refuses the open: it would refuse the
-    announcements too)."""
-    for mnt in dlcachefs_mounts() if mounts is None else mounts:
+def prepare_mounts(mounts: Sequence[str] | None = None) -> list[str]:
+    """Tell dlcachefs mounts that a training is starting: one ``open`` of each one's
+    control file, which starts the mount's sampler replay worker (it imports torch, ~3-4
+    s, while the script imports its own). Default: the mounts of this user (their control
+    file is the user's; root's for root) that :func:`mounts_to_prepare` picks from this
+    process's command line and working directory. Errors are ignored. Returns the mounts
+    told."""
+    if mounts is None:
+        mine = []
+        for m in dlcachefs_mounts():
+            with contextlib.suppress(OSError):
+                if os.stat(os.path.join(m, ".dlcache", "control")).st_uid == os.geteuid():
+                    mine.append(m)
+        mounts = mounts_to_prepare(mine, sys.argv, os.getcwd()) if mine else []
+    told = []
+    for mnt in mounts:
         with contextlib.suppress(OSError):
             os.close(os.open(os.path.join(mnt, ".dlcache", "control"), os.O_RDONLY))
+            told.append(mnt)
+    return told
 
 
 def install() -> None:
-    """Patch the samplers now if torch is imported, else as soon as it is; and, once per
-    process tree, tell the mounts a training is starting (:func:`prepare_mounts`, in a
+    """Patch the samplers now if torch is imported, else as soon as it is; and tell the
+    mounts the training will read that it is starting (:func:`prepare_mounts`, in a
     background thread: a mount that does not answer must not hold the script back)."""
     global _installed
     if _installed:
         return
     _installed = True
-    if not os.environ.get(ENV_PREPARED):
-        os.environ[ENV_PREPARED] = "1"
-        import threading  # noqa: PLC0415 - only here
+    import threading  # noqa: PLC0415 - only here
 
-        threading.Thread(target=prepare_mounts, name="dlcachefs-prepare", daemon=True).start()
+    threading.Thread(target=prepare_mounts, name="dlcachefs-prepare", daemon=True).start()
     mod = sys.modules.get("torch.utils.data")
     if mod is not None:
         _patch(mod)

@@ -61,8 +61,10 @@ opens its own at its first read. Spawned workers unpickle a reader that holds on
 paths. Threads share the per-process state: a lookup is one LMDB read transaction, one
 thread at a time (the lookup lock: see :class:`_Process` for why), a read one ``pread``
 on a shared descriptor, any number at once; small locks guard the descriptor table (a
-descriptor is closed only when no thread reads through it), opening the index, and the
-counters. Lock order: the lookup lock, then ``_Process._lock``, then ``LogFiles._lock``.
+descriptor is closed only when no thread reads through it) and the counters; the
+index is opened, checked and closed under the lookup lock. Lock order: the lookup lock,
+then ``LogFiles._lock``; ``_Process._lock`` (the counter file) and the counters' own
+lock are taken with no other held but the lookup lock in ``close()``.
 
 Counting (``zerocopy`` in the daemon's stats): each process counts its hits and its
 fallbacks by reason in a small memory-mapped file in the cache directory
@@ -364,25 +366,28 @@ class _NoTally:
 
 class _Process:
     """What one process holds for one cache: its LMDB environment, log descriptors and
-    counter file, made at its first read. ``_lock`` guards opening them."""
+    counter file, made at its first read. The lookup lock guards the environment,
+    ``_lock`` the counter file."""
 
     def __init__(self, info: CacheInfo) -> None:
         self.info = info
         self.logs = LogFiles(info.logs_dir)
-        self._lock = threading.Lock()
-        # Lookups run one at a time, under this lock (taken before _lock when both are).
-        # Why: py-lmdb lets go of the GIL around each LMDB read, and with several
-        # threads reading, each of those short releases hands the GIL to another thread
-        # and waits to get it back; one lookup at a time makes none of those waits (8
-        # threads: lookups 2.7x, whole reads 1.5x faster here). The pread and the
-        # checksum, long enough to run beside other threads, stay outside it. A fork or
-        # close() takes it too, so no lookup is in flight when the index closes.
+        self._lock = threading.Lock()  # opening the counter file (a leaf lock)
+        # Lookups run one at a time, under this lock, which also guards the index (it is
+        # opened, checked and closed under it). Why one at a time: py-lmdb lets go of the
+        # GIL around each LMDB read, and with several threads reading, each of those
+        # short releases hands the GIL to another thread and waits to get it back; one
+        # lookup at a time makes none of those waits (8 threads: lookups 2.7x, whole
+        # reads 1.5x faster here). The pread and the checksum, long enough to run beside
+        # other threads, stay outside it. The price: a lookup that faults the index in
+        # from disk holds the others back (the index is small next to the samples and
+        # stays in the page cache while a training reads). A fork or close() takes it
+        # too, so no lookup is in flight when the index closes.
         self._lookup = threading.Lock()
         self._index: IndexReader | None = None
-        self._retired: list[IndexReader] = []  # replaced: closed once no lookup runs
         self._failed_at: int | None = None
         self._tally: TallyWriter | _NoTally | None = None
-        self._reads = 0  # (under the lookup lock, as the next two)
+        self._reads = 0  # (under the lookup lock, as the next one and _failed_at)
         self._next_check = 0.0  # monotonic time of the next sweep, at the latest
 
     def locate(self, parts: list[bytes], revalidate: float) -> Located | str | None:
@@ -398,18 +403,16 @@ class _Process:
                 # goes through the mount; the environment is fine, keep it
                 return None
             except Exception:  # noqa: BLE001 - lmdb.Error and friends: the mount answers
-                self.index_failed(ix)
+                # (MDB_MAP_RESIZED and the like): opened anew at the next read
+                self._drop_index()
                 return None
-            finally:
-                if self._retired:  # nobody can be using them now (the lookup lock held)
-                    self._close_retired()
 
-    def _close_retired(self) -> None:
-        """Close replaced environments (py-lmdb would refuse to open the files again
-        while one is open); called with the lookup lock held."""
-        with self._lock:
-            retired, self._retired = self._retired, []
-        for ix in retired:
+    def _drop_index(self) -> None:
+        """Close the index. Under the lookup lock, so no lookup runs in it (py-lmdb
+        releases the GIL inside a read: an environment closed under one is a use after
+        free; and it refuses to open the same files again while it is open)."""
+        ix, self._index = self._index, None
+        if ix is not None:
             with contextlib.suppress(Exception):
                 ix.close()
 
@@ -418,11 +421,7 @@ class _Process:
         index (reopened at the next read), and hold the lookup lock until the fork is
         done, so the child inherits no LMDB environment (see the module doc)."""
         self._lookup.acquire()
-        with self._lock:
-            if self._index is not None:
-                self._retired.append(self._index)
-                self._index = None
-        self._close_retired()
+        self._drop_index()
 
     def after_fork_in_parent(self) -> None:
         self._lookup.release()
@@ -437,35 +436,22 @@ class _Process:
         if ix is not None and self._reads % SWEEP_EVERY and now < self._next_check:
             return ix
         self._next_check = now + CHECK_EVERY_S
-        with self._lock:
-            if self._index is not None:
-                self.logs.sweep()
-                if self._index.replaced():
-                    self._retired.append(self._index)
-                    self._index = None
-                    self.logs.sweep(everything=True)  # its logs are other files now
-            if self._index is None and (self._failed_at is None
-                                        or self._reads - self._failed_at >= RETRY_EVERY):
-                try:
-                    self._index = IndexReader(self.info.index_dir)
-                    self._failed_at = None
-                except Exception as e:  # noqa: BLE001 - lmdb.Error, OSError: the mount answers
-                    if self._retired:
-                        pass  # its files are still open (py-lmdb refuses): retry once closed
-                    else:
-                        if self._failed_at is None:
-                            _warn(f"cannot open the cache index {self.info.index_dir} ({e});"
-                                  f" reading through the mount")
-                        self._failed_at = self._reads
-            return self._index
-
-    def index_failed(self, ix: IndexReader) -> None:
-        """A lookup raised: open the index again at the next read (an LMDB error such as
-        MDB_MAP_RESIZED or a full reader table)."""
-        with self._lock:
-            if self._index is ix:
-                self._retired.append(ix)
-                self._index = None
+        if ix is not None:
+            self.logs.sweep()
+            if ix.replaced():
+                self._drop_index()
+                self.logs.sweep(everything=True)  # its logs are other files now
+        if self._index is None and (self._failed_at is None
+                                    or self._reads - self._failed_at >= RETRY_EVERY):
+            try:
+                self._index = IndexReader(self.info.index_dir)
+                self._failed_at = None
+            except Exception as e:  # noqa: BLE001 - lmdb.Error, OSError: the mount answers
+                if self._failed_at is None:
+                    _warn(f"cannot open the cache index {self.info.index_dir} ({e}); "
+                          f"reading through the mount")
+                self._failed_at = self._reads
+        return self._index
 
     def count(self, field: int, n: int = 1) -> None:
         t = self._tally
@@ -499,14 +485,11 @@ class _Process:
         # an environment closed under one is a use after free (the same lock as a fork's)
         with self._lookup:
             self.logs.sweep(everything=True)
+            self._drop_index()
             with self._lock:
-                if self._index is not None:
-                    self._retired.append(self._index)
-                    self._index = None
                 if self._tally is not None:
                     self._tally.close()
                     self._tally = None
-            self._close_retired()
 
     def abandon(self) -> None:
         """In a forked child (see the module doc)."""

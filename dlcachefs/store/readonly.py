@@ -234,8 +234,9 @@ class IndexReader:
             return hit[1]
         got = self._walk(txn, parts[:-1], uid, groups, check)
         if not isinstance(got, str):
-            cur, _buf, _, _ = got
-            buf = txn.get(ukey(cur), db=self.inode)
+            cur, buf, _, _ = got
+            if buf is None:  # reached by "..": its entry is read here
+                buf = txn.get(ukey(cur), db=self.inode)
             if buf is None or not stat.S_ISDIR(_MODE_UID_GID.unpack_from(buf, 8)[0]):
                 got = UNRESOLVED  # "file/name": the kernel says ENOTDIR
             else:

@@ -1,5 +1,7 @@
 """Put on PYTHONPATH by ``dlcachefs run``: installs the dlcachefs torch hook in every
-Python process of the training (nothing is imported until torch is)."""
+Python process of the training (the samplers are patched when torch is imported; at
+start, a background thread opens the control file of the mounts the training will read,
+so their sampler replay workers import torch meanwhile)."""
 
 try:
     from dlcachefs.torch import install as _dlcachefs_install
