@@ -2,7 +2,7 @@
 dlcachefs on an empty cache, for every way a first epoch is read.
 
     sudo .venv/bin/python -m bench.first_epoch [--files 3000] [--rounds 3] [--rate 400mbit]
-        [--cases raw1,raw8,pipe,pipe-run,pipe-dist] [--workers 2] [--out JSON]
+        [--cases raw1,raw8,pipe,pipe-run,pipe-dist] [--workers 2] [--cache-dir DIR] [--out JSON]
 
 Needs root (network namespace, ``drop_caches``). One JPEG ImageFolder dataset
 (``bench.make_dataset``, ~110 KB per file) is exported by the slow remote
@@ -107,7 +107,7 @@ def one_epoch(case: str, root: str, a: argparse.Namespace, ctx: dict) -> dict:
 
 def run_round(rnd: int, a: argparse.Namespace, remote, ctx: dict, runs: list) -> None:
     mnt = os.path.join(a.work, "mnt")
-    cache = os.path.join(a.work, "cache")
+    cache = a.cache_dir or os.path.join(a.work, "cache")
     os.makedirs(mnt, exist_ok=True)
     for case in a.cases:
         drop_page_cache([ctx["dataset_root"]])
@@ -187,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mount-arg", action="append", default=[], metavar="ARG")
     p.add_argument("--remote-name", default="dlcbench")
     p.add_argument("--work", default=DEFAULT_WORK)
+    p.add_argument("--cache-dir", default=None,
+                   help="dlcachefs's cache directory (default WORK/cache; e.g. on tmpfs, so "
+                        "that its writes do not share this one machine's disk with the "
+                        "remote's reads, as they would not on a real remote)")
     p.add_argument("--dataset-dir", default=os.path.join(REPO, "bench", "out", "run"),
                    help="where the dataset is made or reused (bench.run's, by default)")
     p.add_argument("--out", default=None)
