@@ -696,3 +696,24 @@ def test_the_mounts_a_training_names_are_prepared_else_all():
     assert pick(mounts, ["t.py", "--epochs", "3"], "/data/run") == ["/data"]  # the cwd
     assert pick(mounts, ["t.py", "--config", "c.yaml"], "/home/u") == mounts  # none named
     assert pick([], ["t.py", "/mnt/a"], "/") == []
+
+
+def test_preparing_never_raises_where_the_working_directory_is_gone(tmp_path):
+    """The hook's thread at interpreter start: a removed working directory is no error
+    of the training's (a stand-in mount: a directory holding ``.dlcache/control``)."""
+    import subprocess
+    import sys
+
+    fake = tmp_path / "mnt"
+    (fake / ".dlcache").mkdir(parents=True)
+    (fake / ".dlcache" / "control").write_text("")
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    code = ("import os, sys; from dlcachefs.client import hook;"
+            "hook.dlcachefs_mounts = lambda: [sys.argv[2]];"
+            "os.chdir(sys.argv[1]); os.rmdir(sys.argv[1]);"
+            "print(hook.prepare_mounts())")
+    r = subprocess.run([sys.executable, "-c", code, str(gone), str(fake)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == repr([str(fake)])  # told (none named: every one of them)

@@ -633,13 +633,24 @@ def prepare_mounts(mounts: Sequence[str] | None = None) -> list[str]:
             with contextlib.suppress(OSError):
                 if os.stat(os.path.join(m, ".dlcache", "control")).st_uid == os.geteuid():
                     mine.append(m)
-        mounts = mounts_to_prepare(mine, sys.argv, os.getcwd()) if mine else []
+        try:
+            argv, cwd = list(getattr(sys, "argv", [])), os.getcwd()
+        except OSError:  # the working directory was removed
+            argv, cwd = [], "/"
+        mounts = mounts_to_prepare(mine, argv, cwd) if mine else []
     told = []
     for mnt in mounts:
         with contextlib.suppress(OSError):
             os.close(os.open(os.path.join(mnt, ".dlcache", "control"), os.O_RDONLY))
             told.append(mnt)
     return told
+
+
+def _prepare_quietly() -> None:
+    """:func:`prepare_mounts` in the hook's thread: nothing it meets may print a traceback
+    into the user's training (a mount table that cannot be read, say)."""
+    with contextlib.suppress(Exception):  # a hint to the mounts, never the training's problem
+        prepare_mounts()
 
 
 def install() -> None:
@@ -652,7 +663,7 @@ def install() -> None:
     _installed = True
     import threading  # noqa: PLC0415 - only here
 
-    threading.Thread(target=prepare_mounts, name="dlcachefs-prepare", daemon=True).start()
+    threading.Thread(target=_prepare_quietly, name="dlcachefs-prepare", daemon=True).start()
     mod = sys.modules.get("torch.utils.data")
     if mod is not None:
         _patch(mod)
