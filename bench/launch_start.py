@@ -6,7 +6,7 @@ The daemon starts its replay worker (a process that imports torch, ~2-4 s here) 
 training first reaches the mount: the hook opens ``.dlcache/control`` as the script's
 interpreter starts, so the worker imports torch while the script imports its own (see
 README, "Start-up of a stream"). This measures that race as a user meets it: a small
-ImageFolder (4 x 100 JPEGs) is mounted, ``--wait`` seconds pass (a mount made before the
+ImageFolder (4 x 100 JPEGs of ~8 KB, ``bench.make_dataset``) is mounted, ``--wait`` seconds pass (a mount made before the
 job), then ``dlcachefs run -- python train.py MNT`` runs an ordinary script (imports torch
 and torchvision, ``ImageFolder``, ``DataLoader(shuffle=True)``, one epoch). Meanwhile
 ``stats`` is polled every 50 ms. Reported per repetition, in seconds from the launch:
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import statistics
 import subprocess
@@ -31,6 +30,7 @@ import sys
 import threading
 import time
 
+from . import make_dataset as md
 from .dlcmount import DlcMount
 from .util import machine_info, write_json
 
@@ -43,7 +43,8 @@ import sys, time
 t0 = time.time()
 import torch
 from torchvision import datasets, transforms
-ds = datasets.ImageFolder(sys.argv[1], transform=transforms.ToTensor())
+tf = transforms.Compose([transforms.Resize((32, 32)), transforms.ToTensor()])
+ds = datasets.ImageFolder(sys.argv[1], transform=tf)
 dl = torch.utils.data.DataLoader(ds, batch_size=10, shuffle=True, num_workers=0)
 t_iter = time.time()
 n = 0
@@ -52,23 +53,6 @@ for x, y in dl:
     time.sleep(0.05)  # the training step
 print(t0, t_iter, n)
 '''
-
-
-def make_images(root: str, classes: int = 4, per_class: int = 100) -> None:
-    from PIL import Image
-
-    if os.path.isdir(root):
-        return
-    rnd = random.Random(0)
-    tmp = root + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    for c in range(classes):
-        d = os.path.join(tmp, f"c{c}")
-        os.makedirs(d)
-        for i in range(per_class):
-            img = Image.frombytes("RGB", (32, 32), rnd.randbytes(32 * 32 * 3))
-            img.save(os.path.join(d, f"{i:03d}.jpg"))
-    os.rename(tmp, root)
 
 
 def one(work: str, src: str, wait: float) -> dict:
@@ -123,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     os.makedirs(a.work, exist_ok=True)
     src = os.path.join(a.work, "src")
-    make_images(src)
-    runs = [one(a.work, src, a.wait) for _ in range(a.repeat)]
+    md.ensure_dataset(src, md.Spec(classes=4, per_class=100, mean_kb=8.0))
+    runs = [one(a.work, os.path.join(src, "train"), a.wait) for _ in range(a.repeat)]
     keys = sorted({k for r in runs for k in r})
     doc = {"bench": "launch_start", "machine": machine_info(REPO), "args": vars(a),
            "runs": runs,

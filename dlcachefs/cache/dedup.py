@@ -169,7 +169,7 @@ class ContentStore:
         self.known: dict[int, ContentKey] = {}
         self._learned: dict[int, ContentKey] = {}  # not yet in the index
         self._siblings: dict[str, _Sibling] = {}
-        # replaced or gone: closed at the next scan (a thread may still read one now)
+        # a dataset replaced or gone is closed by its last user (a thread may read it now)
         self._lock = threading.Lock()  # the siblings' users and retired flags
         #: datasets whose index failed the walk, by the stamp of the file walked
         self._bad: dict[str, tuple[int, int, int]] = {}

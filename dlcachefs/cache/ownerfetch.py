@@ -62,7 +62,6 @@ class OwnerPrefetch:
         # job -> (the ClusterUse walked, the next global position to look at)
         self._cursor: dict[str, tuple[object, int]] = {}
         self._limiter = trio.CapacityLimiter(PARALLEL)
-        self.in_flight = 0
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Until cancelled."""
@@ -144,7 +143,6 @@ class OwnerPrefetch:
         return list(by_job.values())
 
     async def _fetch(self, ino: int, token: object) -> None:
-        self.in_flight += 1
         try:
             e = self.engine.index.get_entry(ino)
             if e is None:
@@ -166,7 +164,6 @@ class OwnerPrefetch:
             if self.counts["errors"] == 1:
                 log.exception("owner prefetch failed (it goes on)")
         finally:
-            self.in_flight -= 1
             self._limiter.release_on_behalf_of(token)
 
     def stats(self) -> dict:
@@ -181,4 +178,4 @@ class OwnerPrefetch:
             walked, g = self._cursor.get(s.job, (None, 0))
             left += len(cu.inos) - (g if walked is cu else 0)
         return {**{k: self.counts[k] for k in ("files", "bytes", "held", "errors")},
-                "in_flight": self.in_flight, "walk_left": left}
+                "in_flight": self._limiter.borrowed_tokens, "walk_left": left}

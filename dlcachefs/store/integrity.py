@@ -266,36 +266,31 @@ def check_index(path: str, timeout: float = 600.0, other: bool = False) -> str |
                            capture_output=True,
                            text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=env)
     except subprocess.TimeoutExpired:
-        if other:
-            return f"not checked: the check did not finish in {timeout:.0f} s"
-        log.warning("index %s: the check did not finish in %.0f s; kept unchecked", path,
-                    timeout)
-        return None
+        return _unchecked(path, f"the check did not finish in {timeout:.0f} s", other)
     if r.returncode < 0:
         name = _signame(-r.returncode)
         if name in _DAMAGE_SIGNALS:
             return f"reading it kills a process ({name})"
-        if other:
-            return f"not checked: the check was killed ({name})"
-        log.warning("index %s: the check was killed (%s); kept unchecked", path, name)
-        return None
+        return _unchecked(path, f"the check was killed ({name})", other)
     try:
         report = json.loads(r.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         last = (r.stderr.strip().splitlines() or ["?"])[-1]
-        if other:
-            return f"not checked: no report (exit {r.returncode})"
-        log.warning("index %s: the check gave no report (exit %d: %s); kept unchecked",
-                    path, r.returncode, last[:300])
-        return None
+        return _unchecked(path, f"the check gave no report (exit {r.returncode}: "
+                                f"{last[:300]})", other)
     if "unchecked" in report:
-        if other:
-            return f"not checked: {report['unchecked']}"
-        log.warning("index %s: could not be checked (%s); kept unchecked", path,
-                    report["unchecked"])
-        return None
+        return _unchecked(path, f"could not be checked ({report['unchecked']})", other)
     problems = report.get("problems") or []
     return "; ".join(problems[:5]) if problems else None
+
+
+def _unchecked(path: str, why: str, other: bool) -> str | None:
+    """A check that could not run: our own index is kept (a warning says so); another
+    dataset's is not read (the reason is returned)."""
+    if other:
+        return f"not checked: {why}"
+    log.warning("index %s: %s; kept unchecked", path, why)
+    return None
 
 
 def _signame(sig: int) -> str:

@@ -201,26 +201,29 @@ class IndexReader:
         groups = frozenset((os.getegid(), *os.getgroups())) if check else _NO_GROUPS
         with self.env.begin(buffers=False) as txn:
             name = parts[-1] if parts else b""
+            dir_ino: int | None = None
+            dir_buf: bytes | None = None
             if len(parts) < 2 or name in _SPECIAL:
                 got = self._walk(txn, parts, uid, groups, check)
             else:
                 d = self._dir(txn, parts, uid, groups, check)
                 if isinstance(d, str):
                     return d
-                cur, dbuf = d
-                if check and not _may(dbuf, _X, uid, groups):
+                dir_ino, dir_buf = d
+                if check and not _may(dir_buf, _X, uid, groups):
                     return DENIED
-                v = txn.get(ukey(cur) + name, db=self.dirent)
+                v = txn.get(ukey(dir_ino) + name, db=self.dirent)
                 b = txn.get(v, db=self.inode) if v is not None else None
                 if b is None:
                     return UNRESOLVED
                 if stat.S_ISLNK(_MODE_UID_GID.unpack_from(b, 8)[0]):
                     got = self._walk(txn, parts, uid, groups, check)  # followed from the root
                 else:
-                    got = (unkey(v), b, cur, dbuf)
+                    got = (unkey(v), b)
             if isinstance(got, str):
                 return got
-            return self._file(txn, *got, uid, groups, check, revalidate, now)
+            return self._file(txn, *got, dir_ino, dir_buf, uid, groups, check, revalidate,
+                              now)
 
     def _dir(self, txn: lmdb.Transaction, parts: Sequence[bytes], uid: int,
              groups: frozenset[int], check: bool) -> tuple[int, bytes] | str:
@@ -234,7 +237,7 @@ class IndexReader:
             return hit[1]
         got = self._walk(txn, parts[:-1], uid, groups, check)
         if not isinstance(got, str):
-            cur, buf, _, _ = got
+            cur, buf = got
             if buf is None:  # reached by "..": its entry is read here
                 buf = txn.get(ukey(cur), db=self.inode)
             if buf is None or not stat.S_ISDIR(_MODE_UID_GID.unpack_from(buf, 8)[0]):
@@ -247,11 +250,10 @@ class IndexReader:
         return got
 
     def _walk(self, txn: lmdb.Transaction, parts: Sequence[bytes], uid: int,
-              groups: frozenset[int], check: bool
-              ) -> tuple[int, bytes | None, None, None] | str:
+              groups: frozenset[int], check: bool) -> tuple[int, bytes | None] | str:
         """Walk ``parts`` from the root as the kernel does (rule 1 of the module doc):
-        ``(inode, packed entry or None, None, None)`` where it ends (None: reached by
-        ``..`` or the root itself), or why it stops."""
+        ``(inode, packed entry or None)`` where it ends (None: reached by ``..`` or the
+        root itself), or why it stops."""
         dget = txn.cursor(db=self.dirent).get
         iget = txn.cursor(db=self.inode).get
         todo = list(reversed(parts))
@@ -291,7 +293,7 @@ class IndexReader:
             if todo and not stat.S_ISDIR(mode):
                 return UNRESOLVED  # "file/..." : the kernel says ENOTDIR
             cur, buf = unkey(v), b
-        return cur, buf, None, None
+        return cur, buf
 
     def _file(self, txn: lmdb.Transaction, ino: int, buf: bytes | None, dir_ino: int | None,
               dir_buf: bytes | None, uid: int, groups: frozenset[int], check: bool,
