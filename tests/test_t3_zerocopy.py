@@ -189,6 +189,44 @@ def test_a_remembered_directory_walk_is_never_used_after_a_commit(src, tmp_path)
     assert (c["hits"], c["unresolved"]) == (4, 2)
 
 
+def test_a_located_file_is_remembered_per_snapshot_user_and_freshness(src, tmp_path,
+                                                                      monkeypatch):
+    """A file read again in the same snapshot is served without walking the index again,
+    but never for another uid, nor once its directory's listing is older than
+    --revalidate; the bound on what is remembered holds."""
+    from dlcachefs.store import readonly
+
+    cache = tmp_path / "cache"
+    os.chmod(src / "train/a/1.jpg", 0o600)  # root's: others may not read it
+    fill_cache(src, cache)
+    walks = []
+    real = readonly.IndexReader._locate
+    monkeypatch.setattr(readonly.IndexReader, "_locate",
+                        lambda self, *a: walks.append(a[1]) or real(self, *a))
+    p = src / "train/a/1.jpg"
+    with reading(src, cache, revalidate=0.5) as r:
+        assert r.read_cached(p) == FILES[b"train/a/1.jpg"]
+        assert r.read_cached(p) == FILES[b"train/a/1.jpg"]
+        assert len(walks) == 1  # the second read: remembered
+        with monkeypatch.context() as m:  # another user, same process, same snapshot
+            m.setattr(readonly.os, "geteuid", lambda: 4242)
+            m.setattr(readonly.os, "getegid", lambda: 4242)
+            m.setattr(readonly.os, "getgroups", lambda: [])
+            assert r.read_cached(p) is None
+        assert r.counts()["denied"] == 1 and len(walks) == 2
+        assert r.read_cached(p) == FILES[b"train/a/1.jpg"] and len(walks) == 2
+        time.sleep(0.6)  # the listing is now older than 0.5 s (a clock, not a timing check)
+        assert r.read_cached(p) is None
+        assert r.counts()["stale"] == 1 and len(walks) == 3
+    monkeypatch.setattr(readonly, "MAX_FILES", 2)
+    with reading(src, cache) as r:
+        for _ in range(3):
+            for rel, data in FILES.items():
+                assert r.read_cached(src / os.fsdecode(rel)) == data
+        assert len(R._process(r.info).index()._files) <= 2
+        assert r.counts()["hits"] == 3 * len(FILES)
+
+
 def entry_at(ix: Index, rel: bytes):
     """The entry of a path, through a writable Index (the test edits what a daemon would)."""
     ino = 1
@@ -553,7 +591,8 @@ def test_paths_resolve_as_the_kernel_resolves_them(tmp_path, classes, data):
         paths.update(os.path.relpath(os.path.join(d, f), src) for f in fs)
     expect_hits = 0
     with reading(src, base / "cache") as r:
-        for rel in sorted(paths):
+        # twice: the second pass finds what the first located remembered
+        for rel in [*sorted(paths), *sorted(paths)]:
             try:
                 want: bytes | type = (src / rel).read_bytes()
             except OSError as e:
@@ -579,7 +618,7 @@ def test_an_index_error_reopens_the_index(src, tmp_path, monkeypatch):
 
     cache = tmp_path / "cache"
     fill_cache(src, cache)
-    real = readonly.IndexReader.locate
+    real = readonly.IndexReader.locate_path
     calls = []
 
     def flaky(self, *a):
@@ -590,7 +629,7 @@ def test_an_index_error_reopens_the_index(src, tmp_path, monkeypatch):
             raise lmdb.MapResizedError("mdb_txn_begin: MDB_MAP_RESIZED")
         return real(self, *a)
 
-    monkeypatch.setattr(readonly.IndexReader, "locate", flaky)
+    monkeypatch.setattr(readonly.IndexReader, "locate_path", flaky)
     with reading(src, cache) as r:
         for k, v in FILES.items():
             assert r.read(src / os.fsdecode(k)) == v
@@ -692,15 +731,15 @@ def test_a_full_reader_table_is_a_fallback_that_keeps_the_environment(src, tmp_p
     with reading(src, tmp_path / "cache") as r:
         assert r.read(src / "top.txt") == b"hello"
         ix = R._process(r.info)._index
-        real = readonly.IndexReader.locate
+        real = readonly.IndexReader.locate_path
 
         def full(self, *a):
             raise lmdb.ReadersFullError("MDB_READERS_FULL")
 
-        monkeypatch.setattr(readonly.IndexReader, "locate", full)
+        monkeypatch.setattr(readonly.IndexReader, "locate_path", full)
         assert r.read(src / "top.txt") == b"hello"  # through the path
         assert R._process(r.info)._index is ix  # not retired: nothing is wrong with it
-        monkeypatch.setattr(readonly.IndexReader, "locate", real)
+        monkeypatch.setattr(readonly.IndexReader, "locate_path", real)
         assert r.read(src / "top.txt") == b"hello"
         c = r.counts()
         assert c["hits"] == 2 and c["errors"] == 1

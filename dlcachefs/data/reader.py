@@ -14,7 +14,8 @@ another log or delete a log at any moment, while readers in other processes hold
 they looked up):
 
 * **Look up, then read, then check.** The record is looked up in one read transaction
-  (:meth:`IndexReader.locate`: the file's entry, its freshness and the record's version);
+  (:meth:`IndexReader.locate_path`: the file's entry, its freshness and the record's
+  version, or that answer remembered for the same snapshot);
   its bytes are read with ONE ``pread`` into a new ``bytes`` object; they are returned
   only if their xxh3-64 equals the record's checksum. The daemon never rewrites a byte
   range in place with other data (logs are append-only; a range that leaves the index is
@@ -202,11 +203,11 @@ class CacheReader:
         """The bytes from the cache, checked against their checksum; None when they must
         be read through the mount (the reason is counted)."""
         proc = _process(self.info)
-        parts = self._parts(path)
-        if parts is None:
+        rel = self._rel(path)
+        if rel is None:
             proc.count(UNRESOLVED)
             return None
-        got = proc.locate(parts, self.info.revalidate_s)
+        got = proc.locate(rel, self.info.revalidate_s)
         if got is None:
             proc.count(ERRORS)
             return None
@@ -241,13 +242,14 @@ class CacheReader:
         if p is not None:
             p.close()
 
-    def _parts(self, path: str | bytes | os.PathLike) -> list[bytes] | None:
+    def _rel(self, path: str | bytes | os.PathLike) -> bytes | None:
+        """``path`` from the mount's root; None when it is not below it."""
         p = os.fsencode(path)
         if not p.startswith(b"/"):
             p = os.getcwdb() + b"/" + p  # what open() would resolve it against now
         if not p.startswith(self._prefix):
             return None
-        return p[len(self._prefix):].split(b"/")
+        return p[len(self._prefix):]
 
     def __repr__(self) -> str:
         return f"CacheReader({self.mount_root!r})"
@@ -390,14 +392,15 @@ class _Process:
         self._reads = 0  # (under the lookup lock, as the next one and _failed_at)
         self._next_check = 0.0  # monotonic time of the next sweep, at the latest
 
-    def locate(self, parts: list[bytes], revalidate: float) -> Located | str | None:
-        """One lookup (:meth:`IndexReader.locate`); None when the index cannot be read."""
+    def locate(self, rel: bytes, revalidate: float) -> Located | str | None:
+        """One lookup (:meth:`IndexReader.locate_path`); None when the index cannot be
+        read."""
         with self._lookup:
             ix = self.index()
             if ix is None:
                 return None
             try:
-                return ix.locate(parts, revalidate, time.time())
+                return ix.locate_path(rel, revalidate, time.time())
             except lmdb.ReadersFullError:
                 # LMDB's reader table is full (too many reading processes): this lookup
                 # goes through the mount; the environment is fine, keep it

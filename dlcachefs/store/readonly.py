@@ -41,6 +41,16 @@ three LMDB reads (its dirent, entry and record) instead of two per path componen
 matters past its CPU: py-lmdb lets go of the GIL around every read, and with several
 reading threads each hand-off of the GIL is a wait (8 threads read ~2x faster with it).
 
+Files located: :meth:`IndexReader.locate_path` remembers, the same way, where a file's
+cached bytes are (the :class:`Located`), keyed by its path, the uid and the groups, tagged
+with the snapshot, and used while its directory's listing is fresh (rule 2). A file
+read again in the same snapshot (threads re-reading, a persistent DataLoader worker in a
+later epoch while the daemon committed nothing) costs one LMDB transaction and no read
+in it: the kernel's dentry cache does the same for the local copy it is compared with.
+Only answers that serve from the cache are remembered (a miss goes through the mount,
+which is slow anyway, and may be cached by the next snapshot). At most :data:`MAX_FILES`
+per process (~300 bytes each); past it, all are forgotten.
+
 Transactions stay short on purpose: LMDB cannot reuse a page freed after the oldest live
 read transaction began, so a reader that held one open would make the daemon's index
 grow. Blocking code; any thread (py-lmdb read transactions are per call here).
@@ -87,6 +97,8 @@ _NO_GROUPS: frozenset[int] = frozenset()
 _SPECIAL = frozenset((b"", b".", b".."))
 #: directory walks remembered per process (:meth:`IndexReader._dir`); past it, forgotten
 MAX_DIRS = 65536
+#: files located remembered per process (:meth:`IndexReader.locate_path`); past it, forgotten
+MAX_FILES = 65536
 
 
 def _may(buf: bytes, want: int, uid: int, groups: frozenset[int]) -> bool:
@@ -129,6 +141,9 @@ class IndexReader:
         #: (directory path, uid, groups) -> (snapshot id, the walk's end): see the module doc
         self._dirs: dict[tuple[bytes, int, frozenset[int]],
                          tuple[int, tuple[int, bytes] | str]] = {}
+        #: (path, uid, groups) -> (snapshot id, where, its directory's checked_at): see
+        #: the module doc
+        self._files: dict[tuple[bytes, int, frozenset[int]], tuple[int, Located, float]] = {}
         self.env = lmdb.open(index_dir, readonly=True, lock=True, subdir=True, create=False,
                              max_dbs=8, readahead=False, map_size=MAP_SIZE,
                              max_readers=S.MAX_READERS)
@@ -196,34 +211,60 @@ class IndexReader:
         The walk to the file's directory is remembered per snapshot (see "Directory
         walks" in the module doc): a sample usually costs three LMDB reads, its dirent,
         its entry and its record."""
-        uid = os.geteuid()
-        check = uid != 0  # root reads and searches everything (CAP_DAC_OVERRIDE)
-        groups = frozenset((os.getegid(), *os.getgroups())) if check else _NO_GROUPS
+        uid, groups, check = _who()
         with self.env.begin(buffers=False) as txn:
-            name = parts[-1] if parts else b""
-            dir_ino: int | None = None
-            dir_buf: bytes | None = None
-            if len(parts) < 2 or name in _SPECIAL:
-                got = self._walk(txn, parts, uid, groups, check)
+            got = self._locate(txn, parts, uid, groups, check, revalidate, now)
+        return got if isinstance(got, str) else got[0]
+
+    def locate_path(self, rel: bytes, revalidate: float, now: float) -> Located | str:
+        """:meth:`locate` of ``rel``, the path from the mount's root (``/``-separated
+        components), with the answer remembered when it serves from the cache (see
+        "Files located" in the module doc): the same answer as :meth:`locate`, always."""
+        uid, groups, check = _who()
+        key = (rel, uid, groups)
+        with self.env.begin(buffers=False) as txn:
+            snap = txn.id()
+            hit = self._files.get(key)
+            # (the freshness rule of _file, for the directory listed at hit[2])
+            if hit is not None and hit[0] == snap and revalidate > 0 and (
+                    now - hit[2] <= revalidate):
+                return hit[1]
+            got = self._locate(txn, rel.split(b"/"), uid, groups, check, revalidate, now)
+        if isinstance(got, str):
+            return got
+        if len(self._files) >= MAX_FILES:
+            self._files.clear()
+        self._files[key] = (snap, *got)  # (a dict store: atomic under the GIL)
+        return got[0]
+
+    def _locate(self, txn: lmdb.Transaction, parts: Sequence[bytes], uid: int,
+                groups: frozenset[int], check: bool, revalidate: float,
+                now: float) -> tuple[Located, float] | str:
+        """:meth:`locate` in ``txn``: where, and when the file's directory was listed;
+        or why not."""
+        name = parts[-1] if parts else b""
+        dir_ino: int | None = None
+        dir_buf: bytes | None = None
+        if len(parts) < 2 or name in _SPECIAL:
+            got = self._walk(txn, parts, uid, groups, check)
+        else:
+            d = self._dir(txn, parts, uid, groups, check)
+            if isinstance(d, str):
+                return d
+            dir_ino, dir_buf = d
+            if check and not _may(dir_buf, _X, uid, groups):
+                return DENIED
+            v = txn.get(ukey(dir_ino) + name, db=self.dirent)
+            b = txn.get(v, db=self.inode) if v is not None else None
+            if b is None:
+                return UNRESOLVED
+            if stat.S_ISLNK(_MODE_UID_GID.unpack_from(b, 8)[0]):
+                got = self._walk(txn, parts, uid, groups, check)  # followed from the root
             else:
-                d = self._dir(txn, parts, uid, groups, check)
-                if isinstance(d, str):
-                    return d
-                dir_ino, dir_buf = d
-                if check and not _may(dir_buf, _X, uid, groups):
-                    return DENIED
-                v = txn.get(ukey(dir_ino) + name, db=self.dirent)
-                b = txn.get(v, db=self.inode) if v is not None else None
-                if b is None:
-                    return UNRESOLVED
-                if stat.S_ISLNK(_MODE_UID_GID.unpack_from(b, 8)[0]):
-                    got = self._walk(txn, parts, uid, groups, check)  # followed from the root
-                else:
-                    got = (unkey(v), b)
-            if isinstance(got, str):
-                return got
-            return self._file(txn, *got, dir_ino, dir_buf, uid, groups, check, revalidate,
-                              now)
+                got = (unkey(v), b)
+        if isinstance(got, str):
+            return got
+        return self._file(txn, *got, dir_ino, dir_buf, uid, groups, check, revalidate, now)
 
     def _dir(self, txn: lmdb.Transaction, parts: Sequence[bytes], uid: int,
              groups: frozenset[int], check: bool) -> tuple[int, bytes] | str:
@@ -297,9 +338,10 @@ class IndexReader:
 
     def _file(self, txn: lmdb.Transaction, ino: int, buf: bytes | None, dir_ino: int | None,
               dir_buf: bytes | None, uid: int, groups: frozenset[int], check: bool,
-              revalidate: float, now: float) -> Located | str:
+              revalidate: float, now: float) -> tuple[Located, float] | str:
         """Rules 2-4 of the module doc for the entry the walk reached (``dir_ino`` and
-        ``dir_buf``: the directory it was looked up in, when known)."""
+        ``dir_buf``: the directory it was looked up in, when known): where, and when the
+        directory was listed (its ``checked_at``)."""
         if buf is None:
             return UNRESOLVED  # the root, or a directory reached by ".."
         (parent, mode, _nlink, _uid, _gid, size, _blocks, _rdev, _at, mtime_ns, _ct, src_ino,
@@ -311,7 +353,8 @@ class IndexReader:
         pb = dir_buf if parent == dir_ino else txn.get(ukey(parent), db=self.inode)
         if pb is None:
             return UNRESOLVED
-        if revalidate <= 0 or now - _CHECKED_AT.unpack_from(pb, _CHECKED_AT_OFF)[0] > revalidate:
+        checked_at = _CHECKED_AT.unpack_from(pb, _CHECKED_AT_OFF)[0]
+        if revalidate <= 0 or now - checked_at > revalidate:
             return STALE
         rb = txn.get(ukey(ino), db=self.record)
         if rb is None:
@@ -319,10 +362,19 @@ class IndexReader:
         _chunk, log_id, offset, rsize, data_xxh, rmtime, rsrc = Record._S.unpack(rb)
         if (rsize, rmtime, rsrc) != (size, mtime_ns, src_ino):
             return STALE
-        return Located(ino, log_id, offset, rsize, data_xxh)
+        return Located(ino, log_id, offset, rsize, data_xxh), checked_at
 
     def close(self) -> None:
         self.env.close()
+
+
+def _who() -> tuple[int, frozenset[int], bool]:
+    """This process's effective uid and groups, and whether permissions are checked for
+    it (not for root: CAP_DAC_OVERRIDE)."""
+    uid = os.geteuid()
+    if uid == 0:
+        return uid, _NO_GROUPS, False
+    return uid, frozenset((os.getegid(), *os.getgroups())), True
 
 
 def _file_id(index_dir: str) -> tuple[int, int]:
