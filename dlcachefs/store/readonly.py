@@ -49,7 +49,8 @@ later epoch while the daemon committed nothing) costs one LMDB transaction and n
 in it: the kernel's dentry cache does the same for the local copy it is compared with.
 Only answers that serve from the cache are remembered (a miss goes through the mount,
 which is slow anyway, and may be cached by the next snapshot). At most :data:`MAX_FILES`
-per process (~300 bytes each); past it, all are forgotten.
+per process (~450 bytes each: 7 MiB; a DataLoader worker is a process); past it, all are
+forgotten, so over a dataset far larger than that, re-reads find little remembered.
 
 Transactions stay short on purpose: LMDB cannot reuse a page freed after the oldest live
 read transaction began, so a reader that held one open would make the daemon's index
@@ -98,7 +99,7 @@ _SPECIAL = frozenset((b"", b".", b".."))
 #: directory walks remembered per process (:meth:`IndexReader._dir`); past it, forgotten
 MAX_DIRS = 65536
 #: files located remembered per process (:meth:`IndexReader.locate_path`); past it, forgotten
-MAX_FILES = 65536
+MAX_FILES = 16384
 
 
 def _may(buf: bytes, want: int, uid: int, groups: frozenset[int]) -> bool:
