@@ -318,6 +318,18 @@ def test_bad_mount_arguments_fail_clearly(tmp_path):
                         "--cache-dir", str(tmp_path / "c")], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode != 0 and "mountpoint does not exist" in r.stderr
+    # the mount over its own source, inside it, or hiding the source or the cache: the
+    # daemon would wait on itself; each is refused and nothing is mounted
+    (tmp_path / "s" / "sub").mkdir()
+    (tmp_path / "m").mkdir()
+    for source, mnt, cache, why in [
+            ("s", "s", "c", "is the source"), ("s", "s/sub", "c", "is the source"),
+            ("m/..", "./s", "c", "is the source"), ("s/sub", "s", "c", "inside the mountpoint"),
+            ("s", "m", "m/cache", "cache directory")]:
+        r = subprocess.run([*DLCACHEFS, "mount", source, mnt, "--cache-dir", cache],
+                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert r.returncode != 0 and why in r.stderr, (source, mnt, r.stderr)
+        assert not is_mounted(tmp_path / mnt)
 
 
 def test_daemonized_mount_and_umount_while_a_file_is_open(src, tmp_path, daemon_oracle):
