@@ -204,6 +204,38 @@ def test_modified_source_file_gives_new_bytes(src, mount):
     assert (m.mnt / "cls3" / "brand_new.bin").read_bytes() == b"new"
 
 
+def test_files_too_large_to_cache_are_read_through_and_can_be_mapped(tmp_path, mount):
+    """A file above --max-cached-file is read from the source at each read, byte for byte,
+    by read() and by mmap (numpy.load(mmap_mode="r") of a large shard: it was ENODEV),
+    and a new version on the source is what a new open sees."""
+    import mmap
+
+    import numpy as np
+
+    src = tmp_path / "src"
+    src.mkdir()
+    arr = np.arange(300_000, dtype=np.float32)
+    np.save(src / "big.npy", arr)
+    (src / "small.bin").write_bytes(b"x" * 1000)
+    m = mount(src, "--max-cached-file", "100K", "--revalidate", "0")
+    p = m.mnt / "big.npy"
+    assert p.read_bytes() == (src / "big.npy").read_bytes()
+    got = np.load(p, mmap_mode="r")
+    assert np.array_equal(got, arr)
+    del got
+    with open(p, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        assert mm[-4096:] == (src / "big.npy").read_bytes()[-4096:]
+    for arr2 in (arr[::-1].copy(), np.arange(400_000, dtype=np.float32) * 2):
+        np.save(src / "big.npy", arr2)  # the same size, then larger
+        os.utime(src / "big.npy", ns=(time.time_ns(), time.time_ns() + 5_000_000_000))
+        assert p.read_bytes() == (src / "big.npy").read_bytes()
+        assert np.array_equal(np.load(p, mmap_mode="r"), arr2)
+    assert (m.mnt / "small.bin").read_bytes() == b"x" * 1000
+    st = m.stats()
+    assert st["cached_files"] <= 1  # the large one never cached
+    assert st["bytes_from_source"] >= 5 * arr.nbytes
+
+
 def test_vanished_source_file_is_enoent(src, mount):
     m = mount(src, "--revalidate", "0")
     (src / "cls2" / "f002.bin").unlink()

@@ -508,6 +508,14 @@ class Engine:
             e = await trio.to_thread.run_sync(self.ns.update_identity, e, ident)
             self.ns.changed_on_source(e)
         self.counters.misses += 1
+        # Through the page cache, not direct_io: the kernel refuses mmap of a direct_io
+        # file (ENODEV), and large files are what people map (numpy memmaps, shards);
+        # readahead helps their sequential reads too. keep_cache=False drops pages of an
+        # earlier open, and every range read is checked against the opened version. As
+        # in open(): the first open after a change during the mount is direct_io (the
+        # kernel may still hold the old size, and would cut reads at it).
+        changed = e.ino in self.ns.changed
+        self.ns.changed.discard(e.ino)
         return OpenResult(self._new_fh(Handle(e.ino, None, False, fd, ident)),
-                          keep_cache=False, direct_io=True)
+                          keep_cache=False, direct_io=changed)
 
