@@ -290,6 +290,29 @@ def rec() -> Recorder:
     return Recorder()
 
 
+def test_ranks_of_one_job_never_take_each_others_streams():
+    """Each rank of a DDP job announces job + dataset + sampler + epoch (the hook's write):
+    only its own stream starts, bound to its own process; the other rank's stream is
+    restarted (without the writer bound to it) only when the job's dataset changes."""
+    calls = []
+    cs = ControlState(resolve_dir, lambda st, js, pid: calls.append(((st.job, st.rank), pid)))
+
+    def announce(rank: int, epoch: int, dataset: str = "train") -> list:
+        calls.clear()
+        cs.apply(f"job default\ndataset {dataset}\nsampler distributed seed=1 world=2 "
+                 f"rank={rank}\nepoch {epoch}\n".encode(), 1000 + rank)
+        return list(calls)
+
+    assert announce(1, 0) == [(("default", 1), 1001)]
+    assert announce(0, 0) == [(("default", 0), 1000)]
+    assert announce(1, 1) == [(("default", 1), 1001)]
+    assert cs.streams[("default", 0)].epoch == 0  # rank 0's stream stays where it was
+    # a new dataset: both streams start over on it, the other rank's without the writer
+    assert sorted(announce(1, 2, "val"), key=str) == [(("default", 0), None),
+                                                      (("default", 1), 1001)]
+    assert cs.binding_of(1001) == ("default", 1) and cs.binding_of(1000) == ("default", 0)
+
+
 def test_loss_delivered_after_apply(rec):
     rec.cs.apply(b"dataset train\n", 1)
     assert rec.cs.apply(b"loss 0 1.5 9 -2 3 1e-3\nloss 0 7\n", 1)

@@ -357,7 +357,10 @@ class ControlState:
       write, in write order; ``order`` is the ``array('q')`` stored in
       ``stream.orders[epoch]`` (do not modify it).
     * ``on_stream(stream, job, pid)``: for each stream a write changed (the engine starts
-      or moves its prefetch). ``order`` lines do not count as a change.
+      or moves its prefetch). ``order`` lines do not count as a change. ``pid`` is the
+      writer's, or None for a stream the write changed that is not the writer's (another
+      rank's, when a ``dataset`` line changed its job's dataset): the writer is not its
+      process. A ``dataset`` line that repeats the job's dataset changes nothing.
     * ``on_loss(job_name, indices, values)``: once per job that got ``loss`` pairs in the
       write, with all of them in write order (``list[int]``, ``list[float]``); an index may
       repeat: apply them in order, the later value wins. The indices refer to the job's
@@ -375,7 +378,7 @@ class ControlState:
     """
 
     def __init__(self, resolve_dir: Callable[[str], int],
-                 on_stream: Callable[[StreamState, JobState, int], None] | None = None,
+                 on_stream: Callable[[StreamState, JobState, int | None], None] | None = None,
                  *,
                  dataset_size: Callable[[str], int | None] | None = None,
                  on_loss: Callable[[str, list[int], list[float]], None] | None = None,
@@ -419,7 +422,9 @@ class ControlState:
                 raise ControlError(reason) from None
             raise
         job, rank = self.binding_of(pid)
-        touched: dict[tuple[str, int], StreamState] = {}
+        # streams this write changed -> whether they are the writer's (a stream restarted
+        # because its job's dataset changed is not: another rank's stays that rank's)
+        touched: dict[tuple[str, int], tuple[StreamState, bool]] = {}
         completed: list[tuple[StreamState, int, array]] = []
         losses: dict[str, tuple[list[int], list[float]]] = {}
         for op in ops:  # validated: applying cannot fail half way
@@ -437,13 +442,14 @@ class ControlState:
             js.updated = time.time()
             if op.verb == "dataset":
                 view = self.views.get(op.extra[1]) if len(op.extra) > 1 else None
-                if js.dataset != op.arg or js.view != view:
-                    self._drop_orders(job)
+                changed = js.dataset != op.arg or js.view != view
                 js.dataset, js.dataset_ino = str(op.arg), int(op.extra[0])
                 js.view = view
-                for (j, _r), st in self.streams.items():
-                    if j == job:
-                        touched[(j, _r)] = st
+                if changed:  # every stream of the job starts over on the new dataset
+                    self._drop_orders(job)
+                    for (j, r), st in self.streams.items():
+                        if j == job:
+                            touched.setdefault((j, r), (st, False))
                 continue
             if op.verb == "job":
                 continue
@@ -474,7 +480,7 @@ class ControlState:
             elif op.verb == "batch":
                 st.batch = int(op.arg)  # type: ignore[call-overload]
                 st.workers, st.prefetch_factor = op.extra
-            touched[(job, rank)] = st
+            touched[(job, rank)] = (st, True)
         self._pid_job[pid] = (job, rank)
         self._pid_job.move_to_end(pid)
         while len(self._pid_job) > MAX_PIDS:
@@ -484,8 +490,8 @@ class ControlState:
             for st, epoch, order in completed:
                 self.on_order(st, self.jobs[st.job], epoch, order, pid)
         if self.on_stream is not None:
-            for st in touched.values():
-                self.on_stream(st, self.jobs[st.job], pid)
+            for st, own in touched.values():
+                self.on_stream(st, self.jobs[st.job], pid if own else None)
         if self.on_loss is not None:
             for name, (idx, vals) in losses.items():
                 self.on_loss(name, idx, vals)

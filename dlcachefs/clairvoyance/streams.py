@@ -270,17 +270,21 @@ class StreamManager:
 
     # ----- control updates (trio loop, from ControlState.apply) ---------------------
 
-    def on_stream(self, st: StreamState, js: JobState, pid: int) -> None:
+    def on_stream(self, st: StreamState, js: JobState, pid: int | None) -> None:
+        """A stream's announcement changed (:class:`ControlState`'s callback): ``pid`` is
+        the announcing process (its reads, and its children's, are this stream's), None
+        when another process's write changed the stream (another rank's new dataset)."""
         self.start_replay()
         s = self.streams.get((st.job, st.rank))
         if s is None:
             s = self.streams[(st.job, st.rank)] = Stream(st.job, st.rank)
-        s.pids.add(pid)
         s.pace.hint(st.batch, st.workers, st.prefetch_factor)
         s.pace.state = st  # the training's pace reports land there
-        self._pid_stream.clear()  # attribution may have changed
-        if self.unannounced:  # its process group has announced now
-            self.unannounced.pop(_pgid(_tgid(pid)), None)
+        if pid is not None:
+            s.pids.add(pid)
+            self._pid_stream.clear()  # attribution may have changed
+            if self.unannounced:  # its process group has announced now
+                self.unannounced.pop(_pgid(_tgid(pid)), None)
         learned = st.sampler is not None and st.sampler.kind == "unknown"
         if (js.dataset is None and not learned) or st.sampler is None or st.epoch is None:
             return
