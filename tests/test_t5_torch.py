@@ -145,6 +145,51 @@ def test_launcher_is_bit_identical_and_announces_the_sampler(tmp_path, mount):
     assert ctl["streams"]["default/0"]["sampler"]["per_epoch"] is True
 
 
+IIS_TRAIN = """
+import sys, torch
+from torch.utils.data import DataLoader
+from torchvision import datasets, transforms
+from dlcachefs.torch import ImportanceSampler, LossReporter, with_index
+
+root = sys.argv[1]
+tf = transforms.Compose([transforms.Resize((16, 16)), transforms.ToTensor()])
+ds = with_index(datasets.ImageFolder(root, transform=tf))
+sampler = ImportanceSampler(ds, seed=0, warmup=1, full_every=0)
+reporter = LossReporter(root)
+loader = DataLoader(ds, sampler=sampler, batch_size=16, num_workers=2)
+for epoch in range(3):
+    sampler.set_epoch(epoch)
+    for x, y, idx in loader:
+        loss = x.mean(dim=(1, 2, 3))  # any per-sample value will do
+        sampler.record(idx, loss); reporter.report(idx, loss)
+    reporter.flush()
+"""
+
+
+def test_importance_sampler_under_the_launcher_stays_explicit(tmp_path, mount):
+    """Under ``dlcachefs run`` the DataLoader hook must not announce an ImportanceSampler
+    as an unknown sampler: the stream stays the explicit order it announces itself, and
+    the losses build the importance list (it was ``learned``, version 0)."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "src"
+    make_images(src, classes=3, per_class=20)
+    m = mount(src, "--policy", "icache")
+    script = tmp_path / "iis.py"
+    script.write_text(IIS_TRAIN)
+    r = subprocess.run([sys.executable, "-m", "dlcachefs.cli", "run", "--", sys.executable,
+                        str(script), str(m.mnt)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "not replayable" not in r.stderr, r.stderr
+    st = m.stats()
+    s = st["streams"]["default/0"]
+    assert s["mode"] == "replayed" and "explicit" in s["reason"], s
+    assert st["importance"]["version"] >= 1
+    ctl = json.loads((m.mnt / ".dlcache" / "control").read_bytes())
+    assert ctl["streams"]["default/0"]["sampler"]["kind"] == "explicit"
+
+
 def test_importance_training_with_substitution_keeps_labels_right(tmp_path, mount):
     """ImportanceSampler + LossReporter + a DataLoader with workers over a mount with
     icache and --substitute: every image a batch carries is the exact decoding of a

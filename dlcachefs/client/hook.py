@@ -539,6 +539,8 @@ def _patch(data_module) -> None:
             reason = f"batch sampler {type(bs).__name__} has no sampler attribute"
         elif type(inner).__iter__ in replayable.values():
             return  # its own hook announces it
+        elif getattr(type(inner), "dlcachefs_announces", False):
+            return  # it announces its own order (ImportanceSampler: sampler explicit)
         elif type(inner).__iter__ is SequentialSampler.__iter__:
             t = usable(ds, loader)
             if t is not None:
@@ -940,6 +942,9 @@ class ImportanceSampler:
 
     Works without a mount too (the selection is the same; nothing is announced).
     """
+
+    #: the DataLoader hook leaves its announcement alone (it would say ``unknown``)
+    dlcachefs_announces = True
 
     def __init__(self, dataset, seed: int = 0, beta: float = 0.33, warmup: int = 2,
                  full_every: int = 3, job: str | None = None, announce: bool = True) -> None:
