@@ -165,6 +165,12 @@ def test_bad_dataset_refuses_earlier_job_line(cs):
     (b"JOB a", "unknown command"),
     (b"", "empty"),
     (b"# only a comment\n\n", "empty"),
+    (b"loss 5 1_000", "loss must be a number"),
+    ("loss 5 \u0663".encode(), "loss must be a number"),  # an Arabic-Indic 3
+    ("loss \u0663 1".encode(), "index must be an integer"),
+    (b"loss 5 nan", "finite"),
+    (b"loss 5 -Infinity", "finite"),
+    (b"epoch 1_0", "epoch must be an integer"),
 ])
 def test_refused_lines(cs, line, match):
     cs.apply(b"dataset val", 100)
@@ -598,7 +604,11 @@ def oracle(line: str) -> list[tuple[int, float]] | None:
         return None
     out = []
     for i, v in zip(toks[0::2], toks[1::2], strict=True):
-        if not i.lstrip("-").isdecimal() or len(i.lstrip("-")) > 20:
+        digits = i[1:] if i.startswith("-") else i
+        # ASCII digits only (not "٣", "1_0" or " 1", which int() and float() take)
+        if not digits or set(digits) - set("0123456789") or len(digits) > 20:
+            return None
+        if not v or set(v) - set("0123456789+-.eE"):
             return None
         try:
             idx, val = int(i), float(v)

@@ -134,7 +134,11 @@ MAX_LIST_TOTAL = 1 << 28  # indices held in index lists, complete and in progres
 MAX_ROOTS = 1024  # roots of one view
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-_INT_RE = re.compile(r"^-?\d{1,20}$")
+# ASCII only: Python's int() and float() also take other scripts' digits ("٣"), "1_000"
+# and surrounding spaces, which no writer means
+_INT_RE = re.compile(r"^-?[0-9]{1,20}$")
+_FLOAT_RE = re.compile(r"^[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?$")
+_NOT_FINITE = frozenset(("nan", "inf", "infinity"))
 COMMANDS = ("job", "dataset", "sampler", "batch", "epoch", "loss", "order", "index", "root",
             "view", "pace")
 _ID_RE = re.compile(rf"^[0-9a-f]{{{ID_HEX}}}$")
@@ -252,11 +256,10 @@ def _bool(n: int, key: str, text: str) -> bool:
 
 
 def _seconds(n: int, key: str, text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
+    if not _FLOAT_RE.match(text):
         raise ControlError(f"line {n}: {key} must be a number of seconds, got "
-                           f"{text[:40]!r}") from None
+                           f"{text[:40]!r}")
+    v = float(text)
     if not math.isfinite(v) or not 0.0 <= v <= 1e9:
         raise ControlError(f"line {n}: {key} must be within 0..1e9 seconds, got {text[:40]!r}")
     return v
@@ -741,13 +744,15 @@ class ControlState:
                                f"tokens")
         indices = _indices(n, args[0::2])
         values: list[float] = []
-        isfinite = math.isfinite
+        isfinite, match = math.isfinite, _FLOAT_RE.match
         for t in args[1::2]:
-            try:
-                v = float(t)
-            except ValueError:
-                raise ControlError(f"line {n}: loss must be a number, got {t[:40]!r}") from None
-            if not isfinite(v):
+            if not match(t):
+                if t.lower().lstrip("+-") in _NOT_FINITE:
+                    raise ControlError(f"line {n}: loss must be a finite number, got "
+                                       f"{t[:40]!r}")
+                raise ControlError(f"line {n}: loss must be a number, got {t[:40]!r}")
+            v = float(t)
+            if not isfinite(v):  # 1e400
                 raise ControlError(f"line {n}: loss must be a finite number, got {t[:40]!r}")
             values.append(v)
         return _Op("loss", indices, (values,), n)
