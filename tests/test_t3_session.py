@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -252,19 +253,44 @@ def test_cache_smaller_than_the_dataset(client, tmp_path, policy):
             order = list(sampler)
             s = await announced(eng, epoch)
             assert s.mode == "replayed" and s.order == order
+            log = s.current_log if epoch and s.memory_prefetch else None
+            if log is not None:
+                await poll(lambda log=log: log.done.is_set(), "this epoch's log finished")
             before = eng.stats()
-            for i in order:
+            for k, i in enumerate(order):
                 ino = eng.ns.resolve(rels[i]).ino
                 assert await read_file(eng, ino) == files[rels[i]], rels[i]
+                if log is not None and k == len(log.slots) // 2:  # in the log's part
+                    await eng.flush()
+                    # LCache with a cache too small for the dataset: the part of this
+                    # epoch's log still ahead stays in the cache while the next epoch's
+                    # log is written (LRU evicted exactly those chunks, its oldest)
+                    ahead = [c.chunk_id for c in log.chunks if c.sealed and c.unread]
+                    assert ahead, "nothing of this epoch's log is left to read"
+                    assert all(eng.index.get_chunk(c) is not None for c in ahead)
+                    assert set(ahead) <= eng.writer.protected
             await eng.flush()
             after = eng.stats()
             hits.append(after["hits"] - before["hits"])
+            if log is not None:
+                assert log.missing_at_start is not None
+                # the next epoch's log got its samples as they were read (per-slot room)
+                assert log.missing_at_start <= len(log.slots) // 2, log.missing_at_start
             reporter.report(order, losses_of(order, epoch))
             reporter.flush()
             assert reporter.dropped_pairs == 0 and c.refused == []
             assert eng.check_invariants() == []
             assert eng.index.counter(S.K_CHUNK_BYTES) <= cap
         assert sum(hits[1:]) > 0, hits
+        # a training that stops opening (ended, died mid-epoch) lets its logs go
+        from dlcachefs.clairvoyance.streams import IDLE_S
+
+        logs = [nl for nl in (s.current_log, s.next_log) if nl is not None]
+        eng.streams.unprotect_idle(time.monotonic() + IDLE_S / 2)
+        if s.memory_prefetch and s.current_log is not None:
+            assert eng.writer.protected  # not idle yet
+        eng.streams.unprotect_idle(time.monotonic() + IDLE_S + 1)
+        assert not {c.chunk_id for nl in logs for c in nl.chunks} & eng.writer.protected
 
     with build(cfg) as sess:
         c.session = sess

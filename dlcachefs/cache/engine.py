@@ -298,13 +298,15 @@ class Engine:
     async def _let_idle_things_go(self) -> None:
         """Close the source directory descriptors kept for fetches once they expire, so
         that an idle daemon holds none (``LocalSource.drop_idle``: O_PATH closes under a
-        lock held for microseconds, cheap enough for the loop), and let go of scan-ahead's
-        spares held too long (``ReadAhead.drop_old_spares``)."""
+        lock held for microseconds, cheap enough for the loop), let go of scan-ahead's
+        spares held too long (``ReadAhead.drop_old_spares``) and of the protection of idle
+        streams' logs (``StreamManager.unprotect_idle``)."""
         while True:
             await trio.sleep(DirDescriptors.TTL_S)
             if isinstance(self.source, LocalSource):
                 self.source.drop_idle()
             self.readahead.drop_old_spares()
+            self.streams.unprotect_idle(time.monotonic())
 
     async def flush(self) -> None:
         """Seal everything fetched so far, the files still waiting for the writer's room

@@ -20,12 +20,18 @@ Each sample gets one slot (its first position in the next order): the index keep
 location per file. Crash safety is the writer's: only complete, fsynced chunks are
 indexed; after a crash the plan is gone and the records still point at their old chunks.
 
-``--cache-size``: a planned chunk's whole length is reserved in the chunk writer's account
-(:meth:`ChunkWriter.try_reserve`, which evicts by the policy to make room) when its first
-slot is claimed, before any byte of it is written; a slot whose chunk gets no reservation
-is not claimed (the fill at the epoch boundary tries again). The reservation becomes
-chunk bytes when the chunk is indexed, under the writer's limiter
-(:meth:`ChunkWriter.commit_external`), and is given back, with the written range punched
+``--cache-size``: each slot's record length (and the chunk header's, with its chunk's first
+slot) is reserved in the chunk writer's account (:meth:`ChunkWriter.try_reserve`, which
+evicts by the policy to make room) when the slot is claimed, before any byte of it is
+written; a slot that gets no reservation is not claimed (the fill at the epoch boundary
+tries again). Per slot, not per chunk: when the cache cannot hold two copies of the
+dataset, this log grows while the current epoch's log shrinks (its chunks are released as
+they are read), the two fitting at every moment as LCache argues; a chunk's whole length
+claimed at its first slot would ask, within the first few samples of the epoch, for the
+room of every chunk of this log at once, and most slots would go unwritten (then fetched
+from the source again at the epoch boundary). A sealed chunk's reservations (its length,
+all slots being written) become chunk bytes when it is indexed, under the writer's limiter
+(:meth:`ChunkWriter.commit_external`), and are given back, with the written range punched
 out, when the plan ends with the chunk unsealed. The plan itself is cut to what the cache
 can hold and its chunks to the writer's unit size.
 
@@ -84,6 +90,7 @@ class Slot:
     ident: Identity
     chunk: int  # index into NextEpochLog.chunks
     offset: int  # absolute offset of the record header in the log
+    rlen: int  # the record's length (header, path, bytes)
     written: bool = False
 
 
@@ -96,7 +103,7 @@ class PlannedChunk:
     remaining: int = 0
     sealed: bool = False
     unread: int = 0  # records not yet read in this log's own epoch
-    reserved: bool = False  # its length is reserved in the writer's --cache-size account
+    held: int = 0  # bytes of it reserved in the writer's --cache-size account
 
 
 def plan_layout(index, inos: list[int], chunk_size: int, max_file: int, start_offset: int,
@@ -134,7 +141,7 @@ def plan_layout(index, inos: list[int], chunk_size: int, max_file: int, start_of
             cur = PlannedChunk(0, off, CHUNK_HEADER_SIZE)
             chunks.append(cur)
             off += CHUNK_HEADER_SIZE
-        slot = Slot(ino, key, identity(e), len(chunks) - 1, off)
+        slot = Slot(ino, key, identity(e), len(chunks) - 1, off, rlen)
         cur.slots.append(slot)
         cur.length += rlen
         cur.remaining += 1
@@ -176,6 +183,8 @@ class NextEpochLog:
         self._wake = trio.Event()
         self.sealed = 0
         self.failed = False
+        #: samples of the log not written when its epoch began (fetched for it then)
+        self.missing_at_start: int | None = None
         self._finish = False
         self.done = trio.Event()
 
@@ -225,12 +234,14 @@ class NextEpochLog:
         self._wake.set()
 
     def _reserve(self, slot: Slot) -> bool:
-        """Room in --cache-size for the slot's chunk, reserved before its first byte."""
+        """Room in --cache-size for the slot's record (and its chunk's header, with the
+        chunk's first slot), reserved before its first byte; False when there is none.
+        Called once per slot, just before it is claimed (``written``)."""
         c = self.chunks[slot.chunk]
-        if not c.reserved:
-            if not self.engine.writer.try_reserve(c.length):
-                return False
-            c.reserved = True
+        need = slot.rlen + (CHUNK_HEADER_SIZE if c.held == 0 else 0)
+        if not self.engine.writer.try_reserve(need):
+            return False
+        c.held += need
         return True
 
     def start_reading(self) -> None:
@@ -253,11 +264,18 @@ class NextEpochLog:
     def unprotect(self) -> None:
         self.engine.writer.protected.difference_update(c.chunk_id for c in self.chunks)
 
+    def release(self, chunk_id: int) -> None:
+        """LCache's release after use: every record of the chunk was read in this log's
+        epoch; it is no longer protected, and evicted at the next seal."""
+        self.engine.writer.protected.discard(chunk_id)
+        self.engine.writer.retire_chunk(chunk_id)
+
     def request_finish(self) -> None:
         """Epoch e+1 has started: fill what is missing and seal the rest (see :meth:`run`)."""
+        self.missing_at_start = sum(1 for s in self.slots.values() if not s.written)
         log.info("stream %s: epoch %d starts with %d of %d chunks of its log sealed, %d "
                  "samples missing", self.key, self.epoch, self.sealed, len(self.chunks),
-                 sum(1 for s in self.slots.values() if not s.written))
+                 self.missing_at_start)
         self._finish = True
         self._wake.set()
 
@@ -285,10 +303,10 @@ class NextEpochLog:
             log.exception("stream %s: reordering epoch %d failed", self.key, self.epoch)
         finally:
             self.engine.logs.filling.discard(self.log_id)
-            given_up = [c for c in self.chunks if c.reserved and not c.sealed]
+            given_up = [c for c in self.chunks if c.held and not c.sealed]
             for c in given_up:  # their bytes will never be indexed
-                c.reserved = False
-                self.engine.writer.unreserve(c.length)
+                self.engine.writer.unreserve(c.held)
+                c.held = 0
             with trio.CancelScope(shield=True):
                 if self.sealed == 0:
                     await trio.to_thread.run_sync(self.engine.logs.discard_log, self.log_id)
@@ -381,10 +399,10 @@ class NextEpochLog:
 
     async def _seal(self, c: PlannedChunk) -> None:
         eng = self.engine
-        assert c.reserved, "every slot of a chunk is claimed with its reservation"
+        assert c.held == c.length, "every slot of a chunk is claimed with its reservation"
         dead = await eng.writer.commit_external(c.length, self._seal_thread, c)
         c.sealed = True
-        c.reserved = False  # the reservation is chunk bytes now
+        c.held = 0  # the reservations are chunk bytes now
         self.sealed += 1
         eng.policy.on_insert(c.chunk_id, tuple(s.ino for s in c.slots), c.length)
         eng.counters.reorder_chunks += 1

@@ -68,6 +68,9 @@ if TYPE_CHECKING:
 
 MAX_UNANNOUNCED = 8  # stats entries for processes that read without announcing
 MAX_LEARNED = 1 << 22  # opens remembered per epoch of a learned stream
+#: a stream that opened nothing for this long (a training that ended or died mid-epoch)
+#: no longer protects its logs from eviction (StreamManager.unprotect_idle)
+IDLE_S = 300.0
 NOTHING_ANNOUNCED = ("nothing announced: run the script under `dlcachefs run` or call "
                      "dlcachefs.torch.install()")
 HOOKED_SILENT = ("nothing announced although the torch hook is installed (`dlcachefs run`): "
@@ -108,6 +111,8 @@ class Stream:
     reorder: str = ""  # why no next epoch's log is laid out (stats), when that is decided
     memory_prefetch: bool = False  # dataset > half the cache: prefetch into memory only
     current_log: NextEpochLog | None = None  # the reordered log this epoch reads
+    last_open: float = 0.0  # monotonic time of its last open or epoch switch (idle logs)
+    idle: bool = False  # its logs were let go after IDLE_S without an open
     explicit: dict | None = None  # epoch -> order, for ``sampler explicit`` (order lines)
     # the next epoch's order when known: sample -> first position (the policy's future)
     next_first: Positions | None = None
@@ -452,7 +457,8 @@ class StreamManager:
         s.epoch_tick = self.engine.future.tick
         s.hit_s = s.miss_s = 0.0
         s.hit_n = s.miss_n = 0
-        s.epoch_t0 = time.monotonic()
+        s.epoch_t0 = s.last_open = time.monotonic()
+        s.idle = False
         s.next_first, s.next_first_order = nxt_first, nxt
         s.cluster = cluster
         early, s.early = s.early, []
@@ -460,18 +466,28 @@ class StreamManager:
             self.note_open(s, ino)
         log.info("stream %s: epoch %d, %d samples, order known", s.key, epoch, len(order))
         prev, s.next_log = s.next_log, None
-        if s.current_log is not None and s.memory_prefetch and prev is not None:
-            # LCache line 16, release after use: the last epoch's log is consumed; what of
-            # it the new log did not take is not worth the room (partial caching only).
-            # Only once the new log is complete: its gaps are filled from the old one.
-            self._nursery.start_soon(self._release_after, prev, s.current_log)
+        if s.current_log is not None:
+            # its epoch is over: ordinary cache now (the new log's gaps are filled from it)
+            s.current_log.unprotect()
+            if s.memory_prefetch and prev is not None:
+                # LCache line 16, release after use: the last epoch's log is consumed;
+                # what of it the new log did not take is not worth the room (partial
+                # caching only). Only once the new log is complete: its gaps are filled
+                # from the old one.
+                self._nursery.start_soon(self._release_after, prev, s.current_log)
         s.current_log = None
         if prev is not None:
-            prev.unprotect()  # its epoch has come: its chunks are ordinary cache now
             if prev.epoch == epoch:
                 prev.request_finish()  # this epoch's log: fill its gaps and seal it
                 s.current_log = prev
                 prev.start_reading()
+                if not s.memory_prefetch:
+                    prev.unprotect()  # the whole dataset fits: ordinary cache now
+                # else its chunks stay protected until read (LCache's release after use,
+                # note_open): the next epoch's log, written meanwhile into the room they
+                # free, must not evict the part of this epoch's log still ahead (LRU
+                # would take exactly those, its oldest chunks, and every one evicted is
+                # a sample fetched again this epoch)
             else:
                 prev.abandon()
         async with trio.open_nursery() as nursery:
@@ -552,6 +568,21 @@ class StreamManager:
             done = [samples.inos[s.order[p]] for p in range(len(s.order)) if s.consumed[p]]
             nursery.start_soon(nl.backfill, done)
         nursery.start_soon(nl.run)
+
+    def unprotect_idle(self, now: float) -> None:
+        """Stop protecting the logs of streams that opened nothing for :data:`IDLE_S`
+        (a training that ended or died mid-epoch): their chunks become ordinary cache,
+        so another training can evict them. Trio loop."""
+        for s in self.streams.values():
+            if s.idle or now - s.last_open < IDLE_S:
+                continue
+            s.idle = True  # (not protected again this epoch: a rare pause costs little)
+            for nl in (s.current_log, s.next_log):
+                if nl is not None:
+                    nl.unprotect()
+                    log.info("stream %s: nothing opened for %.0f s: epoch %d's log is no "
+                             "longer protected from eviction", s.key, now - s.last_open,
+                             nl.epoch)
 
     async def _release_after(self, filling: NextEpochLog, old: NextEpochLog) -> None:
         await filling.done.wait()
@@ -803,10 +834,11 @@ class StreamManager:
         if p is None:
             return
         s.consumed[p] = 1
+        s.last_open = time.monotonic()
         if s.memory_prefetch and s.current_log is not None:
             done = s.current_log.used(ino)  # LCache line 16: release a chunk after use
             if done is not None:
-                self.engine.writer.retire_chunk(done)
+                s.current_log.release(done)
         moved = False
         while s.position < len(s.consumed) and s.consumed[s.position]:
             s.position += 1
