@@ -73,8 +73,27 @@ class Reversed(torch.utils.data.Sampler):
         return self.n
 
 
+class Files(torch.utils.data.Dataset):
+    """A user's dataset with no ImageFolder in it: globbed files, kept as paths relative
+    to the working directory."""
+
+    def __init__(self, root):
+        import glob, os
+        paths = sorted(glob.glob(os.path.join(root, "*", "*.jpg")))
+        self.files = [os.path.relpath(p) for p in paths]
+        self.rels = [p[len(root) + 1:] for p in paths]
+        self.classes = sorted({r.split("/")[0] for r in self.rels})
+
+    def __len__(self):
+        return len(self.files)
+
+    def __getitem__(self, i):
+        x, digest = Decode()(load_bytes(self.files[i]))
+        return x, self.classes.index(self.rels[i].split("/")[0]), digest, self.rels[i]
+
+
 torch.manual_seed(0)
-full = Shorter(root) if mode == "filtered" else Train(root)
+full = Shorter(root) if mode == "filtered" else Files(root) if mode == "files" else Train(root)
 keep = sorted(random.Random(1).sample(range(len(full)), k=len(full) * 3 // 4))
 ds = torch.utils.data.Subset(full, keep)
 if mode == "gen":
@@ -206,3 +225,14 @@ def test_custom_sampler_is_learned(dataset, mount, script, tmp_path):
     s1 = st["streams"]["filtered/0"]
     assert s1["mode"] == "learned" and "cannot be mapped" in s1["reason"], s1
     assert "changed since the last epoch" in s1["reason"]  # shuffled: nothing to prefetch
+
+
+def test_a_dataset_without_an_image_folder_is_learned(dataset, mount, script, tmp_path):
+    """A user's dataset holding file paths (relative to the working directory), with no
+    ImageFolder the hook could map: the hook finds the mount from the paths and the
+    stream is learned (it was "none", with a pointer to warnings never printed)."""
+    m = mount(dataset, cache=tmp_path / "cache4", name="mnt4")
+    _same_training(script, dataset, m, 3, "files", env={"DLCACHEFS_JOB": "files"})
+    st = _stream_at(m, "files/0", 2, None, "the files job never reached epoch 2")
+    s = st["streams"]["files/0"]
+    assert s["mode"] == "learned" and "Files" in s["reason"], s

@@ -333,8 +333,9 @@ def _send_now(t: Target, lines: list[str], job: str | None,
 
 
 def _mount_hint(ds) -> str | None:
-    """The mount a dataset that cannot be resolved reads from: an absolute path among its
-    attributes (or the first item of a list/tuple attribute), two levels deep."""
+    """The mount a dataset that cannot be resolved reads from: a path among its attributes
+    (or the first item of a list/tuple attribute), two levels deep; a relative one is taken
+    from the working directory, as the dataset's ``open`` takes it."""
     seen: set[int] = set()
     todo = [(ds, 0)]
     while todo:
@@ -350,8 +351,8 @@ def _mount_hint(ds) -> str | None:
                 v = v[0][0] if isinstance(v[0], tuple) and v[0] else v[0]
             if isinstance(v, (str, os.PathLike)):
                 try:
-                    hit = find_mount(os.fspath(v)) if os.path.isabs(os.fspath(v)) else None
-                except (TypeError, ValueError):
+                    hit = find_mount(os.path.abspath(os.fspath(v))) if v else None
+                except (TypeError, ValueError, OSError):
                     hit = None
                 if hit is not None:
                     return hit[0]
@@ -365,8 +366,14 @@ def _unknown(ds, reason: str, epoch: int, loader=None) -> None:
     order from the opens); warns once with the reason."""
     t = target_of(ds)
     mount = t.mount if isinstance(t, Target) else _mount_hint(ds)
-    if mount is None:
-        return  # not reading from a dlcachefs mount (that we can tell)
+    if mount is None:  # not reading from a dlcachefs mount, that we can tell
+        if dlcachefs_mounts():  # (the stats of a mount it reads point here)
+            _warn_once("nomount", f"the mount cannot know this training's order ({reason}), "
+                       f"and the hook found no dlcachefs mount behind its dataset "
+                       f"{type(ds).__name__} (no ImageFolder in it, no path in its "
+                       f"attributes): nothing is announced; the mount serves its reads "
+                       f"without knowing their order")
+        return
     job = os.environ.get(ENV_JOB) or "default"
     if not _claim(job, t.vid if isinstance(t, Target) else f"unknown:{id(ds)}", weak=True):
         return
