@@ -907,8 +907,12 @@ def _mode(spec: SamplerSpec, replayer, epoch: int, n: int, s: Stream) -> tuple[s
             "distributed": "DistributedSampler", "sequential": "SequentialSampler",
             "explicit": "explicit order"}.get(spec.kind, spec.kind)
     how = " from the generator's state" if spec.state else ""
-    nxt = "the next epoch is known" if replayer.known(epoch + 1) else \
-        "the next epoch is not known (its seed is drawn when it starts)"
+    if replayer.known(epoch + 1):
+        nxt = "the next epoch is known"
+    elif spec.kind == "explicit":
+        nxt = "the next epoch is not known (its order is sent when it starts)"
+    else:
+        nxt = "the next epoch is not known (its seed is drawn when it starts)"
     return "replayed", f"{what}{how} over {n} samples; {nxt}"
 
 
