@@ -185,6 +185,7 @@ def test_importance_sampler_under_the_launcher_stays_explicit(tmp_path, mount):
     st = m.stats()
     s = st["streams"]["default/0"]
     assert s["mode"] == "replayed" and "explicit" in s["reason"], s
+    assert "seed" not in s["reason"]  # an explicit order's next one is sent, not drawn
     assert st["importance"]["version"] >= 1
     ctl = json.loads((m.mnt / ".dlcache" / "control").read_bytes())
     assert ctl["streams"]["default/0"]["sampler"]["kind"] == "explicit"
