@@ -698,6 +698,39 @@ def test_the_mounts_a_training_names_are_prepared_else_all():
     assert pick([], ["t.py", "/mnt/a"], "/") == []
 
 
+def test_preparing_stats_only_the_named_mounts_when_one_is_the_users(tmp_path, monkeypatch):
+    """prepare_mounts: a training that names one of its user's mounts touches no other
+    (a stopped daemon's mount would hang the stat); one that names none, or only another
+    user's, tells every mount of its user, as before."""
+    import os
+    import sys
+
+    from dlcachefs.client import hook
+
+    mnts = []
+    for name in ("a", "b", "c"):
+        (tmp_path / name / ".dlcache").mkdir(parents=True)
+        (tmp_path / name / ".dlcache" / "control").write_text("")
+        mnts.append(str(tmp_path / name))
+    os.chown(tmp_path / "b" / ".dlcache" / "control", 4242, 4242)  # another user's
+    monkeypatch.setattr(hook, "dlcachefs_mounts", lambda: list(mnts))
+    statted = []
+    real_stat = os.stat
+    monkeypatch.setattr(hook.os, "stat", lambda p, *a, **k: statted.append(p) or real_stat(
+        p, *a, **k))
+    monkeypatch.chdir(tmp_path)
+
+    def prepare(*argv: str) -> list[str]:
+        statted.clear()
+        monkeypatch.setattr(sys, "argv", ["train.py", *argv])
+        return hook.prepare_mounts()
+
+    assert prepare(mnts[0] + "/train") == [mnts[0]]
+    assert [os.path.dirname(os.path.dirname(p)) for p in statted] == [mnts[0]]
+    assert prepare("--epochs", "3") == [mnts[0], mnts[2]]  # none named: all of the user's
+    assert prepare(mnts[1]) == [mnts[0], mnts[2]]  # only another user's named
+
+
 def test_preparing_never_raises_where_the_working_directory_is_gone(tmp_path):
     """The hook's thread at interpreter start: a removed working directory is no error
     of the training's (a stand-in mount: a directory holding ``.dlcache/control``)."""

@@ -637,16 +637,26 @@ def prepare_mounts(mounts: Sequence[str] | None = None) -> list[str]:
     process's command line and working directory. Errors are ignored. Returns the mounts
     told."""
     if mounts is None:
-        mine = []
-        for m in dlcachefs_mounts():
-            with contextlib.suppress(OSError):
-                if os.stat(os.path.join(m, ".dlcache", "control")).st_uid == os.geteuid():
-                    mine.append(m)
+        def mine(ms: list[str]) -> list[str]:
+            out = []
+            for m in ms:
+                with contextlib.suppress(OSError):
+                    if os.stat(os.path.join(m, ".dlcache", "control")).st_uid == os.geteuid():
+                        out.append(m)
+            return out
+
         try:
             argv, cwd = list(getattr(sys, "argv", [])), os.getcwd()
         except OSError:  # the working directory was removed
             argv, cwd = [], "/"
-        mounts = mounts_to_prepare(mine, argv, cwd) if mine else []
+        every = dlcachefs_mounts()
+        named = mounts_to_prepare(every, argv, cwd)
+        # the named ones first: a mount the training does not name (another user's, one
+        # whose daemon is stopped) is not even stat'ed when it names one of its own
+        mounts = mine(named) if len(named) < len(every) else []
+        if not mounts:
+            ours = mine(every)
+            mounts = mounts_to_prepare(ours, argv, cwd) if ours else []
     told = []
     for mnt in mounts:
         with contextlib.suppress(OSError):
