@@ -209,6 +209,7 @@ def cmd_mount(cfg: Config) -> int:
         print(f"dlcachefs: source is not a directory: {cfg.source}", file=sys.stderr)
         return 1
     try:  # before anything is created in it (the daemon checks again, under its lock)
+        mountctl.check_apart(cfg.source, cfg.mountpoint, cfg.cache_dir)
         ledger.check_root(cfg.cache_dir, cfg.shared_cache, DATASETS_DIR)
     except DlcError as e:
         print(f"dlcachefs: cannot mount: {e}", file=sys.stderr)

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from dlcachefs.errors import DlcError
+
 #: what :func:`unmount` does when the plain unmount fails
 Lazy = Literal["never", "if_busy", "if_failed", "at_once"]
 
@@ -157,6 +159,32 @@ def unmount(path: str | os.PathLike, lazy: Lazy = "if_busy", timeout: float = 60
 
 
 # ----- the daemon's process -----------------------------------------------------------------
+
+
+def check_apart(source: str, mountpoint: str, cache_dir: str) -> None:
+    """Refuse (DlcError) a mountpoint that is the source, inside it or above it, or above
+    the cache directory. The daemon would read its own mount: the source listed with the
+    mount in it, or a source or cache hidden under it, where every read waits for a
+    request that only the daemon can answer (a deadlock that not even SIGKILL ends).
+    Paths are compared both as given (made absolute: the daemon opens the cache by that
+    path, so a symlink inside the mountpoint leading elsewhere hides it all the same) and
+    resolved."""
+    def inside(a: str, b: str) -> bool:  # a is b or below it
+        return a == b or a.startswith(b.rstrip("/") + "/")
+
+    def forms(p: str) -> set[str]:
+        return {os.path.abspath(p), os.path.realpath(p)}
+
+    src, mnt, cache = forms(source), forms(mountpoint), forms(cache_dir)
+    if any(inside(m, s) for m in mnt for s in src):
+        raise DlcError(f"mountpoint {mountpoint} is the source {source} or inside it: "
+                       f"mount it elsewhere (the daemon reads the source)")
+    if any(inside(s, m) for s in src for m in mnt):
+        raise DlcError(f"source {source} is inside the mountpoint {mountpoint}: the mount "
+                       f"would hide it from the daemon")
+    if any(inside(c, m) for c in cache for m in mnt):
+        raise DlcError(f"cache directory {cache_dir} is inside the mountpoint "
+                       f"{mountpoint}: the mount would hide it from the daemon")
 
 
 def alive(pid: int) -> bool:

@@ -734,6 +734,36 @@ def test_disk_full_serves_from_source_and_recovers(tree, monkeypatch, policy):
 # ----- read-through of large files -----------------------------------------------------
 
 
+def test_an_open_of_an_older_version_never_fills_the_page_cache(tree, policy):
+    """Read-through handles share the kernel's pages of the file: once a newer version is
+    known (another open saw it), a handle of the older one (its descriptor still reads
+    that version: the file was replaced by a rename) gets an error, not a read that
+    would put old pages beside the new ones."""
+    src, cache, files = tree
+    data = files[b"big.bin"]
+
+    async def body(eng):
+        p = await eng.open(eng.ns.resolve(b"big.bin").ino)
+        assert not p.direct_io
+        assert bytes(await eng.read(p.fh, 0, 100)) == data[:100]
+        new = data[::-1]
+        tmp = src / "big.tmp"
+        tmp.write_bytes(new)
+        os.utime(tmp, ns=(1, 2_000_000_000_000_000_000))
+        os.replace(tmp, src / "big.bin")
+        q = await eng.open(eng.ns.resolve(b"big.bin").ino)  # sees the new version
+        assert q.direct_io  # (the kernel may still hold the old size)
+        with pytest.raises(SourceChanged):
+            await eng.read(p.fh, len(data) // 2, 100)
+        assert bytes(await eng.read(q.fh, 0, 100)) == new[:100]
+        r = await eng.open(eng.ns.resolve(b"big.bin").ino)
+        assert not r.direct_io and bytes(await eng.read(r.fh, 50, 100)) == new[50:150]
+        for h in (p, q, r):
+            eng.release(h.fh)
+
+    run_engine(make_config(src, cache, policy=policy, max_cached_file=100_000), body)
+
+
 def test_large_file_is_read_through(tree, policy):
     src, cache, files = tree
     rel = b"big.bin"

@@ -282,18 +282,83 @@ def test_cache_smaller_than_the_dataset(client, tmp_path, policy):
             assert eng.check_invariants() == []
             assert eng.index.counter(S.K_CHUNK_BYTES) <= cap
         assert sum(hits[1:]) > 0, hits
-        # a training that stops opening (ended, died mid-epoch) lets its logs go
+        # a training that stops opening (ended, died mid-epoch) lets its current log go;
+        # the next epoch's log keeps its protection until its epoch
         from dlcachefs.clairvoyance.streams import IDLE_S
 
-        logs = [nl for nl in (s.current_log, s.next_log) if nl is not None]
-        eng.streams.unprotect_idle(time.monotonic() + IDLE_S / 2)
-        if s.memory_prefetch and s.current_log is not None:
-            assert eng.writer.protected  # not idle yet
-        eng.streams.unprotect_idle(time.monotonic() + IDLE_S + 1)
-        assert not {c.chunk_id for nl in logs for c in nl.chunks} & eng.writer.protected
+        cur, nxt = s.current_log, s.next_log
+        if s.memory_prefetch:
+            assert cur is not None and cur.release_after_use
+            ids = {c.chunk_id for c in cur.chunks}
+            eng.streams.unprotect_idle(time.monotonic() + IDLE_S / 2)
+            assert cur.release_after_use  # not idle yet
+            eng.streams.unprotect_idle(time.monotonic() + IDLE_S + 1)
+            assert not cur.release_after_use and not ids & eng.writer.protected
+            # the same when a zero-copy reader appears (its hits are never seen)
+            from dlcachefs.store.tally import SUFFIX
+
+            cur.release_after_use = True
+            eng.writer.protected.update(ids)
+            os.makedirs(eng.zerocopy.dir, exist_ok=True)
+            open(os.path.join(eng.zerocopy.dir, "1" + SUFFIX), "wb").close()
+            eng.streams.unprotect_idle(time.monotonic())
+            assert not cur.release_after_use and not ids & eng.writer.protected
+            os.unlink(os.path.join(eng.zerocopy.dir, "1" + SUFFIX))
+        if nxt is not None and s.memory_prefetch:
+            assert {c.chunk_id for c in nxt.chunks} <= eng.writer.protected
 
     with build(cfg) as sess:
         c.session = sess
         sess.run(body)
         assert sess.engine.check_invariants() == []
         assert sess.engine.counters.invariant_violations == 0
+
+
+def test_opens_before_the_epoch_switch_count_against_its_log(client, tmp_path):
+    """A loader that reads as soon as it announces: opens that reach the mount before
+    the stream switches epochs are counted against the new epoch's log, so every chunk of
+    it is released once read (none stays protected, unread, all epoch)."""
+    c, src, files = client
+    total = sum(map(len, files.values()))
+    cap = int(0.4 * total)
+    cfg = make_config(src, tmp_path / "cache", policy="lru", chunk_size=4096, cache_size=cap)
+    out = {}
+
+    async def body(sess):
+        eng = sess.engine
+        ds = c.image_folder()
+        rels = [os.fsencode(os.path.relpath(p, c.root)) for p, _ in ds.samples]
+        sampler = torch_data.DistributedSampler(ds, num_replicas=1, rank=0, seed=SEED)
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            order = list(sampler)
+            k0 = 0
+            if epoch == 1:
+                # the loader's workers start reading at once: before the switch
+                for i in order[:3]:
+                    ino = eng.ns.resolve(rels[i]).ino
+                    assert await read_file(eng, ino) == files[rels[i]]
+                s = eng.streams.streams[("default", 0)]
+                out["early"] = len(s.early)
+                k0 = 3
+            s = await announced(eng, epoch)
+            if epoch == 1:
+                log = s.current_log
+                out["mp"] = s.memory_prefetch
+                await poll(lambda log=log: log.done.is_set(), "log done")
+            for i in order[k0:]:
+                ino = eng.ns.resolve(rels[i]).ino
+                assert await read_file(eng, ino) == files[rels[i]]
+            if epoch == 0:
+                await poll(lambda s=s: s.next_log is not None and s.next_log.sealed > 0, "nl")
+            await eng.flush()
+        out["stuck"] = [(cc.chunk_id, cc.unread, cc.sealed, cc.chunk_id in eng.writer.protected)
+                        for cc in log.chunks if cc.unread]
+        out["first_chunk_inos"] = [sl.ino for sl in log.chunks[0].slots]
+        out["early_inos"] = [eng.ns.resolve(rels[i]).ino for i in order[:3]]
+
+    with build(cfg) as sess:
+        c.session = sess
+        sess.run(body)
+    assert out["mp"]
+    assert not out["stuck"], out

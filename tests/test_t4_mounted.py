@@ -354,14 +354,19 @@ def test_bad_mount_arguments_fail_clearly(tmp_path):
     # daemon would wait on itself; each is refused and nothing is mounted
     (tmp_path / "s" / "sub").mkdir()
     (tmp_path / "m").mkdir()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "m" / "link").symlink_to(tmp_path / "out")
     for source, mnt, cache, why in [
             ("s", "s", "c", "is the source"), ("s", "s/sub", "c", "is the source"),
             ("m/..", "./s", "c", "is the source"), ("s/sub", "s", "c", "inside the mountpoint"),
-            ("s", "m", "m/cache", "cache directory")]:
+            ("s", "m", "m/cache", "cache directory"),
+            ("s", "m", "m/link", "cache directory")]:  # a symlink inside leading out
         r = subprocess.run([*DLCACHEFS, "mount", source, mnt, "--cache-dir", cache],
                            capture_output=True, text=True, timeout=60, cwd=tmp_path)
         assert r.returncode != 0 and why in r.stderr, (source, mnt, r.stderr)
         assert not is_mounted(tmp_path / mnt)
+    # refused before anything was made (not even the log)
+    assert not (tmp_path / "m" / "cache").exists() and not list((tmp_path / "out").iterdir())
 
 
 def test_daemonized_mount_and_umount_while_a_file_is_open(src, tmp_path, daemon_oracle):

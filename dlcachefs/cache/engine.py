@@ -78,7 +78,7 @@ from dlcachefs.cache.writer import ChunkWriter
 from dlcachefs.clairvoyance.control import ControlState
 from dlcachefs.clairvoyance.streams import Stream, StreamManager
 from dlcachefs.config import Config
-from dlcachefs.errors import InvalidArgument
+from dlcachefs.errors import InvalidArgument, SourceChanged
 from dlcachefs.importance.losses import Losses
 from dlcachefs.importance.packer import Packer
 from dlcachefs.sim.tracelog import TraceRecorder
@@ -103,6 +103,7 @@ class Handle:
     cached: bool
     fd: int = -1
     ident: Identity | None = None
+    paged: bool = False  # read through the kernel's page cache (no direct_io)
 
 
 @dataclass(slots=True)
@@ -483,6 +484,11 @@ class Engine:
             if h.cached:
                 self.counters.bytes_from_cache += len(out)
             return out
+        if h.paged and identity(self.ns.get(h.ino)) != h.ident:
+            # The kernel's pages of the file are shared by every open of it: a handle of
+            # an older version (its descriptor still reads that version) must not fill
+            # them once a newer one is known, or a newer open would be served a mix
+            raise SourceChanged("the file changed on the source while it was open")
         data = await self.calls.call(pread_checked, h.fd, offset, size, h.ident,
                                      self.cfg.use_source_inode)
         self.counters.bytes_from_source += len(data)
@@ -518,6 +524,7 @@ class Engine:
         # kernel may still hold the old size, and would cut reads at it).
         changed = e.ino in self.ns.changed
         self.ns.changed.discard(e.ino)
-        return OpenResult(self._new_fh(Handle(e.ino, None, False, fd, ident)),
+        return OpenResult(self._new_fh(Handle(e.ino, None, False, fd, ident,
+                                              paged=not changed)),
                           keep_cache=False, direct_io=changed)
 

@@ -25,8 +25,9 @@ writer is the one owner of the account, for every policy and for the reordered l
   than that in its chunk, whatever unit it ends up in), charged at :meth:`submit`;
   (b) the exact length of the chunks of the seal being committed (``sealing_bytes``);
   (c) reservations of chunks written outside this writer (a next epoch's log, see
-  :mod:`dlcachefs.clairvoyance.reorder`: a planned chunk's full length from its first claimed slot
-  until it is indexed or given up), :meth:`try_reserve` / :meth:`unreserve`.
+  :mod:`dlcachefs.clairvoyance.reorder`: each slot's record, and its chunk's header with
+  the first, as the slot is claimed, until the chunk is indexed or given up),
+  :meth:`try_reserve` / :meth:`unreserve`.
 
 The limit is ``--cache-size``, or with ``--shared-cache`` this dataset's share of the
 root's budget (:attr:`ChunkWriter.limit`, moved at run time only by :meth:`set_limit`,
@@ -176,7 +177,9 @@ class ChunkWriter:
         self.pending: dict[int, Pending] = {}  # ino -> record not yet indexed
         self.drops: set[int] = set()
         self.retire: set[int] = set()  # indexed chunks to evict once unpinned (superseded)
-        self.protected: set[int] = set()  # next-epoch log chunks: never the policy's victims
+        # chunks of a next epoch's log, and of the current epoch's log until read (a cache
+        # too small for the dataset): never the policy's victims
+        self.protected: set[int] = set()
         self.pins: Counter[int] = Counter()  # chunk id -> in-flight reads
         self.evicting: set[int] = set()  # not served any more: doomed or being dropped
         # the --cache-size account (module docstring): all of it on the trio loop
@@ -591,7 +594,7 @@ class ChunkWriter:
         groups = _units(records, self.max_unit)
         new_len = sum(CHUNK_HEADER_SIZE + sum(r.encoded_len for r in g) for g in groups)
         # superseded chunks go now (release after use); pinned ones wait for a later
-        # seal; a next-epoch log chunk is never given up this way
+        # seal; a protected (epoch log) chunk is never given up this way
         self.retire -= self.protected
         for c in [c for c in self.retire if c not in self.pins]:
             self.retire.discard(c)

@@ -185,6 +185,9 @@ class NextEpochLog:
         self.failed = False
         #: samples of the log not written when its epoch began (fetched for it then)
         self.missing_at_start: int | None = None
+        #: its epoch is being read and its chunks are released once read (a cache too
+        #: small for the dataset: set by the stream manager after start_reading)
+        self.release_after_use = False
         self._finish = False
         self.done = trio.Event()
 
@@ -207,7 +210,8 @@ class NextEpochLog:
         first = eng.writer.reserve_chunk_ids(len(self.chunks))
         for i, c in enumerate(self.chunks):
             c.chunk_id = first + i
-        # until its epoch starts, this log's chunks are not the LRU's to take
+        # until its epoch starts (and with a cache too small for the dataset, until each
+        # chunk is read in that epoch: release), this log's chunks are not the LRU's
         eng.writer.protected.update(c.chunk_id for c in self.chunks)
         self.log_id = eng.writer.reserve_log_id()
         end = self.chunks[-1].offset + self.chunks[-1].length if self.chunks else LOG_HEADER_SIZE
@@ -346,7 +350,9 @@ class NextEpochLog:
                 data = await self.engine.prefetcher.bytes_for(slot.ino, slot.ident)
             except DlcError:  # gone from the source, timed out...: its chunk stays unsealed
                 continue
-            if data is None or slot.written or not self._reserve(slot):
+            # (after the await: the log may have ended, or another task claimed the slot)
+            if (data is None or slot.written or self.failed or self._finish
+                    or not self._reserve(slot)):
                 continue
             slot.written = True
             self.queue.append((slot, bytes(data)))
@@ -364,7 +370,8 @@ class NextEpochLog:
                 data = await self.engine.prefetcher.bytes_for(slot.ino, slot.ident)
             except DlcError:
                 data = None
-            if data is None or not self._reserve(slot):
+            # (after the await: the backfill may have claimed it, or the log failed)
+            if data is None or slot.written or self.failed or not self._reserve(slot):
                 continue  # gone or changed, or no room: that chunk stays unsealed
             slot.written = True
             self.queue.append((slot, bytes(data)))
@@ -399,7 +406,11 @@ class NextEpochLog:
 
     async def _seal(self, c: PlannedChunk) -> None:
         eng = self.engine
-        assert c.held == c.length, "every slot of a chunk is claimed with its reservation"
+        if c.held != c.length or not all(sl.written for sl in c.slots):
+            # a slot claimed twice, or one never written: its range would hold zeros, and
+            # a checksum over them; such a chunk is never indexed (the log fails)
+            raise DlcError(f"chunk {c.chunk_id}: {c.held} of {c.length} bytes reserved, "
+                           f"{sum(not sl.written for sl in c.slots)} slots unwritten")
         dead = await eng.writer.commit_external(c.length, self._seal_thread, c)
         c.sealed = True
         c.held = 0  # the reservations are chunk bytes now
@@ -408,6 +419,8 @@ class NextEpochLog:
         eng.counters.reorder_chunks += 1
         for old in dead:
             eng.writer.retire_chunk(old)
+        if self.release_after_use and c.unread == 0:
+            self.release(c.chunk_id)  # read whole before it was sealed (the boundary fill)
 
     def _punch(self, chunks: list[PlannedChunk]) -> None:
         """Thread: free the written slots of chunks that will never be indexed."""

@@ -111,8 +111,7 @@ class Stream:
     reorder: str = ""  # why no next epoch's log is laid out (stats), when that is decided
     memory_prefetch: bool = False  # dataset > half the cache: prefetch into memory only
     current_log: NextEpochLog | None = None  # the reordered log this epoch reads
-    last_open: float = 0.0  # monotonic time of its last open or epoch switch (idle logs)
-    idle: bool = False  # its logs were let go after IDLE_S without an open
+    last_open: float = 0.0  # monotonic time of its epoch switch or last open in its order
     explicit: dict | None = None  # epoch -> order, for ``sampler explicit`` (order lines)
     # the next epoch's order when known: sample -> first position (the policy's future)
     next_first: Positions | None = None
@@ -458,16 +457,14 @@ class StreamManager:
         s.hit_s = s.miss_s = 0.0
         s.hit_n = s.miss_n = 0
         s.epoch_t0 = s.last_open = time.monotonic()
-        s.idle = False
         s.next_first, s.next_first_order = nxt_first, nxt
         s.cluster = cluster
         early, s.early = s.early, []
-        for ino in early:
-            self.note_open(s, ino)
         log.info("stream %s: epoch %d, %d samples, order known", s.key, epoch, len(order))
         prev, s.next_log = s.next_log, None
         if s.current_log is not None:
             # its epoch is over: ordinary cache now (the new log's gaps are filled from it)
+            s.current_log.release_after_use = False
             s.current_log.unprotect()
             if s.memory_prefetch and prev is not None:
                 # LCache line 16, release after use: the last epoch's log is consumed;
@@ -481,15 +478,22 @@ class StreamManager:
                 prev.request_finish()  # this epoch's log: fill its gaps and seal it
                 s.current_log = prev
                 prev.start_reading()
-                if not s.memory_prefetch:
-                    prev.unprotect()  # the whole dataset fits: ordinary cache now
-                # else its chunks stay protected until read (LCache's release after use,
-                # note_open): the next epoch's log, written meanwhile into the room they
-                # free, must not evict the part of this epoch's log still ahead (LRU
-                # would take exactly those, its oldest chunks, and every one evicted is
-                # a sample fetched again this epoch)
+                if s.memory_prefetch and not self.engine.zerocopy.any_readers():
+                    # its chunks stay protected until read (LCache's release after use,
+                    # note_open): the next epoch's log, written meanwhile into the room
+                    # they free, must not evict the part of this epoch's log still ahead
+                    # (LRU would take exactly those, its oldest chunks, and every one
+                    # evicted is a sample fetched again this epoch)
+                    prev.release_after_use = True
+                else:
+                    # the whole dataset fits; or zero-copy readers read it, whose hits
+                    # the mount never sees (nothing would ever be released): ordinary
+                    # cache now
+                    prev.unprotect()
             else:
                 prev.abandon()
+        for ino in early:  # opens before the switch: counted against this epoch's log
+            self.note_open(s, ino)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._prefetch, s)
             # this epoch's reads from the logs, in its order (dlcachefs.cache.readplan)
@@ -570,19 +574,30 @@ class StreamManager:
         nursery.start_soon(nl.run)
 
     def unprotect_idle(self, now: float) -> None:
-        """Stop protecting the logs of streams that opened nothing for :data:`IDLE_S`
-        (a training that ended or died mid-epoch): their chunks become ordinary cache,
-        so another training can evict them. Trio loop."""
+        """Stop protecting the current epoch's log of a stream that opened nothing for
+        :data:`IDLE_S` (a training that ended or died mid-epoch), or of every stream once
+        a zero-copy reader reads the cache (its hits never reach the mount, so their
+        chunks would never be released): their chunks become ordinary cache, so another
+        training can evict them. The next epoch's log keeps its protection until its
+        epoch (as before: a long pause between epochs must not cost it). Trio loop;
+        every few seconds (one listing of the counters' directory)."""
+        zerocopy = None
         for s in self.streams.values():
-            if s.idle or now - s.last_open < IDLE_S:
+            cur = s.current_log
+            if cur is None or not cur.release_after_use:
                 continue
-            s.idle = True  # (not protected again this epoch: a rare pause costs little)
-            for nl in (s.current_log, s.next_log):
-                if nl is not None:
-                    nl.unprotect()
-                    log.info("stream %s: nothing opened for %.0f s: epoch %d's log is no "
-                             "longer protected from eviction", s.key, now - s.last_open,
-                             nl.epoch)
+            if now - s.last_open >= IDLE_S:
+                why = f"nothing opened for {now - s.last_open:.0f} s"
+            else:
+                if zerocopy is None:
+                    zerocopy = self.engine.zerocopy.any_readers()
+                if not zerocopy:
+                    continue
+                why = "zero-copy readers read the cache"
+            cur.release_after_use = False  # (not protected again this epoch)
+            cur.unprotect()
+            log.info("stream %s: %s: epoch %d's log is no longer protected from eviction",
+                     s.key, why, cur.epoch)
 
     async def _release_after(self, filling: NextEpochLog, old: NextEpochLog) -> None:
         await filling.done.wait()
@@ -835,10 +850,11 @@ class StreamManager:
             return
         s.consumed[p] = 1
         s.last_open = time.monotonic()
-        if s.memory_prefetch and s.current_log is not None:
-            done = s.current_log.used(ino)  # LCache line 16: release a chunk after use
+        cur = s.current_log
+        if cur is not None and cur.release_after_use:
+            done = cur.used(ino)  # LCache line 16: release a chunk after use
             if done is not None:
-                s.current_log.release(done)
+                cur.release(done)
         moved = False
         while s.position < len(s.consumed) and s.consumed[s.position]:
             s.position += 1

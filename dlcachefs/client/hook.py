@@ -1015,8 +1015,8 @@ class ImportanceSampler:
     def _announce(self, order: list[int]) -> None:
         assert self._target is not None
         mount, rel = self._target
-        # dataset and sampler once: re-sending them would restart the running epoch's
-        # stream before this epoch's order is complete
+        # dataset and sampler once: re-sending the sampler would restart the running
+        # epoch's stream before this epoch's order is complete
         job = _p.text([_p.job_line(self.job)])
         ds_line = self._view.dataset_line() if self._view is not None else _p.dataset_line(rel)
         head = job if self._announced_head else (

@@ -190,6 +190,11 @@ class TallyReader:
         except OSError:
             return []
 
+    def any_readers(self) -> bool:
+        """Whether any zero-copy reader has counted in this cache (a live one, or one that
+        ended and is not folded yet): one directory listing."""
+        return bool(self._names())
+
     def collect(self) -> dict[str, int]:
         """Counts since start of every reader, live or ended, with ``fallbacks`` (their
         sum over the fallback reasons) and ``readers`` (processes counting now)."""
