@@ -166,23 +166,24 @@ def check_apart(source: str, mountpoint: str, cache_dir: str) -> None:
     the cache directory. The daemon would read its own mount: the source listed with the
     mount in it, or a source or cache hidden under it, where every read waits for a
     request that only the daemon can answer (a deadlock that not even SIGKILL ends).
-    Paths are compared both as given (made absolute: the daemon opens the cache by that
-    path, so a symlink inside the mountpoint leading elsewhere hides it all the same) and
-    resolved."""
+    The source and the mountpoint are compared resolved (the daemon opens the source by
+    its real path); the cache directory both as given, made absolute (the daemon opens it
+    by that path: a symlink inside the mountpoint leading elsewhere hides it all the
+    same), and resolved."""
     def inside(a: str, b: str) -> bool:  # a is b or below it
         return a == b or a.startswith(b.rstrip("/") + "/")
 
     def forms(p: str) -> set[str]:
         return {os.path.abspath(p), os.path.realpath(p)}
 
-    src, mnt, cache = forms(source), forms(mountpoint), forms(cache_dir)
-    if any(inside(m, s) for m in mnt for s in src):
+    src, mnt = os.path.realpath(source), os.path.realpath(mountpoint)
+    if inside(mnt, src):
         raise DlcError(f"mountpoint {mountpoint} is the source {source} or inside it: "
                        f"mount it elsewhere (the daemon reads the source)")
-    if any(inside(s, m) for s in src for m in mnt):
+    if inside(src, mnt):
         raise DlcError(f"source {source} is inside the mountpoint {mountpoint}: the mount "
                        f"would hide it from the daemon")
-    if any(inside(c, m) for c in cache for m in mnt):
+    if any(inside(c, m) for c in forms(cache_dir) for m in forms(mountpoint)):
         raise DlcError(f"cache directory {cache_dir} is inside the mountpoint "
                        f"{mountpoint}: the mount would hide it from the daemon")
 

@@ -764,6 +764,26 @@ def test_an_open_of_an_older_version_never_fills_the_page_cache(tree, policy):
     run_engine(make_config(src, cache, policy=policy, max_cached_file=100_000), body)
 
 
+def test_a_read_through_file_removed_while_open_reads_on(tmp_path):
+    """POSIX: an open descriptor of a removed file reads on. Gone from the listing, the
+    file has no newer version whose pages its reads could mix with (inode numbers are
+    never reused): its handle is not refused."""
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    data = os.urandom(300_000)
+    write_tree(src, {b"big.bin": data, b"small.bin": b"x" * 100})
+
+    async def body(eng):
+        p = await eng.open(eng.ns.resolve(b"big.bin").ino)
+        assert not p.direct_io
+        assert bytes(await eng.read(p.fh, 0, 100)) == data[:100]
+        os.unlink(src / "big.bin")
+        await eng.ns.refresh_dir(ROOT_INO)  # a revalidation lists the directory again
+        assert bytes(await eng.read(p.fh, 100, 100)) == data[100:200]
+        eng.release(p.fh)
+
+    run_engine(make_config(src, cache, policy="lru", max_cached_file=100_000), body)
+
+
 def test_large_file_is_read_through(tree, policy):
     src, cache, files = tree
     rel = b"big.bin"

@@ -111,3 +111,28 @@ def test_a_backfill_ending_after_its_log_reserves_nothing(tmp_path):
     run_engine(make_config(src, cache, policy="lru", chunk_size=64 << 10), body,
                check_invariants=False)
     assert out["leaked"] == 0, out
+
+
+def test_a_sample_repeated_in_the_order_is_read_once_from_its_log(tmp_path):
+    """An order may hold a sample twice (a DistributedSampler's padding, sampling with
+    replacement): its second open must not count as another slot read, or its chunk
+    would be released with slots still unread."""
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    files = {b"train/c0/img%02d.jpg" % i: os.urandom(3000) for i in range(2)}
+    write_tree(src, files)
+
+    async def body(eng):
+        inos = [eng.ns.resolve(r).ino for r in files]
+        nl = NextEpochLog(eng, "default/0", 1)
+        await nl.plan(inos)
+        assert len(nl.chunks) == 1 and len(nl.chunks[0].slots) == 2
+        nl.chunks[0].sealed = True  # (as if sealed: used() names a chunk to release)
+        nl.start_reading()
+        assert nl.used(inos[0]) is None
+        assert nl.used(inos[0]) is None and nl.chunks[0].unread == 1  # the repeat
+        assert nl.used(inos[1]) == nl.chunks[0].chunk_id
+        nl.chunks[0].sealed = False
+        nl.abandon()
+
+    run_engine(make_config(src, cache, policy="lru", chunk_size=64 << 10), body,
+               check_invariants=False)

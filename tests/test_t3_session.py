@@ -282,8 +282,7 @@ def test_cache_smaller_than_the_dataset(client, tmp_path, policy):
             assert eng.check_invariants() == []
             assert eng.index.counter(S.K_CHUNK_BYTES) <= cap
         assert sum(hits[1:]) > 0, hits
-        # a training that stops opening (ended, died mid-epoch) lets its current log go;
-        # the next epoch's log keeps its protection until its epoch
+        # a training that stops opening (ended, died mid-epoch) lets its logs go
         from dlcachefs.clairvoyance.streams import IDLE_S
 
         cur, nxt = s.current_log, s.next_log
@@ -295,16 +294,23 @@ def test_cache_smaller_than_the_dataset(client, tmp_path, policy):
             eng.streams.unprotect_idle(time.monotonic() + IDLE_S + 1)
             assert not cur.release_after_use and not ids & eng.writer.protected
             # the same when a zero-copy reader appears (its hits are never seen)
-            from dlcachefs.store.tally import SUFFIX
+            from dlcachefs.store.tally import TallyWriter
 
             cur.release_after_use = True
             eng.writer.protected.update(ids)
-            os.makedirs(eng.zerocopy.dir, exist_ok=True)
-            open(os.path.join(eng.zerocopy.dir, "1" + SUFFIX), "wb").close()
             eng.streams.unprotect_idle(time.monotonic())
+            assert cur.release_after_use  # no reader
+            reader = TallyWriter(eng.zerocopy.dir)  # this process, counting: alive
+            try:
+                eng.streams.unprotect_idle(time.monotonic())
+            finally:
+                reader.close()
             assert not cur.release_after_use and not ids & eng.writer.protected
-            os.unlink(os.path.join(eng.zerocopy.dir, "1" + SUFFIX))
         if nxt is not None and s.memory_prefetch:
+            # the next epoch's log of an idle stream too (a training that ended planned
+            # it for an epoch that never comes); protected again if its epoch begins
+            assert not {c.chunk_id for c in nxt.chunks} & eng.writer.protected
+            nxt.protect()
             assert {c.chunk_id for c in nxt.chunks} <= eng.writer.protected
 
     with build(cfg) as sess:

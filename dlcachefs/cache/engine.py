@@ -484,15 +484,23 @@ class Engine:
             if h.cached:
                 self.counters.bytes_from_cache += len(out)
             return out
-        if h.paged and identity(self.ns.get(h.ino)) != h.ident:
-            # The kernel's pages of the file are shared by every open of it: a handle of
-            # an older version (its descriptor still reads that version) must not fill
-            # them once a newer one is known, or a newer open would be served a mix
-            raise SourceChanged("the file changed on the source while it was open")
+        self._same_version(h)
         data = await self.calls.call(pread_checked, h.fd, offset, size, h.ident,
                                      self.cfg.use_source_inode)
+        self._same_version(h)  # (a newer open may have seen a change meanwhile)
         self.counters.bytes_from_source += len(data)
         return data
+
+    def _same_version(self, h: Handle) -> None:
+        """The kernel's pages of a file are shared by every open of it: a page-cache
+        handle of an older version (its descriptor still reads that version) must not
+        fill them once a newer one is known, or a newer open would be served a mix.
+        (A file gone from the listing is no such case: inode numbers are never reused,
+        so no newer open shares its pages, and its open descriptor reads on.)"""
+        if h.paged:
+            cur = self.index.get_entry(h.ino)
+            if cur is not None and identity(cur) != h.ident:
+                raise SourceChanged("the file changed on the source while it was open")
 
     def release(self, fh: int) -> None:
         """Close an open file."""

@@ -92,6 +92,7 @@ class Slot:
     offset: int  # absolute offset of the record header in the log
     rlen: int  # the record's length (header, path, bytes)
     written: bool = False
+    read: bool = False  # read in this log's own epoch (a sample may repeat in an order)
 
 
 @dataclass(slots=True)
@@ -257,8 +258,9 @@ class NextEpochLog:
         """The reader consumed ``ino`` in this log's epoch; returns the chunk id when that
         was the chunk's last unread record (and the chunk is sealed): it may be released."""
         slot = self.slots.get(ino)
-        if slot is None:
+        if slot is None or slot.read:
             return None
+        slot.read = True
         c = self.chunks[slot.chunk]
         if c.unread <= 0:
             return None
@@ -267,6 +269,17 @@ class NextEpochLog:
 
     def unprotect(self) -> None:
         self.engine.writer.protected.difference_update(c.chunk_id for c in self.chunks)
+
+    def protect(self) -> None:
+        """Protect its chunks again (after :meth:`unprotect`), those still to be sealed or
+        indexed and not on their way out (a doomed chunk must never be protected)."""
+        w, ix = self.engine.writer, self.engine.index
+        for c in self.chunks:
+            if c.chunk_id in w.doomed or c.chunk_id in w.evicting:
+                continue
+            if c.sealed and ix.get_chunk(c.chunk_id) is None:
+                continue
+            w.protected.add(c.chunk_id)
 
     def release(self, chunk_id: int) -> None:
         """LCache's release after use: every record of the chunk was read in this log's

@@ -485,6 +485,7 @@ class StreamManager:
                     # (LRU would take exactly those, its oldest chunks, and every one
                     # evicted is a sample fetched again this epoch)
                     prev.release_after_use = True
+                    prev.protect()  # (again, if an idle pause let it go)
                 else:
                     # the whole dataset fits; or zero-copy readers read it, whose hits
                     # the mount never sees (nothing would ever be released): ordinary
@@ -493,7 +494,7 @@ class StreamManager:
             else:
                 prev.abandon()
         for ino in early:  # opens before the switch: counted against this epoch's log
-            self.note_open(s, ino)
+            self.note_open(s, ino, learn=False)  # (learned when they came)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._prefetch, s)
             # this epoch's reads from the logs, in its order (dlcachefs.cache.readplan)
@@ -578,11 +579,21 @@ class StreamManager:
         :data:`IDLE_S` (a training that ended or died mid-epoch), or of every stream once
         a zero-copy reader reads the cache (its hits never reach the mount, so their
         chunks would never be released): their chunks become ordinary cache, so another
-        training can evict them. The next epoch's log keeps its protection until its
-        epoch (as before: a long pause between epochs must not cost it). Trio loop;
-        every few seconds (one listing of the counters' directory)."""
+        training can evict them. The next epoch's log of an idle stream too (a training
+        that ended planned one for an epoch that never comes); if its epoch does begin
+        after the pause, it is protected again then. Trio loop; every few seconds (one
+        listing of the counters' directory, only while a current log is protected)."""
         zerocopy = None
         for s in self.streams.values():
+            nxt = s.next_log
+            if nxt is not None and now - s.last_open >= IDLE_S and any(
+                    c.chunk_id in self.engine.writer.protected for c in nxt.chunks):
+                # a training that ended (its last epoch planned a next one that never
+                # comes): others may evict it; protected again if its epoch does begin
+                nxt.unprotect()
+                log.info("stream %s: nothing opened for %.0f s: epoch %d's planned log is "
+                         "no longer protected from eviction", s.key, now - s.last_open,
+                         nxt.epoch)
             cur = s.current_log
             if cur is None or not cur.release_after_use:
                 continue
@@ -837,9 +848,9 @@ class StreamManager:
             self._pid_stream.popitem(last=False)
         return found
 
-    def note_open(self, s: Stream, ino: int) -> None:
+    def note_open(self, s: Stream, ino: int, learn: bool = True) -> None:
         """Mark the sample consumed and move the stream's position."""
-        if s.learn_cur is not None and len(s.learn_cur) < MAX_LEARNED:
+        if learn and s.learn_cur is not None and len(s.learn_cur) < MAX_LEARNED:
             s.learn_cur.append(ino)
         if s.epoch != s.target_epoch:
             if len(s.early) < 1 << 20:

@@ -191,9 +191,9 @@ class TallyReader:
             return []
 
     def any_readers(self) -> bool:
-        """Whether any zero-copy reader has counted in this cache (a live one, or one that
-        ended and is not folded yet): one directory listing."""
-        return bool(self._names())
+        """Whether a zero-copy reader is counting in this cache now (its process alive):
+        one directory listing, and a check per counter file."""
+        return any(owner_alive(os.path.join(self.dir, n)) for n in self._names())
 
     def collect(self) -> dict[str, int]:
         """Counts since start of every reader, live or ended, with ``fallbacks`` (their
