@@ -354,13 +354,7 @@ def cmd_stats(mountpoint: str, as_json: bool) -> int:
     if as_json:
         print(json.dumps(st, indent=2))
         return 0
-    sizes = {k for k in st if k.endswith("bytes") or k.startswith("bytes_")}
-    width = max(len(k) for k in st)
-    for k, v in st.items():
-        if k == "peers" and v:
-            continue  # a table of its own, below
-        shown = f"{format_size(v)} ({v:,})" if k in sizes and isinstance(v, int) else v
-        print(f"{k:<{width}}  {shown}")
+    print_tree({k: v for k, v in st.items() if not (k == "peers" and v)})
     if st.get("peers"):
         print_peers(st["peers"])
     from dlcachefs.admin import advise  # noqa: PLC0415 - loader-worker advice (Algorithm 2)
@@ -368,6 +362,36 @@ def cmd_stats(mountpoint: str, as_json: bool) -> int:
     for a in advise.advise(st):
         print(advise.text(a))
     return 0
+
+
+def _shown(key: str, v: object) -> str:
+    """A value as the human stats show it: sizes in units (and exact), lists inline."""
+    if isinstance(v, bool) or v is None:
+        return str(v)
+    if isinstance(v, int) and (key.endswith("bytes") or key.startswith("bytes_")):
+        return f"{format_size(v)} ({v:,})"
+    if isinstance(v, float):
+        return str(round(v, 3))
+    if isinstance(v, (list, tuple)):
+        if not v:
+            return "-"
+        if all(isinstance(x, (list, tuple)) and len(x) == 2 for x in v):  # (bucket, count)
+            return ", ".join(f"{_shown(key, a)}: {_shown(key, b)}" for a, b in v)
+        return ", ".join(_shown(key, x) for x in v)
+    return str(v)
+
+
+def print_tree(doc: dict, indent: int = 0) -> None:
+    """The stats document as aligned ``key  value`` lines; a section (a mapping: streams,
+    fuse_ops, latencies...) as its key, then its own lines indented below it."""
+    width = max((len(str(k)) for k in doc), default=0)
+    pad = " " * indent
+    for k, v in doc.items():
+        if isinstance(v, dict) and v:
+            print(f"{pad}{k}:")
+            print_tree(v, indent + 2)
+        else:
+            print(f"{pad}{k!s:<{width}}  {'-' if isinstance(v, dict) else _shown(str(k), v)}")
 
 
 def print_peers(peers: dict) -> None:

@@ -352,3 +352,33 @@ def test_the_core_does_not_import_pymemcache_without_peers():
 def test_options_that_need_another_are_refused_with_the_reason(extra, message):
     with pytest.raises(ValueError, match=message):
         Config(source=SRC, mountpoint=MNT, cache_dir="/c", **extra)
+
+
+def test_human_stats_show_sections_as_indented_lines(capsys):
+    """``dlcachefs stats`` without --json: sections (streams, fuse_ops, latencies) as
+    indented key/value lines, not one-line dict dumps; sizes in units and exact."""
+    from dlcachefs.cli import print_tree
+
+    print_tree({"hits": 12, "bytes_from_source": 123456789, "uptime_s": 12.34567,
+                "streams": {"default/0": {"mode": "replayed", "loader": {"opens": 5},
+                                          "substitutions": {}}},
+                "fuse_ops": {"lookup": 10}, "sizes": [1, 2], "error": None,
+                "le": [[0.001, 0], ["+Inf", 3]]})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "hits               12",
+        "bytes_from_source  117.7M (123,456,789)",
+        "uptime_s           12.346",
+        "streams:",
+        "  default/0:",
+        "    mode           replayed",
+        "    loader:",
+        "      opens  5",
+        "    substitutions  -",
+        "fuse_ops:",
+        "  lookup  10",
+        "sizes              1, 2",
+        "error              None",
+        "le                 0.001: 0, +Inf: 3",
+    ]
+    assert not any("{" in line for line in lines)
