@@ -484,10 +484,11 @@ class Engine:
             if h.cached:
                 self.counters.bytes_from_cache += len(out)
             return out
-        self._same_version(h)
         data = await self.calls.call(pread_checked, h.fd, offset, size, h.ident,
                                      self.cfg.use_source_inode)
-        self._same_version(h)  # (a newer open may have seen a change meanwhile)
+        # checked once the bytes are read, just before the kernel gets them: a newer open
+        # may have seen a change while the read was in flight
+        self._same_version(h)
         self.counters.bytes_from_source += len(data)
         return data
 
