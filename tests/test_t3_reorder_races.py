@@ -10,21 +10,46 @@ from dlcachefs.clairvoyance.reorder import NextEpochLog
 from dlcachefs.testing.fakes import make_config, read_all, run_engine, write_tree
 
 
+def two_samples(tmp_path) -> tuple[dict, object]:
+    """Two 3,000-byte samples of one class, and the config of an engine over them."""
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    files = {b"train/c0/img%02d.jpg" % i: os.urandom(3000) for i in range(2)}
+    write_tree(src, files)
+    return files, make_config(src, cache, policy="lru", chunk_size=64 << 10)
+
+
+async def planned(eng, files: dict) -> tuple[NextEpochLog, list[int]]:
+    """Epoch 1's log of the samples, in their order: one chunk, one slot each."""
+    inos = [eng.ns.resolve(r).ino for r in files]
+    nl = NextEpochLog(eng, "default/0", 1)
+    await nl.plan(inos)
+    assert len(nl.chunks) == 1 and len(nl.chunks[0].slots) == 2
+    return nl, inos
+
+
+def start_backfill(eng, nl: NextEpochLog, inos: list[int]) -> trio.Event:
+    """Run the log's backfill of ``inos`` in the background; the event is set when it
+    returned (what it claims is claimed by then)."""
+    finished = trio.Event()
+
+    async def backfill() -> None:
+        await nl.backfill(inos)
+        finished.set()
+
+    eng.streams._nursery.start_soon(backfill)
+    return finished
+
+
 def scenario(tmp_path, vanish_t: bool):
     """A backfill fetching slot S when the epoch switches; the fill fetches S too. S must
     be claimed once; with T never claimed (``vanish_t``), the chunk must never be sealed
     over T's unwritten range (T's bytes would be zeros, with a checksum over them)."""
-    src, cache = tmp_path / "src", tmp_path / "cache"
-    files = {b"train/c0/img%02d.jpg" % i: os.urandom(3000) for i in range(2)}
-    write_tree(src, files)
+    files, cfg = two_samples(tmp_path)
     out = {}
 
     async def body(eng):
-        inos = [eng.ns.resolve(r).ino for r in files]
+        nl, inos = await planned(eng, files)
         S, T = inos
-        nl = NextEpochLog(eng, "default/0", 1)
-        await nl.plan(inos)
-        assert len(nl.chunks) == 1 and len(nl.chunks[0].slots) == 2
         real = eng.prefetcher.bytes_for
         gate_b, gate_f = trio.Event(), trio.Event()
         inside = {"b": trio.Event(), "f": trio.Event()}
@@ -43,14 +68,14 @@ def scenario(tmp_path, vanish_t: bool):
             return await real(ino, ident)
 
         eng.prefetcher.bytes_for = bytes_for
-        eng.streams._nursery.start_soon(nl.backfill, [S])
+        backfilled = start_backfill(eng, nl, [S])
         eng.streams._nursery.start_soon(nl.run)
         await inside["b"].wait()        # backfill is fetching S
         nl.request_finish()             # the epoch switch
         await inside["f"].wait()        # the fill is fetching S too
         gate_b.set()
-        await trio.sleep(0.2)           # backfill claims S
-        gate_f.set()                    # the fill claims S again
+        await backfilled.wait()         # backfill claimed S
+        gate_f.set()                    # the fill must not claim S again
         with trio.fail_after(20):
             await nl.done.wait()
         c = nl.chunks[0]
@@ -60,8 +85,7 @@ def scenario(tmp_path, vanish_t: bool):
             out["T_read"] = await read_all(eng, b"train/c0/img01.jpg")
             out["T_src"] = files[b"train/c0/img01.jpg"]
 
-    run_engine(make_config(src, cache, policy="lru", chunk_size=64 << 10), body,
-               check_invariants=False)
+    run_engine(cfg, body, check_invariants=False)
     return out
 
 
@@ -79,15 +103,11 @@ def test_a_chunk_with_an_unwritten_slot_is_never_sealed(tmp_path):
 def test_a_backfill_ending_after_its_log_reserves_nothing(tmp_path):
     """A backfill whose fetch was in flight when its log was abandoned must not reserve
     room after the log gave its reservations back (they would never be returned)."""
-    src, cache = tmp_path / "src", tmp_path / "cache"
-    files = {b"train/c0/img%02d.jpg" % i: os.urandom(3000) for i in range(2)}
-    write_tree(src, files)
+    files, cfg = two_samples(tmp_path)
     out = {}
 
     async def body(eng):
-        inos = [eng.ns.resolve(r).ino for r in files]
-        nl = NextEpochLog(eng, "default/0", 1)
-        await nl.plan(inos)
+        nl, inos = await planned(eng, files)
         real = eng.prefetcher.bytes_for
         gate, inside = trio.Event(), trio.Event()
 
@@ -98,18 +118,17 @@ def test_a_backfill_ending_after_its_log_reserves_nothing(tmp_path):
 
         eng.prefetcher.bytes_for = bytes_for
         before = eng.writer.reserved
-        eng.streams._nursery.start_soon(nl.backfill, [inos[0]])
+        backfilled = start_backfill(eng, nl, [inos[0]])
         eng.streams._nursery.start_soon(nl.run)
         await inside.wait()
         nl.abandon()                 # a newer epoch began: the log is given up
         await nl.done.wait()         # run()'s cleanup has run
         gate.set()
-        await trio.sleep(0.3)
+        await backfilled.wait()      # its fetch returned after the cleanup
         out["leaked"] = eng.writer.reserved - before
         out["held"] = nl.chunks[0].held
 
-    run_engine(make_config(src, cache, policy="lru", chunk_size=64 << 10), body,
-               check_invariants=False)
+    run_engine(cfg, body, check_invariants=False)
     assert out["leaked"] == 0, out
 
 
@@ -117,15 +136,10 @@ def test_a_sample_repeated_in_the_order_is_read_once_from_its_log(tmp_path):
     """An order may hold a sample twice (a DistributedSampler's padding, sampling with
     replacement): its second open must not count as another slot read, or its chunk
     would be released with slots still unread."""
-    src, cache = tmp_path / "src", tmp_path / "cache"
-    files = {b"train/c0/img%02d.jpg" % i: os.urandom(3000) for i in range(2)}
-    write_tree(src, files)
+    files, cfg = two_samples(tmp_path)
 
     async def body(eng):
-        inos = [eng.ns.resolve(r).ino for r in files]
-        nl = NextEpochLog(eng, "default/0", 1)
-        await nl.plan(inos)
-        assert len(nl.chunks) == 1 and len(nl.chunks[0].slots) == 2
+        nl, inos = await planned(eng, files)
         nl.chunks[0].sealed = True  # (as if sealed: used() names a chunk to release)
         nl.start_reading()
         assert nl.used(inos[0]) is None
@@ -134,5 +148,4 @@ def test_a_sample_repeated_in_the_order_is_read_once_from_its_log(tmp_path):
         nl.chunks[0].sealed = False
         nl.abandon()
 
-    run_engine(make_config(src, cache, policy="lru", chunk_size=64 << 10), body,
-               check_invariants=False)
+    run_engine(cfg, body, check_invariants=False)
