@@ -280,6 +280,112 @@ def test_remount_with_single_record_reads(tree, policy):
     run_engine(make_config(src, cache, policy=policy, memory=4096), body)
 
 
+def test_an_open_loads_nothing_until_its_first_read(tree, policy):
+    """The kernel serves a file whose pages it holds without a READ: an open alone must
+    not read the file from the cache disk (a cat pass used to read the whole cache back),
+    yet it is a hit, and its use still reaches the policy."""
+    src, cache, files = tree
+    cold_read(src, cache, files, policy)
+    rel = b"train/cls1/img03.jpg"
+    source = CountingSource(src)
+
+    async def body(eng):
+        seen = []
+        orig = eng.reader.after_use
+        eng.reader.after_use = lambda cid, ino: (seen.append(ino), orig(cid, ino))[1]
+        e = eng.ns.resolve(rel)
+        for _ in range(3):
+            r = await eng.open(e.ino)
+            assert r.keep_cache and not r.direct_io
+            eng.release(r.fh)
+        assert eng.stats()["cache_disk_bytes_read"] == 0
+        assert eng.counters.record_reads == eng.counters.chunk_reads == 0
+        assert eng.counters.hits == 3 and eng.counters.bytes_from_cache == 0
+        assert seen == [e.ino] * 3
+        assert await read_all(eng, rel) == files[rel]  # the READ loads it
+        assert eng.stats()["cache_disk_bytes_read"] >= len(files[rel])
+        assert seen == [e.ino] * 4  # once per open, read or not
+        assert sum(source.reads.values()) == 0
+
+    run_engine(make_config(src, cache, policy=policy), body, source)
+
+
+async def _open_then(eng, rel, between):
+    """open ``rel`` (a lazy handle), run ``between``, then read it whole; the bytes."""
+    r = await eng.open(eng.ns.resolve(rel).ino)
+    try:
+        await between()
+        out = bytearray()
+        while piece := await eng.read(r.fh, len(out), 4096):
+            out += piece
+        return bytes(out)
+    finally:
+        eng.release(r.fh)
+
+
+def test_a_cached_file_lost_between_open_and_read_is_fetched(tree, policy):
+    """The record an open saw is gone by its first READ (its log lost, as an eviction
+    would): the opened version is fetched from the source, counted."""
+    src, cache, files = tree
+    cold_read(src, cache, files, policy)
+    rel = b"train/cls2/img05.jpg"
+    _, rec, log_path, _ = record_location(cache, src, rel, policy)
+    source = CountingSource(src)
+
+    async def body(eng):
+        async def lose_log():
+            os.unlink(log_path)
+
+        assert await _open_then(eng, rel, lose_log) == files[rel]
+        assert eng.counters.lazy_refetches == 1 and source.reads[rel] == 1
+
+    run_engine(make_config(src, cache, policy=policy, memory=4096), body, source)
+
+
+def test_a_file_changed_and_lost_between_open_and_read_is_an_error(tree, policy):
+    """Lost and changed on the source between open and READ: the opened version exists
+    nowhere, so the READ fails (ESTALE); never the new version's bytes under the old
+    size the kernel was given."""
+    src, cache, files = tree
+    cold_read(src, cache, files, policy)
+    rel = b"train/cls0/img06.jpg"
+    _, rec, log_path, _ = record_location(cache, src, rel, policy)
+
+    async def body(eng):
+        async def change_and_lose():
+            rewrite(src / os.fsdecode(rel), files[rel] + b"grown")
+            os.unlink(log_path)
+
+        with pytest.raises(SourceChanged):
+            await _open_then(eng, rel, change_and_lose)
+        assert eng.counters.lazy_refetches == 0
+        assert await read_all(eng, rel) == files[rel] + b"grown"  # a new open: new version
+
+    run_engine(make_config(src, cache, policy=policy, memory=4096, revalidate=0), body)
+
+
+def test_concurrent_first_reads_of_one_open_load_it_once(tree, policy):
+    src, cache, files = tree
+    cold_read(src, cache, files, policy)
+    rel = b"big.bin"
+
+    async def body(eng):
+        r = await eng.open(eng.ns.resolve(rel).ino)
+        got = {}
+
+        async def read_at(off):
+            got[off] = bytes(await eng.read(r.fh, off, 50_000))
+
+        async with trio.open_nursery() as n:
+            for off in (0, 50_000, 100_000):
+                n.start_soon(read_at, off)
+        eng.release(r.fh)
+        assert b"".join(got[o] for o in sorted(got)) == files[rel]
+        assert eng.counters.record_reads + eng.counters.chunk_reads == 1
+
+    run_engine(make_config(src, cache, policy=policy), body)
+
+
 # ----- damaged cache -------------------------------------------------------------------
 
 

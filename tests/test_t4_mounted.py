@@ -100,6 +100,25 @@ def test_second_pass_is_served_from_the_cache(src, mount):
     assert st2["hits"] > st1["hits"]
 
 
+def test_a_pass_the_page_cache_serves_reads_nothing_from_the_cache_disk(src, mount):
+    """Cached files keep their kernel pages (keep_cache): a pass those pages serve sends
+    opens but no READ, and the daemon must not read the files from its logs anyway (a
+    memory tier too small for the chunks: every load would be a read of the disk)."""
+    m = mount(src, "--memory", "256K")
+    first = read_tree(m.mnt)
+    m.wait_cached(m.stats()["files"])
+    drop_page_cache()
+    assert read_tree(m.mnt) == first  # from the logs, into the page cache
+    st1 = m.stats()
+    assert st1["cache_disk_bytes_read"] > 0
+    assert read_tree(m.mnt) == first  # from the page cache
+    st2 = m.stats()
+    assert st2["fuse_ops"]["open"] > st1["fuse_ops"]["open"]
+    assert st2["fuse_ops"].get("read", 0) == st1["fuse_ops"].get("read", 0)
+    assert st2["cache_disk_bytes_read"] == st1["cache_disk_bytes_read"]
+    assert st2["hits"] > st1["hits"] and st2["bytes_from_source"] == st1["bytes_from_source"]
+
+
 @pytest.mark.daemon_log_allows(STALE_MOUNT)  # the second daemon mounts over the killed one's
 def test_kill9_then_remount_serves_from_the_log(src, mount):
     m = mount(src)

@@ -84,7 +84,7 @@ from dlcachefs.importance.packer import Packer
 from dlcachefs.sim.tracelog import TraceRecorder
 from dlcachefs.store.index import Index
 from dlcachefs.store.logs import LogStore
-from dlcachefs.store.schema import Entry
+from dlcachefs.store.schema import Entry, Record
 from dlcachefs.store.tally import TALLY_DIR, TallyReader
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,9 @@ READER_REAP_S = 30.0
 @dataclass(slots=True)
 class Handle:
     """An open file. ``data`` is one consistent version of the whole file, or None for a
-    read-through handle (files larger than ``max_cached_file``), which keeps ``fd``."""
+    read-through handle (files larger than ``max_cached_file``), which keeps ``fd``, or
+    for a cached file not loaded yet (``rec`` set: loaded at its first READ, which never
+    comes when the kernel's page cache holds the file)."""
 
     ino: int
     data: memoryview | None
@@ -104,6 +106,10 @@ class Handle:
     fd: int = -1
     ident: Identity | None = None
     paged: bool = False  # read through the kernel's page cache (no direct_io)
+    rec: Record | None = None  # the cached version's record, for a lazy handle
+    whole: bool = True  # a lazy handle's load may read the record's whole chunk
+    filling: trio.Lock | None = None  # concurrent READs of a lazy handle load it once
+    used: bool = False  # a lazy handle's READ counted its hit or miss (else its release)
 
 
 @dataclass(slots=True)
@@ -400,6 +406,14 @@ class Engine:
                 # own length is what the reader gets (a short read is its end of file)
                 fh = self._new_fh(Handle(e.ino, sub, True))
                 return OpenResult(fh, keep_cache=False, direct_io=True)
+        lazy = self._lazy_open(e, stream)
+        if lazy is not None:
+            if stream is not None:
+                stream.used.add(ino)
+                t1 = time.monotonic()
+                stream.note_latency(True, t1 - t0)
+                stream.pace.note(pid, t0, t1, stream.target_epoch)
+            return OpenResult(self._new_fh(lazy), keep_cache=True, direct_io=False)
         data, cached, waited = await self._load(
             e, cache=stream is None or not stream.memory_prefetch, stream=stream)
         if stream is not None and stream.next_log is not None:
@@ -422,6 +436,59 @@ class Engine:
         # (direct_io), since the kernel's idea of its size may be the old one until the
         # invalidation queued for it has gone through
         return OpenResult(fh, keep_cache=cached and not changed, direct_io=changed)
+
+    def _lazy_open(self, e: Entry, stream: Stream | None) -> Handle | None:
+        """A handle that loads the cached file at its first READ, or None to load it now.
+
+        With ``keep_cache`` the kernel serves a file whose pages it still holds without
+        any READ: loading it at open would read it from the cache disk for nothing (a
+        ``cat`` pass over a dataset that fits in RAM read the whole cache back each time).
+        Only for a current record that nothing else at open needs: not a file fetched
+        ahead or planned (their bytes are in memory already and must be taken), not a
+        stream writing a next-epoch log (it takes the bytes at open), not a file that
+        changed during the mount (direct_io: its READs always come)."""
+        ino = e.ino
+        if ino in self.ns.changed or ino in self.readahead:
+            return None
+        if stream is not None:
+            if stream.next_log is not None:
+                return None
+            plan = self.plans.plan_for(stream)
+            if plan is not None and plan.covers(ino):
+                return None
+        ident = identity(e)
+        rec = self.index.get_record(ino)
+        if not self.versions.is_current(ino, rec, ident):
+            return None
+        assert rec is not None
+        whole = not self.plans.pending(stream)
+        return Handle(ino, None, True, ident=ident, rec=rec, whole=whole)
+
+    async def _fill(self, h: Handle) -> memoryview:
+        """First READ of a lazy handle: its version's bytes from the cache, else (evicted,
+        dropped or unreadable since the open) from the source, that version only."""
+        assert h.ident is not None and h.rec is not None
+        h.used = True
+        # the record seen at open, not the index's now: its chunk holds the opened
+        # version's bytes for as long as the chunk exists (chunk ids are never reused),
+        # and read_record finds it gone (evicted) or its bytes wrong (checksum) alike
+        data = await self.reader.read_record(h.ino, h.rec, whole=h.whole)
+        if data is not None:
+            self.counters.hits += 1
+            return data
+        unsealed = self.versions.unsealed(h.ino, h.ident)
+        if unsealed is not None:
+            self.counters.hits += 1
+            return memoryview(unsealed)
+        e = self.index.get_entry(h.ino)
+        if e is None or identity(e) != h.ident:
+            raise SourceChanged("the file changed on the source while it was open")
+        data = await self.fetcher.fetch_for_reader(e)  # a miss after all
+        if identity(self.index.get_entry(h.ino) or e) != h.ident:
+            raise SourceChanged("the file changed on the source while it was open")
+        self.counters.lazy_refetches += 1
+        h.cached = False  # its READs count as bytes from the source (the fetch did)
+        return memoryview(data)
 
     async def _load(self, e: Entry, cache: bool = True, stream: Stream | None = None
                     ) -> tuple[bytes | memoryview, bool, bool]:
@@ -479,6 +546,12 @@ class Engine:
         h = self.handles.get(fh)
         if h is None:
             raise InvalidArgument("bad file handle")
+        if h.data is None and h.rec is not None:
+            if h.filling is None:
+                h.filling = trio.Lock()
+            async with h.filling:
+                if h.data is None:
+                    h.data = await self._fill(h)
         if h.data is not None:
             out = h.data[offset : offset + size]
             if h.cached:
@@ -506,8 +579,15 @@ class Engine:
     def release(self, fh: int) -> None:
         """Close an open file."""
         h = self.handles.pop(fh, None)
-        if h is not None and h.fd >= 0:
+        if h is None:
+            return
+        if h.fd >= 0:
             os.close(h.fd)
+        if h.rec is not None and not h.used:
+            # served by the kernel's pages alone: a hit, and its use still counts for the
+            # policy (recency, LCache's release after use), as a loaded record's does
+            self.counters.hits += 1
+            self.reader.after_use(h.rec.chunk_id, h.ino)
 
     def _new_fh(self, h: Handle) -> int:
         fh = self._next_fh

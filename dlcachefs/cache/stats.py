@@ -37,6 +37,8 @@ class Counters:
     record_reads: int = 0          # single-record reads from the logs
     checksum_failures: int = 0     # cached records that failed their checksum (then refetched)
     stale_refetches: int = 0       # cached records whose source changed (then refetched)
+    lazy_refetches: int = 0        # opened as cached, evicted before their first READ
+                                   # (then fetched from the source, the opened version)
     source_errors: int = 0
     source_timeouts: int = 0
     source_retries: int = 0
