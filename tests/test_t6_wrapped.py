@@ -96,19 +96,28 @@ torch.manual_seed(0)
 full = Shorter(root) if mode == "filtered" else Files(root) if mode == "files" else Train(root)
 keep = sorted(random.Random(1).sample(range(len(full)), k=len(full) * 3 // 4))
 ds = torch.utils.data.Subset(full, keep)
-if mode == "gen":
-    g = torch.Generator()
-    g.manual_seed(7)
-    dl = torch.utils.data.DataLoader(ds, batch_size=16, shuffle=True, num_workers=2, generator=g)
-elif mode == "custom":
-    dl = torch.utils.data.DataLoader(ds, batch_size=16, sampler=Reversed(len(ds)), num_workers=2)
-else:
-    dl = torch.utils.data.DataLoader(ds, batch_size=16, shuffle=True, num_workers=2)
+g = torch.Generator()
+g.manual_seed(7)
+
+
+def make_loader():
+    if mode.startswith("gen"):
+        return torch.utils.data.DataLoader(ds, batch_size=16, shuffle=True, num_workers=2,
+                                           generator=g)
+    if mode.startswith("custom"):
+        return torch.utils.data.DataLoader(ds, batch_size=16, sampler=Reversed(len(ds)),
+                                           num_workers=2)
+    return torch.utils.data.DataLoader(ds, batch_size=16, shuffle=True, num_workers=2)
+
+
+dl = make_loader()
 model = torch.nn.Sequential(torch.nn.Dropout(0.2), torch.nn.Linear(16 * 16 * 3, 8))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 h = hashlib.sha256()
 out = []
 for epoch in range(epochs):
+    if mode.endswith("-new") and epoch:  # a DataLoader built anew each epoch
+        dl = make_loader()
     seen = []
     for x, y, digest, rel in dl:
         seen += [[r, d, int(t)] for r, d, t in zip(rel, digest, y)]
@@ -209,6 +218,27 @@ def test_seeded_generator_lays_out_the_next_epoch(dataset, mount, script, tmp_pa
     assert st["reorder_chunks"] > 0  # the next epoch's log was laid out in its order
     assert s0["next_log"] is not None and s0["next_log"]["epoch"] == 3
     assert not (m.mnt / ".dlcache" / "errors").read_text()
+
+
+def test_a_loader_built_anew_each_epoch_counts_epochs_on(dataset, mount, script, tmp_path):
+    """A new DataLoader (so a new sampler) per epoch, over the same dataset: its epochs
+    are 0, 1, 2 as with one loader. They were 0 each time: the mount took every epoch
+    for a restart, laid out a next-epoch log never read (2.5x the dataset fetched with a
+    cache that holds it), and a learned order never repeated."""
+    m = mount(dataset, "--chunk-size", "64K", "--reorder-min", "0",
+              cache=tmp_path / "cache5", name="mnt5")
+    training = _same_training(script, dataset, m, 3, "gen-new")
+    n = len(training["epochs"][0])
+    st = _stream_at(m, "default/0", 2, n, "epoch 2 never replayed")
+    s0 = st["streams"]["default/0"]
+    assert s0["mode"] == "replayed" and "next epoch is known" in s0["reason"], s0
+    assert s0["next_log"] is not None and s0["next_log"]["epoch"] == 3
+    size = sum(p.stat().st_size for p in dataset.rglob("*.jpg"))
+    assert st["bytes_from_source"] <= size  # each file fetched once at most
+    _same_training(script, dataset, m, 3, "custom-new", env={"DLCACHEFS_JOB": "custom"})
+    st = _stream_at(m, "custom/0", 2, None, "the custom job never reached epoch 2")
+    s1 = st["streams"]["custom/0"]
+    assert s1["mode"] == "learned" and "repeats: prefetched" in s1["reason"], s1
 
 
 def test_custom_sampler_is_learned(dataset, mount, script, tmp_path):

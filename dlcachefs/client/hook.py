@@ -409,9 +409,23 @@ def _draws(loader, g) -> str:
     return "first" if loader.persistent_workers and loader.num_workers > 0 else "each"
 
 
-def _next_epoch(obj) -> int:
-    epoch = obj.__dict__.get("_dlcachefs_epoch", 0)
+#: the next epoch number per dataset (its announced view, else the dataset object), for
+#: every loader of this process: see _next_epoch
+_epochs: dict[tuple[str, str | int], int] = {}
+
+
+def _next_epoch(obj, ds) -> int:
+    """The epoch number an iteration of ``obj`` (a sampler or a DataLoader) over ``ds``
+    announces: one past the last this process announced for the same dataset. Counted per
+    dataset, not per object: a script that builds its DataLoader (and so its sampler)
+    anew each epoch would otherwise announce epoch 0 again and again, and the mount would
+    take each for a restart (its next-epoch log laid out for nothing, a learned order
+    never seen to repeat)."""
+    t = target_of(ds)
+    key: tuple[str, str | int] = (t.mount, t.vid) if isinstance(t, Target) else ("", id(ds))
+    epoch = max(obj.__dict__.get("_dlcachefs_epoch", 0), _epochs.get(key, 0))
     obj._dlcachefs_epoch = epoch + 1
+    _epochs[key] = epoch + 1
     return epoch
 
 
@@ -442,7 +456,7 @@ def _patch(data_module) -> None:
         when it cannot be announced. ``owner`` counts the epochs of unknown orders."""
         t = target_of(ds)
         if isinstance(t, str):
-            _unknown(ds, t, _next_epoch(owner))
+            _unknown(ds, t, _next_epoch(owner, ds))
             return None
         return t
 
@@ -456,7 +470,7 @@ def _patch(data_module) -> None:
             yield from orig_random_iter(self)
             return
         size = {"num_samples": self.num_samples, "replacement": bool(self.replacement)}
-        epoch = _next_epoch(self)
+        epoch = _next_epoch(self, dataset_of(self, self.data_source))
         if self.generator is None:
             # exactly torch's own draw, at the same moment: the RNG stream is unchanged
             seed = int(torch.empty((), dtype=torch.int64).random_().item())
@@ -491,7 +505,7 @@ def _patch(data_module) -> None:
                     else [int(i) for i in self.indices]
                 lid = _p.index_list_id(idx)
                 g = self.generator
-                epoch = _next_epoch(self)
+                epoch = _next_epoch(self, loader.dataset)
                 fields: dict[str, object] | None
                 if g is None:  # torch.randperm(generator=None): the global generator
                     fields = {"state": encode_state(torch.default_generator.get_state()),
@@ -538,7 +552,7 @@ def _patch(data_module) -> None:
                 obj.__dict__["_dlcachefs_loader"] = ref
         ds = loader.dataset
         if isinstance(ds, data_module.IterableDataset):
-            _unknown(ds, f"{type(ds).__name__} is an IterableDataset", _next_epoch(loader))
+            _unknown(ds, f"{type(ds).__name__} is an IterableDataset", _next_epoch(loader, ds))
             return
         if bs is not None and type(bs) is not BatchSampler:
             reason = f"batch sampler {type(bs).__name__} is not replayable"
@@ -551,12 +565,12 @@ def _patch(data_module) -> None:
         elif type(inner).__iter__ is SequentialSampler.__iter__:
             t = usable(ds, loader)
             if t is not None:
-                _send(t, [_p.sampler_line("sequential"), _p.epoch_line(_next_epoch(loader))],
+                _send(t, [_p.sampler_line("sequential"), _p.epoch_line(_next_epoch(loader, ds))],
                       weak=True, loader=loader)
             return
         else:
             reason = f"sampler {type(inner).__name__} is not replayable"
-        _unknown(ds, reason, _next_epoch(loader), loader)
+        _unknown(ds, reason, _next_epoch(loader, ds), loader)
 
     def loader_iter(self):
         try:
