@@ -120,7 +120,7 @@ class Operations(pyfuse3.Operations):
                 return self._vattrs(V.FILES[name])
             raise NotFound(os.fsdecode(name))
         self.ops["lookup"] += 1
-        return self._attrs(self.ns.lookup(parent_inode, name))
+        return self._attrs(await self.ns.fresh_lookup(parent_inode, name))
 
     @fuse_errors
     async def getattr(self, inode, ctx=None):

@@ -111,6 +111,39 @@ def test_a_vanished_directory_is_not_found_after_revalidation(tmp_path, clock):
     run_engine(make_config(src, cache, revalidate=100), body, source)
 
 
+def test_a_name_added_on_the_source_is_found_by_its_path_after_the_window(tmp_path, clock):
+    """A file or directory added on the source is found by a lookup of its path once the
+    parent's listing is older than --revalidate (no ls of the directory needed), and not
+    before: inside the window, a lookup of an unknown name lists nothing."""
+    from dlcachefs.errors import NotFound  # noqa: PLC0415
+
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    write_tree(src, {b"train/a/x.bin": b"x" * 100})
+    source = CountingSource(str(src))
+
+    async def body(eng):
+        ns = eng.ns
+        train = ns.resolve(b"train")
+        await ns.fresh_dir(train.ino)
+        a = ns.resolve(b"train/a")
+        await ns.fresh_dir(a.ino)
+        write_tree(src, {b"train/a/new.bin": b"n" * 7, b"train/b/y.bin": b"y" * 9})
+        lists = source.calls["list_dir"]
+        with pytest.raises(NotFound):  # inside the window: the snapshot answers
+            await ns.fresh_lookup(a.ino, b"new.bin")
+        assert source.calls["list_dir"] == lists
+        clock.now += 101
+        e = await ns.fresh_lookup(a.ino, b"new.bin")
+        assert e.size == 7 and source.calls["list_dir"] == lists + 1
+        b = await ns.fresh_lookup(train.ino, b"b")  # a new directory, then its file
+        y = await ns.fresh_lookup(b.ino, b"y.bin")
+        assert await read_all(eng, b"train/b/y.bin") == b"y" * 9 and y.size == 9
+        with pytest.raises(NotFound):  # still missing after the fresh listing
+            await ns.fresh_lookup(a.ino, b"nothing.bin")
+
+    run_engine(make_config(src, cache, revalidate=100), body, source)
+
+
 class BlockingListSource(CountingSource):
     """list_dir of ``d`` waits until released, then fails (EIO) or succeeds."""
 

@@ -255,6 +255,21 @@ def test_files_too_large_to_cache_are_read_through_and_can_be_mapped(tmp_path, m
     assert st["bytes_from_source"] >= 5 * arr.nbytes
 
 
+def test_files_added_on_the_source_are_found_by_path(src, mount):
+    """A file, and a directory with a file, added on the source while mounted: opened by
+    path without listing the directory first (a manifest-driven dataset does that), they
+    are found: a lookup of an unknown name re-lists a stale directory."""
+    m = mount(src, "--revalidate", "0")
+    assert (m.mnt / "cls1" / "f001.bin").read_bytes() == (src / "cls1" / "f001.bin").read_bytes()
+    (src / "cls1" / "added.bin").write_bytes(b"new file\n")
+    (src / "new_cls" / "deeper").mkdir(parents=True)
+    (src / "new_cls" / "deeper" / "a.bin").write_bytes(b"in a new dir\n")
+    assert (m.mnt / "cls1" / "added.bin").read_bytes() == b"new file\n"
+    assert (m.mnt / "new_cls" / "deeper" / "a.bin").read_bytes() == b"in a new dir\n"
+    with pytest.raises(FileNotFoundError):
+        (m.mnt / "cls1" / "never.bin").read_bytes()
+
+
 def test_vanished_source_file_is_enoent(src, mount):
     m = mount(src, "--revalidate", "0")
     (src / "cls2" / "f002.bin").unlink()

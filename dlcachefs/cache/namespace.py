@@ -13,6 +13,9 @@ Freshness rule (``--revalidate SECONDS``, documented in the README):
   all its children: on NFS/sshfs the attributes come with the listing) and merged.
 * With ``revalidate == 0`` every ``open`` of a file ``lstat``s that file on the source,
   and every ``opendir`` re-lists the directory.
+* A lookup of a name the snapshot does not hold re-lists its directory first when the
+  listing is older than ``revalidate`` (always, with 0): a file or directory added on the
+  source is found by its path, not only after an ``ls`` of its directory.
 * ``--rescan`` re-lists the whole tree at mount time.
 
 A change found this way updates the snapshot (same inode for the same path and type),
@@ -185,6 +188,19 @@ class Namespace:
         ino = self.index.lookup(parent, name)
         if ino is None:
             raise NotFound(os.fsdecode(name))
+        return self.get(ino)
+
+    async def fresh_lookup(self, parent: int, name: bytes) -> Entry:
+        """:meth:`lookup`, but a name not in the snapshot is looked for again in a fresh
+        listing of ``parent`` when the snapshot's is stale (the freshness rule)."""
+        ino = self.index.lookup(parent, name)
+        if ino is None:
+            pe = self.get(parent)
+            if is_dir(pe) and self._stale(pe):
+                await self.refresh_dir(parent)
+                ino = self.index.lookup(parent, name)
+            if ino is None:
+                raise NotFound(os.fsdecode(name))
         return self.get(ino)
 
     def resolve(self, rel: bytes) -> Entry:
