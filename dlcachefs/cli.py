@@ -204,9 +204,18 @@ def _progress_printer():
     return show, done
 
 
+def _non_empty(path: str) -> bool:
+    try:
+        with os.scandir(path) as it:
+            return any(True for _ in it)
+    except OSError:
+        return False  # missing or unreadable: the daemon refuses it with the reason
+
+
 def cmd_mount(cfg: Config) -> int:
     if not os.path.isdir(cfg.source):
-        print(f"dlcachefs: source is not a directory: {cfg.source}", file=sys.stderr)
+        what = "is not a directory" if os.path.exists(cfg.source) else "does not exist"
+        print(f"dlcachefs: source {what}: {cfg.source}", file=sys.stderr)
         return 1
     try:  # before anything is created in it (the daemon checks again, under its lock)
         mountctl.check_apart(cfg.source, cfg.mountpoint, cfg.cache_dir)
@@ -214,6 +223,9 @@ def cmd_mount(cfg: Config) -> int:
     except DlcError as e:
         print(f"dlcachefs: cannot mount: {e}", file=sys.stderr)
         return 1
+    if _non_empty(cfg.mountpoint):  # allowed, as FUSE 3 and gcsfuse allow it; but said
+        print(f"dlcachefs: warning: mountpoint {cfg.mountpoint} is not empty: its files "
+              f"are hidden while mounted", file=sys.stderr)
     if cfg.foreground:
         from dlcachefs.mount import daemon  # noqa: PLC0415
 

@@ -378,7 +378,7 @@ def test_second_daemon_on_the_same_cache_refuses(src, mount, tmp_path):
 def test_bad_mount_arguments_fail_clearly(tmp_path):
     r = subprocess.run([*DLCACHEFS, "mount", str(tmp_path / "nope"), str(tmp_path)],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode != 0 and "not a directory" in r.stderr
+    assert r.returncode != 0 and "source does not exist" in r.stderr
     (tmp_path / "s").mkdir()
     r = subprocess.run([*DLCACHEFS, "mount", str(tmp_path / "s"), str(tmp_path / "missing"),
                         "--cache-dir", str(tmp_path / "c")], capture_output=True, text=True,
@@ -401,6 +401,19 @@ def test_bad_mount_arguments_fail_clearly(tmp_path):
         assert not is_mounted(tmp_path / mnt)
     # refused before anything was made (not even the log)
     assert not (tmp_path / "m" / "cache").exists() and not list((tmp_path / "out").iterdir())
+
+
+@pytest.mark.daemon_log_allows("is not empty")
+def test_a_mountpoint_with_files_is_mounted_with_a_warning(src, mount, tmp_path):
+    """FUSE 3 mounts over a non-empty directory; its files are hidden meanwhile. Allowed
+    (as gcsfuse allows it), but said, so that nobody looks for them in vain."""
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine\n")
+    log = tmp_path / "full.log"
+    m = mount(src, name="full", log=log)
+    assert not (m.mnt / "keep.txt").exists()
+    assert (m.mnt / "cls1" / "f001.bin").read_bytes() == (src / "cls1" / "f001.bin").read_bytes()
+    assert "mountpoint" in log.read_text() and "is not empty" in log.read_text()
 
 
 def test_daemonized_mount_and_umount_while_a_file_is_open(src, tmp_path, daemon_oracle):
