@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlcachefs.cache.readplan import MIN_USEFUL, Want, group_reads, read_runs
+from dlcachefs.clairvoyance.streams import Stream
 from dlcachefs.store.chunkfmt import RecordIn, encode_chunk
 from dlcachefs.store.logs import LogStore
 from dlcachefs.store.schema import Record
@@ -146,3 +148,20 @@ def test_memory_tier_stores_no_chunk_larger_than_the_room_reservations_leave():
     assert t.bytes + t.reserved <= t.limit
     t.put(ChunkBuf(3, 0, b"z" * 40, True))  # fits once the older chunk goes
     assert 3 in t and t.bytes + t.reserved <= t.limit
+
+
+@pytest.mark.parametrize("opens,reads,served", [
+    (0, 0, False), (31, 0, False),  # too few opens of cached files to tell
+    (32, 0, True), (100, 10, True),  # the kernel's pages served (almost) all of them
+    (100, 11, False), (100, 100, False)])
+def test_an_epoch_is_page_served_when_its_cached_opens_came_without_reads(opens, reads,
+                                                                          served):
+    """Whether the next epoch is read ahead from the logs (no plan when the kernel's
+    page cache served the last one: Stream.pages_served)."""
+    s = Stream("j", 0)
+    s.cached_opens, s.cached_reads = opens, reads
+    s.end_page_count()
+    assert s.pages_served is served
+    assert s.cached_opens == s.cached_reads == 0  # the next epoch counts anew
+    s.end_page_count()
+    assert s.pages_served is False  # an epoch with no opens of cached files tells nothing

@@ -24,6 +24,7 @@ TRAIN = r'''
 import hashlib, json, os, sys, time, torch
 from torchvision import datasets
 root, mnt, epochs, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+keep = sys.argv[5:] == ["keep"]  # keep the page cache: the kernel serves the later epochs
 
 def digest(path):  # an ImageFolder loader: the sample is the hash of the file's bytes
     with open(path, "rb") as f:
@@ -50,9 +51,10 @@ for epoch in range(epochs):
                 and s["sampler_replay_ready"]):
             break
         time.sleep(0.1)
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
+    if not keep:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
     before = stats()
     samples = [d for x, _ in dl for d in x]
     out.append({"samples": samples, "before": before, "after": stats()})
@@ -103,6 +105,34 @@ def test_shuffled_epoch_reads_what_it_serves(tmp_path, mount):
     st = m.stats()
     assert st["memory_bytes"] <= memory
     assert st["checksum_failures"] == 0
+
+
+def test_epochs_the_page_cache_serves_read_nothing_from_the_logs(tmp_path, mount):
+    """A dataset the kernel's page cache holds: once an epoch's opens of cached files came
+    without READs, the next epochs are not read ahead from the logs (no plan, no
+    preload) and nothing is read from the cache disk at all."""
+    src = tmp_path / "src"
+    make_images(src, classes=4, per_class=100)
+    truth = {str(p.relative_to(src)): hashlib.sha256(p.read_bytes()).hexdigest()
+             for p in src.rglob("*.jpg")}
+    m = mount(src, "--chunk-size", "64K", "--memory", str(256 << 10))
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    r = subprocess.run([sys.executable, "-m", "dlcachefs.cli", "run", "--", sys.executable,
+                        str(script), str(m.mnt), str(m.mnt), "4", str(len(truth)), "keep"],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    epochs = json.loads(r.stdout.strip().splitlines()[-1])
+    for ep in epochs:
+        assert dict(s.split(":") for s in ep["samples"]) == truth
+    for ep in epochs[2:]:  # epoch 1 served by the pages: 2 and 3 read nothing ahead
+        delta = {k: ep["after"][k] - ep["before"][k] for k in
+                 ("cache_disk_bytes_read", "planned_reads", "chunk_preloads", "misses",
+                  "record_reads", "chunk_reads")}
+        assert not any(delta.values()), delta
+        assert ep["after"]["fuse_ops"].get("read", 0) == ep["before"]["fuse_ops"].get("read", 0)
+        st = ep["after"]["streams"]["default/0"]
+        assert st["page_cache"]["serves_this_epoch"], st
 
 
 # the logs are damaged on purpose: a damaged record this epoch did not read from its log

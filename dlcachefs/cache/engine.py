@@ -110,6 +110,7 @@ class Handle:
     whole: bool = True  # a lazy handle's load may read the record's whole chunk
     filling: trio.Lock | None = None  # concurrent READs of a lazy handle load it once
     used: bool = False  # a lazy handle's READ counted its hit or miss (else its release)
+    stream: Stream | None = None  # a cached file's stream: its READs are counted there
 
 
 @dataclass(slots=True)
@@ -409,6 +410,8 @@ class Engine:
         lazy = self._lazy_open(e, stream)
         if lazy is not None:
             if stream is not None:
+                stream.cached_opens += 1
+                lazy.stream = stream
                 stream.used.add(ino)
                 t1 = time.monotonic()
                 stream.note_latency(True, t1 - t0)
@@ -427,7 +430,11 @@ class Engine:
             stream.stall_seconds += time.monotonic() - t0
             if not cached:
                 stream.bytes_from_source += len(data)
-        fh = self._new_fh(Handle(ino, memoryview(data), cached))
+        h = Handle(ino, memoryview(data), cached)
+        if stream is not None and cached:
+            stream.cached_opens += 1
+            h.stream = stream
+        fh = self._new_fh(h)
         # keep_cache only for bytes we know are this version and when the kernel cannot
         # hold pages of an older one (the file did not change during this mount)
         changed = ino in self.ns.changed
@@ -546,6 +553,9 @@ class Engine:
         h = self.handles.get(fh)
         if h is None:
             raise InvalidArgument("bad file handle")
+        if h.stream is not None:  # its first READ: the kernel's pages did not serve it
+            h.stream.cached_reads += 1
+            h.stream = None
         if h.data is None and h.rec is not None:
             if h.filling is None:
                 h.filling = trio.Lock()

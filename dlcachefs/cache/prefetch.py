@@ -68,7 +68,8 @@ class Prefetcher:
                 or ino in self.readahead):
             return False
         if self.versions.is_cached(ino, identity(e)):
-            if not self.plans.wanted(stream):  # a plan reads it ahead instead
+            # a plan reads it ahead instead; or the kernel's pages serve the stream
+            if not self.plans.wanted(stream) and not stream.pages_served:
                 await self.reader.preload(ino, stream.key)
             return False
         if self._left_to_open(ino):

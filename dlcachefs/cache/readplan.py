@@ -243,9 +243,11 @@ class ReadPlanner:
 
     def wanted(self, stream) -> bool:
         """Whether this stream's epoch should be read through a plan: its order is known
-        and its log was not laid out for it (that one is read whole chunk by chunk)."""
+        and its log was not laid out for it (that one is read whole chunk by chunk), and
+        the kernel's page cache did not serve its last epoch (it holds the dataset: a
+        plan would read from the logs what no READ asks for)."""
         return (stream.samples is not None and bool(stream.order)
-                and stream.current_log is None)
+                and stream.current_log is None and not stream.pages_served)
 
     async def run(self, stream) -> None:
         """The plan of the stream's epoch that starts now (a task of its epoch nursery);

@@ -79,6 +79,12 @@ HOOKED_SILENT = ("nothing announced although the torch hook is installed (`dlcac
 
 log = logging.getLogger(__name__)
 
+#: an epoch whose opens of cached files were at least this many, and of which at most
+#: one in PAGED_READ_EVERY was READ, was served by the kernel's page cache
+#: (Stream.pages_served)
+PAGED_MIN_OPENS = 32
+PAGED_READ_EVERY = 10
+
 MAX_SAMPLE_LISTS = 4  # sample lists kept (train and val views of the jobs, a guess)
 MAX_GUESSES = 8  # directories listed ahead of an announcement, per mount
 LIST_RETRY_S = 30.0  # a dataset whose listing failed is not listed again before this
@@ -141,6 +147,13 @@ class Stream:
     learn_compared: bool = False  # two complete epochs were compared
     learn_pair: tuple[list[int], list[int]] | None = None  # epochs still to compare
     pace: Pace = field(default_factory=Pace)  # the loader's fetch timings (DLCache Alg. 2)
+    # opens of cached files this epoch, and how many of them were READ: the others the
+    # kernel served from its page cache. An epoch served so (the dataset fits in RAM) has
+    # the next one read nothing ahead from the logs (pages_served): no read plan, no
+    # preloads, each open loaded at its first READ, if one comes.
+    cached_opens: int = 0
+    cached_reads: int = 0
+    pages_served: bool = False
 
     def note_latency(self, cached: bool, seconds: float) -> None:
         if cached:
@@ -174,6 +187,13 @@ class Stream:
     def key(self) -> str:
         return f"{self.job}/{self.rank}"
 
+    def end_page_count(self) -> None:
+        """An epoch switch: decide from the epoch that ended whether the kernel's page
+        cache serves this stream (see ``pages_served``), and count anew."""
+        n, r = self.cached_opens, self.cached_reads
+        self.pages_served = n >= PAGED_MIN_OPENS and r * PAGED_READ_EVERY <= n
+        self.cached_opens = self.cached_reads = 0
+
     def stats(self) -> dict:
         hi = min(self.prefetched_upto, len(self.order))
         lead = sum(1 for p in range(self.position, hi) if self.ready[p])
@@ -184,6 +204,9 @@ class Stream:
                 "bytes_from_source": self.bytes_from_source, "dataset": self.dataset,
                 "substitutions": {str(k): v for k, v in sorted(self.substitutions.items())},
                 "error": self.error, "loader": self.pace.stats(),
+                "page_cache": {"cached_opens": self.cached_opens,
+                               "read": self.cached_reads,
+                               "serves_this_epoch": self.pages_served},
                 # --peers: every rank's order is known (the tier's expiry is the cluster's)
                 "cluster_ranks": None if self.cluster is None else self.cluster.world,
                 "next_log": None if self.next_log is None else {
@@ -445,6 +468,8 @@ class StreamManager:
         # the writer's limit: --cache-size, or a shared root's share (cache.shares)
         s.memory_prefetch = (2 * need > self.engine.writer.limit and self.engine.cfg.reorder
                              and nxt_first is not None)
+        if epoch != s.epoch or samples is not s.samples:
+            s.end_page_count()
         s.dataset, s.samples, s.epoch, s.order = dataset, samples, epoch, order
         s.positions, s.consumed = positions, consumed
         s.ready = bytearray(len(order))
