@@ -312,6 +312,11 @@ def cmd_run(command: list[str], job: str | None) -> int:
         print("dlcachefs run: no command (usage: dlcachefs run -- python train.py ...)",
               file=sys.stderr)
         return 2
+    if not mountctl.mounts_of("fuse.dlcachefs"):
+        # the hook would announce nothing: say so once, here, rather than run silently
+        print("dlcachefs run: warning: no dlcachefs mount is mounted here: the training "
+              "runs as it would without the launcher (mount the dataset first: "
+              "dlcachefs mount SOURCE MOUNTPOINT)", file=sys.stderr)
     boot = os.path.join(os.path.dirname(os.path.abspath(__file__)), "client", "_boot")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (boot, env.get("PYTHONPATH")) if p)

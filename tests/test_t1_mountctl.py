@@ -139,3 +139,18 @@ def test_ending_processes():
                 p.kill()
                 p.wait()
         stubborn.stdout.close()
+
+
+@pytest.mark.parametrize("mounted", [[], ["/mnt/imagenet"]])
+def test_run_says_when_no_mount_would_hear_the_training(monkeypatch, capsys, mounted):
+    """`dlcachefs run` with no dlcachefs mount at all: the hook would announce nothing,
+    so the launcher says it once instead of running silently; with a mount, nothing."""
+    from dlcachefs import cli  # noqa: PLC0415
+
+    ran = []
+    monkeypatch.setattr(cli.mountctl, "mounts_of", lambda fstype: list(mounted))
+    monkeypatch.setattr(cli.os, "execvpe", lambda *a: ran.append(a))
+    cli.cmd_run(["--", "python3", "train.py"], None)
+    assert ran and ran[0][1] == ["python3", "train.py"]
+    err = capsys.readouterr().err
+    assert ("no dlcachefs mount" in err) is (not mounted)

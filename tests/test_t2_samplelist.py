@@ -20,7 +20,12 @@ from dlcachefs.testing.fakes import make_config
 folder = pytest.importorskip("torchvision.datasets.folder")
 
 from dlcachefs.cache.engine import Engine  # noqa: E402
-from dlcachefs.clairvoyance.samplelist import IMG_EXTENSIONS, SampleList, image_folder  # noqa: E402
+from dlcachefs.clairvoyance.samplelist import (  # noqa: E402
+    IMG_EXTENSIONS,
+    SampleList,
+    image_folder,
+    links_leaving,
+)
 
 
 @contextlib.contextmanager
@@ -179,6 +184,22 @@ def test_symlinks(src, tmp_path):
         assert sl.inos[sl.paths.index("dog/chain.png")] == ns.resolve(b"data/cat/b.png").ino
         assert sl.inos[sl.paths.index("dog/subdir/g.jpg")] == \
             ns.resolve(b"elsewhere/dir/g.jpg").ino
+
+
+def test_links_leaving_the_source_are_counted(src, tmp_path):
+    """Symlinks that dangle or lead out of the source: a training follows them to files
+    the mount cannot list, so a differing sample list names them as the likely cause."""
+    outside = tmp_path / "outside"
+    touch(outside, "x/o.jpg")
+    touch(src, "data/cat/a.jpg", "data/dog/sub/d.jpg", "other/z.jpg")
+    link(src, "data/linked", str(outside / "x"))      # a class dir outside the source
+    link(src, "data/dog/sub/gone.jpg", "missing.jpg")  # dangling
+    link(src, "data/dog/in.jpg", "../cat/a.jpg")       # inside: fine
+    link(src, "other/out", str(outside))               # not under the dataset
+    with scanned(src, tmp_path / "cache") as eng:
+        assert links_leaving(eng.ns, "data") == 2
+        assert links_leaving(eng.ns, "data/cat") == 0
+        assert links_leaving(eng.ns, "") == 3
 
 
 def test_dataset_is_a_subdirectory(src, tmp_path):

@@ -910,6 +910,7 @@ def test_large_file_is_read_through(tree, policy):
         await eng.flush()
         assert eng.index.get_record(e.ino) is None
         assert eng.counters.bytes_from_source == 5000 + 10
+        assert eng.counters.read_through == 1 and eng.counters.cache_skipped == 0
         assert await read_all(eng, b"top.txt") == files[b"top.txt"]
 
     run_engine(make_config(src, cache, policy=policy, max_cached_file=100_000), body)

@@ -615,6 +615,7 @@ class Engine:
             e = await trio.to_thread.run_sync(self.ns.update_identity, e, ident)
             self.ns.changed_on_source(e)
         self.counters.misses += 1
+        self.counters.read_through += 1
         # Through the page cache, not direct_io: the kernel refuses mmap of a direct_io
         # file (ENODEV), and large files are what people map (numpy memmaps, shards);
         # readahead helps their sequential reads too. keep_cache=False drops pages of an

@@ -45,6 +45,8 @@ class Counters:
     chunks_written: int = 0
     chunks_evicted: int = 0
     cache_skipped: int = 0         # fetched files not cached (cache full, writer behind, disk full)
+    read_through: int = 0          # opens of files above --max-cached-file: read from the
+                                   # source, never cached (also counted in misses)
     reorder_chunks: int = 0        # chunks of a next epoch's log sealed by the reorderer
     chunk_preloads: int = 0        # chunks read ahead of the reader into the memory tier
     record_preloads: int = 0       # single records read ahead of the reader

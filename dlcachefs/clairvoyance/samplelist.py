@@ -110,6 +110,27 @@ def _follow(ns: Namespace, e: Entry) -> Entry | None:
     return _realpath(ns, [*base, os.fsdecode(e.name)])
 
 
+def links_leaving(ns: Namespace, dataset_rel: str, limit: int = 100_000) -> int:
+    """How many symlinks under the directory ``dataset_rel`` dangle or lead out of the
+    mirror (at most ``limit`` entries looked at). A training follows them (out of the
+    mount, to the real target) and lists files the mount cannot: the likely cause of a
+    sample list that differs, said in its reason."""
+    root = _realpath(ns, dataset_rel.strip("/").split("/")) if dataset_rel.strip("/") \
+        else ns.get(ROOT_INO)
+    if root is None:
+        return 0
+    n, seen, stack = 0, 0, [root.ino]
+    while stack and seen < limit:
+        for _name, ino, mode, _size in ns.index.list_dir_typed(stack.pop()):
+            seen += 1
+            if stat_mod.S_ISDIR(mode):
+                stack.append(ino)
+            elif stat_mod.S_ISLNK(mode):
+                e = ns.index.get_entry(ino)
+                n += e is None or _follow(ns, e) is None
+    return n
+
+
 def image_folder(ns: Namespace, dataset_rel: str,
                  extensions: tuple[str, ...] | None = IMG_EXTENSIONS) -> SampleList:
     """The ImageFolder sample list of the directory ``dataset_rel`` inside the mount (a

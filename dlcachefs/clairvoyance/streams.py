@@ -53,7 +53,12 @@ from dlcachefs.clairvoyance.protocol import paths_digest
 from dlcachefs.clairvoyance.reorder import NextEpochLog, ReorderEngine
 from dlcachefs.clairvoyance.replay import SamplerSpec
 from dlcachefs.clairvoyance.replayworker import RemoteReplayer, ReplayClosed, ReplayWorker
-from dlcachefs.clairvoyance.samplelist import IMG_EXTENSIONS, SampleList, image_folder
+from dlcachefs.clairvoyance.samplelist import (
+    IMG_EXTENSIONS,
+    SampleList,
+    image_folder,
+    links_leaving,
+)
 from dlcachefs.errors import DlcError
 from dlcachefs.store.schema import Entry
 
@@ -399,6 +404,11 @@ class StreamManager:
                     sl = image_folder(self.engine.ns, r.rel, r.extensions)
                 if len(sl) != r.count or paths_digest(sl.paths) != r.sha:
                     hint = " (a custom is_valid_file?)" if r.extensions is None else ""
+                    out = links_leaving(self.engine.ns, r.rel)
+                    if out:
+                        hint += (f" ({out} symlinks in it dangle or lead out of the source:"
+                                 f" the training follows them to files the mount does not"
+                                 f" hold)")
                     raise ValueError(
                         f"sample list mismatch under {r.rel or '.'!r}: the mount lists "
                         f"{len(sl)} files, the training {r.count}"
