@@ -79,8 +79,9 @@ IDLE_S = 300.0
 NOTHING_ANNOUNCED = ("nothing announced: run the script under `dlcachefs run` or call "
                      "dlcachefs.torch.install()")
 HOOKED_SILENT = ("nothing announced although the torch hook is installed (`dlcachefs run`): "
-                 "the hook found no DataLoader over an ImageFolder on this mount; see the "
-                 "training's dlcachefs warnings")
+                 "no DataLoader iterated over a dataset on this mount (samples read as "
+                 "dataset[i] without a DataLoader are not seen by the hook), or the hook "
+                 "could not map it (its warnings on the training's stderr say why)")
 
 log = logging.getLogger(__name__)
 
