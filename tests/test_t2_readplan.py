@@ -165,3 +165,26 @@ def test_an_epoch_is_page_served_when_its_cached_opens_came_without_reads(opens,
     assert s.cached_opens == s.cached_reads == 0  # the next epoch counts anew
     s.end_page_count()
     assert s.pages_served is False  # an epoch with no opens of cached files tells nothing
+
+
+def test_reads_coming_back_end_a_page_served_epoch_at_once():
+    """The kernel dropped the pages mid-epoch (a pause, memory pressure): as soon as READs
+    come back for more than one open in ten, the epoch is no longer taken as page-served,
+    and its plan is woken (pages_lost) instead of waiting for the next epoch."""
+    s = Stream("j", 0)
+    s.cached_opens = 100
+    s.end_page_count()
+    assert s.pages_served and not s.pages_lost.is_set()
+    for i in range(32):  # 32 opens, 3 of them READ: still served by the pages
+        s.note_cached_open()
+        if i < 3:
+            s.note_cached_read()
+    assert s.pages_served and not s.pages_lost.is_set()
+    for i in range(32):  # then 4 of 32 READ
+        s.note_cached_open()
+        if i < 4:
+            s.note_cached_read()
+    assert not s.pages_served and s.pages_lost.is_set()
+    s.cached_opens = 100
+    s.end_page_count(same_dataset=False)  # another dataset: nothing known of its pages
+    assert not s.pages_served and not s.pages_lost.is_set()

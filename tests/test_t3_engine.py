@@ -364,6 +364,59 @@ def test_a_file_changed_and_lost_between_open_and_read_is_an_error(tree, policy)
     run_engine(make_config(src, cache, policy=policy, memory=4096, revalidate=0), body)
 
 
+def test_a_record_moved_between_open_and_read_is_read_where_it_is_now(tree, policy):
+    """The same version sealed again elsewhere (as a reordered log takes it) and its old
+    chunk evicted between open and READ: read from its new place, not from the source."""
+    src, cache, files = tree
+    cold_read(src, cache, files, policy)
+    rel = b"train/cls1/img02.jpg"
+    source = CountingSource(src)
+
+    async def body(eng):
+        e = eng.ns.resolve(rel)
+        old = eng.index.get_record(e.ino)
+
+        async def move():
+            eng.writer.drop(e.ino)  # cached again, the same version, in another chunk
+            await eng.flush()
+            assert await read_all(eng, rel) == files[rel]
+            await eng.flush()
+            new = eng.index.get_record(e.ino)
+            assert new is not None and new.chunk_id != old.chunk_id
+            for ino, r in list(eng.index.iter_records()):  # empty the old chunk, retire it
+                if r.chunk_id == old.chunk_id and ino != e.ino:
+                    eng.writer.drop(ino)
+            await eng.flush()
+            eng.writer.retire_chunk(old.chunk_id)
+            await eng.flush()
+            assert eng.index.get_chunk(old.chunk_id) is None
+
+        assert await _open_then(eng, rel, move) == files[rel]
+        assert eng.counters.lazy_refetches == 0 and source.reads[rel] == 1  # (the move's)
+
+    run_engine(make_config(src, cache, policy=policy, memory=4096), body, source)
+
+
+def test_an_open_of_an_older_version_never_reads_once_a_newer_is_known(tree, policy):
+    """Opened (lazily, its bytes still cached), then a newer open sees the file changed:
+    the older handle's READ would fill the kernel's pages, shared with the newer open,
+    with old bytes. It fails (ESTALE) instead."""
+    src, cache, files = tree
+    cold_read(src, cache, files, policy)
+    rel = b"train/cls2/img03.jpg"
+
+    async def body(eng):
+        e = eng.ns.resolve(rel)
+        r = await eng.open(e.ino)
+        rewrite(src / os.fsdecode(rel), files[rel] + b"v2")
+        assert await read_all(eng, rel) == files[rel] + b"v2"  # the newer open
+        with pytest.raises(SourceChanged):
+            await eng.read(r.fh, 0, 4096)
+        eng.release(r.fh)
+
+    run_engine(make_config(src, cache, policy=policy, revalidate=0), body)
+
+
 def test_concurrent_first_reads_of_one_open_load_it_once(tree, policy):
     src, cache, files = tree
     cold_read(src, cache, files, policy)

@@ -144,6 +144,41 @@ def test_a_name_added_on_the_source_is_found_by_its_path_after_the_window(tmp_pa
     run_engine(make_config(src, cache, revalidate=100), body, source)
 
 
+def test_lookups_of_missing_names_list_a_directory_at_most_once_a_second(tmp_path, clock):
+    """With --revalidate 0 a missing name re-lists its directory, but a loop probing for
+    absent side files lists it once per MISSING_RELIST_S, not once per probe; and a
+    listing that fails answers "not found" (the snapshot's answer), not EIO."""
+    from dlcachefs.errors import NotFound, SourceError  # noqa: PLC0415
+
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    write_tree(src, {b"d/x.bin": b"x"})
+    source = CountingSource(str(src))
+    now = [1000.0]
+    clock.monotonic = lambda: now[0]  # the namespace's clock only
+
+    async def body(eng):
+        d = eng.ns.resolve(b"d")
+        lists = source.calls["list_dir"]
+        for _ in range(50):
+            with pytest.raises(NotFound):
+                await eng.ns.fresh_lookup(d.ino, b"x.json")
+        assert source.calls["list_dir"] == lists + 1
+        now[0] += ns_mod.MISSING_RELIST_S
+        write_tree(src, {b"d/x.json": b"{}"})
+        assert (await eng.ns.fresh_lookup(d.ino, b"x.json")).size == 2
+        assert source.calls["list_dir"] == lists + 2
+        now[0] += ns_mod.MISSING_RELIST_S
+
+        def failing(rel):
+            raise SourceError("list: injected", 5)
+
+        source.list_dir = failing
+        with pytest.raises(NotFound):
+            await eng.ns.fresh_lookup(d.ino, b"other")
+
+    run_engine(make_config(src, cache, revalidate=0), body, source)
+
+
 class BlockingListSource(CountingSource):
     """list_dir of ``d`` waits until released, then fails (EIO) or succeeds."""
 

@@ -117,6 +117,8 @@ def test_a_pass_the_page_cache_serves_reads_nothing_from_the_cache_disk(src, mou
     assert st2["fuse_ops"].get("read", 0) == st1["fuse_ops"].get("read", 0)
     assert st2["cache_disk_bytes_read"] == st1["cache_disk_bytes_read"]
     assert st2["hits"] > st1["hits"] and st2["bytes_from_source"] == st1["bytes_from_source"]
+    opens = st2["fuse_ops"]["open"] - st1["fuse_ops"]["open"]
+    assert st2["page_cache_opens"] - st1["page_cache_opens"] == opens  # said in stats
 
 
 @pytest.mark.daemon_log_allows(STALE_MOUNT)  # the second daemon mounts over the killed one's
@@ -174,6 +176,8 @@ def test_torn_tail_after_crash_is_dropped(src, mount, tmp_path):
     assert m2.stats()["bytes_from_source"] == 0
 
 
+@pytest.mark.daemon_log_allows(r"WARNING dlcachefs\.cache\.reader: cached copy of .* failed "
+                               r"its checksum")
 def test_corrupted_chunk_byte_is_refetched(src, mount, tmp_path):
     m = mount(src)
     expected = read_tree(m.mnt)
@@ -198,6 +202,9 @@ def test_corrupted_chunk_byte_is_refetched(src, mount, tmp_path):
     assert st["checksum_failures"] >= 1
     assert st["bytes_from_source"] >= rec.size  # the damaged file came from the source again
     assert name  # the record we damaged belonged to a real file
+    # and the log names the damaged file, for whoever wonders about the disk
+    assert (f"cached copy of {os.fsdecode(name)!r} (inode {ino}, chunk {rec.chunk_id}) "
+            f"failed its checksum") in m2.log.read_text()
 
 
 def test_modified_source_file_gives_new_bytes(src, mount):

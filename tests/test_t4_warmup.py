@@ -72,6 +72,17 @@ def test_warmup_fetches_everything_then_skips_it(src, mount):
 
 
 @requires_fuse
+def test_warmup_counts_what_it_cached_under_a_short_revalidate(src, mount):
+    """The count at the end is of the files the index holds, not of those whose listing
+    is still within --revalidate (0 here: none is): it said "cached now: 0"."""
+    root, files = src
+    m = mount(root, "--revalidate", "0")
+    res = warmup(m.mnt)
+    assert res["result"]["fetched"] == len(files)
+    assert res["result"]["cached_after"] == len(files) == m.stats()["cached_files"]
+
+
+@requires_fuse
 def test_warmup_of_paths_and_resume_after_a_partial_run(src, mount):
     root, files = src
     m = mount(root)

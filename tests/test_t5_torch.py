@@ -186,6 +186,9 @@ def test_importance_sampler_under_the_launcher_stays_explicit(tmp_path, mount):
     s = st["streams"]["default/0"]
     assert s["mode"] == "replayed" and "explicit" in s["reason"], s
     assert "seed" not in s["reason"]  # an explicit order's next one is sent, not drawn
+    # its batch hint and pace too, for `dlcachefs advise` (it said "run the training
+    # under dlcachefs run", which it was)
+    assert s["loader"]["batch"] == 16 and s["loader"]["workers"] == 2, s["loader"]
     assert st["importance"]["version"] >= 1
     ctl = json.loads((m.mnt / ".dlcache" / "control").read_bytes())
     assert ctl["streams"]["default/0"]["sampler"]["kind"] == "explicit"

@@ -210,12 +210,16 @@ class CachedCheck:
     def known(self) -> bool:
         return self.reader is not None
 
-    def __call__(self, rel: str) -> bool:
+    def __call__(self, rel: str, fresh: bool = True) -> bool:
+        """``fresh``: only if the listing it was found in is within the mount's
+        revalidation window (a file to skip must be the current version); else whether
+        the index holds it at all (the count at the end: a short window must not make
+        files just cached look uncached)."""
         if self.reader is None:
             return False
         parts = os.fsencode(rel).split(b"/")
-        return isinstance(self.reader.locate(parts, self.revalidate, time.time()),
-                          self._located)
+        window = self.revalidate if fresh else float("inf")
+        return isinstance(self.reader.locate(parts, window, time.time()), self._located)
 
     def close(self) -> None:
         if self.reader is not None:
@@ -485,7 +489,7 @@ def main(mnt: str, paths: list[str], order_file: str | None, dry_run: bool, jobs
         res = warm(mnt, plan.to_fetch, jobs, progress=not as_json)
         if wait and not res.interrupted and check.known and wait_settled(mnt):
             fits = plan.to_fetch + plan.cached
-            res.cached_after = sum(1 for it in fits if check(it.rel))
+            res.cached_after = sum(1 for it in fits if check(it.rel, fresh=False))
     finally:
         check.close()
     if as_json:

@@ -105,12 +105,16 @@ class Handle:
     cached: bool
     fd: int = -1
     ident: Identity | None = None
-    paged: bool = False  # read through the kernel's page cache (no direct_io)
+    paged: bool = False  # its READs fill the kernel's page cache (no direct_io): each
+                         # checks first that no newer version is known (_same_version)
     rec: Record | None = None  # the cached version's record, for a lazy handle
     whole: bool = True  # a lazy handle's load may read the record's whole chunk
     filling: trio.Lock | None = None  # concurrent READs of a lazy handle load it once
     used: bool = False  # a lazy handle's READ counted its hit or miss (else its release)
     stream: Stream | None = None  # a cached file's stream: its READs are counted there
+    cache_refetch: bool = True  # a lazy handle's refetch may be cached (not memory-only)
+    seen: int = 0  # Namespace.changes when it opened (a paged handle's version check)
+    was_read: bool = False  # a READ came (else the kernel's pages served the open)
 
 
 @dataclass(slots=True)
@@ -384,6 +388,7 @@ class Engine:
         stream = self.streams.stream_of(pid) if pid else None
         t0 = time.monotonic()
         e = await self.ns.fresh_file(ino)
+        seen = self.ns.changes  # a change noticed from here on may be newer than e
         if not is_file(e):
             raise InvalidArgument("not a regular file")
         if stream is not None:
@@ -397,7 +402,7 @@ class Engine:
             if group is not None:
                 self.scan.note_open(group, ino, e.parent)
         if e.size > self.cfg.max_cached_file:
-            return await self._open_read_through(e)
+            return await self._open_read_through(e, seen)
         self.future.tick += 1
         self.policy.on_request(ino)
         if stream is not None and self.cfg.substitute:
@@ -407,11 +412,12 @@ class Engine:
                 # own length is what the reader gets (a short read is its end of file)
                 fh = self._new_fh(Handle(e.ino, sub, True))
                 return OpenResult(fh, keep_cache=False, direct_io=True)
-        lazy = self._lazy_open(e, stream)
+        lazy = self._lazy_open(e, stream, seen)
         if lazy is not None:
             if stream is not None:
-                stream.cached_opens += 1
+                stream.note_cached_open()
                 lazy.stream = stream
+                lazy.cache_refetch = not stream.memory_prefetch
                 stream.used.add(ino)
                 t1 = time.monotonic()
                 stream.note_latency(True, t1 - t0)
@@ -430,21 +436,23 @@ class Engine:
             stream.stall_seconds += time.monotonic() - t0
             if not cached:
                 stream.bytes_from_source += len(data)
-        h = Handle(ino, memoryview(data), cached)
-        if stream is not None and cached:
-            stream.cached_opens += 1
-            h.stream = stream
-        fh = self._new_fh(h)
         # keep_cache only for bytes we know are this version and when the kernel cannot
         # hold pages of an older one (the file did not change during this mount)
         changed = ino in self.ns.changed
         self.ns.changed.discard(ino)  # this open drops the kernel's pages of the file
+        h = Handle(ino, memoryview(data), cached)
+        if cached and not changed:  # its READs fill the pages: checked as lazy ones are
+            h.ident, h.paged, h.seen = identity(e), True, seen
+            if stream is not None and stream.next_log is None:  # (else never lazy)
+                stream.note_cached_open()
+                h.stream = stream
+        fh = self._new_fh(h)
         # a file that changed during the mount: its first open bypasses the page cache
         # (direct_io), since the kernel's idea of its size may be the old one until the
         # invalidation queued for it has gone through
         return OpenResult(fh, keep_cache=cached and not changed, direct_io=changed)
 
-    def _lazy_open(self, e: Entry, stream: Stream | None) -> Handle | None:
+    def _lazy_open(self, e: Entry, stream: Stream | None, seen: int) -> Handle | None:
         """A handle that loads the cached file at its first READ, or None to load it now.
 
         With ``keep_cache`` the kernel serves a file whose pages it still holds without
@@ -460,6 +468,11 @@ class Engine:
         if stream is not None:
             if stream.next_log is not None:
                 return None
+            cur = stream.current_log
+            if cur is not None and cur.release_after_use:
+                # LCache releases a chunk at the open of its last record: a READ after
+                # that would find it evicted (and fetch the sample again)
+                return None
             plan = self.plans.plan_for(stream)
             if plan is not None and plan.covers(ino):
                 return None
@@ -469,7 +482,8 @@ class Engine:
             return None
         assert rec is not None
         whole = not self.plans.pending(stream)
-        return Handle(ino, None, True, ident=ident, rec=rec, whole=whole)
+        return Handle(ino, None, True, ident=ident, paged=True, rec=rec, whole=whole,
+                      seen=seen)
 
     async def _fill(self, h: Handle) -> memoryview:
         """First READ of a lazy handle: its version's bytes from the cache, else (evicted,
@@ -480,6 +494,11 @@ class Engine:
         # version's bytes for as long as the chunk exists (chunk ids are never reused),
         # and read_record finds it gone (evicted) or its bytes wrong (checksum) alike
         data = await self.reader.read_record(h.ino, h.rec, whole=h.whole)
+        if data is None:  # the same version moved since (a reordered log took it)?
+            rec = self.index.get_record(h.ino)
+            if rec is not None and rec != h.rec and self.versions.is_current(
+                    h.ino, rec, h.ident):
+                data = await self.reader.read_record(h.ino, rec, whole=h.whole)
         if data is not None:
             self.counters.hits += 1
             return data
@@ -490,7 +509,7 @@ class Engine:
         e = self.index.get_entry(h.ino)
         if e is None or identity(e) != h.ident:
             raise SourceChanged("the file changed on the source while it was open")
-        data = await self.fetcher.fetch_for_reader(e)  # a miss after all
+        data = await self.fetcher.fetch_for_reader(e, h.cache_refetch)  # a miss after all
         if identity(self.index.get_entry(h.ino) or e) != h.ident:
             raise SourceChanged("the file changed on the source while it was open")
         self.counters.lazy_refetches += 1
@@ -553,8 +572,9 @@ class Engine:
         h = self.handles.get(fh)
         if h is None:
             raise InvalidArgument("bad file handle")
+        h.was_read = True
         if h.stream is not None:  # its first READ: the kernel's pages did not serve it
-            h.stream.cached_reads += 1
+            h.stream.note_cached_read()
             h.stream = None
         if h.data is None and h.rec is not None:
             if h.filling is None:
@@ -563,6 +583,7 @@ class Engine:
                 if h.data is None:
                     h.data = await self._fill(h)
         if h.data is not None:
+            self._same_version(h)  # (a page-cache handle: see there)
             out = h.data[offset : offset + size]
             if h.cached:
                 self.counters.bytes_from_cache += len(out)
@@ -581,7 +602,7 @@ class Engine:
         fill them once a newer one is known, or a newer open would be served a mix.
         (A file gone from the listing is no such case: inode numbers are never reused,
         so no newer open shares its pages, and its open descriptor reads on.)"""
-        if h.paged:
+        if h.paged and h.seen != self.ns.changes:  # (no change seen: none is newer)
             cur = self.index.get_entry(h.ino)
             if cur is not None and identity(cur) != h.ident:
                 raise SourceChanged("the file changed on the source while it was open")
@@ -593,6 +614,8 @@ class Engine:
             return
         if h.fd >= 0:
             os.close(h.fd)
+        if h.cached and not h.was_read and h.paged:
+            self.counters.page_cache_opens += 1
         if h.rec is not None and not h.used:
             # served by the kernel's pages alone: a hit, and its use still counts for the
             # policy (recency, LCache's release after use), as a loaded record's does
@@ -605,7 +628,7 @@ class Engine:
         self.handles[fh] = h
         return fh
 
-    async def _open_read_through(self, e: Entry) -> OpenResult:
+    async def _open_read_through(self, e: Entry, seen: int) -> OpenResult:
         if not isinstance(self.source, LocalSource):
             raise InvalidArgument("file too large to cache and the source has no ranged reads")
         rel = self.ns.path_of(e)
@@ -625,6 +648,6 @@ class Engine:
         changed = e.ino in self.ns.changed
         self.ns.changed.discard(e.ino)
         return OpenResult(self._new_fh(Handle(e.ino, None, False, fd, ident,
-                                              paged=not changed)),
+                                              paged=not changed, seen=seen)),
                           keep_cache=False, direct_io=changed)
 

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from dlcachefs.cache.source import Identity, Listing, Source
-from dlcachefs.errors import IsADirectory, NotADirectory, NotFound
+from dlcachefs.errors import DlcError, IsADirectory, NotADirectory, NotFound
 from dlcachefs.store import schema as S
 from dlcachefs.store.index import Index, IndexTxn
 from dlcachefs.store.schema import Entry
@@ -53,6 +53,10 @@ if TYPE_CHECKING:  # fetch.py imports this module
     from dlcachefs.cache.fetch import SourceCalls
 
 log = logging.getLogger(__name__)
+
+#: a directory is listed again for a name it lacks at most this often (seconds), whatever
+#: --revalidate says (Namespace.fresh_lookup)
+MISSING_RELIST_S = 1.0
 
 ROOT_INO = 1
 #: names at the root that the mount reserves for itself and hides from the mirror
@@ -164,6 +168,9 @@ class Namespace:
         # inodes that changed on the source during this mount: the kernel may still hold
         # pages of the old version, so their next open must not ask it to keep them
         self.changed: set[int] = set()
+        # how many entries changed during the mount (any of them): an open handle that
+        # has seen none since it opened knows of no newer version (Engine._same_version)
+        self.changes = 0
         self._dir_paths: OrderedDict[int, bytes] = OrderedDict()
         # directory -> (done, outcome) of the re-listing under way; outcome: [] while it
         # runs and when it was cancelled, [None] when it merged, [error] when it failed
@@ -175,6 +182,7 @@ class Namespace:
         # returned: a value read before that commit was stored before the drop (the
         # loop runs one task at a time), so what stays is never older than the index.
         self._dir_checked: dict[int, float] = {}
+        self._missing_relist: dict[int, float] = {}  # dir -> monotonic s of that re-list
 
     # ----- snapshot reads (trio loop) -----------------------------------------------
 
@@ -192,12 +200,24 @@ class Namespace:
 
     async def fresh_lookup(self, parent: int, name: bytes) -> Entry:
         """:meth:`lookup`, but a name not in the snapshot is looked for again in a fresh
-        listing of ``parent`` when the snapshot's is stale (the freshness rule)."""
+        listing of ``parent`` when the snapshot's is stale (the freshness rule), at most
+        once per ``MISSING_RELIST_S`` per directory even with ``revalidate == 0`` (a
+        loop probing for absent side files must not list a large directory each time).
+        A listing that fails leaves the answer to the snapshot: not found."""
         ino = self.index.lookup(parent, name)
         if ino is None:
             pe = self.get(parent)
-            if is_dir(pe) and self._stale(pe):
-                await self.refresh_dir(parent)
+            now = time.monotonic()
+            last = self._missing_relist.get(parent, -MISSING_RELIST_S)
+            if is_dir(pe) and self._stale(pe) and now - last >= MISSING_RELIST_S:
+                if len(self._missing_relist) >= 100_000:
+                    self._missing_relist.clear()  # bounded
+                self._missing_relist[parent] = now
+                try:
+                    await self.refresh_dir(parent)
+                except DlcError as e:  # the source is down: the snapshot answers
+                    log.info("listing %r for a missing name failed: %s", pe.name, e)
+                    raise NotFound(os.fsdecode(name)) from None
                 ino = self.index.lookup(parent, name)
             if ino is None:
                 raise NotFound(os.fsdecode(name))
@@ -371,6 +391,7 @@ class Namespace:
     def _notify(self, kind: str, parent: int, name: bytes | None, ino: int | None) -> None:
         if ino is not None:
             self.changed.add(ino)
+            self.changes += 1
         if self.on_invalidate is not None:
             self.on_invalidate(kind, parent, name, ino)
 

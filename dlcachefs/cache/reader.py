@@ -27,6 +27,7 @@ Concurrent loads of one chunk are coalesced (``_loading``).
 from __future__ import annotations
 
 import logging
+import os
 from collections import deque
 
 import trio
@@ -90,7 +91,7 @@ class LogReader:
                     return await self.read_single(ino, rec, background)
                 buf = await self._load_chunk_into_memory(c)
                 if buf is None:
-                    return self.bad(ino)
+                    return self.bad(ino, rec.chunk_id)
             finally:
                 self.writer.unpin(rec.chunk_id)
         else:
@@ -98,7 +99,7 @@ class LogReader:
         start = rec.offset - buf.offset
         view = memoryview(buf.data)[start : start + rec.size]
         if len(view) != rec.size or (not buf.verified and checksum(view) != rec.data_xxh):
-            return self.bad(ino)
+            return self.bad(ino, rec.chunk_id)
         if not background:
             self.after_use(rec.chunk_id, ino)
         return view
@@ -146,21 +147,29 @@ class LogReader:
             data = await trio.to_thread.run_sync(self.logs.read, rec.log_id, rec.offset,
                                                  rec.size, limiter=self.disk_limiter)
         except (FormatError, OSError):
-            return self.bad(ino)
+            return self.bad(ino, rec.chunk_id)
         if background:
             setattr(self.counters, counter, getattr(self.counters, counter) + 1)
         else:
             self.counters.record_reads += 1
         if checksum(data) != rec.data_xxh:
-            return self.bad(ino)
+            return self.bad(ino, rec.chunk_id)
         if not background:
             self.after_use(rec.chunk_id, ino)
         return memoryview(data)
 
-    def bad(self, ino: int) -> None:
-        """The record of ``ino`` cannot be trusted: counted, and dropped at the next
+    def bad(self, ino: int, chunk_id: int | None = None) -> None:
+        """The record of ``ino`` cannot be trusted: counted, logged (the first 100, then
+        one in 1,000: a failing disk must not flood the log), and dropped at the next
         commit (its open fetches the file from the source)."""
         self.counters.checksum_failures += 1
+        n = self.counters.checksum_failures
+        if n <= 100 or n % 1000 == 0:
+            e = self.index.get_entry(ino)
+            log.warning("cached copy of %r (inode %d%s) failed its checksum (%d so far): "
+                        "served from the source instead; `dlcachefs verify` checks the "
+                        "whole cache", os.fsdecode(e.name) if e is not None else "?", ino,
+                        "" if chunk_id is None else f", chunk {chunk_id}", n)
         self.writer.drop(ino)
         return None
 

@@ -256,6 +256,10 @@ class ReadPlanner:
         old = self.plans.pop(stream.key, None)
         if old is not None:
             old.close()
+        if stream.pages_served and not self.wanted(stream):
+            # the kernel's pages served the last epoch: no plan unless READs come back
+            # this epoch (then it starts from the reader's position)
+            await stream.pages_lost.wait()
         if not self.wanted(stream):
             return
         plan = self.plans[stream.key] = ReadPlan(self, stream)
@@ -487,7 +491,7 @@ class ReadPlan:
                 for w, ok in zip(r.wants, oks, strict=True):
                     if not ok:
                         if eng.index.get_record(w.ino) == w.rec:  # pinned: real damage
-                            eng.reader.bad(w.ino)
+                            eng.reader.bad(w.ino, w.rec.chunk_id)
                         continue
                     a = w.rec.offset - r.offset
                     if not self.closed:

@@ -160,6 +160,11 @@ class Stream:
     cached_opens: int = 0
     cached_reads: int = 0
     pages_served: bool = False
+    # the last PAGED_MIN_OPENS of them: READs coming back (the kernel dropped the pages)
+    # end pages_served at once, and the epoch's read plan starts (pages_lost)
+    recent_opens: int = 0
+    recent_reads: int = 0
+    pages_lost: trio.Event = field(default_factory=trio.Event)
 
     def note_latency(self, cached: bool, seconds: float) -> None:
         if cached:
@@ -193,12 +198,32 @@ class Stream:
     def key(self) -> str:
         return f"{self.job}/{self.rank}"
 
-    def end_page_count(self) -> None:
+    def end_page_count(self, same_dataset: bool = True) -> None:
         """An epoch switch: decide from the epoch that ended whether the kernel's page
-        cache serves this stream (see ``pages_served``), and count anew."""
+        cache serves this stream (see ``pages_served``), and count anew. Another dataset
+        than the last epoch's: nothing is known of its pages."""
         n, r = self.cached_opens, self.cached_reads
-        self.pages_served = n >= PAGED_MIN_OPENS and r * PAGED_READ_EVERY <= n
-        self.cached_opens = self.cached_reads = 0
+        self.pages_served = (same_dataset and n >= PAGED_MIN_OPENS
+                             and r * PAGED_READ_EVERY <= n)
+        self.cached_opens = self.cached_reads = self.recent_opens = self.recent_reads = 0
+        self.pages_lost = trio.Event()
+
+    def note_cached_open(self) -> None:
+        """An open of a cached file whose bytes could be loaded lazily (see
+        ``pages_served``); every PAGED_MIN_OPENS of them, a page-served epoch whose READs
+        came back (more than one in PAGED_READ_EVERY) is served so no longer."""
+        self.cached_opens += 1
+        self.recent_opens += 1
+        if self.recent_opens >= PAGED_MIN_OPENS:
+            if self.pages_served and self.recent_reads * PAGED_READ_EVERY > self.recent_opens:
+                self.pages_served = False
+                self.pages_lost.set()
+            self.recent_opens = self.recent_reads = 0
+
+    def note_cached_read(self) -> None:
+        """The first READ of such an open: the kernel's pages did not serve it."""
+        self.cached_reads += 1
+        self.recent_reads += 1
 
     def stats(self) -> dict:
         hi = min(self.prefetched_upto, len(self.order))
@@ -480,7 +505,8 @@ class StreamManager:
         s.memory_prefetch = (2 * need > self.engine.writer.limit and self.engine.cfg.reorder
                              and nxt_first is not None)
         if epoch != s.epoch or samples is not s.samples:
-            s.end_page_count()
+            s.end_page_count(same_dataset=samples is s.samples or s.samples is None
+                             or dataset == s.dataset)
         s.dataset, s.samples, s.epoch, s.order = dataset, samples, epoch, order
         s.positions, s.consumed = positions, consumed
         s.ready = bytearray(len(order))

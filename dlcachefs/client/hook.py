@@ -425,6 +425,8 @@ def _next_epoch(obj, ds) -> int:
     key: tuple[str, str | int] = (t.mount, t.vid) if isinstance(t, Target) else ("", id(ds))
     epoch = max(obj.__dict__.get("_dlcachefs_epoch", 0), _epochs.get(key, 0))
     obj._dlcachefs_epoch = epoch + 1
+    if len(_epochs) >= 4096 and key not in _epochs:
+        _epochs.clear()  # bounded (a dataset object made anew each epoch adds a key)
     _epochs[key] = epoch + 1
     return epoch
 
@@ -1036,13 +1038,16 @@ class ImportanceSampler:
         head = job if self._announced_head else (
             job + _p.text([ds_line, _p.sampler_line("explicit")]))
         epoch = self.epoch
+        loader = _loader_of(self)  # its batch hint too (dlcachefs advise uses it)
         writes = _p.order_writes(epoch, order, head, next_head=job,
-                                 after=[_p.epoch_line(epoch)])
+                                 after=[_p.epoch_line(epoch), *_batch_hint(loader)])
         if self._view is not None and not self._announced_head:
             writes = self._view.definition() + writes
         try:
             write_control(mount, [w.encode() for w in writes])
             self._announced_head = True
+            if loader is not None and hasattr(loader, "__dict__"):  # and its pace
+                loader.__dict__["_dlcachefs_target"] = (mount, self.job, None)
         except OSError as e:
             _warn_once(f"iis:{mount}", f"could not announce the importance order to {mount} "
                        f"({e}); see {mount}/.dlcache/errors. Training goes on.")
