@@ -109,7 +109,7 @@ class Handle:
                          # checks first that no newer version is known (_same_version)
     rec: Record | None = None  # the cached version's record, for a lazy handle
     whole: bool = True  # a lazy handle's load may read the record's whole chunk
-    filling: trio.Lock | None = None  # concurrent READs of a lazy handle load it once
+    filling: trio.Event | None = None  # set when its fill ended (concurrent READs: one)
     used: bool = False  # a lazy handle's READ counted its hit or miss (else its release)
     stream: Stream | None = None  # a cached file's stream: its READs are counted there
     cache_refetch: bool = True  # a lazy handle's refetch may be cached (not memory-only)
@@ -576,12 +576,18 @@ class Engine:
         if h.stream is not None:  # its first READ: the kernel's pages did not serve it
             h.stream.note_cached_read()
             h.stream = None
-        if h.data is None and h.rec is not None:
-            if h.filling is None:
-                h.filling = trio.Lock()
-            async with h.filling:
-                if h.data is None:
+        while h.data is None and h.rec is not None:
+            # one fill at a time per handle; no lock: an uncontended trio.Lock costs two
+            # checkpoints (trips through the scheduler) on every first READ
+            ev = h.filling
+            if ev is None or ev.is_set():  # none yet, or the last one failed: fill
+                h.filling = ev = trio.Event()
+                try:
                     h.data = await self._fill(h)
+                finally:
+                    ev.set()
+            else:
+                await ev.wait()
         if h.data is not None:
             self._same_version(h)  # (a page-cache handle: see there)
             out = h.data[offset : offset + size]
