@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlcachefs.cache.readplan import MIN_USEFUL, Want, group_reads, read_runs
-from dlcachefs.clairvoyance.streams import Stream
+from dlcachefs.clairvoyance.samplelist import SampleList
+from dlcachefs.clairvoyance.streams import Stream, same_dataset
 from dlcachefs.store.chunkfmt import RecordIn, encode_chunk
 from dlcachefs.store.logs import LogStore
 from dlcachefs.store.schema import Record
@@ -188,3 +189,13 @@ def test_reads_coming_back_end_a_page_served_epoch_at_once():
     s.cached_opens = 100
     s.end_page_count(same_dataset=False)  # another dataset: nothing known of its pages
     assert not s.pages_served and not s.pages_lost.is_set()
+
+
+def test_an_epoch_over_another_dataset_starts_with_its_pages_unknown():
+    """A stream alternating train and val: val's epoch must not take train's page-cache
+    decision (the switch compared a name the importance step had already overwritten)."""
+    train = SampleList("train", [], [1, 2], [0, 0], ["a", "b"])
+    val = SampleList("val", [], [3], [0], ["c"])
+    assert same_dataset(train, train)
+    assert same_dataset(train, SampleList("train", [], [1, 2], [0, 0], ["a", "b"]))
+    assert not same_dataset(train, val) and not same_dataset(None, train)

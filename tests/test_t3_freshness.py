@@ -179,6 +179,38 @@ def test_lookups_of_missing_names_list_a_directory_at_most_once_a_second(tmp_pat
     run_engine(make_config(src, cache, revalidate=0), body, source)
 
 
+class SlowListSource(CountingSource):
+    def list_dir(self, rel: bytes):
+        time.sleep(0.3)  # part of the scenario: a listing is under way meanwhile
+        return super().list_dir(rel)
+
+
+def test_a_lookup_joins_the_listing_under_way(tmp_path):
+    """Two new files looked up 50 ms apart while the first lookup's listing is under way:
+    the second joins it (the once-a-second bound must not answer ENOENT for a name the
+    listing in flight holds)."""
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    write_tree(src, {b"d/x.bin": b"x"})
+    source = SlowListSource(str(src))
+
+    async def body(eng):
+        d = eng.ns.resolve(b"d")
+        await eng.ns.fresh_dir(d.ino)
+        write_tree(src, {b"d/s1.bin": b"1", b"d/s2.bin": b"22"})
+        found = {}
+
+        async def look(name, delay):
+            await trio.sleep(delay)
+            found[name] = (await eng.ns.fresh_lookup(d.ino, name)).size
+
+        async with trio.open_nursery() as n:
+            n.start_soon(look, b"s1.bin", 0)
+            n.start_soon(look, b"s2.bin", 0.05)
+        assert found == {b"s1.bin": 1, b"s2.bin": 2}
+
+    run_engine(make_config(src, cache, revalidate=0), body, source)
+
+
 class BlockingListSource(CountingSource):
     """list_dir of ``d`` waits until released, then fails (EIO) or succeeds."""
 

@@ -490,15 +490,15 @@ class Engine:
         dropped or unreadable since the open) from the source, that version only."""
         assert h.ident is not None and h.rec is not None
         h.used = True
-        # the record seen at open, not the index's now: its chunk holds the opened
-        # version's bytes for as long as the chunk exists (chunk ids are never reused),
-        # and read_record finds it gone (evicted) or its bytes wrong (checksum) alike
-        data = await self.reader.read_record(h.ino, h.rec, whole=h.whole)
-        if data is None:  # the same version moved since (a reordered log took it)?
-            rec = self.index.get_record(h.ino)
-            if rec is not None and rec != h.rec and self.versions.is_current(
-                    h.ino, rec, h.ident):
-                data = await self.reader.read_record(h.ino, rec, whole=h.whole)
+        # the index's record now, if it is still this version: the one seen at open, or
+        # where the same version moved since (a reordered log took it). Never a record
+        # the index no longer holds: a damaged copy of it would be dropped as the file's
+        # record (read_record's bad()), which may be the good moved one by then.
+        rec = self.index.get_record(h.ino)
+        data = None
+        if self.versions.is_current(h.ino, rec, h.ident):
+            assert rec is not None
+            data = await self.reader.read_record(h.ino, rec, whole=h.whole)
         if data is not None:
             self.counters.hits += 1
             return data
@@ -641,8 +641,7 @@ class Engine:
         fd, ident = await self.calls.call(open_for_range_reads, self.source, rel,
                                           self.cfg.use_source_inode)
         if ident != identity(e):
-            e = await trio.to_thread.run_sync(self.ns.update_identity, e, ident)
-            self.ns.changed_on_source(e)
+            e = await self.ns.note_identity(e, ident)
         self.counters.misses += 1
         self.counters.read_through += 1
         # Through the page cache, not direct_io: the kernel refuses mmap of a direct_io

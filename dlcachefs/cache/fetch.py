@@ -291,8 +291,7 @@ class Fetcher(TaskOwner):
         data, ident = await self.read_whole(e, rel)
         if ident != identity(e):
             # changed since it was listed: serve the new version, and tell the kernel
-            e = await trio.to_thread.run_sync(self.ns.update_identity, e, ident)
-            self.ns.changed_on_source(e)
+            e = await self.ns.note_identity(e, ident)
         if not cache:
             return data, e
         sha = None

@@ -14,8 +14,9 @@ Freshness rule (``--revalidate SECONDS``, documented in the README):
 * With ``revalidate == 0`` every ``open`` of a file ``lstat``s that file on the source,
   and every ``opendir`` re-lists the directory.
 * A lookup of a name the snapshot does not hold re-lists its directory first when the
-  listing is older than ``revalidate`` (always, with 0): a file or directory added on the
-  source is found by its path, not only after an ``ls`` of its directory.
+  listing is older than ``revalidate``, at most once a second per directory (a listing
+  under way is joined): a file or directory added on the source is found by its path,
+  not only after an ``ls`` of its directory.
 * ``--rescan`` re-lists the whole tree at mount time.
 
 A change found this way updates the snapshot (same inode for the same path and type),
@@ -168,8 +169,10 @@ class Namespace:
         # inodes that changed on the source during this mount: the kernel may still hold
         # pages of the old version, so their next open must not ask it to keep them
         self.changed: set[int] = set()
-        # how many entries changed during the mount (any of them): an open handle that
-        # has seen none since it opened knows of no newer version (Engine._same_version)
+        # how many entry changes were made during the mount (any entry): an open handle
+        # that has seen none since it opened knows of no newer version
+        # (Engine._same_version). Counted before each write's thread starts, so that a
+        # READ on the loop meanwhile checks rather than skips.
         self.changes = 0
         self._dir_paths: OrderedDict[int, bytes] = OrderedDict()
         # directory -> (done, outcome) of the re-listing under way; outcome: [] while it
@@ -209,10 +212,13 @@ class Namespace:
             pe = self.get(parent)
             now = time.monotonic()
             last = self._missing_relist.get(parent, -MISSING_RELIST_S)
-            if is_dir(pe) and self._stale(pe) and now - last >= MISSING_RELIST_S:
+            # a listing under way is joined whatever the bound says: it may hold the name
+            due = now - last >= MISSING_RELIST_S or parent in self._refreshing
+            if is_dir(pe) and self._stale(pe) and due:
                 if len(self._missing_relist) >= 100_000:
                     self._missing_relist.clear()  # bounded
-                self._missing_relist[parent] = now
+                if parent not in self._refreshing:
+                    self._missing_relist[parent] = now
                 try:
                     await self.refresh_dir(parent)
                 except DlcError as e:  # the source is down: the snapshot answers
@@ -312,6 +318,7 @@ class Namespace:
         if not _same_attrs(e, new):
             if stat_mod.S_ISLNK(new.mode):
                 new.target = await self.calls.call(self.source.readlink, rel)
+            self.changes += 1  # before the write: see __init__
             await trio.to_thread.run_sync(self._put, new)
             self._notify("inode", e.parent, None, e.ino)
         return new
@@ -323,6 +330,14 @@ class Namespace:
     def _put(self, e: Entry) -> None:
         with self.index.write() as w:
             w.put_entry(e)
+
+    async def note_identity(self, e: Entry, ident: Identity) -> Entry:
+        """A fetch or an open saw version ``ident`` of ``e`` (not the snapshot's):
+        record it and tell the kernel; returns the new entry."""
+        self.changes += 1  # before the write: see __init__
+        new = await trio.to_thread.run_sync(self.update_identity, e, ident)
+        self.changed_on_source(new)
+        return new
 
     def update_identity(self, e: Entry, ident: Identity) -> Entry:
         """Blocking (thread): record an identity seen while fetching; returns the new entry."""
@@ -351,10 +366,12 @@ class Namespace:
                 listing = await self.calls.call(self.source.list_dir, rel)
             except NotFound:
                 if ino != ROOT_INO:
+                    self.changes += 1  # before the write: see __init__
                     await trio.to_thread.run_sync(self._delete, e)
                     self._dir_checked.clear()  # a subtree went: rare, start afresh
                     self._notify("entry", e.parent, e.name, e.ino)
                 raise
+            self.changes += 1  # before the write (it may change entries): see __init__
             res = await trio.to_thread.run_sync(self._merge, e, rel, listing)
             self._dir_checked.pop(ino, None)  # after the commit: see __init__
             for _ino, _sub in res.subdirs:

@@ -166,9 +166,9 @@ class LogReader:
         n = self.counters.checksum_failures
         if n <= 100 or n % 1000 == 0:
             e = self.index.get_entry(ino)
-            log.warning("cached copy of %r (inode %d%s) failed its checksum (%d so far): "
-                        "served from the source instead; `dlcachefs verify` checks the "
-                        "whole cache", os.fsdecode(e.name) if e is not None else "?", ino,
+            log.warning("cached copy of %r (inode %d%s) is damaged or unreadable (%d so "
+                        "far): served from the source instead; `dlcachefs verify` checks "
+                        "the whole cache", os.fsdecode(e.name) if e is not None else "?", ino,
                         "" if chunk_id is None else f", chunk {chunk_id}", n)
         self.writer.drop(ino)
         return None

@@ -96,6 +96,12 @@ MAX_GUESSES = 8  # directories listed ahead of an announcement, per mount
 LIST_RETRY_S = 30.0  # a dataset whose listing failed is not listed again before this
 
 
+def same_dataset(old: SampleList | None, new: SampleList) -> bool:
+    """Whether an epoch over ``new`` reads the dataset the last one (over ``old``) read:
+    the same list, or the same root (a view's key included)."""
+    return old is not None and (new is old or new.root == old.root)
+
+
 @dataclass
 class Stream:
     job: str
@@ -505,8 +511,8 @@ class StreamManager:
         s.memory_prefetch = (2 * need > self.engine.writer.limit and self.engine.cfg.reorder
                              and nxt_first is not None)
         if epoch != s.epoch or samples is not s.samples:
-            s.end_page_count(same_dataset=samples is s.samples or s.samples is None
-                             or dataset == s.dataset)
+            # not s.dataset to compare: the importance step above may have set it already
+            s.end_page_count(same_dataset=same_dataset(s.samples, samples))
         s.dataset, s.samples, s.epoch, s.order = dataset, samples, epoch, order
         s.positions, s.consumed = positions, consumed
         s.ready = bytearray(len(order))

@@ -50,6 +50,7 @@ import sys
 import time
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -411,7 +412,7 @@ def _draws(loader, g) -> str:
 
 #: the next epoch number per dataset (its announced view, else the dataset object), for
 #: every loader of this process: see _next_epoch
-_epochs: dict[tuple[str, str | int], int] = {}
+_epochs: OrderedDict[tuple[str, str | int], int] = OrderedDict()
 
 
 def _next_epoch(obj, ds) -> int:
@@ -425,9 +426,10 @@ def _next_epoch(obj, ds) -> int:
     key: tuple[str, str | int] = (t.mount, t.vid) if isinstance(t, Target) else ("", id(ds))
     epoch = max(obj.__dict__.get("_dlcachefs_epoch", 0), _epochs.get(key, 0))
     obj._dlcachefs_epoch = epoch + 1
-    if len(_epochs) >= 4096 and key not in _epochs:
-        _epochs.clear()  # bounded (a dataset object made anew each epoch adds a key)
     _epochs[key] = epoch + 1
+    _epochs.move_to_end(key)
+    if len(_epochs) > 4096:  # bounded (a dataset object made anew each epoch adds a
+        _epochs.popitem(last=False)  # key): the least recently announced goes
     return epoch
 
 
