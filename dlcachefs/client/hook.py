@@ -410,9 +410,9 @@ def _draws(loader, g) -> str:
     return "first" if loader.persistent_workers and loader.num_workers > 0 else "each"
 
 
-#: the next epoch number per dataset (its announced view, else the dataset object), for
-#: every loader of this process: see _next_epoch
-_epochs: OrderedDict[tuple[str, str | int], int] = OrderedDict()
+#: the next epoch number per announced view (mount, view id), for every loader of this
+#: process: see _next_epoch
+_epochs: OrderedDict[tuple[str, str], int] = OrderedDict()
 
 
 def _next_epoch(obj, ds) -> int:
@@ -421,15 +421,24 @@ def _next_epoch(obj, ds) -> int:
     dataset, not per object: a script that builds its DataLoader (and so its sampler)
     anew each epoch would otherwise announce epoch 0 again and again, and the mount would
     take each for a restart (its next-epoch log laid out for nothing, a learned order
-    never seen to repeat)."""
+    never seen to repeat). The dataset is its announced view when it has one (a dataset
+    object built anew each epoch is the same view), else the dataset object itself (the
+    count kept on it: an id() could be reused by the next object)."""
+    own = obj.__dict__.get("_dlcachefs_epoch", 0)
     t = target_of(ds)
-    key: tuple[str, str | int] = (t.mount, t.vid) if isinstance(t, Target) else ("", id(ds))
-    epoch = max(obj.__dict__.get("_dlcachefs_epoch", 0), _epochs.get(key, 0))
+    if isinstance(t, Target):
+        key = (t.mount, t.vid)
+        epoch = max(own, _epochs.get(key, 0))
+        _epochs[key] = epoch + 1
+        _epochs.move_to_end(key)
+        if len(_epochs) > 4096:  # bounded: the least recently announced view goes
+            _epochs.popitem(last=False)
+    else:
+        d = getattr(ds, "__dict__", None)
+        epoch = max(own, d.get("_dlcachefs_epoch", 0) if d is not None else 0)
+        if d is not None and ds is not obj:
+            d["_dlcachefs_epoch"] = epoch + 1
     obj._dlcachefs_epoch = epoch + 1
-    _epochs[key] = epoch + 1
-    _epochs.move_to_end(key)
-    if len(_epochs) > 4096:  # bounded (a dataset object made anew each epoch adds a
-        _epochs.popitem(last=False)  # key): the least recently announced goes
     return epoch
 
 
