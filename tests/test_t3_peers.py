@@ -194,15 +194,23 @@ def test_a_server_back_up_is_found_by_the_probe_and_owns_its_share_again(tmp_pat
     the files it owns are stored there again."""
     import trio
 
+    from dlcachefs.cache.namespace import identity
+
     files = _tree(30)
     write_tree(tmp_path / "src", files)
     peers = [m.address for m in servers]
-    victim = servers[0]
-    victim.kill9()
     cfg = _cfg(tmp_path, "a", peers, peer_timeout=0.5, peer_dead_time=0.2)
     rels = sorted(files)
+    victim = None
 
     async def body(eng):
+        nonlocal victim
+        # the victim owns the first file: the first reads must meet it (a fixed victim
+        # owned none of 15 random-port-hashed keys once in a few hundred runs)
+        e = eng.ns.resolve(rels[0])
+        owner = eng.peers.owner(eng.peers.key_of(rels[0], identity(e)))
+        victim = next(m for m in servers if m.address == owner)
+        victim.kill9()
         first = {rel: await read_all(eng, rel) for rel in rels[:15]}
         st = eng.peers.stats()["servers"][victim.address]
         assert st["state"] == "down" and st["marked_down"] == 1 and st["stored"] == 0
