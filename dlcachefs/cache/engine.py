@@ -110,11 +110,11 @@ class Handle:
     rec: Record | None = None  # the cached version's record, for a lazy handle
     whole: bool = True  # a lazy handle's load may read the record's whole chunk
     filling: trio.Event | None = None  # set when its fill ended (concurrent READs: one)
-    used: bool = False  # a lazy handle's READ counted its hit or miss (else its release)
     stream: Stream | None = None  # a cached file's stream: its READs are counted there
     cache_refetch: bool = True  # a lazy handle's refetch may be cached (not memory-only)
     seen: int = 0  # Namespace.changes when it opened (a paged handle's version check)
-    was_read: bool = False  # a READ came (else the kernel's pages served the open)
+    was_read: bool = False  # a READ came (else the kernel's pages served the open); for
+                            # a lazy handle: its fill counted its hit or miss
 
 
 @dataclass(slots=True)
@@ -418,20 +418,14 @@ class Engine:
                 stream.note_cached_open()
                 lazy.stream = stream
                 lazy.cache_refetch = not stream.memory_prefetch
-                stream.used.add(ino)
-                t1 = time.monotonic()
-                stream.note_latency(True, t1 - t0)
-                stream.pace.note(pid, t0, t1, stream.target_epoch)
+                self._note_served(stream, ino, pid, t0, True)
             return OpenResult(self._new_fh(lazy), keep_cache=True, direct_io=False)
         data, cached, waited = await self._load(
             e, cache=stream is None or not stream.memory_prefetch, stream=stream)
         if stream is not None and stream.next_log is not None:
             stream.next_log.consumed(ino, data, identity(e))
         if stream is not None:
-            stream.used.add(ino)
-            t1 = time.monotonic()
-            stream.note_latency(cached, t1 - t0)
-            stream.pace.note(pid, t0, t1, stream.target_epoch)  # the loader's t_fetch
+            self._note_served(stream, ino, pid, t0, cached)
         if stream is not None and waited:
             stream.stall_seconds += time.monotonic() - t0
             if not cached:
@@ -451,6 +445,14 @@ class Engine:
         # (direct_io), since the kernel's idea of its size may be the old one until the
         # invalidation queued for it has gone through
         return OpenResult(fh, keep_cache=cached and not changed, direct_io=changed)
+
+    @staticmethod
+    def _note_served(stream: Stream, ino: int, pid: int, t0: float, cached: bool) -> None:
+        """An open of ``stream`` from ``t0`` served now: the loader's t_fetch."""
+        stream.used.add(ino)
+        t1 = time.monotonic()
+        stream.note_latency(cached, t1 - t0)
+        stream.pace.note(pid, t0, t1, stream.target_epoch)
 
     def _lazy_open(self, e: Entry, stream: Stream | None, seen: int) -> Handle | None:
         """A handle that loads the cached file at its first READ, or None to load it now.
@@ -489,7 +491,6 @@ class Engine:
         """First READ of a lazy handle: its version's bytes from the cache, else (evicted,
         dropped or unreadable since the open) from the source, that version only."""
         assert h.ident is not None and h.rec is not None
-        h.used = True
         # the index's record now, if it is still this version: the one seen at open, or
         # where the same version moved since (a reordered log took it). Never a record
         # the index no longer holds: a damaged copy of it would be dropped as the file's
@@ -622,7 +623,7 @@ class Engine:
             os.close(h.fd)
         if h.cached and not h.was_read and h.paged:
             self.counters.page_cache_opens += 1
-        if h.rec is not None and not h.used:
+        if h.rec is not None and not h.was_read:
             # served by the kernel's pages alone: a hit, and its use still counts for the
             # policy (recency, LCache's release after use), as a loaded record's does
             self.counters.hits += 1

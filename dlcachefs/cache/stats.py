@@ -33,7 +33,7 @@ class Counters:
     bytes_from_peers: int = 0      # whole files served by the peer tier (--peers) instead
     bytes_from_cache: int = 0      # bytes returned to readers from cached data
     page_cache_opens: int = 0      # opens of cached files no READ followed: the kernel's
-                                   # page cache served them (their bytes are counted nowhere)
+                                   # page cache served them (not in bytes_from_cache)
     chunk_reads: int = 0           # whole-chunk reads from the logs
     sequential_chunk_reads: int = 0  # chunk reads asked for next to one (id +-1) of the last 64
     record_reads: int = 0          # single-record reads from the logs

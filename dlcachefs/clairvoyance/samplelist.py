@@ -110,13 +110,18 @@ def _follow(ns: Namespace, e: Entry) -> Entry | None:
     return _realpath(ns, [*base, os.fsdecode(e.name)])
 
 
+def _dataset_root(ns: Namespace, dataset_rel: str) -> Entry | None:
+    """The directory ``dataset_rel`` names (links followed), the mirror's root for ""."""
+    rel = dataset_rel.strip("/")
+    return _realpath(ns, rel.split("/")) if rel else ns.get(ROOT_INO)
+
+
 def links_leaving(ns: Namespace, dataset_rel: str, limit: int = 100_000) -> int:
     """How many symlinks under the directory ``dataset_rel`` dangle or lead out of the
     mirror (at most ``limit`` entries looked at). A training follows them (out of the
     mount, to the real target) and lists files the mount cannot: the likely cause of a
     sample list that differs, said in its reason."""
-    root = _realpath(ns, dataset_rel.strip("/").split("/")) if dataset_rel.strip("/") \
-        else ns.get(ROOT_INO)
+    root = _dataset_root(ns, dataset_rel)
     if root is None:
         return 0
     n, seen, stack = 0, 0, [root.ino]
@@ -137,7 +142,7 @@ def image_folder(ns: Namespace, dataset_rel: str,
     ``DatasetFolder`` with these ``extensions``; None keeps every file, for a custom
     ``is_valid_file`` whose result the caller checks by the training's digest)."""
     dataset_rel = dataset_rel.strip("/")
-    root = _realpath(ns, dataset_rel.split("/")) if dataset_rel else ns.get(ROOT_INO)
+    root = _dataset_root(ns, dataset_rel)
     if root is None or not stat_mod.S_ISDIR(root.mode):
         raise NotFound(f"dataset {dataset_rel!r} is not a directory")
 
