@@ -1,13 +1,15 @@
 """pyfuse3 ``Operations`` over the core :class:`~dlcachefs.cache.engine.Engine`.
 
 Runs on the trio loop. Kernel caching: entries and attributes are cached for
-``--revalidate`` seconds (the same window in which the core trusts its snapshot), and
+``--revalidate`` seconds (the same window in which the core trusts its snapshot; a
+LOOKUP or GETATTR of a file after that checks it as an open does), and
 ``keep_cache`` is set for files served from the cache, so the kernel keeps their pages.
 FLUSH is answered once with ENOSYS, after which the kernel stops sending it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -68,6 +70,9 @@ class Operations(pyfuse3.Operations):
         # requests received per operation (``fuse_ops`` in stats): what a file costs in
         # round trips. One dict increment per request, on the loop.
         self.ops: dict[str, int] = dict.fromkeys(OPS, 0)
+        # the entry each open file had at its open, by file handle: GETATTR of a file
+        # deleted on the source while open answers with it (one insert, one pop per open)
+        self._opened: dict[int, Entry] = {}
 
     def init(self) -> None:
         """FUSE INIT: called on the loop before the reply goes to the kernel."""
@@ -120,7 +125,7 @@ class Operations(pyfuse3.Operations):
                 return self._vattrs(V.FILES[name])
             raise NotFound(os.fsdecode(name))
         self.ops["lookup"] += 1
-        return self._attrs(await self.ns.fresh_lookup(parent_inode, name))
+        return self._attrs(await self._fresh(await self.ns.fresh_lookup(parent_inode, name)))
 
     @fuse_errors
     async def getattr(self, inode, ctx=None):
@@ -128,7 +133,22 @@ class Operations(pyfuse3.Operations):
             self.ops["dlcache"] += 1
             return self._vattrs(inode)
         self.ops["getattr"] += 1
-        return self._attrs(self.ns.get(inode))
+        try:
+            return self._attrs(await self._fresh(self.ns.get(inode)))
+        except NotFound:
+            # deleted on the source while open here: its opens still read their version,
+            # and fstat answers as a local filesystem's does for an unlinked open file
+            e = next((e for e in self._opened.values() if e.ino == inode), None)
+            if e is None:
+                raise
+            return self._attrs(e)
+
+    async def _fresh(self, e: Entry) -> Entry:
+        """A file's entry checked by the rule an open follows (``--revalidate``: its
+        directory re-listed once the window has passed; 0: the file itself, at every
+        call), so that ``stat`` and ``ls -l`` show what an open would find: a size, or
+        ENOENT for a file deleted on the source. Directories are checked when listed."""
+        return e if stat.S_ISDIR(e.mode) else await self.ns.fresh_file(e.ino)
 
     @fuse_errors
     async def setattr(self, inode, attr, fields, fh, ctx):
@@ -198,6 +218,8 @@ class Operations(pyfuse3.Operations):
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
             raise ReadOnly("read-only mirror")
         r = await self.engine.open(inode, ctx.pid)
+        with contextlib.suppress(NotFound):  # (gone since: it reads on, fstat is ENOENT)
+            self._opened[r.fh] = self.ns.get(inode)
         return pyfuse3.FileInfo(fh=r.fh, keep_cache=r.keep_cache, direct_io=r.direct_io)
 
     def _open_virtual(self, inode: int, flags: int, ctx) -> pyfuse3.FileInfo:
@@ -257,6 +279,7 @@ class Operations(pyfuse3.Operations):
             self._vfh.pop(fh, None)
         else:
             self.ops["release"] += 1
+            self._opened.pop(fh, None)
             self.engine.release(fh)
 
     async def flush(self, fh):

@@ -284,6 +284,55 @@ def test_vanished_source_file_is_enoent(src, mount):
         (m.mnt / "cls2" / "f002.bin").read_bytes()
 
 
+def test_stat_follows_the_source_as_an_open_would(src, mount):
+    """``--revalidate 0``: ``stat`` (a LOOKUP, or a GETATTR) checks the file as an open
+    does: a size changed on the source shows at once, a file deleted there is ENOENT.
+    Before, both showed the listing's old attributes until something opened the file."""
+    m = mount(src, "--revalidate", "0")
+    f = "cls1/f001.bin"
+    assert os.stat(m.mnt / f).st_size == os.stat(src / f).st_size
+    with open(src / f, "ab") as out:
+        out.write(b"0123456789")
+    assert os.stat(m.mnt / f).st_size == os.stat(src / f).st_size
+    gone = (src / "cls2" / "f002.bin").read_bytes()
+    fd = os.open(m.mnt / "cls2" / "f002.bin", os.O_RDONLY)
+    try:
+        (src / "cls2" / "f002.bin").unlink()
+        assert _errno_of(lambda: os.stat(m.mnt / "cls2" / "f002.bin")) == errno.ENOENT
+        # still open: fstat (a GETATTR) answers as for an unlinked open local file, and
+        # the open reads its version on
+        assert os.fstat(fd).st_size == len(gone)
+        assert os.pread(fd, len(gone) + 1, 0) == gone
+    finally:
+        os.close(fd)
+    assert _errno_of(lambda: os.stat(m.mnt / "cls2" / "f002.bin")) == errno.ENOENT
+    assert (m.mnt / f).read_bytes() == (src / f).read_bytes()
+
+
+def test_a_source_root_moved_away_and_back_is_an_error_meanwhile_and_keeps_the_cache(
+        src, mount, tmp_path):
+    """The source root renamed away (an automount lapsing, a dataset moved): listing the
+    mount is a clean ENOENT, with no ERROR in the daemon's log (the daemon oracle fails the
+    test on one); back again, the cached files are served from the cache, not fetched
+    again (a failing root is a source error: nothing of the snapshot or cache is dropped)."""
+    m = mount(src, "--revalidate", "0")
+    want = read_tree(src)
+    assert read_tree(m.mnt) == want
+    st = m.wait_cached(m.stats()["files"])
+    away = tmp_path / "src.away"
+    src.rename(away)
+    try:
+        assert _errno_of(lambda: os.listdir(m.mnt / "cls1")) == errno.ENOENT
+        assert _errno_of(lambda: (m.mnt / "cls1" / "f001.bin").read_bytes()) == errno.ENOENT
+    finally:
+        away.rename(src)
+    drop_page_cache()
+    assert read_tree(m.mnt) == want
+    after = m.stats()
+    assert after["bytes_from_source"] == st["bytes_from_source"]
+    assert after["cached_files"] == st["cached_files"]
+
+
 def _errno_of(fn) -> int:
     try:
         fn()

@@ -110,8 +110,14 @@ class LocalSource:
         server, per component, per call), except the last one when ``listing`` (readdir
         needs an opened directory)."""
         walk = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(self.root, walk if parts or not listing
-                     else os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fd = os.open(self.root, walk if parts or not listing
+                         else os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            # the root itself gone (moved away, an automount lapsed): a source error, not
+            # NotFound, so that nothing of the snapshot or the cache is dropped for it
+            raise SourceError(f"the source root {os.fsdecode(self.root)} cannot be opened: "
+                              f"{e.strerror}", e.errno) from e
         try:
             for i, name in enumerate(parts):
                 last = listing and i == len(parts) - 1
