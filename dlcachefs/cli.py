@@ -152,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"dlcachefs: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # `dlcachefs stats MNT | head`: the reader left; no traceback, and none at exit
+        # when Python flushes stdout again (the descriptor now goes nowhere)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return 2
 
 
@@ -223,7 +228,9 @@ def cmd_mount(cfg: Config) -> int:
     except DlcError as e:
         print(f"dlcachefs: cannot mount: {e}", file=sys.stderr)
         return 1
-    if _non_empty(cfg.mountpoint):  # allowed, as FUSE 3 and gcsfuse allow it; but said
+    if not os.path.ismount(cfg.mountpoint) and _non_empty(cfg.mountpoint):
+        # allowed, as FUSE 3 and gcsfuse allow it; but said (a mount point in use is
+        # refused by the daemon, with that reason)
         print(f"dlcachefs: warning: mountpoint {cfg.mountpoint} is not empty: its files "
               f"are hidden while mounted", file=sys.stderr)
     if cfg.foreground:

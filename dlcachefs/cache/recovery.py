@@ -40,8 +40,8 @@ def check_source(cfg: Config, index: Index, root: bytes) -> None:
     if was is not None and was != root:
         raise SourceMismatch(
             f"the cache in {cfg.data_dir} holds the cache of {os.fsdecode(was)}, not of "
-            f"{os.fsdecode(root)}: use another --dataset or --cache-dir for this source, "
-            "or remove that cache directory")
+            f"{os.fsdecode(root)}: use another --cache-dir for this source (or, with "
+            "--shared-cache, another --dataset), or remove that cache directory")
 
 
 def recover(cfg: Config, index: Index, logs: LogStore, ns: Namespace, writer: ChunkWriter,
