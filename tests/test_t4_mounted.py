@@ -284,6 +284,20 @@ def test_vanished_source_file_is_enoent(src, mount):
         (m.mnt / "cls2" / "f002.bin").read_bytes()
 
 
+def test_stats_piped_into_head_ends_without_a_traceback(src, mount):
+    """The reader of the pipe has gone before the first write (``| head`` after its lines):
+    a short exit, no traceback."""
+    m = mount(src)
+    r_fd, w_fd = os.pipe()
+    os.close(r_fd)  # every write now fails with EPIPE
+    try:
+        r = subprocess.run([*DLCACHEFS, "stats", str(m.mnt)], stdout=w_fd,
+                           stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(w_fd)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+
+
 def test_stat_follows_the_source_as_an_open_would(src, mount):
     """``--revalidate 0``: ``stat`` (a LOOKUP, or a GETATTR) checks the file as an open
     does: a size changed on the source shows at once, a file deleted there is ENOENT.
