@@ -347,6 +347,38 @@ def test_a_source_root_moved_away_and_back_is_an_error_meanwhile_and_keeps_the_c
     assert after["cached_files"] == st["cached_files"]
 
 
+@pytest.mark.daemon_log_allows("taken for a fault of the source")
+def test_a_source_root_that_lists_empty_for_a_while_loses_nothing(src, mount, tmp_path):
+    """What an NFS automount that lapsed looks like: the source root's path is an empty
+    directory for a while. Reads fail with EIO meanwhile (not ENOENT: nothing was
+    deleted), no entry and no cached file is dropped for it, and once the real tree is back
+    every file is served from the cache, with no byte fetched again. Before, the tree and
+    its cache were dropped, and every file fetched again afterwards."""
+    m = mount(src, "--revalidate", "0")
+    want = read_tree(src)
+    assert read_tree(m.mnt) == want
+    st = m.wait_cached(m.stats()["files"])
+    away = tmp_path / "src.away"
+    src.rename(away)
+    src.mkdir()  # the empty mountpoint an unmounted NFS leaves behind
+    try:
+        assert _errno_of(lambda: os.listdir(m.mnt)) == errno.EIO
+        assert _errno_of(lambda: os.listdir(m.mnt / "cls1")) == errno.EIO
+        assert _errno_of(lambda: (m.mnt / "cls1" / "f001.bin").read_bytes()) == errno.EIO
+        assert m.stats()["files"] == st["files"]
+    finally:
+        src.rmdir()
+        away.rename(src)
+    drop_page_cache()
+    assert read_tree(m.mnt) == want
+    after = m.stats()
+    assert after["bytes_from_source"] == st["bytes_from_source"]
+    assert (after["files"], after["cached_files"]) == (st["files"], st["cached_files"])
+    # a tree really changed is still followed: a class directory removed goes
+    shutil.rmtree(src / "cls2")
+    assert "cls2" not in os.listdir(m.mnt)
+
+
 def _errno_of(fn) -> int:
     try:
         fn()

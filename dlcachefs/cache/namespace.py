@@ -18,6 +18,12 @@ Freshness rule (``--revalidate SECONDS``, documented in the README):
   under way is joined): a file or directory added on the source is found by its path,
   not only after an ``ls`` of its directory.
 * ``--rescan`` re-lists the whole tree at mount time.
+* A source root that lists empty (or cannot be listed) while the snapshot's root holds
+  entries is a fault of the source (an NFS automount that lapsed, a mount that went away
+  underneath), not a dataset deleted: nothing is dropped for it, neither the root's
+  entries nor a directory found missing meanwhile, and the call fails with EIO
+  (:class:`SourceRootFault`) until the root lists again. A dataset really emptied is
+  shown empty after ``--rescan``, or once its root lists again.
 
 A change found this way updates the snapshot (same inode for the same path and type),
 and the engine never serves cached bytes whose identity differs from the entry's.
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import logging
 import os
 import stat as stat_mod
@@ -45,7 +52,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from dlcachefs.cache.source import Identity, Listing, Source
-from dlcachefs.errors import DlcError, IsADirectory, NotADirectory, NotFound
+from dlcachefs.errors import DlcError, IsADirectory, NotADirectory, NotFound, SourceError
 from dlcachefs.store import schema as S
 from dlcachefs.store.index import Index, IndexTxn
 from dlcachefs.store.schema import Entry
@@ -69,6 +76,16 @@ Invalidate = Callable[[str, int, bytes | None, int | None], None]
 #: entries per write transaction during a full scan
 SCAN_BATCH = 20_000
 
+#: seconds between two warnings about a source root that lists empty
+ROOT_FAULT_WARN_S = 60.0
+
+
+class SourceRootFault(SourceError):
+    """The source root lists empty or cannot be listed while the snapshot holds a tree."""
+
+    def __init__(self, msg: str) -> None:
+        super().__init__(msg, errno.EIO)
+
 
 def entry_from_stat(ino: int, parent: int, name: bytes, st: os.stat_result, now: float,
                     target: bytes = b"", use_src_ino: bool = True) -> Entry:
@@ -85,6 +102,11 @@ def _same_attrs(a: Entry, b: Entry) -> bool:
     return (a.mode, a.nlink, a.uid, a.gid, a.size, a.blocks, a.rdev, a.mtime_ns, a.ctime_ns,
             a.src_ino, a.target) == (b.mode, b.nlink, b.uid, b.gid, b.size, b.blocks, b.rdev,
                                      b.mtime_ns, b.ctime_ns, b.src_ino, b.target)
+
+
+def _visible(listing: list[Listing]) -> bool:
+    """Whether a root listing shows anything the mirror shows."""
+    return any(item.name not in RESERVED_ROOT_NAMES for item in listing)
 
 
 def _type(mode: int) -> int:
@@ -186,6 +208,7 @@ class Namespace:
         # loop runs one task at a time), so what stays is never older than the index.
         self._dir_checked: dict[int, float] = {}
         self._missing_relist: dict[int, float] = {}  # dir -> monotonic s of that re-list
+        self._root_fault_warned = -ROOT_FAULT_WARN_S  # monotonic s of the last warning
 
     # ----- snapshot reads (trio loop) -----------------------------------------------
 
@@ -366,11 +389,14 @@ class Namespace:
                 listing = await self.calls.call(self.source.list_dir, rel)
             except NotFound:
                 if ino != ROOT_INO:
+                    await self._check_root(f"{os.fsdecode(rel)} is missing")
                     self.changes += 1  # before the write: see __init__
                     await trio.to_thread.run_sync(self._delete, e)
                     self._dir_checked.clear()  # a subtree went: rare, start afresh
                     self._notify("entry", e.parent, e.name, e.ino)
                 raise
+            if ino == ROOT_INO and not _visible(listing) and self.children(ROOT_INO):
+                self._root_fault("it lists empty")
             self.changes += 1  # before the write (it may change entries): see __init__
             res = await trio.to_thread.run_sync(self._merge, e, rel, listing)
             self._dir_checked.pop(ino, None)  # after the commit: see __init__
@@ -391,6 +417,29 @@ class Namespace:
         finally:
             del self._refreshing[ino]
             ev.set()
+
+    async def _check_root(self, why: str) -> None:
+        """Before dropping a directory the source says is missing: SourceRootFault if the
+        whole root looks gone (see the module docstring), else nothing."""
+        if not self.children(ROOT_INO):
+            return
+        try:
+            listing = await self.calls.call(self.source.list_dir, b"")
+        except (NotFound, SourceError) as e:
+            self._root_fault(f"{why} and the root cannot be listed ({e})")
+        if not _visible(listing):
+            self._root_fault(f"{why} and the root lists empty")
+
+    def _root_fault(self, why: str) -> None:
+        now = time.monotonic()
+        if now - self._root_fault_warned >= ROOT_FAULT_WARN_S:
+            self._root_fault_warned = now
+            log.warning("the source root %s: %s; taken for a fault of the source (an "
+                        "unmounted NFS or automount?): nothing of the snapshot or the cache "
+                        "is dropped, and reads fail with EIO until it lists again (a dataset "
+                        "really emptied: remount with --rescan)",
+                        os.fsdecode(self.source.root), why)
+        raise SourceRootFault(f"the source root {os.fsdecode(self.source.root)}: {why}")
 
     def _merge(self, e: Entry, rel: bytes, listing: list[Listing]) -> MergeResult:
         with self.index.write() as w:
