@@ -210,6 +210,40 @@ def test_losses_sent_with_the_announcement_are_kept(tmp_path, mount):
     assert "has 72 samples" in errors
 
 
+@pytest.mark.daemon_log_allows(r"importance now for dataset 'val' \(losses of job 'v'\): the "
+                               r"72 losses reported for dataset 'train' are dropped")
+def test_an_eval_job_over_another_dataset_keeps_the_training_losses(tmp_path, mount):
+    """Importance is one dataset's per mount. A job that reports no losses (an eval loader
+    over val/) starting its epochs does not take it away from train/ (before, the 72
+    losses of train's job were dropped with one log line and no counter); the losses of
+    another dataset do, and that is counted (``losses_dropped``) and said in
+    .dlcache/errors."""
+    src = tmp_path / "src"
+    files = make_tree(src)
+    n = len(files)
+    for c in CLASSES:  # a val/ set, as small
+        (src / "val" / c).mkdir(parents=True)
+        (src / "val" / c / "000.jpg").write_bytes(b"v" * 100)
+    m = mount(src)
+    announce_epoch(m.mnt, n, 0)
+    write_control(m.mnt, "job j\nloss " + " ".join(f"{i} {i}" for i in range(n)) + "\n")
+    wait_for(m, lambda s: s["losses"] == n and s["importance"]["dataset"] == "train")
+    write_control(m.mnt, "job e\ndataset val\nsampler sequential\nepoch 0\n")
+    st = wait_for(m, lambda s: s["streams"].get("e/0", {}).get("samples") == len(CLASSES))
+    for path in sorted((m.mnt / "val").rglob("*.jpg")):
+        path.read_bytes()
+    write_control(m.mnt, "job e\nepoch 1\n")
+    st = wait_for(m, lambda s: s["streams"]["e/0"].get("epoch") == 1)
+    assert st["importance"]["dataset"] == "train"
+    assert st["importance"]["jobs"]["j"]["reported"] == n and st["losses_dropped"] == 0
+    # losses for val/ from another job: the switch happens, counted and said
+    write_control(m.mnt, "job v\ndataset val\nloss 0 1.0\n")
+    st = wait_for(m, lambda s: s["importance"]["dataset"] == "val")
+    assert st["losses_dropped"] == n
+    assert "the 72 losses reported for dataset 'train' are dropped" in (
+        m.mnt / ".dlcache" / "errors").read_text()
+
+
 @pytest.mark.parametrize("next_known", [True, False])
 def test_cache_size_holds_with_substitution_and_units_larger_than_the_cache(tmp_path, mount,
                                                                             next_known):

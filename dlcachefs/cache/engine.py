@@ -420,7 +420,7 @@ class Engine:
                 lazy.cache_refetch = not stream.memory_prefetch
                 self._note_served(stream, ino, pid, t0, True)
             return OpenResult(self._new_fh(lazy), keep_cache=True, direct_io=False)
-        data, cached, waited = await self._load(
+        data, cached, waited, joined = await self._load(
             e, cache=stream is None or not stream.memory_prefetch, stream=stream)
         if stream is not None and stream.next_log is not None:
             stream.next_log.consumed(ino, data, identity(e))
@@ -428,7 +428,7 @@ class Engine:
             self._note_served(stream, ino, pid, t0, cached)
         if stream is not None and waited:
             stream.stall_seconds += time.monotonic() - t0
-            if not cached:
+            if not cached and not joined:
                 stream.bytes_from_source += len(data)
         # keep_cache only for bytes we know are this version and when the kernel cannot
         # hold pages of an older one (the file did not change during this mount)
@@ -518,9 +518,10 @@ class Engine:
         return memoryview(data)
 
     async def _load(self, e: Entry, cache: bool = True, stream: Stream | None = None
-                    ) -> tuple[bytes | memoryview, bool, bool]:
-        """Bytes of the current version of ``e``, whether they came from the cache, and
-        whether the open had to wait for the source. An open of a ``stream`` whose epoch
+                    ) -> tuple[bytes | memoryview, bool, bool, bool]:
+        """Bytes of the current version of ``e``, whether they came from the cache,
+        whether the open had to wait for the source, and whether it waited for a fetch
+        that was under way already. An open of a ``stream`` whose epoch
         is read through a plan takes the plan's bytes, or reads the record alone."""
         ident = identity(e)
         rec = self.index.get_record(e.ino)
@@ -530,19 +531,19 @@ class Engine:
                 assert rec is not None  # fetched ahead and sealed since: a hit
                 self.counters.hits += 1
                 self.reader.after_use(rec.chunk_id, e.ino)
-                return early.data, True, False
+                return early.data, True, False, False
             if early.cached and self.versions.unsealed(e.ino, ident) is not None:
                 self.counters.hits += 1  # fetched ahead, still waiting for the writer
-                return early.data, True, False
+                return early.data, True, False, False
             # fetched ahead, kept in memory only (or its record has gone since)
             self.counters.prefetch_hits += 1
-            return early.data, False, False
+            return early.data, False, False, False
         if self.versions.is_current(e.ino, rec, ident):
             assert rec is not None
             if early is not None and early.rec == rec:
                 self.counters.hits += 1
                 self.reader.after_use(rec.chunk_id, e.ino)
-                return early.data, True, False
+                return early.data, True, False, False
             plan = self.plans.plan_for(stream)
             if plan is not None and not plan.covers(e.ino):
                 plan = None
@@ -552,21 +553,23 @@ class Engine:
                     self.counters.hits += 1
                     self.counters.planned_hits += 1
                     self.reader.after_use(rec.chunk_id, e.ino)
-                    return data, True, False
+                    return data, True, False, False
             whole = plan is None and not self.plans.pending(stream)
             data = await self.reader.read_record(e.ino, rec, whole=whole)
             if data is not None:
                 self.counters.hits += 1
-                return data, True, False
+                return data, True, False, False
         elif self.versions.is_stale(e.ino, rec, ident):
             self.counters.stale_refetches += 1
             self.writer.drop(e.ino)
         unsealed = self.versions.unsealed(e.ino, ident)
         if unsealed is not None:  # fetched, waiting for the writer (or its room)
             self.counters.hits += 1
-            return unsealed, True, False
-        # a prefetch may be on it: the reader then waits for it (a miss all the same)
-        return await self.fetcher.fetch_for_reader(e, cache), False, True
+            return unsealed, True, False, False
+        # a prefetch may be on it: the reader then waits for it (a miss all the same;
+        # joined: its bytes are counted where that fetch began, not again here)
+        joined = self.fetcher.in_flight(e.ino)
+        return await self.fetcher.fetch_for_reader(e, cache), False, True, joined
 
     async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
         """Up to ``size`` bytes of an open file at ``offset``."""

@@ -57,6 +57,7 @@ class Counters:
     not_admitted: int = 0          # fetched files the policy chose not to cache
     losses: int = 0                # per-sample losses received (loss control lines)
     losses_ignored: int = 0        # losses of a job with no listed dataset, or out of range
+    losses_dropped: int = 0        # losses of a dataset whose importance another's replaced
     released_after_use: int = 0    # chunks the policy released right after a use
     planned_reads: int = 0         # preads of planned reads (a known order read ahead)
     planned_records: int = 0       # records those reads delivered (checksum verified)

@@ -111,8 +111,9 @@ class InodeImportance:
         if self.dataset == dataset and self.table is not None and self.table.n == len(inos):
             return
         if self.table is not None:  # one dataset's importance at a time (see README)
-            log.warning("importance: now for dataset %r; the losses of %r are dropped",
-                        dataset, self.dataset)
+            # (the losses this drops are counted and warned of by the caller that knows
+            # them: importance.losses)
+            log.info("importance: now for dataset %r, no longer %r", dataset, self.dataset)
         self.dataset = dataset
         self.table = Importance(len(inos), h_fraction)
         self.index_of = {ino: i for i, ino in enumerate(inos) if ino}

@@ -75,7 +75,14 @@ class Losses(TaskOwner):
         """A stream begins an epoch: note its job's caching benefit measured over the
         epoch that ended, and rebuild the H-list (in a thread) from the losses so far."""
         imp = self.importance
-        imp.bind(stream.dataset or "", samples.inos, self.h_fraction)
+        ds = stream.dataset or ""
+        if (imp.dataset not in (None, ds) and imp.table is not None and imp.table.jobs
+                and stream.job not in imp.table.jobs):
+            # a job that reports no losses (an eval loader, another job's val/ set) does
+            # not take the importance away from the dataset whose losses it holds; the
+            # losses of another dataset, when they come, do (and say so: _apply_losses)
+            return
+        imp.bind(ds, samples.inos, self.h_fraction)
         imp.current_epoch = max(imp.current_epoch, stream.target_epoch or 0)
         table = imp.table
         if table is None or not table.jobs:
@@ -149,6 +156,15 @@ class Losses(TaskOwner):
                                f"dataset {dataset or '.'!r} has {n} samples")
             indices, values = [i for i, _ in pairs], [v for _, v in pairs]
         imp = self.importance
+        if imp.dataset not in (None, dataset) and imp.table is not None and imp.table.jobs:
+            # one dataset's importance at a time (README "Importance"): the switch is said
+            # where a user looks, and the losses it drops are counted
+            lost = sum(j.reported for j in imp.table.jobs.values())
+            self.counters.losses_dropped += lost
+            self._note_invalid(f"importance now for dataset {dataset or '.'!r} (losses of job "
+                               f"{job!r}): the {lost} losses reported for dataset "
+                               f"{imp.dataset or '.'!r} are dropped (one dataset's "
+                               f"importance per mount)")
         imp.bind(dataset, sl.inos, self.h_fraction)
         # losses arrive late (the reporter batches): the last epoch's map, then this one's
         subs = self.streams.substitutions_of(job)
