@@ -53,11 +53,11 @@ class LinkSampler:
         self.path = f"/sys/class/net/{iface}/statistics/rx_bytes"
         self.period = period
         self.samples: list[tuple[float, int]] = []
-        self._stop = threading.Event()
+        self._halt = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             with open(self.path) as f:
                 self.samples.append((time.perf_counter(), int(f.read())))
             time.sleep(self.period)
@@ -67,7 +67,7 @@ class LinkSampler:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
+        self._halt.set()
         self._t.join()
 
     def mb_per_s(self) -> list[float]:
@@ -89,30 +89,30 @@ class ChunkWriter(threading.Thread):
         self.piece = piece if 0 < piece < chunk else chunk
         self.writes: list[float] = []
         self.syncs: list[float] = []
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            while not self._stop.is_set():
+            while not self._halt.is_set():
                 t0 = time.perf_counter()
                 step = self.every * self.piece / len(self.buf)
                 for off in range(0, len(self.buf), self.piece):
                     os.write(fd, self.buf[off:off + self.piece])
                     if off + self.piece < len(self.buf):
-                        self._stop.wait(step)
+                        self._halt.wait(step)
                 t1 = time.perf_counter()
                 os.fdatasync(fd)
                 t2 = time.perf_counter()
                 self.writes.append(t1 - t0)
                 self.syncs.append(t2 - t1)
-                self._stop.wait(max(0.0, self.every - (t2 - t0)))
+                self._halt.wait(max(0.0, self.every - (t2 - t0)))
         finally:
             os.close(fd)
             os.unlink(self.path)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join()
 
 
