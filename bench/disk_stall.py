@@ -5,7 +5,7 @@ plus ``fdatasync`` per 16 MiB the link brings, here every ``--every`` seconds) t
 on ``--disk-dir`` (the cache disk). The link's throughput is sampled every 50 ms.
 
     sudo .venv/bin/python -m bench.disk_stall [--files 3000] [--rounds 3]
-        [--rate 400mbit] [--every 0.35] [--chunk-mib 16] [--piece-kib N] [--disk-dir DIR]
+        [--rate 400mbit] [--every 0.35] [--chunk-mib 16] [--piece-kib N] [--spread S] [--disk-dir DIR]
         [--out JSON]
 
 Why: through dlcachefs a first epoch over the 400 Mbit/s remote drops the link from ~48
@@ -82,9 +82,11 @@ class ChunkWriter(threading.Thread):
     ``piece`` < ``chunk``: the chunk is written in pieces spread over the interval (as a
     writer that appends records as they come would), then synced once."""
 
-    def __init__(self, path: str, chunk: int, every: float, piece: int = 0) -> None:
+    def __init__(self, path: str, chunk: int, every: float, piece: int = 0,
+                 spread: float | None = None) -> None:
         super().__init__(daemon=True)
         self.path, self.every = path, every
+        self.spread = every if spread is None else spread
         self.buf = os.urandom(chunk)
         self.piece = piece if 0 < piece < chunk else chunk
         self.writes: list[float] = []
@@ -96,7 +98,7 @@ class ChunkWriter(threading.Thread):
         try:
             while not self._halt.is_set():
                 t0 = time.perf_counter()
-                step = self.every * self.piece / len(self.buf)
+                step = self.spread * self.piece / len(self.buf)
                 for off in range(0, len(self.buf), self.piece):
                     os.write(fd, self.buf[off:off + self.piece])
                     if off + self.piece < len(self.buf):
@@ -154,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--piece-kib", type=int, default=0,
                    help="write each chunk in pieces of this size spread over --every "
                         "(default: the whole chunk at once, as dlcachefs's writer does)")
+    p.add_argument("--spread", type=float, default=None,
+                   help="seconds over which a chunk's pieces are spread (default --every)")
     p.add_argument("--disk-dir", default=os.path.join(REPO, "bench", "out", "disk_stall"),
                    help="where the writer writes (the disk a cache would use)")
     p.add_argument("--dataset-dir", default="/dev/shm/dlc-bench-disk-stall",
@@ -176,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
            "command": " ".join([os.path.basename(sys.executable), "-m", "bench.disk_stall",
                                 *(argv if argv is not None else sys.argv[1:])]),
            "files": len(rels), "total_bytes": manifest["total_bytes"], "rate": a.rate,
-           "every_s": a.every, "chunk_mib": a.chunk_mib, "piece_kib": a.piece_kib, "machine": machine_info(REPO),
+           "every_s": a.every, "chunk_mib": a.chunk_mib, "piece_kib": a.piece_kib,
+           "spread_s": a.spread, "machine": machine_info(REPO),
            "runs": []}
     iface = a.remote_name + IFACE_SUFFIX
     with slow_remote(ds, os.path.join(a.disk_dir, "mnt-remote"), rate=a.rate,
@@ -185,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in range(1, a.rounds + 1):
             alone = one_pass(remote, rels, iface, None, ds)
             w = ChunkWriter(os.path.join(a.disk_dir, "chunks.tmp"), a.chunk_mib << 20,
-                            a.every, a.piece_kib << 10)
+                            a.every, a.piece_kib << 10, a.spread)
             beside = one_pass(remote, rels, iface, w, ds)
             for mode, r in (("alone", alone), ("writer", beside)):
                 doc["runs"].append({"round": rnd, "mode": mode, **r})
