@@ -229,12 +229,13 @@ def test_corrupted_data_salvages_other_records():
     assert verify_record(bytes(bad), metas[2])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.binary(max_size=300), max_size=40), st.integers(1, 5),
-       st.integers(0, 100))
-def test_log_writes_buffers_in_a_row(tmp_path_factory, bufs, iov_max, off):
+       st.integers(0, 100), st.integers(1, 700))
+def test_log_writes_buffers_in_a_row(tmp_path_factory, bufs, iov_max, off, piece):
     """The writer hands a chunk's buffers to pwritev without joining them (several calls
-    when there are more than IOV_MAX): the file holds exactly their concatenation."""
+    when there are more than IOV_MAX buffers or WRITE_PIECE bytes, a buffer cut across
+    two): the file holds exactly their concatenation."""
     import os
 
     from dlcachefs.store import logs as logstore
@@ -242,12 +243,12 @@ def test_log_writes_buffers_in_a_row(tmp_path_factory, bufs, iov_max, off):
     path = tmp_path_factory.mktemp("w") / "f"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        old = logstore._IOV_MAX
-        logstore._IOV_MAX = iov_max
+        old = logstore._IOV_MAX, logstore.WRITE_PIECE
+        logstore._IOV_MAX, logstore.WRITE_PIECE = iov_max, piece
         try:
             logstore._pwrite_all(fd, bufs, off)
         finally:
-            logstore._IOV_MAX = old
+            logstore._IOV_MAX, logstore.WRITE_PIECE = old
         assert os.pread(fd, off + 20000, 0)[off:] == b"".join(bufs)
     finally:
         os.close(fd)
