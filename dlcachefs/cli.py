@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import sys
 
 from dlcachefs import mountctl
@@ -217,6 +218,23 @@ def _non_empty(path: str) -> bool:
         return False  # missing or unreadable: the daemon refuses it with the reason
 
 
+def _warn_disk_short(cfg: Config) -> None:
+    """Say at mount when the cache disk has less free space than ``--min-free``: the
+    mount works, but a new cache would keep nothing (the floor is never given up)."""
+    d = os.path.abspath(cfg.cache_dir)
+    while not os.path.exists(d) and os.path.dirname(d) != d:
+        d = os.path.dirname(d)
+    try:
+        free = shutil.disk_usage(d).free
+    except OSError:
+        return
+    if cfg.min_free > 0 and free < cfg.min_free:
+        print(f"dlcachefs: warning: the cache disk has {format_size(free)} free, under "
+              f"--min-free {format_size(cfg.min_free)}: files are cached only in room that "
+              f"evictions free (none, in a new cache); lower --min-free or give --cache-dir "
+              f"more room", file=sys.stderr)
+
+
 def cmd_mount(cfg: Config) -> int:
     if not os.path.isdir(cfg.source):
         what = "is not a directory" if os.path.exists(cfg.source) else "does not exist"
@@ -228,6 +246,7 @@ def cmd_mount(cfg: Config) -> int:
     except DlcError as e:
         print(f"dlcachefs: cannot mount: {e}", file=sys.stderr)
         return 1
+    _warn_disk_short(cfg)
     if not os.path.ismount(cfg.mountpoint) and _non_empty(cfg.mountpoint):
         # allowed, as FUSE 3 and gcsfuse allow it; but said (a mount point in use is
         # refused by the daemon, with that reason)

@@ -872,11 +872,16 @@ def test_disk_full_serves_from_source_and_recovers(tree, monkeypatch, policy):
         c = eng.counters
         assert c.write_errors == 1  # then the writer backs off instead of failing again
         assert c.cache_skipped == len(files)
+        # stats and scan-ahead say why nothing is cached now (the disk, not the policy)
+        disk = eng.stats()["cache_disk"]
+        assert disk["paused_s"] > 0 and "No space left on device" in disk["paused_reason"]
+        assert "caching is paused" in eng.writer.short_of_disk()
         assert eng.index.n_records() == 0 and eng.index.n_chunks() == 0
         logs = sorted((cache / "logs").iterdir())
         assert [p.stat().st_size for p in logs] == [LOG_HEADER_SIZE]
         monkeypatch.setattr(os, "fdatasync", real_fdatasync)
         eng.writer.backoff_until = 0.0  # the disk has room again; skip the wait
+        assert eng.stats()["cache_disk"]["paused_s"] == 0 and eng.writer.short_of_disk() is None
         await read_everything(eng, files, flush=True)
         assert eng.index.n_records() == len(files)
         assert c.misses == 2 * len(files)

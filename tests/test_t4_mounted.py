@@ -603,6 +603,25 @@ def test_full_cache_disk_falls_back_to_the_source(src, tiny_disk, mount, tmp_pat
     assert read_tree(m.mnt) == expected
 
 
+def test_a_cache_disk_under_min_free_is_said_at_mount_and_in_stats(src, tiny_disk, tmp_path):
+    """--min-free larger than the cache disk's free space: the mount works (every byte
+    right) and keeps nothing new; it says so at mount, and ``stats`` shows why."""
+    mnt = tmp_path / "mf"
+    mnt.mkdir()
+    r = subprocess.run([*DLCACHEFS, "mount", str(src), str(mnt), "--cache-dir",
+                        str(tiny_disk / "c"), "--min-free", "1G"],
+                       capture_output=True, text=True, timeout=120)
+    try:
+        assert r.returncode == 0, r.stderr
+        assert "under --min-free 1.0G" in r.stderr, r.stderr
+        assert read_tree(mnt) == read_tree(src)
+        st = json.loads((mnt / ".dlcache" / "stats").read_bytes())
+        assert st["cache_disk"]["below_min_free"] is True
+        assert st["cache_disk"]["min_free_bytes"] == 1 << 30
+    finally:
+        subprocess.run([*DLCACHEFS, "umount", str(mnt)], capture_output=True, timeout=120)
+
+
 def test_cache_size_limit_evicts_whole_chunks(src, mount):
     m = mount(src, "--cache-size", "600K", "--chunk-size", "128K")
     expected = read_tree(src)

@@ -142,7 +142,8 @@ class _Tree:
 class ScanEngine(Protocol):
     """What :class:`ScanAhead` uses of the engine (:class:`~dlcachefs.cache.engine.Engine`
     provides it): the index (listings, entries, which files have records), the
-    namespace's paths, ``writer.room()``, the readers' demand on the source link
+    namespace's paths, ``writer.room()`` and ``writer.short_of_disk()``, the readers'
+    demand on the source link
     (``fetcher.demand_fetches`` / ``fetcher.demand_idle``) and
     ``prefetcher.scan_one(ino) -> (fetched bytes, kept)``."""
 
@@ -367,7 +368,9 @@ class ScanAhead:
                     t.active_bytes += int(sizes[q])
                     nursery.start_soon(self._one, t, int(inos[q]), int(sizes[q]), slots)
                     if t.unkept >= MAX_UNKEPT:
-                        t.state, t.reason = "unkept", "the cache policy does not keep them"
+                        t.state = "unkept"
+                        t.reason = (self.engine.writer.short_of_disk()
+                                    or "the cache policy does not keep them")
                         return
                 if t.left_out - left_before >= MAX_LEFT_OUT:
                     break

@@ -89,6 +89,8 @@ def stats_document(eng: Engine) -> dict:
         "chunk_bytes": snap["chunk_bytes"],
         # --cache-size, or with --shared-cache this dataset's share of it now
         "cache_limit_bytes": eng.writer.limit,
+        # the disk under the cache: free space, --min-free, a pause after a failed write
+        "cache_disk": eng.writer.disk_state(),
         "max_cached_file": eng.cfg.max_cached_file,  # larger files are read through
         "memory_bytes": eng.memtier.bytes,
         "memory_limit_bytes": eng.memtier.limit,

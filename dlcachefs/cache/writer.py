@@ -200,6 +200,7 @@ class ChunkWriter:
         #: keeps victims' records in the cluster (``--peers``; the module docstring)
         self.keeper: LastCopyKeeper | None = None
         self.backoff_until = 0.0
+        self.backoff_reason: str | None = None  # why caching pauses until backoff_until
         #: index every record with its SHA-256 and offer it to the other datasets of a
         #: shared root (``--shared-cache`` dedup, :mod:`dlcachefs.cache.dedup`); hashed in
         #: the commit's thread unless the fetch hashed it already
@@ -528,6 +529,32 @@ class ChunkWriter:
         finally:
             self._running = False
 
+    def _pause(self, reason: str) -> None:
+        self.backoff_until = time.monotonic() + WRITE_BACKOFF
+        self.backoff_reason = reason
+
+    def disk_state(self) -> dict:
+        """The cache disk as caching sees it (``cache_disk`` in stats): free bytes at the
+        last commit, the ``--min-free`` floor, whether the floor is reached (new files are
+        then cached only in the room evictions free), and a pause after a failed write
+        (``paused_s`` left, and why)."""
+        left = self.backoff_until - time.monotonic()
+        return {"free_bytes": self.disk_free, "min_free_bytes": self.cfg.min_free,
+                "below_min_free": self.cfg.min_free > 0 and self.disk_free < self.cfg.min_free,
+                "paused_s": round(left, 1) if left > 0 else 0,
+                "paused_reason": self.backoff_reason if left > 0 else None}
+
+    def short_of_disk(self) -> str | None:
+        """Why the cache disk keeps new files out now, or None: a pause after a failed
+        write, or free space under ``--min-free``."""
+        d = self.disk_state()
+        if d["paused_s"]:
+            return f"caching is paused for {d['paused_s']:.0f} s: {d['paused_reason']}"
+        if d["below_min_free"]:
+            return (f"the cache disk has {d['free_bytes']:,} bytes free, under --min-free "
+                    f"({d['min_free_bytes']:,})")
+        return None
+
     async def _loop(self) -> None:
         while True:
             with trio.move_on_after(max(0.05, self.cfg.flush_interval / 4)):
@@ -542,7 +569,7 @@ class ChunkWriter:
                     log.exception("sealing a chunk failed; serving from the source for %.0f s",
                                   WRITE_BACKOFF)
                     self.counters.write_errors += 1
-                    self.backoff_until = time.monotonic() + WRITE_BACKOFF
+                    self._pause("sealing a chunk failed (see the log)")
                     for r in self.open:
                         self.policy.on_dropped(r.ino)
                     self.open, self.open_bytes, self.open_charge = [], 0, 0
@@ -653,7 +680,7 @@ class ChunkWriter:
         if res.error is not None:
             self.counters.write_errors += 1
             self.counters.cache_skipped += len(records)
-            self.backoff_until = time.monotonic() + WRITE_BACKOFF
+            self._pause(f"cache write failed: {res.error}")
             log.warning("cache write failed (%s); serving from the source for %.0f s",
                         res.error, WRITE_BACKOFF)
         else:
