@@ -101,6 +101,12 @@ g.manual_seed(7)
 
 
 def make_loader():
+    if mode == "gen-reseed":  # a new generator seeded the same way each epoch
+        return torch.utils.data.DataLoader(ds, batch_size=16, shuffle=True, num_workers=2,
+                                           generator=torch.Generator().manual_seed(7))
+    if mode == "dist-noset":  # DistributedSampler.set_epoch never called: one order
+        smp = torch.utils.data.DistributedSampler(ds, num_replicas=1, rank=0, seed=0)
+        return torch.utils.data.DataLoader(ds, batch_size=16, sampler=smp, num_workers=2)
     if mode.startswith("gen"):
         return torch.utils.data.DataLoader(ds, batch_size=16, shuffle=True, num_workers=2,
                                            generator=g)
@@ -116,7 +122,7 @@ opt = torch.optim.SGD(model.parameters(), lr=0.1)
 h = hashlib.sha256()
 out = []
 for epoch in range(epochs):
-    if mode.endswith("-new") and epoch:  # a DataLoader built anew each epoch
+    if (mode.endswith("-new") or mode == "gen-reseed") and epoch:  # a new DataLoader
         dl = make_loader()
     seen = []
     for x, y, digest, rel in dl:
@@ -204,6 +210,32 @@ def test_wrapped_subset_is_replayed_and_bit_identical(dataset, mount, script):
     unannounced = [v for k, v in st["streams"].items() if k.startswith("unannounced/")]
     assert unannounced and unannounced[0]["mode"] == "none"
     assert "dlcachefs run" in unannounced[0]["reason"] and unannounced[0]["opens"] >= n
+
+
+@pytest.mark.parametrize("mode", ["gen-reseed", "dist-noset"])
+def test_an_order_that_repeats_each_epoch_is_replayed_as_repeating(dataset, mount, script,
+                                                                   tmp_path, mode):
+    """Two common ways an epoch repeats the last one's order: a DataLoader built each
+    epoch with ``Generator().manual_seed(7)``, and a DistributedSampler whose
+    ``set_epoch`` is never called. The mount computes each epoch's order from what the
+    hook announces and sees the repeat: the next epoch is taken to repeat it, and no
+    next-epoch log is laid out in a guessed order. Before, the re-seeded generator's
+    epochs 1 on were replayed as if the generator had gone on (a wrong order: its logs
+    laid out for it were read in whole chunks out of order, 0 planned reads)."""
+    m = mount(dataset, "--chunk-size", "64K", "--reorder-min", "0",
+              cache=tmp_path / f"cache-{mode}", name=f"mnt-{mode}")
+    training = _same_training(script, dataset, m, 3, mode)
+    n = len(training["epochs"][0])
+    assert training["epochs"][0] == training["epochs"][1] == training["epochs"][2]
+    epoch = 0 if mode == "dist-noset" else 2  # (an epoch never set is announced as 0)
+    st = m.wait_stats(lambda st: "repeats the last one's order" in st["streams"].get(
+        "default/0", {}).get("reason", ""), "the repeat was never seen")
+    s0 = st["streams"]["default/0"]
+    assert s0["mode"] == "replayed" and s0["epoch"] == epoch and s0["samples"] == n, s0
+    assert ("set_epoch" in s0["reason"]) == (mode == "dist-noset"), s0["reason"]
+    m.wait_stats(lambda st: st["streams"]["default/0"]["next_log"] is None,
+                 "a next-epoch log was laid out for a repeating order")
+    assert "repeats the last one's" in m.stats()["streams"]["default/0"]["reorder"]
 
 
 def test_seeded_generator_lays_out_the_next_epoch(dataset, mount, script, tmp_path):

@@ -176,6 +176,9 @@ class NextEpochLog:
         self.engine = engine
         self.key = stream_key
         self.epoch = epoch
+        #: the order (dataset indices) the log is laid out for, when its planner says:
+        #: an epoch that begins with another order does not read it as its log
+        self.order: list[int] | None = None
         self.log_id = 0
         self.chunks: list[PlannedChunk] = []
         self.slots: dict[int, Slot] = {}

@@ -36,6 +36,7 @@ engine's nursery, cancelled and replaced when the stream's epoch or sampler chan
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import stat
 import time
@@ -158,6 +159,10 @@ class Stream:
     learn_stable: bool = False  # the last two epochs opened in the same order
     learn_compared: bool = False  # two complete epochs were compared
     learn_pair: tuple[list[int], list[int]] | None = None  # epochs still to compare
+    # this epoch's order is the last epoch's again (a generator seeded anew each epoch, a
+    # DistributedSampler whose set_epoch is never called): the next one is taken to
+    # repeat it too, and no next-epoch log is laid out (the last one is read in order)
+    repeats: bool = False
     pace: Pace = field(default_factory=Pace)  # the loader's fetch timings (DLCache Alg. 2)
     # opens of cached files this epoch, and how many of them were READ: the others the
     # kernel served from its page cache. An epoch served so (the dataset fits in RAM) has
@@ -480,13 +485,30 @@ class StreamManager:
             elif spec.kind == "unknown":
                 s.replayer = _Learned(spec, len(samples), epoch, s.learn_stable)
             elif (s.replayer is None or s.replayer.spec != spec or s.samples is not samples
-                    or spec.per_epoch):
+                    or spec.per_epoch
+                    # a generator's state is announced at each epoch's first draw: the same
+                    # state again at a later epoch is a generator seeded anew the same way
+                    # (a DataLoader built each epoch with Generator().manual_seed(0)), not
+                    # one that went on: that epoch's order is computed from it afresh
+                    or (spec.state is not None
+                        and getattr(s.replayer, "base_epoch", epoch) != epoch)):
                 s.replayer = RemoteReplayer(self.replay, spec, len(samples), base_epoch=epoch,
                                             subset=subset)
             order = await trio.to_thread.run_sync(s.replayer.order, epoch)
+            repeats = (samples is s.samples and s.order is not None and spec.kind != "unknown"
+                       and await trio.to_thread.run_sync(operator.eq, order, s.order))
+            # the log laid out for this epoch is read as its log only if it was laid out
+            # in this order: a wrong guess of the next order (the sampler re-seeded, an
+            # epoch not advanced) would be read in whole chunks out of order
+            laid = s.next_log
+            laid_ok = (laid is not None and laid.order is not None
+                       and await trio.to_thread.run_sync(operator.eq, order, laid.order))
             nxt: list[int] = []
             nxt_first: dict[int, int] | None = None
-            if s.replayer.known(epoch + 1):  # the policy's future reaches into it
+            if repeats:  # the next epoch is taken to repeat it as well
+                nxt = order
+                nxt_first = await trio.to_thread.run_sync(_first_positions, nxt, samples)
+            elif s.replayer.known(epoch + 1):  # the policy's future reaches into it
                 nxt = await trio.to_thread.run_sync(s.replayer.order, epoch + 1)
                 nxt_first = await trio.to_thread.run_sync(_first_positions, nxt, samples)
             need = self._dataset_bytes(samples)
@@ -505,6 +527,12 @@ class StreamManager:
         # no await from here on: the stream switches epochs atomically
         s.error = None
         s.mode, s.reason = _mode(spec, s.replayer, epoch, len(samples), s)
+        if repeats:
+            what = ("DistributedSampler.set_epoch is not called"
+                    if spec.kind == "distributed" and s.epoch == epoch
+                    else "the sampler's generator is seeded the same way each epoch")
+            s.reason = (f"{s.reason.split(';')[0]}; this epoch repeats the last one's order "
+                        f"({what}?): the next is taken to repeat it too")
         # partial caching the LCache way needs the next epoch's log; without a known next
         # order the cache is filled the ordinary way, by the policy's admission
         # the writer's limit: --cache-size, or a shared root's share (cache.shares)
@@ -514,6 +542,7 @@ class StreamManager:
             # not s.dataset to compare: the importance step above may have set it already
             s.end_page_count(same_dataset=same_dataset(s.samples, samples))
         s.dataset, s.samples, s.epoch, s.order = dataset, samples, epoch, order
+        s.repeats = repeats
         s.positions, s.consumed = positions, consumed
         s.ready = bytearray(len(order))
         s.position = s.prefetched_upto = 0
@@ -542,7 +571,7 @@ class StreamManager:
                 self._nursery.start_soon(self._release_after, prev, s.current_log)
         s.current_log = None
         if prev is not None:
-            if prev.epoch == epoch:
+            if prev.epoch == epoch and prev is laid and laid_ok:
                 prev.request_finish()  # this epoch's log: fill its gaps and seal it
                 s.current_log = prev
                 prev.start_reading()
@@ -600,6 +629,12 @@ class StreamManager:
         s.reorder = ""
         if not self.engine.cfg.reorder or not s.replayer.known(epoch + 1):
             return
+        if s.repeats:
+            s.reorder = ("not needed: this epoch's order repeats the last one's (the sampler "
+                         "re-seeded the same way, or its epoch was not advanced: "
+                         "DistributedSampler.set_epoch); the next is taken to repeat it, and "
+                         "the logs are read in that order")
+            return
         cfg = self.engine.cfg
         limit = self.engine.memtier.limit
         floor = cfg.reorder_min if cfg.reorder_min is not None else limit // 2
@@ -629,6 +664,7 @@ class StreamManager:
             if s.memory_prefetch else None
         order = await trio.to_thread.run_sync(s.replayer.order, epoch + 1)
         nl = NextEpochLog(self.engine, s.key, epoch + 1)
+        nl.order = order
         await nl.plan([samples.inos[i] for i in order], budget, ranks=self.ordered_streams())
         if budget is not None:
             log.info("stream %s: the cache holds %d of %d samples of epoch %d's log",
