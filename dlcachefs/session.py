@@ -132,5 +132,6 @@ def _control(engine: Engine) -> ControlState:
         resolve_dir, engine.streams.on_stream, dataset_size=engine.streams.dataset_size,
         on_loss=engine.losses.on_loss, on_order=engine.streams.on_order,
         loss_room=engine.losses.room)
+    control.on_job_dropped = engine.streams.drop_job
     engine.losses.attach_control(control)
     return control

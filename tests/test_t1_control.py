@@ -222,6 +222,37 @@ def test_too_many_jobs(cs):
     assert len(cs.jobs) == MAX_JOBS
 
 
+def test_an_idle_job_whose_processes_are_gone_makes_room_for_a_new_one(cs):
+    """A long-lived mount serving named jobs in turn (``dlcachefs run --job``): once 64
+    jobs were seen, a new one takes the place of the one idle longest whose processes are
+    all gone (its streams go, the engine hears of it); a job with a live process, or one
+    not idle for JOB_IDLE_S, is never forgotten. Before, every new name was refused."""
+    import os
+    import subprocess
+
+    from dlcachefs.clairvoyance.control import JOB_IDLE_S
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that existed and is gone
+    dropped: list[str] = []
+    cs.on_job_dropped = dropped.append
+    for i in range(MAX_JOBS):
+        pid = os.getpid() if i == 0 else dead.pid
+        cs.apply(f"job j{i}\ndataset train\nsampler sequential\nepoch 0".encode(), pid)
+    assert len(cs.jobs) == MAX_JOBS and ("j5", 0) in cs.streams
+    refuse(cs, b"job new1", pid=9999, match="too many jobs")  # none idle long enough yet
+    for i, js in enumerate(cs.jobs.values()):
+        js.updated -= JOB_IDLE_S + 100 - i  # j0 idle longest, then j1, ...
+    cs.apply(b"job new1\ndataset train", 4242)
+    # j0's process is alive (this one): j1 went, the next idlest whose processes are gone
+    assert dropped == ["j1"] and "j1" not in cs.jobs and ("j1", 0) not in cs.streams
+    assert "j0" in cs.jobs and cs.jobs["new1"].dataset == "train"
+    assert "job 'j1' forgotten" in cs.errors_text().decode()
+    assert cs.binding_of(dead.pid)[0] != "j1"  # its process bindings went too
+    cs.apply(b"job new2\njob new3", 4243)  # two at once: two more go
+    assert dropped == ["j1", "j2", "j3"] and len(cs.jobs) == MAX_JOBS
+
+
 def test_error_log_is_bounded(cs):
     for i in range(MAX_ERRORS + 20):
         with pytest.raises(ControlError):

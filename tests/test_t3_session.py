@@ -231,6 +231,38 @@ def test_announced_epochs_through_the_session(client, tmp_path, policy):
         assert sess.engine.counters.invariant_violations == 0
 
 
+def test_a_forgotten_job_ends_its_streams_and_gives_up_their_logs(client, tmp_path):
+    """Control forgets an idle job to make room for a new one: its stream ends, the next
+    epoch's log it was laying out is given up and no longer protected, the cache's
+    invariants hold, and the same job announcing again later starts afresh."""
+    c, src, files = client
+    cfg = make_config(src, tmp_path / "cache", policy="lru", chunk_size=16 << 10,
+                      reorder_min=0)
+
+    async def body(sess: Session):
+        eng = sess.engine
+        ds = c.image_folder()
+        sampler = torch_data.DistributedSampler(ds, num_replicas=1, rank=0, seed=SEED)
+        sampler.set_epoch(0)
+        order = list(sampler)
+        s = await announced(eng, 0)
+        nl = await poll(lambda: s.next_log, "the next epoch's log")
+        eng.control.on_job_dropped("default")  # as ControlState._forget_idle_jobs calls it
+        assert ("default", 0) not in eng.streams.streams
+        assert nl.failed and not any(ch.chunk_id in eng.writer.protected for ch in nl.chunks)
+        await eng.flush()
+        assert eng.check_invariants() == []
+        sampler.set_epoch(1)
+        assert list(sampler) != order
+        s2 = await announced(eng, 1)
+        assert s2 is not s and s2.mode == "replayed", s2.reason
+
+    with build(cfg, CountingSource(src)) as sess:
+        c.session = sess
+        sess.run(body)
+        assert sess.engine.counters.invariant_violations == 0
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_cache_smaller_than_the_dataset(client, tmp_path, policy):
     """A cache of 40% of the dataset: every byte read is the source's, the cache stays

@@ -83,8 +83,9 @@ LID; ``sampler unknown [reason=TEXT]`` says the order cannot be replayed (the mo
 learns it from the opens). A ``sampler`` line may be up to ``MAX_SAMPLER_LINE``
 characters (a generator state is 6.7 KB of base64).
 
-State is bounded: at most ``MAX_JOBS`` jobs, ``MAX_STREAMS`` streams and ``MAX_WRITE``
-bytes per write; the error log keeps the last ``MAX_ERRORS`` refusals. Runs on the trio
+State is bounded: at most ``MAX_JOBS`` jobs (a job idle for ``JOB_IDLE_S`` with none of
+its writing processes alive is forgotten to make room for a new one), ``MAX_STREAMS``
+streams and ``MAX_WRITE`` bytes per write; the error log keeps the last ``MAX_ERRORS`` refusals. Runs on the trio
 loop (parsing plus dictionary updates); no I/O.
 """
 
@@ -94,6 +95,7 @@ import base64
 import binascii
 import json
 import math
+import os
 import re
 import time
 from array import array
@@ -120,6 +122,9 @@ from dlcachefs.clairvoyance.replay import SamplerSpec
 from dlcachefs.errors import ControlError, DlcError
 
 MAX_JOBS = 64
+#: a job makes room for a new one (when MAX_JOBS are held) once it has written nothing
+#: for this long and none of the processes that wrote for it is alive
+JOB_IDLE_S = 600.0
 MAX_STREAMS = 1024
 MAX_PIDS = 4096
 MAX_ERRORS = 100
@@ -219,6 +224,17 @@ class _Op:
     arg: object
     extra: tuple = ()
     line: int = 0
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (the daemon's PID namespace is its clients')."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, another user's
+    return True
 
 
 def _int(n: int, key: str, text: str, lo: int | None = None, hi: int | None = None) -> int:
@@ -394,6 +410,8 @@ class ControlState:
         self.on_loss = on_loss
         self.on_order = on_order
         self.loss_room = loss_room
+        #: a job forgotten to make room for a new one (its streams go too)
+        self.on_job_dropped: Callable[[str], None] | None = None
         self.jobs: dict[str, JobState] = {}
         self.streams: dict[tuple[str, int], StreamState] = {}
         self._pid_job: OrderedDict[int, tuple[str, int]] = OrderedDict()
@@ -517,6 +535,32 @@ class ControlState:
                             op.extra, MAX_LISTS)
         self.list_indices += delta
 
+    def _forget_idle_jobs(self, n: int, keep: set[str]) -> int:
+        """Forget up to ``n`` jobs (not in ``keep``) idle for JOB_IDLE_S with none of
+        their writing processes alive, least recently updated first: their streams, orders
+        and process bindings go, and :attr:`on_job_dropped` hears of each. How many went.
+        (A long-lived mount serving many named jobs in turn, ``dlcachefs run --job``,
+        refused every new name after 64.)"""
+        now = time.time()
+        bound: dict[str, list[int]] = {}
+        for pid, (job, _rank) in self._pid_job.items():
+            bound.setdefault(job, []).append(pid)
+        idle = sorted((js.updated, name) for name, js in self.jobs.items()
+                      if name not in keep and now - js.updated >= JOB_IDLE_S
+                      and not any(_alive(pid) for pid in bound.get(name, ())))
+        for _, name in idle[:n]:
+            self._drop_orders(name)
+            for key in [k for k in self.streams if k[0] == name]:
+                del self.streams[key]
+            for pid in bound.get(name, ()):
+                del self._pid_job[pid]
+            del self.jobs[name]
+            self.note(f"job {name!r} forgotten (idle, its processes gone) to make room for "
+                      f"a new one")
+            if self.on_job_dropped is not None:
+                self.on_job_dropped(name)
+        return min(n, len(idle))
+
     def _drop_orders(self, job: str) -> None:
         for (j, _r), st in self.streams.items():
             if j == job:
@@ -615,8 +659,11 @@ class ControlState:
             else:
                 self._check_order(op, (job, rank), orders)
                 added += len(indices)
-        if len(self.jobs) + len(new_jobs) > MAX_JOBS:
-            raise ControlError(f"too many jobs (at most {MAX_JOBS} per mount)")
+        over = len(self.jobs) + len(new_jobs) - MAX_JOBS
+        if over > 0 and self._forget_idle_jobs(over, keep=set(datasets)) < over:
+            raise ControlError(f"too many jobs (at most {MAX_JOBS} per mount; a job is "
+                               f"forgotten once idle for {JOB_IDLE_S:.0f} s with none of "
+                               f"its processes alive)")
         if len(self.streams) + len(new_streams) > MAX_STREAMS:
             raise ControlError(f"too many streams (at most {MAX_STREAMS} per mount)")
         if unsized_losses and self.loss_room is not None:

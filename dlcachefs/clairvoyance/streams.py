@@ -678,6 +678,25 @@ class StreamManager:
             nursery.start_soon(nl.backfill, done)
         nursery.start_soon(nl.run)
 
+    def drop_job(self, job: str) -> None:
+        """Control forgot ``job`` (idle, its processes gone, to make room for a new one):
+        its streams end. Their prefetch and planning stop, their logs become ordinary
+        cache (an unfinished next-epoch log is given up), their read-ahead is let go."""
+        for key in [k for k in self.streams if k[0] == job]:
+            s = self.streams.pop(key)
+            if s.cancel is not None:
+                s.cancel.cancel()
+            s.target_epoch = None  # a configure task still under way switches nothing
+            if s.next_log is not None:
+                s.next_log.abandon()
+                s.next_log = None
+            if s.current_log is not None:
+                s.current_log.release_after_use = False
+                s.current_log.unprotect()
+                s.current_log = None
+            self.engine.readahead.drop_owner(s.key)
+        self._pid_stream.clear()
+
     def unprotect_idle(self, now: float) -> None:
         """Stop protecting the current epoch's log of a stream that opened nothing for
         :data:`IDLE_S` (a training that ended or died mid-epoch), or of every stream once
