@@ -495,7 +495,10 @@ class StreamManager:
                 s.replayer = RemoteReplayer(self.replay, spec, len(samples), base_epoch=epoch,
                                             subset=subset)
             order = await trio.to_thread.run_sync(s.replayer.order, epoch)
-            repeats = (samples is s.samples and s.order is not None and spec.kind != "unknown"
+            # (a view's sample list is made anew for each epoch: the same dataset, compared
+            # by its key, not by identity)
+            repeats = (same_dataset(s.samples, samples) and len(samples) == len(s.samples)
+                       and spec.kind != "unknown" and bool(s.order)
                        and await trio.to_thread.run_sync(operator.eq, order, s.order))
             # the log laid out for this epoch is read as its log only if it was laid out
             # in this order: a wrong guess of the next order (the sampler re-seeded, an
