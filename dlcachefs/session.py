@@ -133,5 +133,6 @@ def _control(engine: Engine) -> ControlState:
         on_loss=engine.losses.on_loss, on_order=engine.streams.on_order,
         loss_room=engine.losses.room)
     control.on_job_dropped = engine.streams.drop_job
+    control.job_reading = engine.streams.job_reading
     engine.losses.attach_control(control)
     return control

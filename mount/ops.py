@@ -70,9 +70,11 @@ class Operations(pyfuse3.Operations):
         # requests received per operation (``fuse_ops`` in stats): what a file costs in
         # round trips. One dict increment per request, on the loop.
         self.ops: dict[str, int] = dict.fromkeys(OPS, 0)
-        # the entry each open file had at its open, by file handle: GETATTR of a file
-        # deleted on the source while open answers with it (one insert, one pop per open)
-        self._opened: dict[int, Entry] = {}
+        # files open here: inode -> [the entry of its latest open, opens]; a LOOKUP or
+        # GETATTR of an open file answers with that entry (see _fresh). Two dict
+        # operations per open and per release.
+        self._open: dict[int, list] = {}
+        self._fh_ino: dict[int, int] = {}
 
     def init(self) -> None:
         """FUSE INIT: called on the loop before the reply goes to the kernel."""
@@ -125,7 +127,11 @@ class Operations(pyfuse3.Operations):
                 return self._vattrs(V.FILES[name])
             raise NotFound(os.fsdecode(name))
         self.ops["lookup"] += 1
-        return self._attrs(await self._fresh(await self.ns.fresh_lookup(parent_inode, name)))
+        e = await self.ns.fresh_lookup(parent_inode, name)
+        if not stat.S_ISDIR(e.mode):
+            e = await self.ns.fresh_file(e.ino)  # a name deleted on the source: ENOENT
+        held = self._open.get(e.ino)
+        return self._attrs(e if held is None else held[0])  # (open: see _fresh)
 
     @fuse_errors
     async def getattr(self, inode, ctx=None):
@@ -134,20 +140,30 @@ class Operations(pyfuse3.Operations):
             return self._vattrs(inode)
         self.ops["getattr"] += 1
         try:
-            return self._attrs(await self._fresh(self.ns.get(inode)))
+            e = self.ns.get(inode)
         except NotFound:
             # deleted on the source while open here: its opens still read their version,
             # and fstat answers as a local filesystem's does for an unlinked open file
-            e = next((e for e in self._opened.values() if e.ino == inode), None)
-            if e is None:
+            held = self._open.get(inode)
+            if held is None:
                 raise
-            return self._attrs(e)
+            return self._attrs(held[0])
+        return self._attrs(await self._fresh(e))
 
     async def _fresh(self, e: Entry) -> Entry:
         """A file's entry checked by the rule an open follows (``--revalidate``: its
         directory re-listed once the window has passed; 0: the file itself, at every
         call), so that ``stat`` and ``ls -l`` show what an open would find: a size, or
-        ENOENT for a file deleted on the source. Directories are checked when listed."""
+        ENOENT for a file deleted on the source. Directories are checked when listed.
+
+        A file open here is not checked: the entry of its latest open answers. The kernel
+        asks GETATTR before reads of an open file (libfuse's auto_inval_data) and cuts
+        the file at the size it gets: a smaller size found on the source meanwhile would
+        end an open's read of its own version short, with no error. Open files follow
+        the source from their next open (close-to-open, as NFS)."""
+        held = self._open.get(e.ino)
+        if held is not None:
+            return held[0]
         return e if stat.S_ISDIR(e.mode) else await self.ns.fresh_file(e.ino)
 
     @fuse_errors
@@ -219,7 +235,14 @@ class Operations(pyfuse3.Operations):
             raise ReadOnly("read-only mirror")
         r = await self.engine.open(inode, ctx.pid)
         with contextlib.suppress(NotFound):  # (gone since: it reads on, fstat is ENOENT)
-            self._opened[r.fh] = self.ns.get(inode)
+            e = self.ns.get(inode)
+            held = self._open.get(inode)
+            if held is None:
+                self._open[inode] = [e, 1]
+            else:
+                held[0] = e
+                held[1] += 1
+            self._fh_ino[r.fh] = inode
         return pyfuse3.FileInfo(fh=r.fh, keep_cache=r.keep_cache, direct_io=r.direct_io)
 
     def _open_virtual(self, inode: int, flags: int, ctx) -> pyfuse3.FileInfo:
@@ -279,7 +302,12 @@ class Operations(pyfuse3.Operations):
             self._vfh.pop(fh, None)
         else:
             self.ops["release"] += 1
-            self._opened.pop(fh, None)
+            ino = self._fh_ino.pop(fh, None)
+            held = self._open.get(ino) if ino is not None else None
+            if held is not None:
+                held[1] -= 1
+                if held[1] <= 0:
+                    del self._open[ino]
             self.engine.release(fh)
 
     async def flush(self, fh):

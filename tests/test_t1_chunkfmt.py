@@ -245,10 +245,21 @@ def test_log_writes_buffers_in_a_row(tmp_path_factory, bufs, iov_max, off, piece
     try:
         old = logstore._IOV_MAX, logstore.WRITE_PIECE
         logstore._IOV_MAX, logstore.WRITE_PIECE = iov_max, piece
+        calls: list[tuple[int, int]] = []
+        real = os.pwritev
+
+        def pwritev(fd_, batch, at):
+            calls.append((len(batch), sum(len(b) for b in batch)))
+            return real(fd_, batch, at)
+
         try:
+            os.pwritev = pwritev
             logstore._pwrite_all(fd, bufs, off)
         finally:
+            os.pwritev = real
             logstore._IOV_MAX, logstore.WRITE_PIECE = old
+        # never more than IOV_MAX buffers or WRITE_PIECE bytes a call, and no empty call
+        assert all(0 < n <= iov_max and 0 < size <= piece for n, size in calls), calls
         assert os.pread(fd, off + 20000, 0)[off:] == b"".join(bufs)
     finally:
         os.close(fd)

@@ -243,14 +243,19 @@ def test_an_idle_job_whose_processes_are_gone_makes_room_for_a_new_one(cs):
     refuse(cs, b"job new1", pid=9999, match="too many jobs")  # none idle long enough yet
     for i, js in enumerate(cs.jobs.values()):
         js.updated -= JOB_IDLE_S + 100 - i  # j0 idle longest, then j1, ...
+    # a job whose streams still read (its readers never write: echo > control) stays
+    cs.job_reading = lambda name: name == "j1"
+    # a refused write forgets nothing, even when it names new jobs
+    refuse(cs, b"job new1\nbogus", pid=4242, match="unknown")
+    assert dropped == []
     cs.apply(b"job new1\ndataset train", 4242)
-    # j0's process is alive (this one): j1 went, the next idlest whose processes are gone
-    assert dropped == ["j1"] and "j1" not in cs.jobs and ("j1", 0) not in cs.streams
-    assert "j0" in cs.jobs and cs.jobs["new1"].dataset == "train"
-    assert "job 'j1' forgotten" in cs.errors_text().decode()
-    assert cs.binding_of(dead.pid)[0] != "j1"  # its process bindings went too
+    # j0's process is alive (this one), j1 reads: j2 went, the idlest of the others
+    assert dropped == ["j2"] and "j2" not in cs.jobs and ("j2", 0) not in cs.streams
+    assert "j0" in cs.jobs and "j1" in cs.jobs and cs.jobs["new1"].dataset == "train"
+    assert "job 'j2' forgotten" in cs.errors_text().decode()
     cs.apply(b"job new2\njob new3", 4243)  # two at once: two more go
-    assert dropped == ["j1", "j2", "j3"] and len(cs.jobs) == MAX_JOBS
+    assert dropped == ["j2", "j3", "j4"] and len(cs.jobs) == MAX_JOBS
+    assert cs.binding_of(dead.pid) == ("j63", 0)  # j63's binding stays (it stays)
 
 
 def test_error_log_is_bounded(cs):

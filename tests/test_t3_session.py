@@ -231,6 +231,43 @@ def test_announced_epochs_through_the_session(client, tmp_path, policy):
         assert sess.engine.counters.invariant_violations == 0
 
 
+def test_an_epoch_announced_again_is_a_repeat_only_once_it_was_read_through(client,
+                                                                             tmp_path):
+    """A DistributedSampler iterated again without set_epoch: announced again part way
+    (a peek at one batch, a restart), its epoch restarts and its next epoch's log is laid
+    out again; announced again once the epoch was read to its end, the order repeats: the
+    next epoch is taken to repeat it, no log is laid out in a guessed order."""
+    c, src, files = client
+    cfg = make_config(src, tmp_path / "cache", policy="lru", chunk_size=16 << 10,
+                      reorder_min=0)
+
+    async def body(sess: Session):
+        eng = sess.engine
+        ds = c.image_folder()
+        by_index = {i: os.fsencode(os.path.relpath(p, c.root)) for i, (p, _) in
+                    enumerate(ds.samples)}
+        sampler = torch_data.DistributedSampler(ds, num_replicas=1, rank=0, seed=SEED)
+        order = list(sampler)
+        s = await announced(eng, 0)
+        first = await poll(lambda: s.next_log, "the next epoch's log")
+        assert list(sampler) == order  # again, nothing read: a restart
+        await poll(lambda: s.next_log is not None and s.next_log is not first,
+                   "the restart's next log")
+        s2 = eng.streams.streams[("default", 0)]
+        assert s2 is s and not s.repeats and "repeats" not in s.reason
+        for i in order:
+            assert await read_file(eng, eng.ns.resolve(by_index[i]).ino) == files[by_index[i]]
+        assert s2.position == len(order)
+        assert list(sampler) == order  # read through, then again: a repeat
+        await poll(lambda: s2.repeats, "the repeat")
+        assert "set_epoch is not called" in s2.reason and s2.next_log is None
+        assert s2.next_first_order == order  # the next epoch is taken to repeat it
+
+    with build(cfg, CountingSource(src)) as sess:
+        c.session = sess
+        sess.run(body)
+
+
 def test_a_forgotten_job_ends_its_streams_and_gives_up_their_logs(client, tmp_path):
     """Control forgets an idle job to make room for a new one: its stream ends, the next
     epoch's log it was laying out is given up and no longer protected, the cache's

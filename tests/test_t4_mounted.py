@@ -284,6 +284,32 @@ def test_vanished_source_file_is_enoent(src, mount):
         (m.mnt / "cls2" / "f002.bin").read_bytes()
 
 
+def test_an_open_file_shrunk_on_the_source_is_never_read_cut_short(src, mount):
+    """The kernel asks GETATTR before reads of an open file and cuts the file at the size
+    it gets: answering with the size found on the source meanwhile (smaller) made an open
+    read 50 KB of its 250 KB version and stop, with no error. An open file's attributes
+    are its open's: the read gets its whole version, or ESTALE, never a part."""
+    m = mount(src, "--revalidate", "0")
+    f = "cls1/f001.bin"
+    old = (src / f).read_bytes()
+    assert len(old) > 100_000
+    fd = os.open(m.mnt / f, os.O_RDONLY)
+    try:
+        got = os.read(fd, 16384)
+        (src / f).write_bytes(old[:50_000])  # truncated in place on the source
+        try:
+            while chunk := os.read(fd, 16384):
+                got += chunk
+                os.fstat(fd)  # a GETATTR between reads, as tools do
+        except OSError as e:
+            assert e.errno == errno.ESTALE
+        else:
+            assert got == old, (len(got), len(old))
+    finally:
+        os.close(fd)
+    assert (m.mnt / f).read_bytes() == old[:50_000]  # the next open follows the source
+
+
 def test_stats_piped_into_head_ends_without_a_traceback(src, mount):
     """The reader of the pipe has gone before the first write (``| head`` after its lines):
     a short exit, no traceback."""

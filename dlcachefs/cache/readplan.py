@@ -213,6 +213,13 @@ class ReadPlanner:
         # per stream, the order whose plan task has begun (its plan may be over since)
         self._begun: dict[str, list[int]] = {}
 
+    def forget(self, stream) -> None:
+        """A stream that ended (its job forgotten): its plan and its last order go."""
+        p = self.plans.pop(stream.key, None)
+        if p is not None:
+            p.close()
+        self._begun.pop(stream.key, None)
+
     def plan_for(self, stream) -> ReadPlan | None:
         """The active plan of a stream's current epoch, or None."""
         if stream is None:

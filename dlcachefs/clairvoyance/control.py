@@ -412,6 +412,9 @@ class ControlState:
         self.loss_room = loss_room
         #: a job forgotten to make room for a new one (its streams go too)
         self.on_job_dropped: Callable[[str], None] | None = None
+        #: whether a job's streams read lately (a job that did is never forgotten)
+        self.job_reading: Callable[[str], bool] | None = None
+        self._forget_next: list[str] = []  # set by _check, forgotten by apply
         self.jobs: dict[str, JobState] = {}
         self.streams: dict[tuple[str, int], StreamState] = {}
         self._pid_job: OrderedDict[int, tuple[str, int]] = OrderedDict()
@@ -442,6 +445,9 @@ class ControlState:
             if reason != str(e):  # the writer is told the reason the error log shows
                 raise ControlError(reason) from None
             raise
+        for name in self._forget_next:  # room for this write's new jobs (_check)
+            self._forget_job(name)
+        self._forget_next = []
         job, rank = self.binding_of(pid)
         # streams this write changed -> whether they are the writer's (a stream restarted
         # because its job's dataset changed is not: another rank's stays that rank's)
@@ -535,31 +541,36 @@ class ControlState:
                             op.extra, MAX_LISTS)
         self.list_indices += delta
 
-    def _forget_idle_jobs(self, n: int, keep: set[str]) -> int:
-        """Forget up to ``n`` jobs (not in ``keep``) idle for JOB_IDLE_S with none of
-        their writing processes alive, least recently updated first: their streams, orders
-        and process bindings go, and :attr:`on_job_dropped` hears of each. How many went.
-        (A long-lived mount serving many named jobs in turn, ``dlcachefs run --job``,
-        refused every new name after 64.)"""
+    def _idle_jobs(self, keep: set[str]) -> list[str]:
+        """Jobs (not in ``keep``) that may make room for new ones, idlest first: nothing
+        written for JOB_IDLE_S, none of their writing processes alive, and (asked of
+        the mount, :attr:`job_reading`) no stream of theirs read lately: a job announced
+        by a short-lived writer (``echo > control``) may be read by processes that never
+        write. (A long-lived mount serving many named jobs in turn, ``dlcachefs run
+        --job``, refused every new name after 64.)"""
         now = time.time()
         bound: dict[str, list[int]] = {}
         for pid, (job, _rank) in self._pid_job.items():
             bound.setdefault(job, []).append(pid)
         idle = sorted((js.updated, name) for name, js in self.jobs.items()
                       if name not in keep and now - js.updated >= JOB_IDLE_S
-                      and not any(_alive(pid) for pid in bound.get(name, ())))
-        for _, name in idle[:n]:
-            self._drop_orders(name)
-            for key in [k for k in self.streams if k[0] == name]:
-                del self.streams[key]
-            for pid in bound.get(name, ()):
-                del self._pid_job[pid]
-            del self.jobs[name]
-            self.note(f"job {name!r} forgotten (idle, its processes gone) to make room for "
-                      f"a new one")
-            if self.on_job_dropped is not None:
-                self.on_job_dropped(name)
-        return min(n, len(idle))
+                      and not any(_alive(pid) for pid in bound.get(name, ()))
+                      and not (self.job_reading is not None and self.job_reading(name)))
+        return [name for _, name in idle]
+
+    def _forget_job(self, name: str) -> None:
+        """Forget job ``name``: its streams, orders and process bindings go, and
+        :attr:`on_job_dropped` hears of it."""
+        self._drop_orders(name)
+        for key in [k for k in self.streams if k[0] == name]:
+            del self.streams[key]
+        for pid in [p for p, (j, _r) in self._pid_job.items() if j == name]:
+            del self._pid_job[pid]
+        del self.jobs[name]
+        self.note(f"job {name!r} forgotten (idle, its processes gone) to make room for a "
+                  f"new one")
+        if self.on_job_dropped is not None:
+            self.on_job_dropped(name)
 
     def _drop_orders(self, job: str) -> None:
         for (j, _r), st in self.streams.items():
@@ -660,10 +671,14 @@ class ControlState:
                 self._check_order(op, (job, rank), orders)
                 added += len(indices)
         over = len(self.jobs) + len(new_jobs) - MAX_JOBS
-        if over > 0 and self._forget_idle_jobs(over, keep=set(datasets)) < over:
-            raise ControlError(f"too many jobs (at most {MAX_JOBS} per mount; a job is "
-                               f"forgotten once idle for {JOB_IDLE_S:.0f} s with none of "
-                               f"its processes alive)")
+        self._forget_next = []
+        if over > 0:
+            idle = self._idle_jobs(keep=set(datasets))
+            if len(idle) < over:
+                raise ControlError(f"too many jobs (at most {MAX_JOBS} per mount; a job is "
+                                   f"forgotten once idle for {JOB_IDLE_S:.0f} s with none "
+                                   f"of its processes alive)")
+            self._forget_next = idle[:over]  # forgotten by apply(), once all is checked
         if len(self.streams) + len(new_streams) > MAX_STREAMS:
             raise ControlError(f"too many streams (at most {MAX_STREAMS} per mount)")
         if unsized_losses and self.loss_room is not None:

@@ -497,8 +497,15 @@ class StreamManager:
             order = await trio.to_thread.run_sync(s.replayer.order, epoch)
             # (a view's sample list is made anew for each epoch: the same dataset, compared
             # by its key, not by identity)
-            repeats = (same_dataset(s.samples, samples) and len(samples) == len(s.samples)
-                       and spec.kind != "unknown" and bool(s.order)
+            # Only a shuffling sampler's order can be said to repeat (a sequential one
+            # always does, and its next epoch is known anyway), and only after an epoch:
+            # a later epoch number, or the same one read to its end (a set_epoch never
+            # called). The same epoch announced again part way (a peek at one batch, a
+            # restart from a checkpoint) is a restart, not a repeat.
+            repeats = (spec.kind in ("random", "subset_random", "distributed")
+                       and same_dataset(s.samples, samples) and len(samples) == len(s.samples)
+                       and bool(s.order)
+                       and (epoch != s.epoch or s.position >= len(s.order))
                        and await trio.to_thread.run_sync(operator.eq, order, s.order))
             # the log laid out for this epoch is read as its log only if it was laid out
             # in this order: a wrong guess of the next order (the sampler re-seeded, an
@@ -681,6 +688,12 @@ class StreamManager:
             nursery.start_soon(nl.backfill, done)
         nursery.start_soon(nl.run)
 
+    def job_reading(self, job: str) -> bool:
+        """Whether a stream of ``job`` opened a file in the last IDLE_S seconds."""
+        now = time.monotonic()
+        return any(k[0] == job and now - s.last_open < IDLE_S
+                   for k, s in self.streams.items())
+
     def drop_job(self, job: str) -> None:
         """Control forgot ``job`` (idle, its processes gone, to make room for a new one):
         its streams end. Their prefetch and planning stop, their logs become ordinary
@@ -698,7 +711,9 @@ class StreamManager:
                 s.current_log.unprotect()
                 s.current_log = None
             self.engine.readahead.drop_owner(s.key)
+            self.engine.plans.forget(s)
         self._pid_stream.clear()
+        self.engine.losses.forget_job(job)
 
     def unprotect_idle(self, now: float) -> None:
         """Stop protecting the current epoch's log of a stream that opened nothing for

@@ -53,6 +53,7 @@ class Losses(TaskOwner):
         self.h_fraction = h_fraction
         self.trace = trace
         self.control: ControlState | None = None  # see attach_control
+        self._switch_said = -60.0  # monotonic s of the last note of a dataset switch
         # losses waiting for their dataset's sample list: dataset -> [(job, idx, values)]
         self._early: dict[str, list[tuple[str, list[int], list[float]]]] = {}
         self.waiting = 0  # loss pairs in _early
@@ -71,6 +72,32 @@ class Losses(TaskOwner):
 
     # ----- epochs -----------------------------------------------------------------------
 
+    def _dropping_for(self, dataset: str, why: str) -> None:
+        """Before the importance moves to ``dataset``: one dataset's importance at a time
+        (README "Importance"), so the losses held for another are dropped; counted
+        (``losses_dropped``) and said in .dlcache/errors, at most once a minute (two
+        jobs reporting for two datasets switch it at every batch of losses)."""
+        imp = self.importance
+        if imp.dataset in (None, dataset) or imp.table is None or not imp.table.jobs:
+            return
+        lost = sum(j.reported for j in imp.table.jobs.values())
+        self.counters.losses_dropped += lost
+        now = time.monotonic()
+        if now - self._switch_said >= 60.0:
+            self._switch_said = now
+            self._note_invalid(f"importance now for dataset {dataset or '.'!r} ({why}): the "
+                               f"{lost} losses reported for dataset {imp.dataset or '.'!r} "
+                               f"are dropped (one dataset's importance per mount)")
+
+    def forget_job(self, job: str) -> None:
+        """A job forgotten by control: its importance values no longer weigh (and their
+        memory, n floats per job, is let go)."""
+        table = self.importance.table
+        if table is not None and table.jobs.pop(job, None) is not None:
+            self._rebuild_due = True
+            if not self._rebuilding:
+                self.spawn(self._rebuild_importance, table)
+
     def epoch_started(self, stream: Stream, samples) -> None:
         """A stream begins an epoch: note its job's caching benefit measured over the
         epoch that ended, and rebuild the H-list (in a thread) from the losses so far."""
@@ -82,6 +109,7 @@ class Losses(TaskOwner):
             # not take the importance away from the dataset whose losses it holds; the
             # losses of another dataset, when they come, do (and say so: _apply_losses)
             return
+        self._dropping_for(ds, f"job {stream.job!r} starts an epoch over it")
         imp.bind(ds, samples.inos, self.h_fraction)
         imp.current_epoch = max(imp.current_epoch, stream.target_epoch or 0)
         table = imp.table
@@ -156,15 +184,7 @@ class Losses(TaskOwner):
                                f"dataset {dataset or '.'!r} has {n} samples")
             indices, values = [i for i, _ in pairs], [v for _, v in pairs]
         imp = self.importance
-        if imp.dataset not in (None, dataset) and imp.table is not None and imp.table.jobs:
-            # one dataset's importance at a time (README "Importance"): the switch is said
-            # where a user looks, and the losses it drops are counted
-            lost = sum(j.reported for j in imp.table.jobs.values())
-            self.counters.losses_dropped += lost
-            self._note_invalid(f"importance now for dataset {dataset or '.'!r} (losses of job "
-                               f"{job!r}): the {lost} losses reported for dataset "
-                               f"{imp.dataset or '.'!r} are dropped (one dataset's "
-                               f"importance per mount)")
+        self._dropping_for(dataset, f"losses of job {job!r}")
         imp.bind(dataset, sl.inos, self.h_fraction)
         # losses arrive late (the reporter batches): the last epoch's map, then this one's
         subs = self.streams.substitutions_of(job)

@@ -107,12 +107,16 @@ class Importance:
 
     def rebuild(self) -> None:
         """Recompute the AIV and the H-list from every job's current IVs."""
+        jobs = dict(self.jobs)  # (a job may be forgotten on the loop meanwhile)
         w = self.weights()
         if not w:
             return
         aiv = [0.0] * self.n
         for name, weight in w.items():
-            for i, r in enumerate(percentile_ranks(self.jobs[name].filled())):
+            j = jobs.get(name)
+            if j is None:
+                continue
+            for i, r in enumerate(percentile_ranks(j.filled())):
                 aiv[i] += weight * r
         k = max(1, round(self.h_fraction * self.n))
         high = bytearray(self.n)
