@@ -9,7 +9,6 @@ FLUSH is answered once with ENOSYS, after which the kernel stops sending it.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
@@ -21,7 +20,7 @@ from dlcachefs.mount import virtual as V
 from dlcachefs.mount.errmap import fuse_errors
 
 from dlcachefs.cache.engine import Engine
-from dlcachefs.cache.namespace import ROOT_INO
+from dlcachefs.cache.namespace import ROOT_INO, identity
 from dlcachefs.clairvoyance.control import ControlState
 from dlcachefs.errors import NotFound, PermissionDenied, ReadOnly
 from dlcachefs.store.schema import Entry
@@ -234,12 +233,16 @@ class Operations(pyfuse3.Operations):
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
             raise ReadOnly("read-only mirror")
         r = await self.engine.open(inode, ctx.pid)
-        with contextlib.suppress(NotFound):  # (gone since: it reads on, fstat is ENOENT)
-            e = self.ns.get(inode)
+        e = r.entry
+        if e is not None:  # (None: a mount's engine that does not say; see _fresh)
             held = self._open.get(inode)
             if held is None:
                 self._open[inode] = [e, 1]
             else:
+                if identity(held[0]) != identity(e):
+                    # the kernel may hold the attributes answered for the older open, for
+                    # up to --revalidate seconds: it asks again
+                    self._queue_invalidation("inode", e.parent, None, inode)
                 held[0] = e
                 held[1] += 1
             self._fh_ino[r.fh] = inode
@@ -308,6 +311,11 @@ class Operations(pyfuse3.Operations):
                 held[1] -= 1
                 if held[1] <= 0:
                     del self._open[ino]
+                    cur = self.engine.index.get_entry(ino)
+                    if cur is None or identity(cur) != identity(held[0]):
+                        # answered with its open's version while a newer one (or none)
+                        # was known: the kernel asks again now that nothing holds it
+                        self._queue_invalidation("inode", held[0].parent, None, ino)
             self.engine.release(fh)
 
     async def flush(self, fh):

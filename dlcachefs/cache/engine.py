@@ -122,6 +122,8 @@ class OpenResult:
     fh: int
     keep_cache: bool
     direct_io: bool
+    #: the entry of the version the handle serves (its size is what the kernel must hold)
+    entry: Entry | None = None
 
 
 class Engine:
@@ -411,7 +413,7 @@ class Engine:
                 # the kernel knows the requested file's size: direct_io so the substitute's
                 # own length is what the reader gets (a short read is its end of file)
                 fh = self._new_fh(Handle(e.ino, sub, True))
-                return OpenResult(fh, keep_cache=False, direct_io=True)
+                return OpenResult(fh, keep_cache=False, direct_io=True, entry=e)
         lazy = self._lazy_open(e, stream, seen)
         if lazy is not None:
             if stream is not None:
@@ -419,7 +421,7 @@ class Engine:
                 lazy.stream = stream
                 lazy.cache_refetch = not stream.memory_prefetch
                 self._note_served(stream, ino, pid, t0, True)
-            return OpenResult(self._new_fh(lazy), keep_cache=True, direct_io=False)
+            return OpenResult(self._new_fh(lazy), keep_cache=True, direct_io=False, entry=e)
         data, cached, waited, joined = await self._load(
             e, cache=stream is None or not stream.memory_prefetch, stream=stream)
         if stream is not None and stream.next_log is not None:
@@ -444,7 +446,9 @@ class Engine:
         # a file that changed during the mount: its first open bypasses the page cache
         # (direct_io), since the kernel's idea of its size may be the old one until the
         # invalidation queued for it has gone through
-        return OpenResult(fh, keep_cache=cached and not changed, direct_io=changed)
+        if len(data) != e.size:  # a newer version came with the fetch: its entry
+            e = self.index.get_entry(ino) or e
+        return OpenResult(fh, keep_cache=cached and not changed, direct_io=changed, entry=e)
 
     @staticmethod
     def _note_served(stream: Stream, ino: int, pid: int, t0: float, cached: bool) -> None:
@@ -658,5 +662,5 @@ class Engine:
         self.ns.changed.discard(e.ino)
         return OpenResult(self._new_fh(Handle(e.ino, None, False, fd, ident,
                                               paged=not changed, seen=seen)),
-                          keep_cache=False, direct_io=changed)
+                          keep_cache=False, direct_io=changed, entry=e)
 

@@ -163,6 +163,9 @@ class Stream:
     # DistributedSampler whose set_epoch is never called): the next one is taken to
     # repeat it too, and no next-epoch log is laid out (the last one is read in order)
     repeats: bool = False
+    # its epoch was announced again (a restart, or a set_epoch never called) and is being
+    # configured: the opens meanwhile are the new pass's, kept in ``early`` until it is
+    restarting: bool = False
     pace: Pace = field(default_factory=Pace)  # the loader's fetch timings (DLCache Alg. 2)
     # opens of cached files this epoch, and how many of them were READ: the others the
     # kernel served from its page cache. An epoch served so (the dataset fits in RAM) has
@@ -365,6 +368,7 @@ class StreamManager:
         if s.cancel is not None:
             s.cancel.cancel()
         s.cancel = trio.CancelScope()
+        s.restarting = not learned and s.epoch is not None and st.epoch == s.epoch
         s.target_epoch = st.epoch
         s.early = []
         s.explicit = st.orders if st.sampler.kind == "explicit" else None
@@ -405,10 +409,12 @@ class StreamManager:
             try:
                 await self._configure_now(s, dataset, spec, epoch, view, subset)
             except ReplayClosed as e:  # the next epoch's replay, cut by an unmount
+                s.restarting = False
                 s.error = str(e)
                 s.mode, s.reason = "none", f"prefetch stopped: {s.error}"
                 log.info("stream %s: prefetch stopped: %s", s.key, e)
             except Exception as e:  # noqa: BLE001
+                s.restarting = False
                 s.error = f"{type(e).__name__}: {e}"
                 s.mode, s.reason = "none", f"prefetch stopped: {s.error}"
                 log.exception("stream %s: prefetch stopped", s.key)
@@ -527,6 +533,7 @@ class StreamManager:
         except (DlcError, ValueError, OSError) as e:
             s.error = str(e)
             s.mode, s.reason = "none", str(e)
+            s.restarting = False
             # an unmount that cuts replays still queued for the worker is not a problem
             # of the stream's order: said at INFO, so a log watcher sees no warning
             level = logging.INFO if isinstance(e, ReplayClosed) else logging.WARNING
@@ -556,6 +563,7 @@ class StreamManager:
         s.positions, s.consumed = positions, consumed
         s.ready = bytearray(len(order))
         s.position = s.prefetched_upto = 0
+        s.restarting = False  # (its opens so far are in early, counted below)
         self.engine.readahead.drop_owner(s.key)
         if spec.kind == "unknown":
             s.used, s.substituted_before, s.substituted = set(), s.substituted, {}
@@ -993,7 +1001,7 @@ class StreamManager:
         """Mark the sample consumed and move the stream's position."""
         if learn and s.learn_cur is not None and len(s.learn_cur) < MAX_LEARNED:
             s.learn_cur.append(ino)
-        if s.epoch != s.target_epoch:
+        if s.epoch != s.target_epoch or s.restarting:
             if len(s.early) < 1 << 20:
                 s.early.append(ino)
             return
