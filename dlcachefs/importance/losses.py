@@ -81,6 +81,8 @@ class Losses(TaskOwner):
         if imp.dataset in (None, dataset) or imp.table is None or not imp.table.jobs:
             return
         lost = sum(j.reported for j in imp.table.jobs.values())
+        if not lost:
+            return  # nothing held: nothing to say
         self.counters.losses_dropped += lost
         now = time.monotonic()
         if now - self._switch_said >= 60.0:

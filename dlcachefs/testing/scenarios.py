@@ -51,6 +51,7 @@ EXPECTED_LOG = (
     r"WARNING dlcachefs\.clairvoyance\.",
     r"WARNING dlcachefs\.cache\.views: importance: ",
     r"WARNING dlcachefs\.importance\.losses: \d+ losses of job ",
+    r"WARNING dlcachefs\.importance\.losses: importance now for dataset ",
     r"WARNING dlcachefs\.store\.integrity: the index may be damaged",
 )
 
