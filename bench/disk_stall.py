@@ -25,15 +25,13 @@ Needs root (network namespace, ``drop_caches``). Timings are reported, never ass
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import random
 import statistics
 import sys
 import threading
 import time
 
-from . import make_dataset as md
+from .first_epoch import first_epoch_dataset
 from .readers import read_all
 from .remote import slow_remote
 from .util import drop_page_cache, machine_info, write_json
@@ -171,11 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     out = a.out or os.path.join(REPO, "bench", "results",
                                 f"disk_stall-{time.strftime('%Y%m%d-%H%M%S')}.json")
     os.makedirs(a.disk_dir, exist_ok=True)
-    spec = md.Spec(classes=10, per_class=max(1, math.ceil(a.files / 10)), seed=a.seed)
-    ds = os.path.join(a.dataset_dir, f"dataset-c10-p{spec.per_class}-s{a.seed}")
-    manifest, _ = md.ensure_dataset(ds, spec, progress=True)
-    rels = [r[0] for r in manifest["file_list"]]
-    random.Random(f"first-epoch-{a.seed}").shuffle(rels)  # bench.first_epoch's order
+    ds, manifest, rels = first_epoch_dataset(a.dataset_dir, a.files, a.seed)
     doc = {"bench": "disk_stall", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "command": " ".join([os.path.basename(sys.executable), "-m", "bench.disk_stall",
                                 *(argv if argv is not None else sys.argv[1:])]),

@@ -107,6 +107,19 @@ def one_epoch(case: str, root: str, a: argparse.Namespace, ctx: dict) -> dict:
                       case != "pipe" and ctx["mounted"], ctx["verifier"])
 
 
+def first_epoch_dataset(dataset_dir: str, files: int, seed: int
+                        ) -> tuple[str, dict, list[str]]:
+    """The JPEG ImageFolder dataset of ``files`` files under ``dataset_dir`` (made once,
+    then reused), its manifest, and the one random order the raw readers read it in
+    (paths relative to the dataset: ``train/<class>/<file>``)."""
+    spec = md.Spec(classes=10, per_class=max(1, math.ceil(files / 10)), seed=seed)
+    ds = os.path.join(dataset_dir, f"dataset-c10-p{spec.per_class}-s{seed}")
+    manifest, _ = md.ensure_dataset(ds, spec, progress=True)
+    order = [r[0] for r in manifest["file_list"]]
+    random.Random(f"first-epoch-{seed}").shuffle(order)
+    return ds, manifest, order
+
+
 def warm_connections(remote, order: list[str], n: int = 64) -> None:
     """Read ``n`` files through sshfs with 8 threads, untimed, before a round: sshfs starts
     with one SSH connection and opens more (up to ``max_conns``) at the first concurrent
@@ -217,12 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     out = a.out or os.path.join(REPO, "bench", "results",
                                 f"first_epoch-{time.strftime('%Y%m%d-%H%M%S')}.json")
     os.makedirs(a.work, exist_ok=True)
-    spec = md.Spec(classes=10, per_class=max(1, math.ceil(a.files / 10)), seed=a.seed)
-    ds = os.path.join(a.dataset_dir, f"dataset-c10-p{spec.per_class}-s{a.seed}")
-    manifest, _ = md.ensure_dataset(ds, spec, progress=True)
+    ds, manifest, order = first_epoch_dataset(a.dataset_dir, a.files, a.seed)
     rels = [r[0] for r in manifest["file_list"]]  # "train/<class>/<file>"
-    order = rels[:]
-    random.Random(f"first-epoch-{a.seed}").shuffle(order)
     ctx = {"dataset_root": ds, "order": order, "verifier": Verifier(manifest)}
     doc = {"bench": "first_epoch", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "command": " ".join([os.path.basename(sys.executable), "-m", "bench.first_epoch",

@@ -349,18 +349,25 @@ def test_stat_follows_the_source_as_an_open_would(src, mount):
     assert (m.mnt / f).read_bytes() == (src / f).read_bytes()
 
 
-def test_a_source_root_moved_away_and_back_is_an_error_meanwhile_and_keeps_the_cache(
-        src, mount, tmp_path):
-    """The source root renamed away (an automount lapsing, a dataset moved): listing the
-    mount is a clean ENOENT, with no ERROR in the daemon's log (the daemon oracle fails the
-    test on one); back again, the cached files are served from the cache, not fetched
-    again (a failing root is a source error: nothing of the snapshot or cache is dropped)."""
+def _cached_then_root_moved_away(src, mount, tmp_path):
+    """A mount (``--revalidate 0``) whose every file is read and cached, then its source
+    root renamed away: (mount, the tree's bytes, stats once cached, where the root went)."""
     m = mount(src, "--revalidate", "0")
     want = read_tree(src)
     assert read_tree(m.mnt) == want
     st = m.wait_cached(m.stats()["files"])
     away = tmp_path / "src.away"
     src.rename(away)
+    return m, want, st, away
+
+
+def test_a_source_root_moved_away_and_back_is_an_error_meanwhile_and_keeps_the_cache(
+        src, mount, tmp_path):
+    """The source root renamed away (an automount lapsing, a dataset moved): listing the
+    mount is a clean ENOENT, with no ERROR in the daemon's log (the daemon oracle fails the
+    test on one); back again, the cached files are served from the cache, not fetched
+    again (a failing root is a source error: nothing of the snapshot or cache is dropped)."""
+    m, want, st, away = _cached_then_root_moved_away(src, mount, tmp_path)
     try:
         assert _errno_of(lambda: os.listdir(m.mnt / "cls1")) == errno.ENOENT
         assert _errno_of(lambda: (m.mnt / "cls1" / "f001.bin").read_bytes()) == errno.ENOENT
@@ -380,12 +387,7 @@ def test_a_source_root_that_lists_empty_for_a_while_loses_nothing(src, mount, tm
     deleted), no entry and no cached file is dropped for it, and once the real tree is back
     every file is served from the cache, with no byte fetched again. Before, the tree and
     its cache were dropped, and every file fetched again afterwards."""
-    m = mount(src, "--revalidate", "0")
-    want = read_tree(src)
-    assert read_tree(m.mnt) == want
-    st = m.wait_cached(m.stats()["files"])
-    away = tmp_path / "src.away"
-    src.rename(away)
+    m, want, st, away = _cached_then_root_moved_away(src, mount, tmp_path)
     src.mkdir()  # the empty mountpoint an unmounted NFS leaves behind
     try:
         assert _errno_of(lambda: os.listdir(m.mnt)) == errno.EIO
