@@ -127,8 +127,9 @@ class Operations(pyfuse3.Operations):
             raise NotFound(os.fsdecode(name))
         self.ops["lookup"] += 1
         e = await self.ns.fresh_lookup(parent_inode, name)
-        if not stat.S_ISDIR(e.mode):
-            e = await self.ns.fresh_file(e.ino)  # a name deleted on the source: ENOENT
+        # a name deleted on the source: ENOENT
+        e = await (self.ns.fresh_dir_attrs(e.ino) if stat.S_ISDIR(e.mode)
+                   else self.ns.fresh_file(e.ino))
         held = self._open.get(e.ino)
         return self._attrs(e if held is None else held[0])  # (open: see _fresh)
 
@@ -153,7 +154,9 @@ class Operations(pyfuse3.Operations):
         """A file's entry checked by the rule an open follows (``--revalidate``: its
         directory re-listed once the window has passed; 0: the file itself, at every
         call), so that ``stat`` and ``ls -l`` show what an open would find: a size, or
-        ENOENT for a file deleted on the source. Directories are checked when listed.
+        ENOENT for a file deleted on the source. A directory's own attributes follow the
+        same rule (:meth:`Namespace.fresh_dir_attrs`): the kernel checks access
+        (``default_permissions``) against its mode.
 
         A file open here is not checked: the entry of its latest open answers. The kernel
         asks GETATTR before reads of an open file (libfuse's auto_inval_data) and cuts
@@ -163,7 +166,8 @@ class Operations(pyfuse3.Operations):
         held = self._open.get(e.ino)
         if held is not None:
             return held[0]
-        return e if stat.S_ISDIR(e.mode) else await self.ns.fresh_file(e.ino)
+        return await (self.ns.fresh_dir_attrs(e.ino) if stat.S_ISDIR(e.mode)
+                      else self.ns.fresh_file(e.ino))
 
     @fuse_errors
     async def setattr(self, inode, attr, fields, fh, ctx):

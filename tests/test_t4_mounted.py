@@ -7,6 +7,7 @@ import json
 import os
 import random
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -721,4 +722,45 @@ def test_other_users_only_with_allow_other(src, tmp_path, mount, allow_other):
     finally:
         if m is not None:
             m.cleanup()  # before its mountpoint goes
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to switch users")
+@pytest.mark.parametrize("revalidate", ["0", "1"])
+def test_a_directory_closed_on_the_source_is_closed_here(src, tmp_path, mount, revalidate):
+    """A directory's (and the root's) own mode follows the source by the rule files follow
+    (``--revalidate``), and the kernel enforces it (``default_permissions``). Before, a
+    directory's attributes changed only when its parent was listed again, and the root's
+    never without ``--rescan``: a directory chmod 700 on the source stayed readable here
+    by every user."""
+    base = Path(tempfile.mkdtemp(prefix="dlc-perm-"))
+    base.chmod(0o755)
+    os.chmod(src, 0o755)
+    for d in ("cls1", "cls2"):
+        os.chmod(src / d, 0o755)
+    os.chmod(src / "cls2" / "f002.bin", 0o644)
+    m = None
+    try:
+        m = mount(src, "--allow-other", "--revalidate", revalidate, mnt=base / "mnt")
+        inner = m.mnt / "cls2" / "f002.bin"
+        assert _as_nobody(inner.read_bytes) == 0
+        assert _as_nobody(lambda: os.listdir(m.mnt)) == 0
+        os.chmod(src / "cls2", 0o700)
+        os.chmod(src, 0o711)
+        if revalidate != "0":
+            time.sleep(1.2)  # past the window: not a timing assertion, the rule's input
+        assert stat.S_IMODE(os.stat(m.mnt / "cls2").st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(m.mnt).st_mode) == 0o711
+        assert _as_nobody(inner.read_bytes) == errno.EACCES
+        assert _as_nobody(lambda: os.listdir(m.mnt)) == errno.EACCES
+        os.chmod(src / "cls2", 0o755)  # and open again
+        os.chmod(src, 0o755)
+        if revalidate != "0":
+            time.sleep(1.2)
+        assert _as_nobody(inner.read_bytes) == 0
+        assert _as_nobody(lambda: os.listdir(m.mnt)) == 0
+        assert m.stats()["files"] > 0
+    finally:
+        if m is not None:
+            m.cleanup()
         shutil.rmtree(base, ignore_errors=True)

@@ -423,3 +423,18 @@ def test_a_dataset_name_given_again_for_another_source_is_refused(tmp_path, moun
                                           "--dataset\\)"):
         refused.start()
     refused.cleanup()
+
+
+def test_verify_creates_nothing_where_there_is_no_cache(tmp_path):
+    """A mistyped --cache-dir, or the dataset itself, is refused (exit 2) and left as it
+    was: an fsck that made a lock and an index there reported a clean, empty cache."""
+    missing = tmp_path / "typo"
+    r = _cli("verify", "--cache-dir", str(missing))
+    assert r.returncode == 2 and "no such directory" in r.stderr, r.stderr
+    assert not missing.exists()
+    data = tmp_path / "dataset"
+    (data / "class0").mkdir(parents=True)
+    (data / "class0" / "a.jpg").write_bytes(b"x")
+    r = _cli("verify", "--cache-dir", str(data))
+    assert r.returncode == 2 and "not a dlcachefs cache directory" in r.stderr, r.stderr
+    assert sorted(p.name for p in data.iterdir()) == ["class0"]

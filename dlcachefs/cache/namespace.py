@@ -209,6 +209,9 @@ class Namespace:
         self._dir_checked: dict[int, float] = {}
         self._missing_relist: dict[int, float] = {}  # dir -> monotonic s of that re-list
         self._root_fault_warned = -ROOT_FAULT_WARN_S  # monotonic s of the last warning
+        # monotonic s the root's own attributes were last taken from the source (no
+        # listing holds the root: see fresh_dir_attrs)
+        self._root_attrs_checked = -float("inf")
 
     # ----- snapshot reads (trio loop) -----------------------------------------------
 
@@ -315,6 +318,11 @@ class Namespace:
             raise IsADirectory(os.fsdecode(e.name))
         if self.revalidate == 0:
             return await self._restat(e)
+        return await self._by_parent_listing(e)
+
+    async def _by_parent_listing(self, e: Entry) -> Entry:
+        """``e`` once its parent's listing (where its attributes come from) is within
+        ``revalidate``: re-listed first when it is older."""
         checked = self._dir_checked.get(e.parent)
         if checked is None:
             checked = self.get(e.parent).checked_at
@@ -323,19 +331,52 @@ class Namespace:
             self._dir_checked[e.parent] = checked
         if time.time() - checked > self.revalidate:
             await self.refresh_dir(e.parent)
-            e = self.get(ino)  # NotFound if it vanished
+            e = self.get(e.ino)  # NotFound if it vanished
         return e
+
+    async def fresh_dir_attrs(self, ino: int) -> Entry:
+        """The directory entry with its own attributes (mode, owner, times) as fresh as a
+        file's are (:meth:`fresh_file`): they come with its parent's listing, so that is
+        re-listed once older than ``revalidate``; with 0 the directory itself is
+        ``lstat``-ed at every call. The root, which no listing holds, is ``lstat``-ed once
+        per window (and at the first call of a mount). Its own listing's freshness
+        (``checked_at``: what :meth:`fresh_dir` follows) is not touched. With
+        ``default_permissions`` the kernel decides access from these attributes: a
+        directory closed on the source must not stay open here."""
+        e = self.get(ino)
+        if not is_dir(e):
+            raise NotADirectory(os.fsdecode(e.name))
+        if ino == ROOT_INO:
+            now = time.monotonic()
+            if self.revalidate and now - self._root_attrs_checked <= self.revalidate:
+                return e
+            self._root_attrs_checked = now
+            try:
+                return await self._restat(e)
+            except DlcError as err:  # the root's faults are the listing's to report
+                log.info("the source root's attributes: %s (the snapshot's answer)", err)
+                return e
+        if self.revalidate == 0:
+            return await self._restat(e)
+        return await self._by_parent_listing(e)
 
     async def _restat(self, e: Entry) -> Entry:
         rel = self.path_of(e)
+        root = e.ino == ROOT_INO
         try:
             st = await self.calls.call(self.source.lstat, rel)
         except NotFound:
-            await self.refresh_dir(e.parent)
+            if not root:
+                await self.refresh_dir(e.parent)
             raise
-        new = entry_from_stat(e.ino, e.parent, e.name, st, time.time(), e.target,
+        # a directory's checked_at is its listing's time: an lstat does not list it
+        new = entry_from_stat(e.ino, e.parent, e.name, st,
+                              e.checked_at if is_dir(e) else time.time(), e.target,
                               self.use_src_ino)
         if _type(new.mode) != _type(e.mode):
+            if root:
+                raise SourceError(f"the source root {os.fsdecode(self.source.root)} is no "
+                                  "longer a directory", errno.ENOTDIR)
             await self.refresh_dir(e.parent)
             return self.get(e.ino)
         if not _same_attrs(e, new):

@@ -142,7 +142,13 @@ class LocalSource:
 
     def lstat(self, rel: bytes) -> os.stat_result:
         if not rel:
-            return os.lstat(self.root)
+            try:
+                return os.lstat(self.root)
+            except FileNotFoundError as e:
+                raise NotFound(f"the source root is gone: {os.fsdecode(self.root)}") from e
+            except OSError as e:
+                raise SourceError(f"lstat {os.fsdecode(self.root)}: {e.strerror}",
+                                  e.errno) from e
         return self._at(rel, "lstat",
                         lambda name, dfd: os.stat(name, dir_fd=dfd, follow_symlinks=False))
 

@@ -85,6 +85,18 @@ def cmd_verify(cache_dir: str, repair: bool, as_json: bool) -> int:
               + ", ".join(f"--cache-dir {os.path.join(datasets, n)}" for n in names[:10])
               + (" ..." if len(names) > 10 else ""), file=sys.stderr)
         return 2
+    # an fsck creates nothing: a mistyped path, or a directory that is not a cache (the
+    # dataset itself), is refused before the lock file or an index could be made in it
+    if not os.path.isdir(cache_dir):
+        print(f"dlcachefs verify: {cache_dir}: no such directory", file=sys.stderr)
+        return 2
+    # what every cache has (an index moved aside by --repair leaves logs/ and the lock)
+    if not (os.path.isdir(os.path.join(cache_dir, "meta.lmdb"))
+            or os.path.isdir(os.path.join(cache_dir, "logs"))):
+        print(f"dlcachefs verify: {cache_dir} is not a dlcachefs cache directory (no "
+              "meta.lmdb, no logs/); give the --cache-dir the mount used (by default "
+              "~/.cache/dlcachefs/<source name>-<hash>)", file=sys.stderr)
+        return 2
     lock = CacheLock(cache_dir)
     try:
         lock.acquire("(dlcachefs verify)")
