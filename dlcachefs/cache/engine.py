@@ -439,7 +439,10 @@ class Engine:
         h = Handle(ino, memoryview(data), cached)
         if cached and not changed:  # its READs fill the pages: checked as lazy ones are
             h.ident, h.paged, h.seen = identity(e), True, seen
-            if stream is not None and stream.next_log is None:  # (else never lazy)
+            if stream is not None:
+                # counted even when a next-epoch log took the bytes at open (never lazy
+                # then): an epoch the kernel's pages served lays out no next log
+                # (StreamTable._plan_next), and the one after opens lazily
                 stream.note_cached_open()
                 h.stream = stream
         fh = self._new_fh(h)

@@ -575,7 +575,7 @@ class StreamManager:
         s.next_first, s.next_first_order = nxt_first, nxt
         s.cluster = cluster
         early, s.early = s.early, []
-        log.info("stream %s: epoch %d, %d samples, order known", s.key, epoch, len(order))
+        log.info("stream %s: epoch %d, %d samples, %s", s.key, epoch, len(order), s.mode)
         prev, s.next_log = s.next_log, None
         if s.current_log is not None:
             # its epoch is over: ordinary cache now (the new log's gaps are filled from it)
@@ -652,6 +652,15 @@ class StreamManager:
                          "re-seeded the same way, or its epoch was not advanced: "
                          "DistributedSampler.set_epoch); the next is taken to repeat it, and "
                          "the logs are read in that order")
+            return
+        if s.pages_served and not s.memory_prefetch:
+            # the kernel's page cache served the last epoch's READs (the dataset fits in
+            # RAM): the next is read from it in any order, and a log laid out for it would
+            # be written and read back for nothing, each epoch (the opens that take its
+            # bytes could not be lazy either). Pages that go end this at the next epoch.
+            s.reorder = ("not needed: the kernel's page cache served the last epoch "
+                         "(page_cache.serves_this_epoch); laid out again once its READs "
+                         "come back")
             return
         cfg = self.engine.cfg
         limit = self.engine.memtier.limit
