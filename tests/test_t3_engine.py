@@ -19,13 +19,14 @@ import os
 import random
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dlcachefs.cache.namespace import ROOT_INO
+from dlcachefs.cache.namespace import ROOT_INO, identity
 from dlcachefs.errors import (
     InvalidArgument,
     IsADirectory,
@@ -164,6 +165,35 @@ def test_pending_records_are_hits(tree, policy):
         assert source.reads[rel] == 1 and eng.counters.hits == 1
 
     run_engine(make_config(src, cache, policy=policy, flush_interval=30.0), body, source)
+
+
+def test_a_prefetched_file_that_waited_for_the_writer_is_a_hit(tree, policy):
+    """A file fetched ahead while the writer had no room waits in the backlog; its open
+    is a cache hit, not a ``prefetch_hit`` (opens served from memory only, never cached):
+    whether it is cached is asked at the open, not taken from the fetch."""
+    src, cache, files = tree
+    rel = b"top.txt"
+
+    async def body(eng):
+        e = eng.ns.resolve(rel)
+        room = eng.writer.has_room
+        # the cache disk is behind: no room for the fetched bytes (the prefetch's own
+        # wait for room, nbytes=0, passes)
+        eng.writer.has_room = lambda nbytes=0: nbytes == 0
+        stream = SimpleNamespace(memory_prefetch=False, bytes_from_source=0,
+                                 pages_served=False, key="job/0")
+        try:
+            assert await eng.prefetcher.prefetch_one(e.ino, stream)
+        finally:
+            eng.writer.has_room = room
+        assert eng.backlog.get(e.ino, identity(e)) is not None  # waiting for the writer
+        assert e.ino not in eng.writer.pending
+        c = eng.counters
+        hits = c.hits
+        assert await read_all(eng, rel) == files[rel]
+        assert (c.prefetch_hits, c.hits - hits, c.misses) == (0, 1, 0)
+
+    run_engine(make_config(src, cache, policy=policy, flush_interval=30.0), body)
 
 
 def test_read_offsets_and_eof(tree, policy):

@@ -534,12 +534,14 @@ class Engine:
         rec = self.index.get_record(e.ino)
         early = self.readahead.take(e.ino)
         if early is not None and early.ident == ident and early.rec is None:
-            if early.cached and self.versions.is_current(e.ino, rec, ident):
+            # cached or not is asked now, not taken from when it was fetched: a prefetch
+            # whose bytes waited in the backlog for the writer's room did not know yet
+            if self.versions.is_current(e.ino, rec, ident):
                 assert rec is not None  # fetched ahead and sealed since: a hit
                 self.counters.hits += 1
                 self.reader.after_use(rec.chunk_id, e.ino)
                 return early.data, True, False, False
-            if early.cached and self.versions.unsealed(e.ino, ident) is not None:
+            if self.versions.unsealed(e.ino, ident) is not None:
                 self.counters.hits += 1  # fetched ahead, still waiting for the writer
                 return early.data, True, False, False
             # fetched ahead, kept in memory only (or its record has gone since)
