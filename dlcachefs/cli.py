@@ -16,6 +16,7 @@ import sys
 
 from dlcachefs import mountctl
 from dlcachefs.admin.commands import ADMIN_COMMANDS, add_admin_commands, run_admin_command
+from dlcachefs.clairvoyance.protocol import ENV_LAUNCHED
 from dlcachefs.config import (
     DATASETS_DIR,
     OPTIONS,
@@ -346,6 +347,7 @@ def cmd_run(command: list[str], job: str | None) -> int:
     boot = os.path.join(os.path.dirname(os.path.abspath(__file__)), "client", "_boot")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (boot, env.get("PYTHONPATH")) if p)
+    env[ENV_LAUNCHED] = "1"
     if job:
         env["DLCACHEFS_JOB"] = job
     try:

@@ -328,3 +328,20 @@ def test_a_dataset_without_an_image_folder_is_learned(dataset, mount, script, tm
     st = _stream_at(m, "files/0", 2, None, "the files job never reached epoch 2")
     s = st["streams"]["files/0"]
     assert s["mode"] == "learned" and "Files" in s["reason"], s
+
+
+def test_a_wrapper_that_replaces_pythonpath_is_told_why_nothing_was_announced(
+        dataset, mount, script):
+    """``dlcachefs run -- bash run.sh`` where run.sh sets its own PYTHONPATH: the launcher's
+    hook is gone from the training's path. The training runs as without the launcher,
+    and the mount says why instead of "run the script under dlcachefs run"."""
+    m = mount(dataset)
+    wrapper = f'PYTHONPATH=/nonexistent exec "{sys.executable}" "{script}" "{m.mnt}" 1 plain'
+    r = subprocess.run([sys.executable, "-m", "dlcachefs.cli", "run", "--", "sh", "-c",
+                        wrapper], capture_output=True, text=True, timeout=900,
+                       start_new_session=True)  # a process group of its own
+    assert r.returncode == 0, r.stderr[-3000:]
+    st = m.stats()
+    assert not [k for k in st["streams"] if not k.startswith("unannounced/")], st["streams"]
+    reasons = [v["reason"] for k, v in st["streams"].items() if k.startswith("unannounced/")]
+    assert any("PYTHONPATH was replaced" in x for x in reasons), reasons

@@ -50,7 +50,7 @@ import trio
 
 from dlcachefs.clairvoyance.control import JobState, StreamState, ViewDef
 from dlcachefs.clairvoyance.pace import Pace
-from dlcachefs.clairvoyance.protocol import paths_digest
+from dlcachefs.clairvoyance.protocol import ENV_LAUNCHED, paths_digest
 from dlcachefs.clairvoyance.reorder import NextEpochLog, ReorderEngine
 from dlcachefs.clairvoyance.replay import SamplerSpec
 from dlcachefs.clairvoyance.replayworker import RemoteReplayer, ReplayClosed, ReplayWorker
@@ -83,6 +83,10 @@ HOOKED_SILENT = ("nothing announced although the torch hook is installed (`dlcac
                  "no DataLoader iterated over a dataset on this mount (samples read as "
                  "dataset[i] without a DataLoader are not seen by the hook), or the hook "
                  "could not map it (its warnings on the training's stderr say why)")
+HOOK_LOST = ("nothing announced: started by `dlcachefs run`, but PYTHONPATH was replaced on "
+             "the way (a wrapper script that sets PYTHONPATH=...), so the torch hook is not "
+             "loaded: extend it instead (export PYTHONPATH=...:$PYTHONPATH), or call "
+             "dlcachefs.torch.install()")
 
 log = logging.getLogger(__name__)
 
@@ -981,7 +985,7 @@ class StreamManager:
         if e is None:
             tgid = tgid or _tgid(pid)
             e = {"mode": "none", "opens": 0, "command": _comm(tgid),
-                 "reason": HOOKED_SILENT if _hooked(tgid) else NOTHING_ANNOUNCED}
+                 "reason": _unannounced_reason(tgid)}
             self.unannounced[pg] = e
             while len(self.unannounced) > MAX_UNANNOUNCED:
                 self.unannounced.popitem(last=False)
@@ -1302,14 +1306,21 @@ def _comm(pid: int) -> str:
         return ""
 
 
-def _hooked(pid: int) -> bool:
-    """Whether the process runs with the torch hook of ``dlcachefs run`` on its path."""
+def _unannounced_reason(pid: int) -> str:
+    """Why a process that reads announced nothing, from its environment: the launcher's
+    hook on its PYTHONPATH (then no DataLoader was seen), the launcher's mark without the
+    hook (a wrapper replaced PYTHONPATH), or neither (not launched)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = f.read()
     except OSError:
-        return False
+        return NOTHING_ANNOUNCED
+    hooked = launched = False
     for var in env.split(b"\0"):
         if var.startswith(b"PYTHONPATH="):
-            return b"dlcachefs/client/_boot" in var
-    return False
+            hooked = b"dlcachefs/client/_boot" in var
+        elif var.startswith(ENV_LAUNCHED.encode() + b"="):
+            launched = True
+    if hooked:
+        return HOOKED_SILENT
+    return HOOK_LOST if launched else NOTHING_ANNOUNCED
