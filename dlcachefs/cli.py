@@ -391,11 +391,13 @@ def cmd_umount(mountpoint: str, timeout: float) -> int:
 # ----- stats --------------------------------------------------------------------------
 
 def cmd_stats(mountpoint: str, as_json: bool) -> int:
-    st = _read_stats(mountpoint)
-    if st is None:
-        print(f"dlcachefs: {mountpoint} is not a dlcachefs mount (no .dlcache/stats)",
-              file=sys.stderr)
-        return 1
+    from dlcachefs.admin import mountinfo  # noqa: PLC0415
+
+    try:
+        st = mountinfo.stats(mountpoint)
+    except mountinfo.NotAMount as e:  # exit 2, as top, advise and warmup
+        print(f"dlcachefs stats: {e}", file=sys.stderr)
+        return 2
     if as_json:
         print(json.dumps(st, indent=2))
         return 0

@@ -547,6 +547,9 @@ def test_a_mountpoint_with_files_is_mounted_with_a_warning(src, mount, tmp_path)
     assert "mountpoint" in log.read_text() and "is not empty" in log.read_text()
 
 
+@pytest.mark.daemon_log_allows(r"ERROR dlcachefs: mount failed: cache directory \S+ is in "
+                               r"use by another dlcachefs daemon \(pid \d+\), unmounted "
+                               r"lazily")  # the second mount, refused on purpose
 def test_daemonized_mount_and_umount_while_a_file_is_open(src, tmp_path, daemon_oracle):
     mnt = tmp_path / "dmnt"
     mnt.mkdir()
@@ -560,6 +563,11 @@ def test_daemonized_mount_and_umount_while_a_file_is_open(src, tmp_path, daemon_
         f = open(mnt / "cls0" / "f004.bin", "rb")  # noqa: SIM115
         r = subprocess.run([*DLCACHEFS, "umount", str(mnt)], capture_output=True, text=True)
         assert r.returncode == 0 and "lazily" in r.stderr
+        # the cache is still the old daemon's: a new mount is refused, and told why
+        again = subprocess.run([*DLCACHEFS, "mount", str(src), str(mnt), "--cache-dir",
+                                str(tmp_path / "dcache")], capture_output=True, text=True,
+                               timeout=120)
+        assert again.returncode != 0 and "unmounted lazily" in again.stderr, again.stderr
         assert f.read() == (src / "cls0" / "f004.bin").read_bytes()
         f.close()
         wait_until(lambda: not os.path.exists(f"/proc/{pid}"),
@@ -764,3 +772,19 @@ def test_a_directory_closed_on_the_source_is_closed_here(src, tmp_path, mount, r
         if m is not None:
             m.cleanup()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_stats_of_a_killed_daemons_mount_says_the_daemon_is_gone(src, mount):
+    """A daemon killed with SIGKILL leaves its mount behind (ENOTCONN): ``stats`` says the
+    daemon is gone and how to clear it (exit 2), not that it is no dlcachefs mount; then
+    ``umount`` clears it."""
+    m = mount(src)
+    m.kill9()
+    r = subprocess.run([*DLCACHEFS, "stats", str(m.mnt)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "daemon of this mount is gone" in r.stderr, r.stderr
+    assert "dlcachefs umount" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([*DLCACHEFS, "umount", str(m.mnt)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert not is_mounted(str(m.mnt))

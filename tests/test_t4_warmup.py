@@ -154,6 +154,26 @@ def test_text_output_and_errors(src, mount, tmp_path):
     assert "fetched 13 files" in r.stdout and "1 errors" in r.stdout
 
 
+@requires_fuse
+def test_warmup_follows_links_only_within_the_mount(src, mount):
+    """Links given by name: one to a file of the mount is warmed as that file (counted
+    once with it), one leading outside the mount and the mount's own ``.dlcache`` are
+    refused (exit 2, nothing opened); before, they were "fetched" and counted."""
+    root, files = src
+    os.symlink("/etc/hostname", root / "outside")
+    os.symlink("c0/s000.bin", root / "inside")
+    m = mount(root)
+    got = warmup(m.mnt, "c0", "inside")
+    assert got["plan"]["files"]["files"] == sum(1 for r in files if r.startswith("c0/"))
+    for bad, why in (("outside", "leads outside the mount"),
+                     (".dlcache", "the mount's own control directory")):
+        r = subprocess.run([*DLCACHEFS, "warmup", str(m.mnt), bad], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 2 and why in r.stderr, (bad, r.returncode, r.stderr)
+    assert m.stats()["bytes_from_source"] == sum(len(b) for r, b in files.items()
+                                                 if r.startswith("c0/"))
+
+
 def test_plan_units():
     items = [Item(f"f{i}", s) for i, s in enumerate([10, 20, 500, 30, 5])]
     st = {"cache_limit_bytes": 65, "max_cached_file": 100}

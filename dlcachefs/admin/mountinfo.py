@@ -6,8 +6,11 @@ read is a fresh snapshot the daemon builds on its event loop. Standard library o
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+
+VDIR = ".dlcache"  # the mount's own directory at its root (mount/virtual.py)
 
 
 class NotAMount(ValueError):
@@ -16,13 +19,18 @@ class NotAMount(ValueError):
 
 def read_json(mnt: str, name: str) -> dict:
     """``MNT/.dlcache/NAME`` as JSON; :class:`NotAMount` when it cannot be read."""
-    path = os.path.join(mnt, ".dlcache", name)
+    path = os.path.join(mnt, VDIR, name)
     try:
         with open(path, "rb") as f:
             return json.loads(f.read())
-    except (OSError, ValueError) as e:
-        raise NotAMount(f"{mnt} is not a dlcachefs mount ({path}: "
-                        f"{getattr(e, 'strerror', None) or e})") from None
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:  # the daemon was killed: its mount is left behind
+            raise NotAMount(f"{mnt}: the daemon of this mount is gone ({e.strerror}); "
+                            f"'dlcachefs umount {mnt}' clears it, 'dlcachefs mount' mounts "
+                            "it again") from None
+        raise NotAMount(f"{mnt} is not a dlcachefs mount ({path}: {e.strerror})") from None
+    except ValueError as e:
+        raise NotAMount(f"{mnt} is not a dlcachefs mount ({path}: {e})") from None
 
 
 def stats(mnt: str) -> dict:

@@ -54,6 +54,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from dlcachefs.admin import mountinfo
+from dlcachefs.admin.mountinfo import VDIR
 from dlcachefs.store.chunkfmt import CHUNK_HEADER_SIZE, record_len
 from dlcachefs.units import format_size
 
@@ -130,6 +131,8 @@ def _walk(mnt: str, rel: str) -> Iterator[Item]:
             raise ValueError(f"cannot list {os.path.join(mnt, d)}: {e.strerror}") from None
         subdirs = []
         for e in entries:
+            if not d and e.name == VDIR:
+                continue  # the mount's own files, should a listing show them
             r = os.path.join(d, e.name) if d else e.name
             if e.is_dir(follow_symlinks=False):
                 subdirs.append(r)
@@ -139,6 +142,16 @@ def _walk(mnt: str, rel: str) -> Iterator[Item]:
 
 
 def _one(mnt: str, rel: str) -> Iterator[Item]:
+    full = os.path.join(mnt, rel)
+    # a symlink given by name is followed, but only within the mount: its target is what
+    # is warmed (counted once however it is named), never a file elsewhere
+    real = os.path.realpath(full)
+    inside = os.path.relpath(real, os.path.realpath(mnt))
+    if inside == os.pardir or inside.startswith(os.pardir + os.sep):
+        raise ValueError(f"{full} leads outside the mount (to {real})")
+    rel = "" if inside == os.curdir else inside
+    if rel.split(os.sep)[0] == VDIR:
+        raise ValueError(f"{full} is the mount's own control directory, not the dataset's")
     full = os.path.join(mnt, rel)
     try:
         st = os.stat(full)

@@ -42,10 +42,14 @@ class CacheLock:
                     f"use by another dlcachefs daemon (pid {holder.get('pid', '?')}, mounted "
                     f"at {holder.get('mountpoint', '?')}); one daemon per dataset: unmount "
                     "it first, or give this mount another --dataset") from None
+            mp = holder.get("mountpoint", "?")
+            what = (f"), unmounted lazily from {mp}: it exits once the files still open "
+                    "there are closed; close them, wait" if _detached(mp)
+                    else f", mounted at {mp}); unmount it first")
             raise CacheLocked(
                 f"cache directory {os.path.dirname(self.path)} is in use by another dlcachefs "
-                f"daemon (pid {holder.get('pid', '?')}, mounted at {holder.get('mountpoint', '?')}); "
-                "unmount it first or choose another --cache-dir") from None
+                f"daemon (pid {holder.get('pid', '?')}{what}, or choose another --cache-dir"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "mountpoint": mountpoint}).encode(), 0)
         self.fd = fd
@@ -54,3 +58,11 @@ class CacheLock:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def _detached(mountpoint: str) -> bool:
+    """Whether a daemon's mountpoint is no longer mounted (a lazy unmount: the daemon
+    serves the files still open and exits after the last close)."""
+    from dlcachefs import mountctl  # noqa: PLC0415 - only on this error path
+
+    return os.path.isabs(mountpoint) and not mountctl.is_mounted(mountpoint, fuse=True)
