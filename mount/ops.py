@@ -342,8 +342,11 @@ class Operations(pyfuse3.Operations):
         st = await self.engine.calls.call(self.engine.source.statvfs)
         s = pyfuse3.StatvfsData()
         s.f_bsize, s.f_frsize = st.f_bsize, st.f_frsize
-        s.f_blocks, s.f_bfree, s.f_bavail = st.f_blocks, 0, 0
-        s.f_files, s.f_ffree, s.f_favail = st.f_files, 0, 0
+        # the source's numbers, as a read-only bind mount shows them: `df` of the mount is
+        # the dataset's filesystem (0 free made every mount look 100% used to disk-full
+        # monitors); a write is EROFS whatever they say
+        s.f_blocks, s.f_bfree, s.f_bavail = st.f_blocks, st.f_bfree, st.f_bavail
+        s.f_files, s.f_ffree, s.f_favail = st.f_files, st.f_ffree, st.f_favail
         s.f_namemax = st.f_namemax
         return s
 

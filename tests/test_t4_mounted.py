@@ -77,6 +77,10 @@ def test_tree_and_bytes_match_the_source(src, mount):
                                       text=True, check=True).stdout.split()[0]
     assert du(m.mnt) == du(src)
     assert du(m.mnt, "--apparent-size") == du(src, "--apparent-size")
+    # df: the source's filesystem, as a read-only bind mount shows it (not 100% used)
+    vm, vs = os.statvfs(m.mnt), os.statvfs(src)
+    assert (vm.f_frsize, vm.f_blocks, vm.f_files) == (vs.f_frsize, vs.f_blocks, vs.f_files)
+    assert vm.f_bavail > 0 and abs(vm.f_bavail - vs.f_bavail) <= vs.f_blocks // 100
     stat = lambda p: subprocess.run(["stat", "-c", "%s %a %Y %F %h", str(p)],  # noqa: E731
                                     capture_output=True, text=True, check=True).stdout
     for rel in ["cls1/f001.bin", "cls0", "link_to_file", "empty_dir"]:
