@@ -38,6 +38,21 @@ def test_top_once_prints_a_frame_of_the_mount(tmp_path, mount):
     r = subprocess.run([*DLCACHEFS, "top", str(tmp_path), "--once"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "not a dlcachefs mount" in r.stderr
+    # not a terminal, no --once: frame after frame as plain text, each written at once
+    # (read until two came; before, nothing was written until the command ended)
+    p = subprocess.Popen([*DLCACHEFS, "top", str(m.mnt), "--interval", "0.1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = 0
+        for line in p.stdout:
+            seen += line.startswith("dlcachefs top: ")
+            assert "\x1b" not in line
+            if seen == 2:
+                break
+        assert seen == 2, p.stderr.read()
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
 
 
 def test_frame_rates_and_latency_window():

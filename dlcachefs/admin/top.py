@@ -205,12 +205,16 @@ def main(mnt: str, interval: float, once: bool) -> int:
         from rich.live import Live  # noqa: PLC0415
     except ImportError:
         Live = None  # noqa: N806
+    # not a terminal (a pipe, a log file, `timeout`): one plain frame after another, each
+    # written at once, as `top -b` does (a live view there wrote nothing until its end)
+    tty = sys.stdout.isatty()
     try:
-        if Live is None:
+        if Live is None or not tty:
             while True:
                 time.sleep(interval)
                 cur, now = mountinfo.stats(mnt), time.monotonic()
-                sys.stdout.write("\x1b[H\x1b[2J" + render_text(frame(cur, prev, now - t_prev, mnt)))
+                text = render_text(frame(cur, prev, now - t_prev, mnt))
+                sys.stdout.write(("\x1b[H\x1b[2J" if tty else "\n") + text)
                 sys.stdout.flush()
                 prev, t_prev = cur, now
         with Live(render_rich(frame(prev, None, 0.0, mnt)), refresh_per_second=4,
