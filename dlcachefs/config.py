@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -228,6 +229,14 @@ class Config:
                "(invariant_violations). For tests: it scans the index")
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            # NaN passes every "<= 0" check below, and inf overflows timers: a number
+            # option is finite (--peer-timeout nan made every lookup fail, --share-interval
+            # nan ended the daemon after a "successful" mount)
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"--{f.name.replace('_', '-')} must be a finite number, "
+                                 f"not {v}")
         if self.chunk_size < 4096:
             raise ValueError("--chunk-size must be at least 4K")
         if self.revalidate < 0:

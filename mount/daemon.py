@@ -172,6 +172,11 @@ def run(cfg: Config, report: Reporter) -> int:
     try:
         trio.run(_serve, engine, ops, report, metrics)
         clean = True
+    except Exception:
+        # in the log, where a daemonized mount's only trace is (its stderr is /dev/null,
+        # and the mount command returned at "ready")
+        log.critical("the daemon stops on an unexpected error", exc_info=True)
+        raise
     finally:
         if metrics is not None:
             metrics.close()  # before the index closes: no scrape reaches a closed engine

@@ -382,3 +382,20 @@ def test_human_stats_show_sections_as_indented_lines(capsys):
         "le                 0.001: 0, +Inf: 3",
     ]
     assert not any("{" in line for line in lines)
+
+
+FLOAT_FIELDS = [f.name for f in dataclasses.fields(Config) if f.type == "float"]
+
+
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_number_option_that_is_not_finite_is_refused(field, value):
+    """NaN passed every "<= 0" check (--share-interval nan ended the daemon after a mount
+    that said it succeeded; --peer-timeout nan failed every lookup), inf overflowed timers."""
+    with pytest.raises(ValueError, match=f"--{field.replace('_', '-')} must be a finite"):
+        Config(source=SRC, mountpoint=MNT, cache_dir="/c", **{field: value})
+
+
+def test_every_number_option_is_checked_for_finiteness():
+    assert {"revalidate", "source_timeout", "peer_timeout", "share_interval",
+            "share_halflife"} <= set(FLOAT_FIELDS)
