@@ -24,14 +24,14 @@ KIB = 1024
 N = 30
 
 
-def _copies(tmp_path: Path) -> tuple[Path, Path, dict[str, bytes], dict[str, str]]:
+def _copies(tmp_path: Path, n: int = N) -> tuple[Path, Path, dict[str, bytes], dict[str, str]]:
     """Source ``a`` (``cK/fNNN.jpg``) and source ``b``, the same bytes at other paths
     (``train/kK_NNN.jpg``), written later (other mtimes). Returns both roots, ``a``'s
     files and the name in ``b`` of each of them."""
     rnd = random.Random(7)
     a, b = tmp_path / "a", tmp_path / "b"
     files, names = {}, {}
-    for i in range(N):
+    for i in range(n):
         rel = f"c{i % 3}/f{i:03d}.jpg"
         data = rnd.randbytes(rnd.randrange(1, 80 * KIB))
         (a / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -108,6 +108,30 @@ def test_a_copy_with_a_manifest_is_served_from_the_first_without_a_source_read(
     assert d["siblings"] == ["a"] and d["manifest_files"] == N
     assert d["borrowed_files"] == 2 * N and d["mismatches"] == 0
     assert ma.stats()["cached_bytes"] == total  # the one copy, charged to a
+
+
+@requires_fuse
+@pytest.mark.parametrize("keyed", ["manifest", "hashed"])
+def test_scan_ahead_of_a_copy_caches_no_second_copy(tmp_path, mount, keyed):
+    """Scan-ahead (on by default) fetches the rest of ``b``'s tree while a reader goes
+    through it in random order: what it fetches is borrowed from ``a`` (a manifest keys
+    it) or found held there once read (hashed), and is not cached a second time in
+    ``b``. Before, scan-ahead submitted its own fetches to the writer past the dedup."""
+    n = 96  # past scan-ahead's 32 opens before it starts
+    a, b, files, names = _copies(tmp_path, n)
+    root = tmp_path / "root"
+    ma = _cached_a(mount, a, root, files)
+    extra = ["--content-manifest", str(_manifest(b))] if keyed == "manifest" else []
+    mb = _mount_b(mount, b, root, *extra, "--scan-ahead", "2")
+    order = list(files)
+    random.Random(3).shuffle(order)
+    drop_page_cache()
+    for rel in order:
+        assert (mb.mnt / names[rel]).read_bytes() == files[rel], names[rel]
+    st = mb.wait_stats(lambda st: st["pending_bytes"] == 0, "b's writer did not settle")
+    assert st["scan_ahead_files"] > 0, st["scan_ahead"]  # it did fetch ahead
+    assert st["chunk_bytes"] == 0 and st["cached_files"] == 0, st
+    assert ma.stats()["cached_bytes"] == sum(map(len, files.values()))
 
 
 @requires_fuse

@@ -113,6 +113,15 @@ class Prefetcher:
         ident = identity(e)
         if ino in self.backlog or self.versions.is_cached(ino, ident):
             return len(data), self.versions.is_cached(ino, ident)
+        sha = None
+        dedup = self.fetcher.dedup
+        if dedup is not None:
+            # as a reader's fetch (Fetcher._fetch_now): bytes another dataset of the root
+            # holds (borrowed from it, or the same bytes read from the source) are not
+            # cached a second time here; they count as kept, being cached
+            sha, elsewhere = await dedup.after_fetch(e, ident, data)
+            if elsewhere:
+                return len(data), True
         self.backlog.hold_guess(ino, ident, data)  # readers find it while it waits
         try:
             await self.writer.wait_room(len(data))
@@ -125,7 +134,7 @@ class Prefetcher:
             if not self.policy.admit(ino, len(data)):
                 self.counters.not_admitted += 1
                 return len(data), False
-            if not self.writer.submit(ino, self.ns.path_of(e), ident, data):
+            if not self.writer.submit(ino, self.ns.path_of(e), ident, data, sha):
                 self.policy.on_dropped(ino)
                 return len(data), False
             if self.readahead.has_room(len(data)):
