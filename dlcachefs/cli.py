@@ -415,7 +415,7 @@ def _shown(key: str, v: object) -> str:
     """A value as the human stats show it: sizes in units (and exact), lists inline."""
     if isinstance(v, bool) or v is None:
         return str(v)
-    if isinstance(v, int) and (key.endswith("bytes") or key.startswith("bytes_")):
+    if isinstance(v, int) and (key.endswith(("bytes", "_file")) or key.startswith("bytes_")):
         return f"{format_size(v)} ({v:,})"
     if isinstance(v, float):
         return str(round(v, 3))
@@ -423,7 +423,8 @@ def _shown(key: str, v: object) -> str:
         if not v:
             return "-"
         if all(isinstance(x, (list, tuple)) and len(x) == 2 for x in v):  # (bucket, count)
-            return ", ".join(f"{_shown(key, a)}: {_shown(key, b)}" for a, b in v)
+            # a bucket's bound as it is (0.0005 s is not 0.001 s: rounding merged them)
+            return ", ".join(f"{a}: {_shown(key, b)}" for a, b in v)
         return ", ".join(_shown(key, x) for x in v)
     return str(v)
 

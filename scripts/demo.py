@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -61,7 +62,8 @@ def main() -> int:
     # sampler tells the mount each epoch's order (the training is unchanged, bit for bit)
     dlcachefs.torch.install()
 
-    work = Path(a.workdir or tempfile.mkdtemp(prefix="dlcachefs-demo-"))
+    # one place, reused: a second run keeps the dataset (and leaves no new directory)
+    work = Path(a.workdir or os.path.join(tempfile.gettempdir(), "dlcachefs-demo"))
     src, mnt, cache = work / "dataset", work / "mnt", work / "cache"
     if not src.exists():
         print(f"demo: writing {a.classes} x {a.per_class} JPEGs to {src}")
@@ -74,7 +76,8 @@ def main() -> int:
         tf = transforms.Compose([transforms.Resize((64, 64)), transforms.ToTensor()])
         ds = datasets.ImageFolder(str(mnt / "train"), transform=tf)
         # DistributedSampler (one rank here) orders by seed + epoch, so the mount also knows
-        # the next epoch's order and lays out its log in that order (LCache)
+        # the next epoch's order (for a dataset larger than half of --memory it would lay out
+        # the next epoch's log in that order, LCache; this one fits in memory)
         sampler = torch.utils.data.DistributedSampler(ds, num_replicas=1, rank=0, seed=0)
         dl = torch.utils.data.DataLoader(ds, batch_size=32, sampler=sampler,
                                          num_workers=a.workers)
@@ -99,19 +102,25 @@ def main() -> int:
             dt = time.perf_counter() - t0
             st = json.loads((mnt / ".dlcache" / "stats").read_bytes())
             d = {k: st[k] - prev[k] for k in ("bytes_from_source", "hits", "misses",
-                                               "prefetched", "chunk_reads",
-                                               "sequential_chunk_reads")}
-            print(f"epoch {epoch}: {total / dt:7.0f} images/s  train acc {correct / total:.2f}  "
-                  f"from source {d['bytes_from_source']:>10,} B  hits {d['hits']:>5}  "
-                  f"misses {d['misses']:>4}  prefetched {d['prefetched']:>5}  chunk reads "
-                  f"{d['chunk_reads']} ({d['sequential_chunk_reads']} sequential)")
+                                               "prefetched", "cache_disk_bytes_read",
+                                               "page_cache_opens")}
+            # where the epoch's bytes came from: the slow source (fetched ahead of the
+            # loader: prefetched), the cache's disk, or the kernel's page cache (its pages
+            # kept from the last epoch: the daemon reads nothing for those opens)
+            print(f"epoch {epoch}: {total / dt:6.0f} images/s  train acc {correct / total:.2f}  "
+                  f"hits {d['hits']:>4}  misses {d['misses']:>4}  "
+                  f"from source {d['bytes_from_source'] / 1e6:5.1f} MB "
+                  f"(prefetched {d['prefetched']:>4} files)  "
+                  f"from cache disk {d['cache_disk_bytes_read'] / 1e6:5.1f} MB  "
+                  f"page-cache opens {d['page_cache_opens']:>4}")
             prev = st
             time.sleep(2.5)  # let the writer seal the last chunk before the next epoch
         print("demo: stats of the mount:")
         subprocess.run([*dlc, "stats", str(mnt)])
     finally:
         run([*dlc, "umount", str(mnt)])
-    print(f"demo: done; dataset, cache and mountpoint are in {work}")
+    print(f"demo: done; dataset, cache and mountpoint are in {work} (unmounted now; "
+          f"remove them with: rm -rf {work})")
     return 0
 
 

@@ -363,7 +363,7 @@ def test_human_stats_show_sections_as_indented_lines(capsys):
                 "streams": {"default/0": {"mode": "replayed", "loader": {"opens": 5},
                                           "substitutions": {}}},
                 "fuse_ops": {"lookup": 10}, "sizes": [1, 2], "error": None,
-                "le": [[0.001, 0], ["+Inf", 3]]})
+                "le": [[0.0005, 0], [0.001, 1], [0.0025, 1], ["+Inf", 3]]})
     lines = capsys.readouterr().out.splitlines()
     assert lines == [
         "hits               12",
@@ -379,7 +379,7 @@ def test_human_stats_show_sections_as_indented_lines(capsys):
         "  lookup  10",
         "sizes              1, 2",
         "error              None",
-        "le                 0.001: 0, +Inf: 3",
+        "le                 0.0005: 0, 0.001: 1, 0.0025: 1, +Inf: 3",
     ]
     assert not any("{" in line for line in lines)
 
