@@ -34,7 +34,14 @@ if ! .venv/bin/python -c "import torch, torchvision" >/dev/null 2>&1; then
   # shellcheck disable=SC2086
   "${VPIP[@]}" install $TORCH_PIN
 fi
-"${VPIP[@]}" install -e ".[test,bench,torch,peers,ops]"
+# the package and its extras: again only when pyproject.toml changed since the last run
+# (a stamp in the venv), so that a second run only checks
+STAMP=.venv/.dlcachefs-setup
+WANT=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ] || ! .venv/bin/python -c "import dlcachefs" >/dev/null 2>&1; then
+  "${VPIP[@]}" install -e ".[test,bench,torch,peers,ops]"
+  echo "$WANT" > "$STAMP"
+fi
 if [ -n "${DLCACHEFS_BENCH:-}" ]; then
   # DLIO (bench/dlio.py) in its own venv, never in .venv: bench/out/dlio-venv
   # (mpi4py is built from source against Open MPI: a few minutes the first time)
