@@ -370,6 +370,9 @@ def _read_stats(mountpoint: str) -> dict | None:
 
 def cmd_umount(mountpoint: str, timeout: float) -> int:
     mountpoint = os.path.abspath(mountpoint)
+    if not mountctl.is_mounted(mountpoint):
+        print(f"dlcachefs: {mountpoint} is not mounted", file=sys.stderr)
+        return 1
     st = _read_stats(mountpoint)
     pid = st.get("pid") if st else None
     # a plain unmount; lazily when files are open (their reads go on being served)

@@ -152,7 +152,11 @@ def run(cfg: Config, report: Reporter) -> int:
             # bound before the mount: a port in use fails the mount with the reason
             from dlcachefs.admin.metrics import MetricsServer  # noqa: PLC0415
 
-            metrics = MetricsServer(cfg.metrics_addr, cfg.metrics_port)
+            try:
+                metrics = MetricsServer(cfg.metrics_addr, cfg.metrics_port)
+            except OSError as e:
+                raise DlcError(f"--metrics-port {cfg.metrics_port} on {cfg.metrics_addr}: "
+                               f"{e.strerror}") from e
             log.info("metrics on http://%s:%d/metrics", *metrics.address)
 
         ops = Operations(engine, session.control)

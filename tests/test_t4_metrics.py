@@ -100,7 +100,12 @@ def test_port_in_use_fails_the_mount(tmp_path):
                             "--cache-dir", str(tmp_path / "cache"), "--metrics-port", str(port)],
                            capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "Address already in use" in r.stderr
+    assert f"--metrics-port {port}" in r.stderr  # which port of the mount's
     assert not is_mounted(tmp_path / "mnt")
+    # and an unmount of what is not mounted says so
+    r = subprocess.run([*DLCACHEFS, "umount", str(tmp_path / "mnt")], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 1 and "is not mounted" in r.stderr, r.stderr
 
 
 def test_families_of_a_document():
