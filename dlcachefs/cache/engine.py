@@ -397,7 +397,11 @@ class Engine:
             self.streams.note_open(stream, ino)
             self.plans.poke(stream)
             if self.trace is not None:
-                self.trace.opened(stream.dataset, stream.samples, stream.epoch, ino)
+                # the epoch announced, not the one configured: an open that comes while
+                # the new epoch's order is computed is the new epoch's (recorded under the
+                # old one, it was dropped there as a repeat)
+                ep = stream.epoch if stream.target_epoch is None else stream.target_epoch
+                self.trace.opened(stream.dataset, stream.samples, ep, ino)
         if pid and (stream is None or stream.order_unknowable):
             # no known order covers this open: maybe an epoch's scan of a tree
             group = stream.key if stream is not None else self.streams.group_of(pid)
