@@ -164,6 +164,13 @@ def test_a_root_and_a_single_cache_are_not_mixed_up(tmp_path):
     assert not (single / "datasets").exists()  # refused before anything was created
     r = _cli("mount", str(src), str(mnt), "--dataset", "x", "--foreground")
     assert r.returncode != 0 and "--dataset needs --shared-cache" in r.stderr, r.stderr
+    # a root's datasets/ directory, or a dataset's directory in it, as a plain cache: its
+    # bytes would sit in the root uncounted by the root's budget
+    (root / L.LEDGER).write_text("{}")
+    for inside in (root / "datasets", root / "datasets" / "x"):
+        r = _cli("mount", str(src), str(mnt), "--cache-dir", str(inside), "--foreground")
+        assert r.returncode == 1 and "is inside the shared cache root" in r.stderr, r.stderr
+        assert not (inside / "meta.lmdb").exists()
 
 
 # ----- the ledger's rules, without daemons ---------------------------------------------------

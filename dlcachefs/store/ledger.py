@@ -68,6 +68,15 @@ def check_root(cache_dir: str, shared: bool, datasets_dir: str) -> None:
                        or os.path.isdir(os.path.join(cache_dir, datasets_dir))):
         raise DlcError(f"{cache_dir} is a shared cache root (several datasets, one budget); "
                        "mount it with --shared-cache")
+    if not shared:
+        # a root's datasets/ directory, or one dataset's directory in it, as a plain cache:
+        # its bytes would sit in the root uncounted by the root's budget
+        real = os.path.realpath(cache_dir)
+        for d in (real, os.path.dirname(real)):  # <root>/datasets, <root>/datasets/<id>
+            root = os.path.dirname(d)
+            if os.path.basename(d) == datasets_dir and os.path.exists(os.path.join(root, LEDGER)):
+                raise DlcError(f"{cache_dir} is inside the shared cache root {root}; mount "
+                               f"with --shared-cache --cache-dir {root} (and --dataset NAME)")
 
 
 def empty_doc() -> dict[str, Any]:
