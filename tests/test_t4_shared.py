@@ -445,3 +445,19 @@ def test_verify_creates_nothing_where_there_is_no_cache(tmp_path):
     r = _cli("verify", "--cache-dir", str(data))
     assert r.returncode == 2 and "not a dlcachefs cache directory" in r.stderr, r.stderr
     assert sorted(p.name for p in data.iterdir()) == ["class0"]
+
+
+@pytest.mark.parametrize("manifest", ["/dev/zero", "dir"])
+def test_a_manifest_that_is_not_a_regular_file_is_refused(tmp_path, manifest):
+    """``--content-manifest /dev/zero`` read until the machine ran out of memory (the
+    daemon was OOM-killed, its log saying nothing); now refused, with the reason."""
+    src, mnt = tmp_path / "src", tmp_path / "mnt"
+    src.mkdir()
+    mnt.mkdir()
+    (src / "f").write_bytes(b"x")
+    path = str(tmp_path) if manifest == "dir" else manifest
+    r = _cli("mount", str(src), str(mnt), "--cache-dir", str(tmp_path / "root"),
+             "--shared-cache", "--content-manifest", path, "--foreground")
+    assert r.returncode == 1, r.stderr
+    assert "--content-manifest" in r.stderr and ("not a regular file" in r.stderr
+                                                 or "Is a directory" in r.stderr), r.stderr

@@ -73,6 +73,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import stat
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -103,6 +104,8 @@ RESCAN_S = 5.0
 PERSIST_S = 2.0
 #: digests remembered as failed (see ``ContentStore._failed``)
 FAILED_MAX = 10_000
+#: the largest --content-manifest read (a sha256sum line is ~100 bytes a file)
+MANIFEST_MAX = 1 << 30
 
 
 @dataclass(slots=True)
@@ -190,10 +193,17 @@ class ContentStore:
         try:
             with open(path, "rb") as f:
                 st = os.fstat(f.fileno())
-                text = f.read()
+                if not stat.S_ISREG(st.st_mode):
+                    raise InvalidArgument(f"--content-manifest {self.manifest_path}: not a "
+                                          "regular file")
+                # bounded: /dev/zero or a runaway file must not take the machine's memory
+                text = f.read(MANIFEST_MAX + 1)
         except OSError as e:
             raise InvalidArgument(f"--content-manifest {self.manifest_path}: "
                                   f"{e.strerror}") from None
+        if len(text) > MANIFEST_MAX:
+            raise InvalidArgument(f"--content-manifest {self.manifest_path}: larger than "
+                                  f"{MANIFEST_MAX >> 20} MiB (about 10 million files)")
         self.manifest = parse_manifest(text, os.path.dirname(os.path.realpath(path)),
                                        self.source_root)
         # a file's ctime cannot be set back (its mtime can: rsync -a, cp -p, tar x): a file
