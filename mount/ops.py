@@ -127,9 +127,12 @@ class Operations(pyfuse3.Operations):
             raise NotFound(os.fsdecode(name))
         self.ops["lookup"] += 1
         e = await self.ns.fresh_lookup(parent_inode, name)
-        # a name deleted on the source: ENOENT
-        e = await (self.ns.fresh_dir_attrs(e.ino) if stat.S_ISDIR(e.mode)
-                   else self.ns.fresh_file(e.ino))
+        try:
+            e = await self._fresh_entry(e)  # a name deleted on the source: ENOENT
+        except NotFound:
+            # or a name whose type changed (a directory replaced by a file, or the
+            # reverse): the check re-listed its directory, where it has a new inode now
+            e = await self._fresh_entry(await self.ns.fresh_lookup(parent_inode, name))
         held = self._open.get(e.ino)
         return self._attrs(e if held is None else held[0])  # (open: see _fresh)
 
@@ -166,6 +169,10 @@ class Operations(pyfuse3.Operations):
         held = self._open.get(e.ino)
         if held is not None:
             return held[0]
+        return await self._fresh_entry(e)
+
+    async def _fresh_entry(self, e: Entry) -> Entry:
+        """``e`` checked by the freshness rule of its type (no open considered)."""
         return await (self.ns.fresh_dir_attrs(e.ino) if stat.S_ISDIR(e.mode)
                       else self.ns.fresh_file(e.ino))
 

@@ -14,7 +14,6 @@ import random
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -49,7 +48,8 @@ def main() -> int:
     ap.add_argument("--per-class", type=int, default=150)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--workdir", help="where to put the dataset, cache and mountpoint")
+    ap.add_argument("--workdir", help="where to put the dataset, cache and mountpoint "
+                    "(default: ~/.cache/dlcachefs-demo, or under $XDG_CACHE_HOME)")
     a = ap.parse_args()
 
     import torch
@@ -57,17 +57,25 @@ def main() -> int:
     from torchvision import datasets, transforms
 
     import dlcachefs.torch
+    from dlcachefs import mountctl
 
     # what `dlcachefs run -- python train.py` does without editing the script: the
     # sampler tells the mount each epoch's order (the training is unchanged, bit for bit)
     dlcachefs.torch.install()
 
-    # one place, reused: a second run keeps the dataset (and leaves no new directory)
-    work = Path(a.workdir or os.path.join(tempfile.gettempdir(), "dlcachefs-demo"))
+    # one place per user, reused: a second run keeps the dataset (and leaves no new
+    # directory behind); the dataset is made again unless it was finished with these sizes
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    work = Path(a.workdir or os.path.join(cache_home, "dlcachefs-demo"))
     src, mnt, cache = work / "dataset", work / "mnt", work / "cache"
-    if not src.exists():
+    done = src / f".complete-{a.classes}x{a.per_class}"
+    if not done.exists():
+        shutil.rmtree(src, ignore_errors=True)
         print(f"demo: writing {a.classes} x {a.per_class} JPEGs to {src}")
         make_dataset(src / "train", a.classes, a.per_class)
+        done.touch()
+    if mountctl.is_mounted(mnt):  # left by a demo that was killed: cleared
+        mountctl.unmount(mnt, lazy="at_once")
     mnt.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(cache, ignore_errors=True)
     dlc = [sys.executable, "-m", "dlcachefs.cli"]

@@ -38,7 +38,9 @@ fi
 # (a stamp in the venv), so that a second run only checks
 STAMP=.venv/.dlcachefs-setup
 WANT=$(sha256sum pyproject.toml | cut -d' ' -f1)
-if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ] || ! .venv/bin/python -c "import dlcachefs" >/dev/null 2>&1; then
+# (-I: not from the current directory, the repository itself, but as installed)
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ] || [ ! -x .venv/bin/dlcachefs ] \
+    || ! .venv/bin/python -I -c "import dlcachefs" >/dev/null 2>&1; then
   "${VPIP[@]}" install -e ".[test,bench,torch,peers,ops]"
   echo "$WANT" > "$STAMP"
 fi

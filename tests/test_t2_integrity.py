@@ -60,3 +60,19 @@ def test_a_timeout_keeps_the_index_and_says_so(index_dir, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger=integrity.__name__):
         assert integrity.check_index(index_dir, timeout=0.5) is None
     assert "did not finish" in caplog.text
+
+
+def test_a_value_unpacked_short_is_damage_not_an_unexpected_error(monkeypatch):
+    """An index value of the wrong length (struct.error while serving; the chaos suite's
+    injections into a mapped index found one) is the damage an LMDB page error is: noted
+    (the stop leaves no clean marker, so the next start walks the index), answered EIO
+    without an ERROR traceback. Other errors are not."""
+    import struct
+
+    monkeypatch.setattr(integrity, "_run_errors", [])
+    assert not integrity.note_error(ValueError("x")) and not integrity.damage_seen()
+    try:
+        struct.unpack_from("<QQ", b"short")
+    except struct.error as e:
+        assert integrity.note_error(e)
+    assert integrity.damage_seen()

@@ -126,10 +126,12 @@ def test_scan_ahead_of_a_copy_caches_no_second_copy(tmp_path, mount, keyed):
     order = list(files)
     random.Random(3).shuffle(order)
     drop_page_cache()
-    for rel in order:
+    for rel in order[:40]:  # past the 32 opens: scan-ahead starts on the rest of train/
+        assert (mb.mnt / names[rel]).read_bytes() == files[rel], names[rel]
+    mb.wait_stats(lambda st: st["scan_ahead_files"] > 0, "scan-ahead fetched nothing")
+    for rel in order[40:]:
         assert (mb.mnt / names[rel]).read_bytes() == files[rel], names[rel]
     st = mb.wait_stats(lambda st: st["pending_bytes"] == 0, "b's writer did not settle")
-    assert st["scan_ahead_files"] > 0, st["scan_ahead"]  # it did fetch ahead
     assert st["chunk_bytes"] == 0 and st["cached_files"] == 0, st
     assert ma.stats()["cached_bytes"] == sum(map(len, files.values()))
 

@@ -41,6 +41,14 @@ def stats():
         return json.load(f)
 
 out = []
+# the replay worker has imported torch (niced, it may take seconds on a loaded machine):
+# the first epoch's order is known when it is announced, so it is fetched ahead (polled
+# with a deadline; nothing timed)
+deadline = time.monotonic() + 120
+while stats() is not None and time.monotonic() < deadline:
+    if stats()["sampler_replay_ready"]:
+        break
+    time.sleep(0.1)
 for epoch in range(first, first + epochs):
     if sampler is not None:
         sampler.set_epoch(epoch)

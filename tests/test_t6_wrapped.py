@@ -265,6 +265,16 @@ def test_an_order_that_repeats_each_epoch_is_replayed_as_repeating(dataset, moun
     assert "repeats the last one's" in m.stats()["streams"]["default/0"]["reorder"]
 
 
+def _next_log_or_pages(s0: dict) -> None:
+    """Epoch 2 of a stream whose next order is known: epoch 3's log is laid out in its
+    order, unless the kernel's page cache served epoch 1 (the dataset is in RAM: a log
+    would be written and read back for nothing, and the stream says so)."""
+    nl = s0["next_log"]
+    assert (nl is not None and nl["epoch"] == 3) or (
+        nl is None and "page cache served" in s0["reorder"]
+        and s0["page_cache"]["serves_this_epoch"]), s0
+
+
 def test_seeded_generator_lays_out_the_next_epoch(dataset, mount, script, tmp_path):
     # --reorder-min 0: the small dataset would fit in memory, where no log is laid out
     m = mount(dataset, "--chunk-size", "64K", "--reorder-min", "0", cache=tmp_path / "cache2",
@@ -275,7 +285,7 @@ def test_seeded_generator_lays_out_the_next_epoch(dataset, mount, script, tmp_pa
     assert s0["mode"] == "replayed" and "generator's state" in s0["reason"], s0
     assert "next epoch is known" in s0["reason"]
     assert st["reorder_chunks"] > 0  # the next epoch's log was laid out in its order
-    assert s0["next_log"] is not None and s0["next_log"]["epoch"] == 3
+    _next_log_or_pages(s0)
     assert not (m.mnt / ".dlcache" / "errors").read_text()
 
 
@@ -291,7 +301,7 @@ def test_a_loader_built_anew_each_epoch_counts_epochs_on(dataset, mount, script,
     st = _stream_at(m, "default/0", 2, n, "epoch 2 never replayed")
     s0 = st["streams"]["default/0"]
     assert s0["mode"] == "replayed" and "next epoch is known" in s0["reason"], s0
-    assert s0["next_log"] is not None and s0["next_log"]["epoch"] == 3
+    _next_log_or_pages(s0)
     size = sum(p.stat().st_size for p in dataset.rglob("*.jpg"))
     assert st["bytes_from_source"] <= size  # each file fetched once at most
     # a stream counts what was fetched for it once: an open that waited for its own

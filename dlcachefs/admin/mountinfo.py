@@ -28,7 +28,8 @@ def read_json(mnt: str, name: str) -> dict:
             raise NotAMount(f"{mnt}: the daemon of this mount is gone ({e.strerror}); "
                             f"'dlcachefs umount {mnt}' clears it, 'dlcachefs mount' mounts "
                             "it again") from None
-        raise NotAMount(f"{mnt} is not a dlcachefs mount ({path}: {e.strerror})") from None
+        raise NotAMount(f"{mnt} is not a dlcachefs mount ({path}: {e.strerror or e})"
+                        ) from None
     except ValueError as e:
         raise NotAMount(f"{mnt} is not a dlcachefs mount ({path}: {e})") from None
 

@@ -104,7 +104,8 @@ RESCAN_S = 5.0
 PERSIST_S = 2.0
 #: digests remembered as failed (see ``ContentStore._failed``)
 FAILED_MAX = 10_000
-#: the largest --content-manifest read (a sha256sum line is ~100 bytes a file)
+#: the largest --content-manifest read (a sha256sum line is ~100 bytes a file: about 10
+#: million files; a larger dataset keys its files by --content-xattr)
 MANIFEST_MAX = 1 << 30
 
 
@@ -196,6 +197,9 @@ class ContentStore:
                 if not stat.S_ISREG(st.st_mode):
                     raise InvalidArgument(f"--content-manifest {self.manifest_path}: not a "
                                           "regular file")
+                if st.st_size > MANIFEST_MAX:
+                    raise InvalidArgument(f"--content-manifest {self.manifest_path}: larger "
+                                          f"than {MANIFEST_MAX >> 20} MiB")
                 # bounded: /dev/zero or a runaway file must not take the machine's memory
                 text = f.read(MANIFEST_MAX + 1)
         except OSError as e:
@@ -203,7 +207,7 @@ class ContentStore:
                                   f"{e.strerror}") from None
         if len(text) > MANIFEST_MAX:
             raise InvalidArgument(f"--content-manifest {self.manifest_path}: larger than "
-                                  f"{MANIFEST_MAX >> 20} MiB (about 10 million files)")
+                                  f"{MANIFEST_MAX >> 20} MiB")
         self.manifest = parse_manifest(text, os.path.dirname(os.path.realpath(path)),
                                        self.source_root)
         # a file's ctime cannot be set back (its mtime can: rsync -a, cp -p, tar x): a file

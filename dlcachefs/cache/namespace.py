@@ -65,6 +65,9 @@ log = logging.getLogger(__name__)
 #: a directory is listed again for a name it lacks at most this often (seconds), whatever
 #: --revalidate says (Namespace.fresh_lookup)
 MISSING_RELIST_S = 1.0
+#: with --revalidate 0, a directory's own lstat at most this often (a path walk asks for
+#: every directory of the path, LOOKUP and GETATTR, at every open)
+DIR_ATTRS_MIN_S = 1.0
 
 ROOT_INO = 1
 #: names at the root that the mount reserves for itself and hides from the mirror
@@ -212,6 +215,11 @@ class Namespace:
         # monotonic s the root's own attributes were last taken from the source (no
         # listing holds the root: see fresh_dir_attrs)
         self._root_attrs_checked = -float("inf")
+        # the source root's (st_dev, st_ino) at its first lstat of this mount: a root seen
+        # as another directory later (an automount that lapsed shows the directory under
+        # it) gives no attributes (see fresh_dir_attrs)
+        self._root_id: tuple[int, int] | None = None
+        self._dir_attrs_checked: dict[int, float] = {}  # --revalidate 0: dir -> monotonic s
 
     # ----- snapshot reads (trio loop) -----------------------------------------------
 
@@ -357,6 +365,12 @@ class Namespace:
                 log.info("the source root's attributes: %s (the snapshot's answer)", err)
                 return e
         if self.revalidate == 0:
+            now = time.monotonic()
+            if now - self._dir_attrs_checked.get(ino, -DIR_ATTRS_MIN_S) < DIR_ATTRS_MIN_S:
+                return e
+            if len(self._dir_attrs_checked) >= 100_000:
+                self._dir_attrs_checked.clear()  # bounded
+            self._dir_attrs_checked[ino] = now
             return await self._restat(e)
         return await self._by_parent_listing(e)
 
@@ -369,6 +383,14 @@ class Namespace:
             if not root:
                 await self.refresh_dir(e.parent)
             raise
+        if root:
+            rid = (st.st_dev, st.st_ino)
+            if self._root_id is None:
+                self._root_id = rid
+            elif rid != self._root_id:
+                raise SourceError(f"the source root {os.fsdecode(self.source.root)} is "
+                                  "another directory than at mount (an automount that "
+                                  "lapsed?)", errno.EIO)
         # a directory's checked_at is its listing's time: an lstat does not list it
         new = entry_from_stat(e.ino, e.parent, e.name, st,
                               e.checked_at if is_dir(e) else time.time(), e.target,
@@ -383,9 +405,28 @@ class Namespace:
             if stat_mod.S_ISLNK(new.mode):
                 new.target = await self.calls.call(self.source.readlink, rel)
             self.changes += 1  # before the write: see __init__
-            await trio.to_thread.run_sync(self._put, new)
+            stored = await trio.to_thread.run_sync(self._put_if_current, new)
+            if stored is None:  # a listing merged meanwhile changed or removed it
+                return self.get(e.ino)
             self._notify("inode", e.parent, None, e.ino)
+            return stored
         return new
+
+    def _put_if_current(self, new: Entry) -> Entry | None:
+        """Blocking (thread): store attributes an lstat found, unless the entry changed
+        meanwhile (a listing merged while the lstat was under way removed it, gave its
+        name another inode or type): then nothing, None. A directory keeps the newest
+        listing time (``checked_at``)."""
+        with self.index.write() as w:
+            cur = w.get_entry(new.ino)
+            if (cur is None or _type(cur.mode) != _type(new.mode)
+                    or (cur.parent, cur.name) != (new.parent, new.name)
+                    or (new.ino != ROOT_INO and w.lookup(new.parent, new.name) != new.ino)):
+                return None
+            if is_dir(cur):
+                new.checked_at = cur.checked_at
+            w.put_entry(new)
+            return new
 
     def source_path(self, rel: bytes) -> bytes:
         root = self.source.root

@@ -113,17 +113,19 @@ class Prefetcher:
         ident = identity(e)
         if ino in self.backlog or self.versions.is_cached(ino, ident):
             return len(data), self.versions.is_cached(ino, ident)
-        sha = None
-        dedup = self.fetcher.dedup
-        if dedup is not None:
-            # as a reader's fetch (Fetcher._fetch_now): bytes another dataset of the root
-            # holds (borrowed from it, or the same bytes read from the source) are not
-            # cached a second time here; they count as kept, being cached
-            sha, elsewhere = await dedup.after_fetch(e, ident, data)
-            if elsewhere:
-                return len(data), True
-        self.backlog.hold_guess(ino, ident, data)  # readers find it while it waits
+        # readers find it while it waits (held before the next await: an open meanwhile
+        # would fetch it again)
+        self.backlog.hold_guess(ino, ident, data)
         try:
+            sha = None
+            dedup = self.fetcher.dedup
+            if dedup is not None:
+                # as a reader's fetch (Fetcher._fetch_now): bytes another dataset of the
+                # root holds (borrowed from it, or the same bytes read from the source) are
+                # not cached a second time here; they count as kept, being cached
+                sha, elsewhere = await dedup.after_fetch(e, ident, data)
+                if elsewhere:
+                    return len(data), True
             await self.writer.wait_room(len(data))
             if not self.versions.is_listed(ino, ident):
                 return len(data), False  # a newer version came meanwhile

@@ -250,6 +250,7 @@ class Stream:
             if self.pages_served and self.recent_reads * PAGED_READ_EVERY > self.recent_opens:
                 self.pages_served = False
                 self.pages_lost.set()
+            self.pages_trial = False  # decided, either way
             self.recent_opens = self.recent_reads = 0
 
     def note_cached_read(self) -> None:
@@ -723,6 +724,12 @@ class StreamManager:
             nl.abandon()
         else:
             s.next_log = nl
+            if s.pages_trial and s.pages_served:
+                # its opens now take their bytes at open for the log (never lazy): read
+                # through the plan, a chunk's records together, rather than one by one
+                # (their count still decides the next epoch's page-cache verdict)
+                s.pages_served = s.pages_trial = False
+                s.pages_lost.set()
             # samples this epoch already served before the plan existed go in from the cache
             done = [samples.inos[s.order[p]] for p in range(len(s.order)) if s.consumed[p]]
             nursery.start_soon(nl.backfill, done)

@@ -329,7 +329,12 @@ def note_error(exc: BaseException) -> bool:
 
     not_damage = (lmdb.MapFullError, lmdb.DiskError, lmdb.LockError, lmdb.ReadersFullError,
                   lmdb.ReadonlyError, lmdb.TlsFullError)
-    if not isinstance(exc, lmdb.Error) or isinstance(exc, not_damage):
+    # a value of the wrong length unpacked from the index (struct.error: the only structs
+    # unpacked while serving are the index's records, entries and chunks; chunk and
+    # record headers raise FormatError) is the same damage, found in a value not a page
+    if isinstance(exc, struct.error):
+        pass
+    elif not isinstance(exc, lmdb.Error) or isinstance(exc, not_damage):
         return False
     if not _run_errors:
         log.warning("the index may be damaged (%s: %s): answering EIO; the next start "

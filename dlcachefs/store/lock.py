@@ -43,9 +43,11 @@ class CacheLock:
                     f"at {holder.get('mountpoint', '?')}); one daemon per dataset: unmount "
                     "it first, or give this mount another --dataset") from None
             mp = holder.get("mountpoint", "?")
-            what = (f"), unmounted lazily from {mp}: it exits once the files still open "
-                    "there are closed; close them, wait" if _detached(mp)
-                    else f", mounted at {mp}); unmount it first")
+            # not mounted there (as this process sees the mount table): still starting
+            # (scanning the source), committing as it stops, or unmounted lazily
+            what = (f"), not mounted at {mp} now: starting, stopping, or unmounted lazily "
+                    "and exiting once the files still open there are closed; wait, close "
+                    "them" if _detached(mp) else f", mounted at {mp}); unmount it first")
             raise CacheLocked(
                 f"cache directory {os.path.dirname(self.path)} is in use by another dlcachefs "
                 f"daemon (pid {holder.get('pid', '?')}{what}, or choose another --cache-dir"
