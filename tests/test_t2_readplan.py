@@ -151,39 +151,21 @@ def test_memory_tier_stores_no_chunk_larger_than_the_room_reservations_leave():
     assert 3 in t and t.bytes + t.reserved <= t.limit
 
 
-@pytest.mark.parametrize("opens,reads,served,trial", [
-    (0, 0, False, False), (31, 0, False, False),  # too few opens to tell, or to have READ
-    (32, 0, True, False), (100, 10, True, False),  # the pages served (almost) all of them
-    # READs came: they filled the pages again, taken on trial (the first 32 opens decide)
-    (100, 11, True, True), (100, 100, True, True)])
+@pytest.mark.parametrize("opens,reads,served", [
+    (0, 0, False), (31, 0, False),  # too few opens of cached files to tell
+    (32, 0, True), (100, 10, True),  # the kernel's pages served (almost) all of them
+    (100, 11, False), (100, 100, False)])
 def test_an_epoch_is_page_served_when_its_cached_opens_came_without_reads(opens, reads,
-                                                                          served, trial):
+                                                                          served):
     """Whether the next epoch is read ahead from the logs (no plan when the kernel's
     page cache served the last one: Stream.pages_served)."""
     s = Stream("j", 0)
     s.cached_opens, s.cached_reads = opens, reads
     s.end_page_count()
-    assert (s.pages_served, s.pages_trial) == (served, trial)
+    assert s.pages_served is served
     assert s.cached_opens == s.cached_reads == 0  # the next epoch counts anew
     s.end_page_count()
     assert s.pages_served is False  # an epoch with no opens of cached files tells nothing
-
-
-def test_a_trial_ends_at_its_first_32_opens_either_way():
-    """A first epoch (misses only) has its next epoch take the pages on trial; READs for
-    more than one open in ten among the first 32 end it (the plan starts), fewer confirm
-    it."""
-    for reads, served in ((4, False), (3, True)):
-        s = Stream("j", 0)
-        s.miss_n = 400
-        s.end_page_count()
-        assert s.pages_served and s.pages_trial
-        for i in range(32):
-            s.note_cached_open()
-            if i < reads:
-                s.note_cached_read()
-        assert (s.pages_served, s.pages_trial, s.pages_lost.is_set()) == (
-            served, False, not served)
 
 
 def test_reads_coming_back_end_a_page_served_epoch_at_once():

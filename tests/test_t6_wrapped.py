@@ -271,7 +271,7 @@ def _next_log_or_pages(s0: dict) -> None:
     would be written and read back for nothing, and the stream says so)."""
     nl = s0["next_log"]
     assert (nl is not None and nl["epoch"] == 3) or (
-        nl is None and "page cache served" in s0["reorder"]
+        nl is None and "page cache served" in s0.get("reorder", "")
         and s0["page_cache"]["serves_this_epoch"]), s0
 
 

@@ -494,18 +494,9 @@ class Engine:
         if not self.versions.is_current(ino, rec, ident):
             return None
         assert rec is not None
-        whole = self._whole_chunks(stream)
+        whole = not self.plans.pending(stream)
         return Handle(ino, None, True, ident=ident, paged=True, rec=rec, whole=whole,
                       seen=seen)
-
-    def _whole_chunks(self, stream: Stream | None) -> bool:
-        """Whether a cached record read outside a read plan loads its whole chunk into the
-        memory tier (a reader in log order reads on in it): not when the stream's epoch
-        will be read through a plan, nor while its page cache is on trial (a plan starts if
-        the trial fails); their opens read the record alone."""
-        if stream is not None and stream.pages_trial and stream.pages_served:
-            return False
-        return not self.plans.pending(stream)
 
     async def _fill(self, h: Handle) -> memoryview:
         """First READ of a lazy handle: its version's bytes from the cache, else (evicted,
@@ -576,7 +567,7 @@ class Engine:
                     self.counters.planned_hits += 1
                     self.reader.after_use(rec.chunk_id, e.ino)
                     return data, True, False, False
-            whole = plan is None and self._whole_chunks(stream)
+            whole = plan is None and not self.plans.pending(stream)
             data = await self.reader.read_record(e.ino, rec, whole=whole)
             if data is not None:
                 self.counters.hits += 1

@@ -178,11 +178,6 @@ class Stream:
     cached_opens: int = 0
     cached_reads: int = 0
     pages_served: bool = False
-    # pages_served taken on trial: the last epoch's READs (or fetches) went through the
-    # page cache, so the kernel may hold its files now; the first PAGED_MIN_OPENS opens of
-    # cached files this epoch decide (note_cached_open). A trial never decides a
-    # next-epoch log (_plan_next).
-    pages_trial: bool = False
     # the last PAGED_MIN_OPENS of them: READs coming back (the kernel dropped the pages)
     # end pages_served at once, and the epoch's read plan starts (pages_lost)
     recent_opens: int = 0
@@ -228,15 +223,6 @@ class Stream:
         n, r = self.cached_opens, self.cached_reads
         self.pages_served = (same_dataset and n >= PAGED_MIN_OPENS
                              and r * PAGED_READ_EVERY <= n)
-        # not served so, but its READs (and its fetches, a first epoch's) filled the pages
-        # again: the kernel holds them now if the RAM does, and a plan made for this epoch
-        # would read from the logs what its opens may never READ (the whole cache read
-        # for nothing). Taken on trial: the first PAGED_MIN_OPENS opens of cached files
-        # decide (a RAM too small for the dataset costs that many single-record reads
-        # before the plan starts)
-        self.pages_trial = (same_dataset and not self.pages_served
-                            and n + self.miss_n >= PAGED_MIN_OPENS)
-        self.pages_served = self.pages_served or self.pages_trial
         self.cached_opens = self.cached_reads = self.recent_opens = self.recent_reads = 0
         self.pages_lost = trio.Event()
 
@@ -250,7 +236,6 @@ class Stream:
             if self.pages_served and self.recent_reads * PAGED_READ_EVERY > self.recent_opens:
                 self.pages_served = False
                 self.pages_lost.set()
-            self.pages_trial = False  # decided, either way
             self.recent_opens = self.recent_reads = 0
 
     def note_cached_read(self) -> None:
@@ -270,8 +255,7 @@ class Stream:
                 "error": self.error, "loader": self.pace.stats(),
                 "page_cache": {"cached_opens": self.cached_opens,
                                "read": self.cached_reads,
-                               "serves_this_epoch": self.pages_served,
-                               "on_trial": self.pages_trial},
+                               "serves_this_epoch": self.pages_served},
                 # --peers: every rank's order is known (the tier's expiry is the cluster's)
                 "cluster_ranks": None if self.cluster is None else self.cluster.world,
                 "next_log": None if self.next_log is None else {
@@ -628,10 +612,6 @@ class StreamManager:
                     prev.unprotect()
             else:
                 prev.abandon()
-        if s.current_log is not None and s.pages_trial:
-            # a log laid out in this epoch's order is read front to back, a chunk at a
-            # time, ahead of the reader: no trial of the pages for it (LCache's path)
-            s.pages_served = s.pages_trial = False
         for ino in early:  # opens before the switch: counted against this epoch's log
             self.note_open(s, ino, learn=False)  # (learned when they came)
         async with trio.open_nursery() as nursery:
@@ -677,7 +657,7 @@ class StreamManager:
                          "DistributedSampler.set_epoch); the next is taken to repeat it, and "
                          "the logs are read in that order")
             return
-        if s.pages_served and not s.pages_trial and not s.memory_prefetch:
+        if s.pages_served and not s.memory_prefetch:
             # the kernel's page cache served the last epoch's READs (the dataset fits in
             # RAM): the next is read from it in any order, and a log laid out for it would
             # be written and read back for nothing, each epoch (the opens that take its
@@ -724,12 +704,6 @@ class StreamManager:
             nl.abandon()
         else:
             s.next_log = nl
-            if s.pages_trial and s.pages_served:
-                # its opens now take their bytes at open for the log (never lazy): read
-                # through the plan, a chunk's records together, rather than one by one
-                # (their count still decides the next epoch's page-cache verdict)
-                s.pages_served = s.pages_trial = False
-                s.pages_lost.set()
             # samples this epoch already served before the plan existed go in from the cache
             done = [samples.inos[s.order[p]] for p in range(len(s.order)) if s.consumed[p]]
             nursery.start_soon(nl.backfill, done)
