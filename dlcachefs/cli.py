@@ -360,21 +360,17 @@ def cmd_run(command: list[str], job: str | None) -> int:
 
 # ----- umount -------------------------------------------------------------------------
 
-def _read_stats(mountpoint: str) -> dict | None:
-    try:
-        with open(os.path.join(mountpoint, ".dlcache", "stats"), "rb") as f:
-            return json.loads(f.read())
-    except (OSError, ValueError):
-        return None
-
-
 def cmd_umount(mountpoint: str, timeout: float) -> int:
     mountpoint = os.path.abspath(mountpoint)
     if not mountctl.is_mounted(mountpoint):
         print(f"dlcachefs: {mountpoint} is not mounted", file=sys.stderr)
         return 1
-    st = _read_stats(mountpoint)
-    pid = st.get("pid") if st else None
+    from dlcachefs.admin import mountinfo  # noqa: PLC0415
+
+    try:
+        pid = mountinfo.stats(mountpoint).get("pid")
+    except mountinfo.NotAMount:  # a daemon killed: its stale mount is cleared all the same
+        pid = None
     # a plain unmount; lazily when files are open (their reads go on being served)
     u = mountctl.unmount(mountpoint, lazy="if_busy")
     if not u.ok:

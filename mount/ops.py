@@ -131,8 +131,9 @@ class Operations(pyfuse3.Operations):
             e = await self._fresh_entry(e)  # a name deleted on the source: ENOENT
         except NotFound:
             # or a name whose type changed (a directory replaced by a file, or the
-            # reverse): the check re-listed its directory, where it has a new inode now
-            e = await self._fresh_entry(await self.ns.fresh_lookup(parent_inode, name))
+            # reverse): the check has just re-listed its directory, where it has a new
+            # inode now (the snapshot answers: no second listing)
+            e = await self._fresh_entry(self.ns.lookup(parent_inode, name))
         held = self._open.get(e.ino)
         return self._attrs(e if held is None else held[0])  # (open: see _fresh)
 
