@@ -131,6 +131,11 @@ class Config:
         2, "when a reader with no known order reads a tree through (an epoch of a script "
            "that announced nothing, tar, cp -r), fetch the tree's other files ahead of it, "
            "N at a time, into free cache room only; 0 = off", metavar="N")
+    store_pages: int = _opt(
+        4 << 20, "give the kernel's page cache, with the open, the bytes of a file up to "
+                 "SIZE that the open holds in memory already (a miss just fetched, a file "
+                 "fetched ahead): its READs then never come to the daemon; 0 = off",
+        kind="size", metavar="SIZE")
     reorder: bool = _opt(
         True, "do not lay out each next epoch's log in its order (LCache)", name="no-reorder")
     reorder_min: int | None = _opt(

@@ -4,6 +4,8 @@ Runs on the trio loop. Kernel caching: entries and attributes are cached for
 ``--revalidate`` seconds (the same window in which the core trusts its snapshot; a
 LOOKUP or GETATTR of a file after that checks it as an open does), and
 ``keep_cache`` is set for files served from the cache, so the kernel keeps their pages.
+The bytes an open holds in memory already are given to the page cache with the open
+(``notify_store``, ``--store-pages``), so that no READ follows it.
 FLUSH is answered once with ENOSYS, after which the kernel stops sending it.
 """
 
@@ -56,6 +58,7 @@ class Operations(pyfuse3.Operations):
         self.control = control
         self.vattrs = V.VirtualAttrs()
         self.timeout = float(engine.cfg.revalidate)
+        self._can_store = engine.cfg.store_pages > 0  # (off for good after ENOSYS)
         self._dirs: dict[int, list[tuple[bytes, int]]] = {}
         self._next_dh = 1
         self._vfh: dict[int, _VHandle] = {}
@@ -246,8 +249,11 @@ class Operations(pyfuse3.Operations):
             raise ReadOnly("read-only mirror")
         r = await self.engine.open(inode, ctx.pid)
         e = r.entry
+        keep_cache = r.keep_cache
         if e is not None:  # (None: a mount's engine that does not say; see _fresh)
             held = self._open.get(inode)
+            if held is None and not r.direct_io and self._store_pages(inode, r.fh, e):
+                keep_cache = True  # (False would drop the pages just given)
             if held is None:
                 self._open[inode] = [e, 1]
             else:
@@ -258,7 +264,38 @@ class Operations(pyfuse3.Operations):
                 held[0] = e
                 held[1] += 1
             self._fh_ino[r.fh] = inode
-        return pyfuse3.FileInfo(fh=r.fh, keep_cache=r.keep_cache, direct_io=r.direct_io)
+        return pyfuse3.FileInfo(fh=r.fh, keep_cache=keep_cache, direct_io=r.direct_io)
+
+    def _store_pages(self, inode: int, fh: int, e: Entry) -> bool:
+        """Give the kernel's page cache the bytes the open holds already
+        (``--store-pages``, :meth:`Engine.pages_for_kernel`), before the open is answered:
+        the reader's READs are then served by the kernel, one round trip through this
+        daemon less per file (measured: ~0.2 -> ~0.06 ms per read of a 110 KB file).
+        True when the kernel took them.
+
+        Only when no other open of the file is held (the caller checks): ``notify_store``
+        locks each page it fills, and a READ of another open of this file, in flight,
+        holds its page locked until this loop answers it: the loop would wait for
+        itself. (The kernel sends a file's RELEASE only after its READs are answered.)
+        Only the whole file of the size the kernel was given (``e``): no page of
+        another length's version can remain past its end."""
+        if not self._can_store:
+            return False
+        data = self.engine.pages_for_kernel(fh)
+        if data is None or len(data) != e.size:
+            return False
+        try:
+            pyfuse3.notify_store(inode, 0, data)
+        except OSError as exc:
+            # a part may be stored: bytes of the version this open serves, harmless
+            if exc.errno == errno.ENOSYS:
+                self._can_store = False
+                log.info("the kernel does not take stored pages: --store-pages is off")
+            else:
+                log.debug("storing the pages of inode %d failed: %s", inode, exc)
+            return False
+        self.engine.note_pages_stored(fh)
+        return True
 
     def _open_virtual(self, inode: int, flags: int, ctx) -> pyfuse3.FileInfo:
         writing = flags & os.O_ACCMODE != os.O_RDONLY

@@ -447,6 +447,68 @@ def test_an_open_of_an_older_version_never_reads_once_a_newer_is_known(tree, pol
     run_engine(make_config(src, cache, policy=policy, revalidate=0), body)
 
 
+def test_pages_are_given_with_an_open_that_holds_them_at_its_first_open_only(tree):
+    """``Engine.pages_for_kernel`` (``--store-pages``): a miss's bytes, at its open; a
+    cached file's only at its first open in the mount (later the kernel may hold its
+    pages already, and whether READs come is the page-cache verdict); never above the
+    bound, for a handle that loads at its first READ, or once a newer version is known."""
+    src, cache, files = tree
+    rel, big = b"train/cls0/img01.jpg", b"big.bin"
+
+    async def first_mount(eng):
+        e = eng.ns.resolve(rel)
+        r = await eng.open(e.ino)  # a miss
+        assert bytes(eng.pages_for_kernel(r.fh)) == files[rel]
+        eng.note_pages_stored(r.fh)
+        assert eng.counters.pages_stored == 1
+        eng.release(r.fh)
+        await eng.flush()
+        r = await eng.open(e.ino)  # cached now, and opened before in this mount
+        assert eng.pages_for_kernel(r.fh) is None
+        eng.release(r.fh)
+        r = await eng.open(eng.ns.resolve(big).ino)  # above the bound
+        assert eng.pages_for_kernel(r.fh) is None
+        eng.release(r.fh)
+        await eng.flush()
+
+    run_engine(make_config(src, cache, store_pages=100_000), first_mount)
+
+    async def second_mount(eng):
+        e = eng.ns.resolve(rel)
+        r = await eng.open(e.ino)  # cached, loaded lazily at its first READ: nothing held
+        assert eng.pages_for_kernel(r.fh) is None
+        eng.release(r.fh)
+
+    run_engine(make_config(src, cache, store_pages=100_000), second_mount)
+
+    async def third_mount(eng):
+        # cached and held at the open (the read-ahead set), the first open of this mount
+        e = eng.ns.resolve(rel)
+        eng.readahead.put(e.ino, identity(e), eng.index.get_record(e.ino), files[rel], "t")
+        r = await eng.open(e.ino)
+        assert bytes(eng.pages_for_kernel(r.fh)) == files[rel]
+        rewrite(src / os.fsdecode(rel), files[rel] + b"v2")
+        assert await read_all(eng, rel) == files[rel] + b"v2"  # a newer open sees it
+        assert eng.pages_for_kernel(r.fh) is None  # the older version's pages: never
+        eng.release(r.fh)
+
+    run_engine(make_config(src, cache, store_pages=100_000, revalidate=0), third_mount)
+
+
+def test_ino_bits_are_a_set():
+    from dlcachefs.cache.engine import InoBits
+
+    @given(st.lists(st.integers(0, 5000), max_size=300))
+    @settings(max_examples=200, deadline=None)
+    def check(inos):
+        bits, seen = InoBits(), set()
+        for ino in inos:
+            assert bits.add(ino) == (ino not in seen)
+            seen.add(ino)
+
+    check()
+
+
 def test_concurrent_first_reads_of_one_open_load_it_once(tree, policy):
     src, cache, files = tree
     cold_read(src, cache, files, policy)

@@ -133,3 +133,25 @@ def test_changed_source_file_is_served_new_after_revalidation(tmp_path, mount):
 
     wait_until(served_new, "the new version through the mount", timeout=30, interval=0.3)
     assert (m.mnt / "d" / "x.bin").read_bytes() == new
+
+
+@pytest.mark.parametrize("bound", [None, "64K", "0"], ids=["default", "64K", "off"])
+def test_a_fetched_file_comes_with_its_pages_and_sends_no_read(src, mount, bound):
+    """``--store-pages``: a file the open fetched is given to the kernel's page cache with
+    the open (``notify_store``), so the reader's READs never reach the daemon; the bytes
+    are the source's. Files above the bound (and every file with 0) are read as before."""
+    m = mount(src) if bound is None else mount(src, "--store-pages", bound)
+    limit = {None: 4 << 20, "64K": 64 << 10, "0": 0}[bound]
+    rels = _files(src)
+    sizes = {r: (src / r).stat().st_size for r in rels}
+    stored = [r for r in rels if 0 < sizes[r] <= limit]
+    above = [r for r in rels if sizes[r] > limit]
+    d = _pass(m, src, rels, _read_python)  # every byte compared with the source
+    assert d["open"] == len(rels)
+    assert m.stats()["pages_stored"] == len(stored), (d, m.stats()["pages_stored"])
+    # a file above the bound needs at least one READ; one below it none
+    assert len(above) <= d.get("read", 0) <= 4 * len(above), d
+    # the kernel keeps the stored pages: a second pass reads nothing either
+    m.wait_cached(len(rels))
+    again = _pass(m, src, stored, _read_cat)
+    assert again.get("read", 0) == 0, again

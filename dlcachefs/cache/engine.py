@@ -115,6 +115,26 @@ class Handle:
     seen: int = 0  # Namespace.changes when it opened (a paged handle's version check)
     was_read: bool = False  # a READ came (else the kernel's pages served the open); for
                             # a lazy handle: its fill counted its hit or miss
+    first_open: bool = False  # no earlier open of its file in this mount: the kernel
+                              # holds none of its pages
+
+
+class InoBits:
+    """A set of inode numbers as a bitmap (1.28M files: 160 KB, where a set of ints
+    takes ~70 MB). Inode numbers are small: the index hands them out in sequence."""
+
+    def __init__(self) -> None:
+        self._bits = bytearray()
+
+    def add(self, ino: int) -> bool:
+        """Add ``ino``; True if it was not in the set."""
+        i, bit = ino >> 3, 1 << (ino & 7)
+        if i >= len(self._bits):
+            self._bits.extend(bytes(max(i + 1 - len(self._bits), len(self._bits))))
+        if self._bits[i] & bit:
+            return False
+        self._bits[i] |= bit
+        return True
 
 
 @dataclass(slots=True)
@@ -220,6 +240,7 @@ class Engine:
             self.writer.content_keys = True
             self.fetcher.dedup = self.dedup
         self.handles: dict[int, Handle] = {}
+        self._opened = InoBits()  # files opened in this mount (Handle.first_open)
         self._next_fh = 1
         self.started = time.time()
 
@@ -391,6 +412,7 @@ class Engine:
         t0 = time.monotonic()
         e = await self.ns.fresh_file(ino)
         seen = self.ns.changes  # a change noticed from here on may be newer than e
+        first_open = self._opened.add(ino)
         if not is_file(e):
             raise InvalidArgument("not a regular file")
         if stream is not None:
@@ -440,7 +462,7 @@ class Engine:
         # hold pages of an older one (the file did not change during this mount)
         changed = ino in self.ns.changed
         self.ns.changed.discard(ino)  # this open drops the kernel's pages of the file
-        h = Handle(ino, memoryview(data), cached)
+        h = Handle(ino, memoryview(data), cached, first_open=first_open)
         if cached and not changed:  # its READs fill the pages: checked as lazy ones are
             h.ident, h.paged, h.seen = identity(e), True, seen
             if stream is not None:
@@ -629,6 +651,45 @@ class Engine:
             cur = self.index.get_entry(h.ino)
             if cur is not None and identity(cur) != h.ident:
                 raise SourceChanged("the file changed on the source while it was open")
+
+    def pages_for_kernel(self, fh: int) -> memoryview | None:
+        """The bytes of open file ``fh`` that the kernel's page cache may take with its
+        open (``--store-pages``): the whole file, held in memory by the open already (a
+        miss just fetched, a file fetched ahead or planned), of the version the open
+        serves. None for a handle that loads at its first READ or reads through, above
+        the size bound, or whose version is no longer the current one (its pages are
+        shared with newer opens: see :meth:`_same_version`). Call it in the same step as
+        :meth:`open` returned (no await between): the check holds for that moment.
+
+        A cached file is given only at its first open in this mount: at a later one the
+        kernel may hold its pages already (``keep_cache``), and whether READs come is
+        what tells a stream that the page cache serves its epochs (giving them would
+        hide that, and the logs would be read for nothing)."""
+        h = self.handles.get(fh)
+        if h is None or h.data is None or not 0 < len(h.data) <= self.cfg.store_pages:
+            return None
+        if h.cached and not h.first_open:
+            return None
+        try:
+            self._same_version(h)
+        except SourceChanged:
+            return None
+        return h.data
+
+    def note_pages_stored(self, fh: int) -> None:
+        """The kernel took the open's bytes (:meth:`pages_for_kernel`): counted as its
+        READs would have been; a cached file's stream learns that this open was served
+        by the daemon, not by pages the kernel still held (its page-cache verdict)."""
+        h = self.handles.get(fh)
+        if h is None or h.data is None:
+            return
+        h.was_read = True
+        if h.stream is not None:
+            h.stream.note_cached_read()
+            h.stream = None
+        if h.cached:
+            self.counters.bytes_from_cache += len(h.data)
+        self.counters.pages_stored += 1
 
     def release(self, fh: int) -> None:
         """Close an open file."""

@@ -34,6 +34,8 @@ class Counters:
     bytes_from_cache: int = 0      # bytes returned to readers from cached data
     page_cache_opens: int = 0      # opens of cached files no READ followed: the kernel's
                                    # page cache served them (not in bytes_from_cache)
+    pages_stored: int = 0          # opens whose bytes were given to the kernel's page cache
+                                   # with the open (--store-pages): no READ came for them
     chunk_reads: int = 0           # whole-chunk reads from the logs
     sequential_chunk_reads: int = 0  # chunk reads asked for next to one (id +-1) of the last 64
     record_reads: int = 0          # single-record reads from the logs
