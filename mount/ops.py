@@ -277,8 +277,11 @@ class Operations(pyfuse3.Operations):
         locks each page it fills, and a READ of another open of this file, in flight,
         holds its page locked until this loop answers it: the loop would wait for
         itself. (The kernel sends a file's RELEASE only after its READs are answered.)
-        Only the whole file of the size the kernel was given (``e``): no page of
-        another length's version can remain past its end."""
+        Only at the file's first open in this mount (the engine's rule): the kernel
+        holds no page of it, so the pages given are all it has. (A store never cuts the
+        kernel's idea of the size, and an OPEN reply carries no attributes: at a later
+        open, pages of an older, longer version could stay past the new end.) The
+        whole file of the entry the open serves (``e``), nothing less."""
         if not self._can_store:
             return False
         data = self.engine.pages_for_kernel(fh)

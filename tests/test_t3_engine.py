@@ -466,6 +466,14 @@ def test_pages_are_given_with_an_open_that_holds_them_at_its_first_open_only(tre
         r = await eng.open(e.ino)  # cached now, and opened before in this mount
         assert eng.pages_for_kernel(r.fh) is None
         eng.release(r.fh)
+        # held at the open this time (fetched ahead), but not the first open: the
+        # kernel may hold pages of it (of this version or, had it changed, another)
+        eng.readahead.put(e.ino, identity(e), eng.index.get_record(e.ino), files[rel], "t")
+        r = await eng.open(e.ino)
+        h = eng.handles[r.fh]
+        assert h.data is not None and h.cached
+        assert eng.pages_for_kernel(r.fh) is None
+        eng.release(r.fh)
         r = await eng.open(eng.ns.resolve(big).ino)  # above the bound
         assert eng.pages_for_kernel(r.fh) is None
         eng.release(r.fh)
@@ -493,6 +501,28 @@ def test_pages_are_given_with_an_open_that_holds_them_at_its_first_open_only(tre
         eng.release(r.fh)
 
     run_engine(make_config(src, cache, store_pages=100_000, revalidate=0), third_mount)
+
+
+def test_an_older_miss_never_reads_once_a_newer_version_is_known(tree, policy):
+    """A miss's handle (the file fetched at its open) fills the kernel's pages with its
+    READs as a cached one does: once a newer open has seen the file change (and the
+    kernel dropped its pages), the older handle's READ fails (ESTALE) rather than put
+    the old bytes back into pages the newer opens share."""
+    src, cache, files = tree
+    rel = b"train/cls1/img05.jpg"
+
+    async def body(eng):
+        e = eng.ns.resolve(rel)
+        r = await eng.open(e.ino)  # a miss: fetched now
+        assert not eng.handles[r.fh].cached
+        assert bytes(await eng.read(r.fh, 0, 1 << 20)) == files[rel]
+        rewrite(src / os.fsdecode(rel), files[rel][:100] + b"v2")
+        assert await read_all(eng, rel) == files[rel][:100] + b"v2"  # the newer open
+        with pytest.raises(SourceChanged):
+            await eng.read(r.fh, 0, 4096)
+        eng.release(r.fh)
+
+    run_engine(make_config(src, cache, policy=policy, revalidate=0), body)
 
 
 def test_ino_bits_are_a_set():

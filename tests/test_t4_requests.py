@@ -151,7 +151,37 @@ def test_a_fetched_file_comes_with_its_pages_and_sends_no_read(src, mount, bound
     assert m.stats()["pages_stored"] == len(stored), (d, m.stats()["pages_stored"])
     # a file above the bound needs at least one READ; one below it none
     assert len(above) <= d.get("read", 0) <= 4 * len(above), d
-    # the kernel keeps the stored pages: a second pass reads nothing either
+    # the kernel keeps the stored pages: a second pass reads nothing either (up to 10
+    # tries, as above: something else on the machine may drop the page cache)
     m.wait_cached(len(rels))
-    again = _pass(m, src, stored, _read_cat)
+    for _ in range(10):
+        again = _pass(m, src, stored, _read_cat)
+        if again.get("read", 0) == 0:
+            break
     assert again.get("read", 0) == 0, again
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "not-cached"])
+def test_a_file_that_shrinks_is_never_served_with_the_old_tail(tmp_path, mount, cached):
+    """Stored pages never cut the kernel's idea of a file's size: a file read once (its
+    pages given with the open), then shrunk on the source to a length inside one of its
+    pages, is read whole and new, never as the new bytes followed by the old tail. Also
+    when it is not cached and every open fetches it (``--cache-size`` below its size)."""
+    root = tmp_path / "src"
+    root.mkdir()
+    f = root / "x.bin"
+    old = os.urandom(12_000)
+    f.write_bytes(old)
+    m = mount(root, "--revalidate", "0",
+              *(() if cached else ("--cache-size", "8K", "--chunk-size", "4K")))
+    for _ in range(2):
+        assert (m.mnt / "x.bin").read_bytes() == old
+        assert _read_cat(m.mnt / "x.bin") == old
+    new = os.urandom(5_000)
+    f.write_bytes(new)
+    os.utime(f, ns=(time.time_ns(), time.time_ns() + 5_000_000_000))
+    for _ in range(3):
+        assert (m.mnt / "x.bin").read_bytes() == new
+        assert _read_cat(m.mnt / "x.bin") == new
+        with open(m.mnt / "x.bin", "rb") as fh:
+            assert os.pread(fh.fileno(), 20_000, 4000) == new[4000:]

@@ -448,7 +448,7 @@ class Engine:
                 lazy.cache_refetch = not stream.memory_prefetch
                 self._note_served(stream, ino, pid, t0, True)
             return OpenResult(self._new_fh(lazy), keep_cache=True, direct_io=False, entry=e)
-        data, cached, waited, joined = await self._load(
+        data, cached, waited, joined, got = await self._load(
             e, cache=stream is None or not stream.memory_prefetch, stream=stream)
         if stream is not None and stream.next_log is not None:
             stream.next_log.consumed(ino, data, identity(e))
@@ -459,24 +459,30 @@ class Engine:
             if not cached and not joined:
                 stream.bytes_from_source += len(data)
         # keep_cache only for bytes we know are this version and when the kernel cannot
-        # hold pages of an older one (the file did not change during this mount)
+        # hold pages of an older one (the file did not change during this mount); the
+        # mount layer may give a first open's pages to the kernel and keep them
+        # (pages_for_kernel: the kernel holds no page of a file never opened)
         changed = ino in self.ns.changed
         self.ns.changed.discard(ino)  # this open drops the kernel's pages of the file
         h = Handle(ino, memoryview(data), cached, first_open=first_open)
-        if cached and not changed:  # its READs fill the pages: checked as lazy ones are
-            h.ident, h.paged, h.seen = identity(e), True, seen
-            if stream is not None:
-                # counted even when a next-epoch log took the bytes at open (never lazy
-                # then): an epoch the kernel's pages served lays out no next log
-                # (StreamTable._plan_next), and the one after opens lazily
-                stream.note_cached_open()
-                h.stream = stream
+        if not changed:
+            # its READs fill the kernel's pages, shared with every open of the file: each
+            # checks first that no newer version is known, as a lazy handle's do; a
+            # miss's too (an older open's READs must not refill, with the old bytes, the
+            # pages a newer open dropped)
+            h.ident, h.paged, h.seen = identity(got), True, seen
+        if cached and not changed and stream is not None:
+            # counted even when a next-epoch log took the bytes at open (never lazy
+            # then): an epoch the kernel's pages served lays out no next log
+            # (StreamTable._plan_next), and the one after opens lazily
+            stream.note_cached_open()
+            h.stream = stream
         fh = self._new_fh(h)
         # a file that changed during the mount: its first open bypasses the page cache
         # (direct_io), since the kernel's idea of its size may be the old one until the
         # invalidation queued for it has gone through
-        if len(data) != e.size:  # a newer version came with the fetch: its entry
-            e = self.index.get_entry(ino) or e
+        if identity(got) != identity(e):  # a newer version came with the fetch: its entry
+            e = got
         return OpenResult(fh, keep_cache=cached and not changed, direct_io=changed, entry=e)
 
     @staticmethod
@@ -543,18 +549,19 @@ class Engine:
         e = self.index.get_entry(h.ino)
         if e is None or identity(e) != h.ident:
             raise SourceChanged("the file changed on the source while it was open")
-        data = await self.fetcher.fetch_for_reader(e, h.cache_refetch)  # a miss after all
-        if identity(self.index.get_entry(h.ino) or e) != h.ident:
+        data, got = await self.fetcher.fetch_for_reader(e, h.cache_refetch)  # a miss after all
+        if identity(got) != h.ident or identity(self.index.get_entry(h.ino) or e) != h.ident:
             raise SourceChanged("the file changed on the source while it was open")
         self.counters.lazy_refetches += 1
         h.cached = False  # its READs count as bytes from the source (the fetch did)
         return memoryview(data)
 
     async def _load(self, e: Entry, cache: bool = True, stream: Stream | None = None
-                    ) -> tuple[bytes | memoryview, bool, bool, bool]:
+                    ) -> tuple[bytes | memoryview, bool, bool, bool, Entry]:
         """Bytes of the current version of ``e``, whether they came from the cache,
-        whether the open had to wait for the source, and whether it waited for a fetch
-        that was under way already. An open of a ``stream`` whose epoch
+        whether the open had to wait for the source, whether it waited for a fetch
+        that was under way already, and the entry of the bytes' version (``e``, or a
+        newer one a fetch found). An open of a ``stream`` whose epoch
         is read through a plan takes the plan's bytes, or reads the record alone."""
         ident = identity(e)
         rec = self.index.get_record(e.ino)
@@ -566,19 +573,19 @@ class Engine:
                 assert rec is not None  # fetched ahead and sealed since: a hit
                 self.counters.hits += 1
                 self.reader.after_use(rec.chunk_id, e.ino)
-                return early.data, True, False, False
+                return early.data, True, False, False, e
             if self.versions.unsealed(e.ino, ident) is not None:
                 self.counters.hits += 1  # fetched ahead, still waiting for the writer
-                return early.data, True, False, False
+                return early.data, True, False, False, e
             # fetched ahead, kept in memory only (or its record has gone since)
             self.counters.prefetch_hits += 1
-            return early.data, False, False, False
+            return early.data, False, False, False, e
         if self.versions.is_current(e.ino, rec, ident):
             assert rec is not None
             if early is not None and early.rec == rec:
                 self.counters.hits += 1
                 self.reader.after_use(rec.chunk_id, e.ino)
-                return early.data, True, False, False
+                return early.data, True, False, False, e
             plan = self.plans.plan_for(stream)
             if plan is not None and not plan.covers(e.ino):
                 plan = None
@@ -588,23 +595,24 @@ class Engine:
                     self.counters.hits += 1
                     self.counters.planned_hits += 1
                     self.reader.after_use(rec.chunk_id, e.ino)
-                    return data, True, False, False
+                    return data, True, False, False, e
             whole = plan is None and not self.plans.pending(stream)
             data = await self.reader.read_record(e.ino, rec, whole=whole)
             if data is not None:
                 self.counters.hits += 1
-                return data, True, False, False
+                return data, True, False, False, e
         elif self.versions.is_stale(e.ino, rec, ident):
             self.counters.stale_refetches += 1
             self.writer.drop(e.ino)
         unsealed = self.versions.unsealed(e.ino, ident)
         if unsealed is not None:  # fetched, waiting for the writer (or its room)
             self.counters.hits += 1
-            return unsealed, True, False, False
+            return unsealed, True, False, False, e
         # a prefetch may be on it: the reader then waits for it (a miss all the same;
         # joined: its bytes are counted where that fetch began, not again here)
         joined = self.fetcher.in_flight(e.ino)
-        return await self.fetcher.fetch_for_reader(e, cache), False, True, joined
+        data, got = await self.fetcher.fetch_for_reader(e, cache)
+        return data, False, True, joined, got
 
     async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
         """Up to ``size`` bytes of an open file at ``offset``."""
@@ -661,14 +669,18 @@ class Engine:
         shared with newer opens: see :meth:`_same_version`). Call it in the same step as
         :meth:`open` returned (no await between): the check holds for that moment.
 
-        A cached file is given only at its first open in this mount: at a later one the
-        kernel may hold its pages already (``keep_cache``), and whether READs come is
-        what tells a stream that the page cache serves its epochs (giving them would
-        hide that, and the logs would be read for nothing)."""
+        Only at the file's first open in this mount (an open that did not even get
+        that far counts as one): the kernel then holds no page of it, so the pages
+        given are all it has (stored pages raise the kernel's size, never cut it: at a
+        later open, pages of an older, longer version past the end could stay, and an
+        opener given the new bytes read the old tail). And a cached file's later opens
+        are how a stream learns that the page cache serves its epochs (whether READs
+        come): giving the pages then would hide it, and the logs would be read for
+        nothing. Substituted and read-through handles never hold their own file's
+        bytes at a first open (``first_open`` is False)."""
         h = self.handles.get(fh)
-        if h is None or h.data is None or not 0 < len(h.data) <= self.cfg.store_pages:
-            return None
-        if h.cached and not h.first_open:
+        if (h is None or h.data is None or not h.first_open or not h.paged
+                or not 0 < len(h.data) <= self.cfg.store_pages):
             return None
         try:
             self._same_version(h)

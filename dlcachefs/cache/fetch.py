@@ -211,13 +211,14 @@ class Fetcher(TaskOwner):
         """Whether a fetch of ``ino`` is in progress."""
         return ino in self._inflight
 
-    async def fetch_for_reader(self, e: Entry, cache: bool = True) -> bytes:
-        """A reader's miss: :meth:`fetch`, counted as a miss and as demand on the link.
-        A fetch already in flight (a prefetch) is joined, and its bytes are cached."""
+    async def fetch_for_reader(self, e: Entry, cache: bool = True) -> tuple[bytes, Entry]:
+        """A reader's miss: :meth:`fetch` (the bytes and the entry of their version),
+        counted as a miss and as demand on the link. A fetch already in flight (a
+        prefetch) is joined, and its bytes are cached."""
         waits = e.ino in self._inflight
         self.demand_fetches += 1
         try:
-            data, _ = await self.fetch(e, cache or waits)
+            data, got = await self.fetch(e, cache or waits)
         finally:
             self.demand_fetches -= 1
             if not self.demand_fetches:
@@ -225,7 +226,7 @@ class Fetcher(TaskOwner):
                 self.demand_idle = trio.Event()
         self.counters.misses += 1
         self.counters.fetch_waits += waits
-        return data
+        return data, got
 
     async def fetch(self, e: Entry, cache: bool = True) -> tuple[bytes, Entry]:
         """Fetch a whole file from the source (concurrent fetches of one file share it);
