@@ -23,6 +23,7 @@ from dlcachefs.mount.errmap import fuse_errors
 
 from dlcachefs.cache.engine import Engine
 from dlcachefs.cache.namespace import ROOT_INO, identity
+from dlcachefs.cache.source import Identity
 from dlcachefs.clairvoyance.control import ControlState
 from dlcachefs.errors import NotFound, PermissionDenied, ReadOnly
 from dlcachefs.store.schema import Entry
@@ -72,11 +73,14 @@ class Operations(pyfuse3.Operations):
         # requests received per operation (``fuse_ops`` in stats): what a file costs in
         # round trips. One dict increment per request, on the loop.
         self.ops: dict[str, int] = dict.fromkeys(OPS, 0)
-        # files open here: inode -> [the entry of its latest open, opens]; a LOOKUP or
-        # GETATTR of an open file answers with that entry (see _fresh). Two dict
+        # files open here: inode -> [the entry whose attributes the kernel is given,
+        # opens, {version: [its latest entry, its opens]}]. A LOOKUP or GETATTR of an
+        # open file answers with that entry (see _fresh): the oldest version still open
+        # here, whose opens read the kernel's pages, bounded by the size the kernel
+        # holds (a newer version's opens bypass the pages: open()). A few dict
         # operations per open and per release.
         self._open: dict[int, list] = {}
-        self._fh_ino: dict[int, int] = {}
+        self._fh_ino: dict[int, tuple[int, Identity]] = {}
 
     def init(self) -> None:
         """FUSE INIT: called on the loop before the reply goes to the kernel."""
@@ -138,7 +142,7 @@ class Operations(pyfuse3.Operations):
             # inode now (the snapshot answers: no second listing)
             e = await self._fresh_entry(self.ns.lookup(parent_inode, name))
         held = self._open.get(e.ino)
-        return self._attrs(e if held is None else held[0])  # (open: see _fresh)
+        return self._attrs(e if held is None else self._held_attrs(held, e))  # (see _fresh)
 
     @fuse_errors
     async def getattr(self, inode, ctx=None):
@@ -172,8 +176,17 @@ class Operations(pyfuse3.Operations):
         the source from their next open (close-to-open, as NFS)."""
         held = self._open.get(e.ino)
         if held is not None:
-            return held[0]
+            return self._held_attrs(held, e)
         return await self._fresh_entry(e)
+
+    def _held_attrs(self, held: list, cur: Entry) -> Entry:
+        """The entry an open file answers LOOKUP and GETATTR with (``held[0]``: the
+        oldest version open here). When it is not the current version's, the kernel
+        holds an older size: the next open bypasses the kernel's pages (its reads of
+        them would stop at that size, a newer version cut short with no error)."""
+        if identity(held[0]) != identity(cur):
+            self.ns.note_kernel_behind(cur.ino)
+        return held[0]
 
     async def _fresh_entry(self, e: Entry) -> Entry:
         """``e`` checked by the freshness rule of its type (no open considered)."""
@@ -249,22 +262,39 @@ class Operations(pyfuse3.Operations):
             raise ReadOnly("read-only mirror")
         r = await self.engine.open(inode, ctx.pid)
         e = r.entry
-        keep_cache = r.keep_cache
+        keep_cache, direct_io = r.keep_cache, r.direct_io
         if e is not None:  # (None: a mount's engine that does not say; see _fresh)
+            ident = identity(e)
             held = self._open.get(inode)
-            if held is None and not r.direct_io and self._store_pages(inode, r.fh, e):
+            if held is None and not direct_io and self._store_pages(inode, r.fh, e):
                 keep_cache = True  # (False would drop the pages just given)
             if held is None:
-                self._open[inode] = [e, 1]
+                self._open[inode] = [e, 1, {ident: [e, 1]}]
             else:
-                if identity(held[0]) != identity(e):
-                    # the kernel may hold the attributes answered for the older open, for
-                    # up to --revalidate seconds: it asks again
-                    self._queue_invalidation("inode", e.parent, None, inode)
-                held[0] = e
+                if any(v != ident for v in held[2]):
+                    # another version of the file is open here. The kernel's pages are
+                    # shared by every open of an inode and an open reads them without
+                    # asking: this open's bytes in the pages would be read by the older
+                    # open as its own (its head, then the new version's tail). So this
+                    # one bypasses them, and drops those there (the older open's next
+                    # READ then fails, ESTALE: it never gets the new bytes), until the
+                    # older opens are closed. (A first open after a change is direct_io
+                    # already: the engine's rule.)
+                    # The kernel keeps the older version's attributes meanwhile: a size
+                    # it took from this one would cut the older opens' reads of their
+                    # pages short (a truncated file, no error).
+                    keep_cache, direct_io = False, True
+                slot = held[2].get(ident)
+                if slot is None:
+                    held[2][ident] = [e, 1]
+                else:
+                    slot[0] = e
+                    slot[1] += 1
+                if identity(held[0]) == ident:
+                    held[0] = e
                 held[1] += 1
-            self._fh_ino[r.fh] = inode
-        return pyfuse3.FileInfo(fh=r.fh, keep_cache=keep_cache, direct_io=r.direct_io)
+            self._fh_ino[r.fh] = (inode, ident)
+        return pyfuse3.FileInfo(fh=r.fh, keep_cache=keep_cache, direct_io=direct_io)
 
     def _store_pages(self, inode: int, fh: int, e: Entry) -> bool:
         """Give the kernel's page cache the bytes the open holds already
@@ -357,17 +387,31 @@ class Operations(pyfuse3.Operations):
             self._vfh.pop(fh, None)
         else:
             self.ops["release"] += 1
-            ino = self._fh_ino.pop(fh, None)
+            ino, ident = self._fh_ino.pop(fh, (None, None))
             held = self._open.get(ino) if ino is not None else None
             if held is not None:
                 held[1] -= 1
+                slot = held[2].get(ident)
+                if slot is not None:
+                    slot[1] -= 1
+                    if slot[1] <= 0:
+                        del held[2][ident]
+                if held[1] > 0 and identity(held[0]) not in held[2]:
+                    # the version whose attributes the kernel kept is closed: the newest
+                    # one still open answers from now on, and the kernel asks again
+                    held[0] = next(reversed(held[2].values()))[0]
+                    self._queue_invalidation("inode", held[0].parent, None, ino)
+                    self.ns.note_kernel_behind(ino)
                 if held[1] <= 0:
                     del self._open[ino]
                     cur = self.engine.index.get_entry(ino)
                     if cur is None or identity(cur) != identity(held[0]):
                         # answered with its open's version while a newer one (or none)
-                        # was known: the kernel asks again now that nothing holds it
+                        # was known: the kernel asks again now that nothing holds it, and
+                        # until it has, the next open bypasses its pages (their reads
+                        # stop at the older size)
                         self._queue_invalidation("inode", held[0].parent, None, ino)
+                        self.ns.note_kernel_behind(ino)
             self.engine.release(fh)
 
     async def flush(self, fh):
@@ -433,6 +477,7 @@ class Operations(pyfuse3.Operations):
             self._inval_ready = trio.Event()
             batch, self._inval = list(self._inval), {}
             for kind, parent, name, ino in batch:
+                mark = self.ns.changed.get(ino) if ino is not None else None
                 try:
                     if kind == "entry" and name:
                         await trio.to_thread.run_sync(pyfuse3.invalidate_entry, parent, name)
@@ -441,3 +486,7 @@ class Operations(pyfuse3.Operations):
                 except OSError as e:
                     if e.errno != errno.ENOENT:  # the kernel did not know it: nothing to do
                         log.debug("invalidate %s %s: %s", kind, ino or name, e)
+                        continue
+                if kind != "entry" and ino is not None and mark is not None:
+                    # the kernel holds nothing of the file now: its opens may keep pages
+                    self.ns.kernel_told(ino, mark)

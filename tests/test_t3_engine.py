@@ -14,6 +14,7 @@ and ``test_t7_importance.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import random
@@ -523,6 +524,29 @@ def test_an_older_miss_never_reads_once_a_newer_version_is_known(tree, policy):
         eng.release(r.fh)
 
     run_engine(make_config(src, cache, policy=policy, revalidate=0), body)
+
+
+def test_a_second_version_waiting_for_the_writer_is_not_queued_beside_the_first(tree):
+    """Two versions of one file fetched before the first is sealed (a file replaced on
+    the source between two opens): the second is not cached now. Queued beside the
+    first, the older open record was no longer readable from pending, and the two could
+    be indexed in either order (an invariant a churning source broke)."""
+    src, cache, files = tree
+    rel = b"top.txt"
+
+    async def body(eng):
+        e = eng.ns.resolve(rel)
+        ident = identity(e)
+        assert eng.writer.submit(e.ino, rel, ident, files[rel])
+        newer = dataclasses.replace(ident, mtime_ns=ident.mtime_ns + 1)
+        skipped = eng.counters.cache_skipped
+        assert not eng.writer.submit(e.ino, rel, newer, files[rel] + b"v2")
+        assert eng.counters.cache_skipped == skipped + 1
+        assert eng.writer.pending[e.ino].ident == ident
+        assert eng.check_invariants() == []
+        assert eng.writer.submit(e.ino, rel, ident, files[rel])  # the same version: queued
+
+    run_engine(make_config(src, cache, flush_interval=30.0), body)
 
 
 def test_ino_bits_are_a_set():

@@ -462,8 +462,7 @@ class Engine:
         # hold pages of an older one (the file did not change during this mount); the
         # mount layer may give a first open's pages to the kernel and keep them
         # (pages_for_kernel: the kernel holds no page of a file never opened)
-        changed = ino in self.ns.changed
-        self.ns.changed.discard(ino)  # this open drops the kernel's pages of the file
+        changed = self._bypass_pages(ino)
         h = Handle(ino, memoryview(data), cached, first_open=first_open)
         if not changed:
             # its READs fill the kernel's pages, shared with every open of the file: each
@@ -484,6 +483,18 @@ class Engine:
         if identity(got) != identity(e):  # a newer version came with the fetch: its entry
             e = got
         return OpenResult(fh, keep_cache=cached and not changed, direct_io=changed, entry=e)
+
+    def _bypass_pages(self, ino: int) -> bool:
+        """Whether an open of ``ino`` must bypass the kernel's pages (direct_io, and
+        ``keep_cache`` off, which drops them): the kernel may hold attributes or pages of
+        another version (:attr:`Namespace.changed`, kept until the mount layer's
+        invalidation went through). Without a mount layer (no kernel to tell) the
+        open itself is the last one to bypass them."""
+        if ino not in self.ns.changed:
+            return False
+        if self.ns.on_invalidate is None:
+            del self.ns.changed[ino]
+        return True
 
     @staticmethod
     def _note_served(stream: Stream, ino: int, pid: int, t0: float, cached: bool) -> None:
@@ -740,8 +751,7 @@ class Engine:
         # earlier open, and every range read is checked against the opened version. As
         # in open(): the first open after a change during the mount is direct_io (the
         # kernel may still hold the old size, and would cut reads at it).
-        changed = e.ino in self.ns.changed
-        self.ns.changed.discard(e.ino)
+        changed = self._bypass_pages(e.ino)
         return OpenResult(self._new_fh(Handle(e.ino, None, False, fd, ident,
                                               paged=not changed, seen=seen)),
                           keep_cache=False, direct_io=changed, entry=e)

@@ -191,9 +191,14 @@ class Namespace:
         self.revalidate = revalidate
         self.use_src_ino = use_src_ino
         self.on_invalidate: Invalidate | None = None
-        # inodes that changed on the source during this mount: the kernel may still hold
-        # pages of the old version, so their next open must not ask it to keep them
-        self.changed: set[int] = set()
+        # inodes of which the kernel may still hold attributes or pages of another
+        # version than the current one (a change seen on the source during this mount,
+        # or an older open's attributes answered): every open of them bypasses the
+        # kernel's pages (direct_io) until the kernel has dropped what it held (the
+        # mount layer's invalidation of the inode went through: kernel_told). Value:
+        # the latest mark's number (a mark after an invalidation began outlives it).
+        self.changed: dict[int, int] = {}
+        self._marks = 0
         # how many entry changes were made during the mount (any entry): an open handle
         # that has seen none since it opened knows of no newer version
         # (Engine._same_version). Counted before each write's thread starts, so that a
@@ -532,13 +537,33 @@ class Namespace:
         with self.index.write() as w:
             w.delete_tree(e.ino)
 
+    def note_kernel_behind(self, ino: int) -> None:
+        """The kernel was given attributes of another version of ``ino`` than the
+        current one (an older open's, held by the mount layer): its next open must not
+        read through the kernel's pages, whose reads stop at the size the kernel holds
+        (:attr:`changed`, the same rule as a change seen on the source)."""
+        self._mark_changed(ino)
+
+    def _mark_changed(self, ino: int) -> None:
+        self._marks += 1
+        self.changed[ino] = self._marks
+
+    def kernel_told(self, ino: int, mark: int) -> None:
+        """The kernel dropped its attributes and pages of ``ino`` (an invalidation that
+        began when ``changed[ino]`` was ``mark`` went through, or the kernel did not
+        know the inode): its opens may use the kernel's pages again, unless it was
+        marked again since."""
+        if self.changed.get(ino, mark + 1) <= mark:
+            del self.changed[ino]
+
     def changed_on_source(self, e: Entry) -> None:
         """A fetch saw a newer version of ``e`` than the snapshot: tell the kernel."""
         self._notify("inode", e.parent, None, e.ino)
 
     def _notify(self, kind: str, parent: int, name: bytes | None, ino: int | None) -> None:
         if ino is not None:
-            self.changed.add(ino)
+            if kind == "inode":  # (a name added or removed: the kernel holds nothing of
+                self._mark_changed(ino)  # a new inode, and a gone one opens no more)
             self.changes += 1
         if self.on_invalidate is not None:
             self.on_invalidate(kind, parent, name, ino)

@@ -226,8 +226,15 @@ class ChunkWriter:
         """Queue a fetched file for caching. False when it is not cached (and why is counted).
         ``sha256``: the bytes' digest, when the caller has it (see :attr:`content_keys`)."""
         p = self.pending.get(ino)
-        if p is not None and p.ident == ident:
-            return True
+        if p is not None:
+            if p.ident == ident:
+                return True
+            # another version of it is waiting for its chunk: a second open record of
+            # one inode would leave the first unreadable from pending, and the two could
+            # be indexed in either order. Not cached now: the older one is indexed, then
+            # found stale at an open, and this version fetched and cached then.
+            self.counters.cache_skipped += 1
+            return False
         if self._closing or time.monotonic() < self.backoff_until:
             self.counters.cache_skipped += 1
             return False
