@@ -239,7 +239,14 @@ class Operations(pyfuse3.Operations):
         for i in range(start_id, len(listing)):
             name, ino = listing[i]
             try:
-                attrs = self._vattrs(ino) if ino in V.VIRTUAL else self._attrs(self.ns.get(ino))
+                if ino in V.VIRTUAL:
+                    attrs = self._vattrs(ino)
+                else:
+                    e = self.ns.get(ino)
+                    held = self._open.get(ino)
+                    # READDIRPLUS: the kernel takes these attributes as a GETATTR's (an
+                    # open file's: the version its opens read, see _fresh)
+                    attrs = self._attrs(e if held is None else self._held_attrs(held, e))
             except NotFound:
                 continue  # removed since opendir
             if not pyfuse3.readdir_reply(token, name, attrs, i + 1):
@@ -284,6 +291,7 @@ class Operations(pyfuse3.Operations):
                     # it took from this one would cut the older opens' reads of their
                     # pages short (a truncated file, no error).
                     keep_cache, direct_io = False, True
+                    self.engine.note_bypassing(r.fh)
                 slot = held[2].get(ident)
                 if slot is None:
                     held[2][ident] = [e, 1]

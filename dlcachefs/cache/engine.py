@@ -699,6 +699,15 @@ class Engine:
             return None
         return h.data
 
+    def note_bypassing(self, fh: int) -> None:
+        """The mount layer answered open ``fh`` with direct_io (another version of the
+        file is open there): its READs fill no page, so they need no version check, and
+        they say nothing of whether the page cache serves its stream."""
+        h = self.handles.get(fh)
+        if h is not None:
+            h.paged = False
+            h.stream = None
+
     def note_pages_stored(self, fh: int) -> None:
         """The kernel took the open's bytes (:meth:`pages_for_kernel`): counted as its
         READs would have been; a cached file's stream learns that this open was served

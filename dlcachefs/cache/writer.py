@@ -231,8 +231,9 @@ class ChunkWriter:
                 return True
             # another version of it is waiting for its chunk: a second open record of
             # one inode would leave the first unreadable from pending, and the two could
-            # be indexed in either order. Not cached now: the older one is indexed, then
-            # found stale at an open, and this version fetched and cached then.
+            # be indexed in either order. Not cached now (nor the older one: the seal
+            # skips a record whose version is no longer listed): the next open fetches
+            # this version and caches it.
             self.counters.cache_skipped += 1
             return False
         if self._closing or time.monotonic() < self.backoff_until:
