@@ -40,6 +40,43 @@ OPS = ("lookup", "getattr", "setattr", "readlink", "forget", "opendir", "readdir
        "statfs", "getxattr", "listxattr", "dlcache")
 
 
+class _Held:
+    """A file open here: per version open, its latest entry and its opens; and
+    ``attrs``, the entry LOOKUP and GETATTR answer with: the oldest version still open,
+    whose opens read the kernel's pages, bounded by the size the kernel holds (a newer
+    version's opens bypass the pages: :meth:`Operations.open`)."""
+
+    __slots__ = ("attrs", "versions")
+
+    def __init__(self, e: Entry) -> None:
+        self.attrs = e
+        self.versions: dict[Identity, list] = {identity(e): [e, 1]}  # -> [entry, opens]
+
+    def opened(self, e: Entry) -> None:
+        ident = identity(e)
+        slot = self.versions.get(ident)
+        if slot is None:
+            self.versions[ident] = [e, 1]
+        else:
+            slot[0] = e
+            slot[1] += 1
+        if identity(self.attrs) == ident:
+            self.attrs = e
+
+    def closed(self, ident: Identity) -> bool:
+        """One open of version ``ident`` closed; True when ``attrs`` moved to the newest
+        version still open (the one it answered for is closed)."""
+        slot = self.versions.get(ident)
+        if slot is not None:
+            slot[1] -= 1
+            if slot[1] <= 0:
+                del self.versions[ident]
+        if self.versions and identity(self.attrs) not in self.versions:
+            self.attrs = next(reversed(self.versions.values()))[0]
+            return True
+        return False
+
+
 class _VHandle:
     __slots__ = ("ino", "data", "pid")
 
@@ -73,13 +110,9 @@ class Operations(pyfuse3.Operations):
         # requests received per operation (``fuse_ops`` in stats): what a file costs in
         # round trips. One dict increment per request, on the loop.
         self.ops: dict[str, int] = dict.fromkeys(OPS, 0)
-        # files open here: inode -> [the entry whose attributes the kernel is given,
-        # opens, {version: [its latest entry, its opens]}]. A LOOKUP or GETATTR of an
-        # open file answers with that entry (see _fresh): the oldest version still open
-        # here, whose opens read the kernel's pages, bounded by the size the kernel
-        # holds (a newer version's opens bypass the pages: open()). A few dict
-        # operations per open and per release.
-        self._open: dict[int, list] = {}
+        # files open here (see _Held and _fresh). A few dict operations per open and
+        # per release.
+        self._open: dict[int, _Held] = {}
         self._fh_ino: dict[int, tuple[int, Identity]] = {}
 
     def init(self) -> None:
@@ -141,8 +174,7 @@ class Operations(pyfuse3.Operations):
             # reverse): the check has just re-listed its directory, where it has a new
             # inode now (the snapshot answers: no second listing)
             e = await self._fresh_entry(self.ns.lookup(parent_inode, name))
-        held = self._open.get(e.ino)
-        return self._attrs(e if held is None else self._held_attrs(held, e))  # (see _fresh)
+        return self._attrs(self._answer(e))
 
     @fuse_errors
     async def getattr(self, inode, ctx=None):
@@ -158,7 +190,7 @@ class Operations(pyfuse3.Operations):
             held = self._open.get(inode)
             if held is None:
                 raise
-            return self._attrs(held[0])
+            return self._attrs(held.attrs)
         return self._attrs(await self._fresh(e))
 
     async def _fresh(self, e: Entry) -> Entry:
@@ -174,19 +206,22 @@ class Operations(pyfuse3.Operations):
         the file at the size it gets: a smaller size found on the source meanwhile would
         end an open's read of its own version short, with no error. Open files follow
         the source from their next open (close-to-open, as NFS)."""
-        held = self._open.get(e.ino)
-        if held is not None:
-            return self._held_attrs(held, e)
+        if e.ino in self._open:
+            return self._answer(e)
         return await self._fresh_entry(e)
 
-    def _held_attrs(self, held: list, cur: Entry) -> Entry:
-        """The entry an open file answers LOOKUP and GETATTR with (``held[0]``: the
-        oldest version open here). When it is not the current version's, the kernel
-        holds an older size: the next open bypasses the kernel's pages (its reads of
-        them would stop at that size, a newer version cut short with no error)."""
-        if identity(held[0]) != identity(cur):
+    def _answer(self, cur: Entry) -> Entry:
+        """The entry the kernel is given for ``cur`` (LOOKUP, GETATTR, READDIRPLUS):
+        ``cur``, or for a file open here its :attr:`_Held.attrs`. When those are not
+        the current version's, the kernel holds an older size: the next open bypasses
+        the kernel's pages (its reads of them would stop at that size, a newer version
+        cut short with no error)."""
+        held = self._open.get(cur.ino)
+        if held is None:
+            return cur
+        if identity(held.attrs) != identity(cur):
             self.ns.note_kernel_behind(cur.ino)
-        return held[0]
+        return held.attrs
 
     async def _fresh_entry(self, e: Entry) -> Entry:
         """``e`` checked by the freshness rule of its type (no open considered)."""
@@ -242,11 +277,9 @@ class Operations(pyfuse3.Operations):
                 if ino in V.VIRTUAL:
                     attrs = self._vattrs(ino)
                 else:
-                    e = self.ns.get(ino)
-                    held = self._open.get(ino)
                     # READDIRPLUS: the kernel takes these attributes as a GETATTR's (an
                     # open file's: the version its opens read, see _fresh)
-                    attrs = self._attrs(e if held is None else self._held_attrs(held, e))
+                    attrs = self._attrs(self._answer(self.ns.get(ino)))
             except NotFound:
                 continue  # removed since opendir
             if not pyfuse3.readdir_reply(token, name, attrs, i + 1):
@@ -276,9 +309,9 @@ class Operations(pyfuse3.Operations):
             if held is None and not direct_io and self._store_pages(inode, r.fh, e):
                 keep_cache = True  # (False would drop the pages just given)
             if held is None:
-                self._open[inode] = [e, 1, {ident: [e, 1]}]
+                self._open[inode] = _Held(e)
             else:
-                if any(v != ident for v in held[2]):
+                if any(v != ident for v in held.versions):
                     # another version of the file is open here. The kernel's pages are
                     # shared by every open of an inode and an open reads them without
                     # asking: this open's bytes in the pages would be read by the older
@@ -292,15 +325,7 @@ class Operations(pyfuse3.Operations):
                     # pages short (a truncated file, no error).
                     keep_cache, direct_io = False, True
                     self.engine.note_bypassing(r.fh)
-                slot = held[2].get(ident)
-                if slot is None:
-                    held[2][ident] = [e, 1]
-                else:
-                    slot[0] = e
-                    slot[1] += 1
-                if identity(held[0]) == ident:
-                    held[0] = e
-                held[1] += 1
+                held.opened(e)
             self._fh_ino[r.fh] = (inode, ident)
         return pyfuse3.FileInfo(fh=r.fh, keep_cache=keep_cache, direct_io=direct_io)
 
@@ -398,28 +423,17 @@ class Operations(pyfuse3.Operations):
             ino, ident = self._fh_ino.pop(fh, (None, None))
             held = self._open.get(ino) if ino is not None else None
             if held is not None:
-                held[1] -= 1
-                slot = held[2].get(ident)
-                if slot is not None:
-                    slot[1] -= 1
-                    if slot[1] <= 0:
-                        del held[2][ident]
-                if held[1] > 0 and identity(held[0]) not in held[2]:
+                if held.closed(ident):
                     # the version whose attributes the kernel kept is closed: the newest
-                    # one still open answers from now on, and the kernel asks again
-                    held[0] = next(reversed(held[2].values()))[0]
-                    self._queue_invalidation("inode", held[0].parent, None, ino)
-                    self.ns.note_kernel_behind(ino)
-                if held[1] <= 0:
+                    # one still open answers from now on
+                    self._kernel_asks_again(held.attrs.parent, ino)
+                elif not held.versions:
                     del self._open[ino]
                     cur = self.engine.index.get_entry(ino)
-                    if cur is None or identity(cur) != identity(held[0]):
+                    if cur is None or identity(cur) != identity(held.attrs):
                         # answered with its open's version while a newer one (or none)
-                        # was known: the kernel asks again now that nothing holds it, and
-                        # until it has, the next open bypasses its pages (their reads
-                        # stop at the older size)
-                        self._queue_invalidation("inode", held[0].parent, None, ino)
-                        self.ns.note_kernel_behind(ino)
+                        # was known: now that nothing holds it
+                        self._kernel_asks_again(held.attrs.parent, ino)
             self.engine.release(fh)
 
     async def flush(self, fh):
@@ -472,6 +486,13 @@ class Operations(pyfuse3.Operations):
 
     # ----- kernel cache invalidation -------------------------------------------------------
 
+    def _kernel_asks_again(self, parent: int, ino: int) -> None:
+        """The kernel holds attributes of a version of ``ino`` other than those it is
+        answered with from now on: it is told to ask again, and until it has, the next
+        open bypasses its pages (their reads stop at the size it holds)."""
+        self._queue_invalidation("inode", parent, None, ino)
+        self.ns.note_kernel_behind(ino)
+
     def _queue_invalidation(self, kind: str, parent: int, name: bytes | None, ino: int | None
                             ) -> None:
         self._inval[(kind, parent, name, ino)] = None
@@ -495,6 +516,6 @@ class Operations(pyfuse3.Operations):
                     if e.errno != errno.ENOENT:  # the kernel did not know it: nothing to do
                         log.debug("invalidate %s %s: %s", kind, ino or name, e)
                         continue
-                if kind != "entry" and ino is not None and mark is not None:
+                if kind == "inode" and mark is not None:
                     # the kernel holds nothing of the file now: its opens may keep pages
                     self.ns.kernel_told(ino, mark)
