@@ -2,13 +2,15 @@
 
     sudo .venv/bin/python -m bench.cpu_profile [--files 3000] [--threads 8] [--work DIR]
                                                [--out bench/results/cpu_profile.json]
+                                               [--rate 200] [--raw FILE]
 
 Makes (or reuses) a JPEG dataset with ``bench.make_dataset``, mounts it on an empty cache,
 reads every file once through the mount in a random order with ``--threads`` raw readers
 (no announcement: the read-through path of a first epoch), and meanwhile samples the
 daemon with ``py-spy record --threads`` (``pip install py-spy``). Prints the daemon's CPU
 seconds per fetched file (``/proc/PID/stat`` utime+stime over the pass) and the share of
-the busy samples under each of the daemon's hot frames (inclusive), as JSON.
+the busy samples under each of the daemon's hot frames (inclusive, and innermost only:
+``self``), as JSON; ``--raw`` keeps py-spy's collapsed stacks.
 
 Counts of CPU time, not wall time: on a loaded machine they stay meaningful. The first
 second after the mount (the background import of torch) is left out of the sample.
@@ -39,8 +41,13 @@ IDLE = ("get_events", "_thread_cache.py:211", "wait (threading", "select (", "ep
 
 
 def summarize(raw: str, top: int = 30) -> dict:
-    """Shares of the busy samples per frame (inclusive) from py-spy's ``raw`` output."""
+    """Shares of the busy samples per frame from py-spy's ``raw`` output.
+
+    ``frames``: inclusive (the frame or anything it called); ``self``: the innermost
+    frame only (where the CPU is spent), to find what to cut.
+    """
     incl: Counter[str] = Counter()
+    leaf: Counter[str] = Counter()
     total = 0
     for line in raw.splitlines():
         stack, _, n = line.rpartition(" ")
@@ -50,15 +57,18 @@ def summarize(raw: str, top: int = 30) -> dict:
         if any(k in frames[-1] for k in IDLE):
             continue
         total += int(n)
+        leaf[frames[-1]] += int(n)
         for f in set(frames):
             if "thread (" not in f and "_bootstrap" not in f and "Thread.run" not in f:
                 incl[f] += int(n)
-    return {"busy_samples": total,
-            "frames": [{"share": round(c / total, 3), "frame": f}
-                       for f, c in incl.most_common(top)] if total else []}
+    def shares(c: Counter[str]) -> list[dict]:
+        return [{"share": round(n / total, 3), "frame": f}
+                for f, n in c.most_common(top)] if total else []
+    return {"busy_samples": total, "frames": shares(incl), "self": shares(leaf)}
 
 
-def run(files: int, threads: int, work: str) -> dict:
+def run(files: int, threads: int, work: str, rate: int = 200,
+        keep_raw: str | None = None) -> dict:
     per_class = max(1, files // 10)
     spec = md.Spec(classes=10, per_class=per_class, seed=0, style="noise")
     root = os.path.join(work, f"ds-{spec.files}")
@@ -77,7 +87,7 @@ def run(files: int, threads: int, work: str) -> dict:
         while not m.stats().get("sampler_replay_ready"):
             time.sleep(0.1)  # the replay worker's torch import is not the fetch path
         raw = os.path.join(tmp, "spy.txt")
-        spy = subprocess.Popen([spy_exe, "record", "-p", str(m.pid), "-r", "200", "-f", "raw",
+        spy = subprocess.Popen([spy_exe, "record", "-p", str(m.pid), "-r", str(rate), "-f", "raw",
                                 "-o", raw, "--threads"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1)
@@ -91,7 +101,11 @@ def run(files: int, threads: int, work: str) -> dict:
         spy.send_signal(2)
         spy.wait(timeout=60)
         with open(raw) as f:
-            prof = summarize(f.read())
+            text = f.read()
+        if keep_raw:
+            with open(keep_raw, "w") as f:
+                f.write(text)
+        prof = summarize(text)
         n = len(rel)
         return {"files": n, "threads": threads, "errors": res.summary().get("errors"),
                 "wall_s": round(wall, 2), "files_per_s": round(n / wall, 1),
@@ -106,9 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--work", default=os.path.join(REPO, "bench", "out", "cpu_profile"))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
+    ap.add_argument("--raw", default=None, help="keep py-spy's collapsed stacks here")
     a = ap.parse_args(argv)
     os.makedirs(a.work, exist_ok=True)
-    doc = run(a.files, a.threads, a.work)
+    doc = run(a.files, a.threads, a.work, a.rate, a.raw)
     print(json.dumps(doc, indent=1))
     if a.out:
         write_json(a.out, doc)

@@ -31,7 +31,7 @@ the dataset manifest, the pipeline's epoch digest must equal the manifest's; any
 difference stops the run (exit status 1).
 
 Output: JSON (``--out``, default ``bench/results/first_epoch-<ts>.json``) with every run
-(files/s, wall, the daemon's CPU, its counter deltas) and, per case, the ratio dlcachefs /
+(files/s, wall, the machine's busy share, the daemon's CPU, its counter deltas) and, per case, the ratio dlcachefs /
 direct of each round with its median and minimum; a markdown table next to it and on
 stdout. Timings are reported, never asserted.
 """
@@ -54,7 +54,8 @@ from .dlcmount import DlcMount, counter_delta, dlcachefs_exe
 from .readers import read_all
 from .remote import slow_remote
 from .run import BenchFailure, Verifier
-from .util import drop_page_cache, machine_info, proc_cpu_seconds, write_json
+from .util import (drop_page_cache, machine_cpu_seconds, machine_info, proc_cpu_seconds,
+                   write_json)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_WORK = os.path.join(REPO, "bench", "out", "first_epoch")
@@ -100,11 +101,18 @@ def pipe_epoch(data: str, case: str, workers: int, seed: int, launcher: bool,
 
 
 def one_epoch(case: str, root: str, a: argparse.Namespace, ctx: dict) -> dict:
-    """One first epoch of ``case`` over ``root`` (the exported directory, or a mount of it)."""
+    """One first epoch of ``case`` over ``root`` (the exported directory, or a mount of it),
+    with the machine's busy share meanwhile (``machine_busy``, of all its CPUs: whether the
+    epoch was bound by the CPU or by waiting)."""
+    b0, t0 = machine_cpu_seconds()
     if case.startswith("raw"):
-        return raw_epoch(root, ctx["order"], int(case[3:]), ctx["verifier"])
-    return pipe_epoch(os.path.join(root, "train"), case, a.workers, a.seed,
-                      case != "pipe" and ctx["mounted"], ctx["verifier"])
+        d = raw_epoch(root, ctx["order"], int(case[3:]), ctx["verifier"])
+    else:
+        d = pipe_epoch(os.path.join(root, "train"), case, a.workers, a.seed,
+                       case != "pipe" and ctx["mounted"], ctx["verifier"])
+    b1, t1 = machine_cpu_seconds()
+    d["machine_busy"] = round((b1 - b0) / max(t1 - t0, 1e-9), 3)
+    return d
 
 
 def first_epoch_dataset(dataset_dir: str, files: int, seed: int
@@ -159,7 +167,8 @@ def run_round(rnd: int, a: argparse.Namespace, remote, ctx: dict, runs: list) ->
         runs.append(e)
         log(f"round {rnd} {case:<9} direct {d['files_per_s']:7.1f} files/s, dlcachefs "
             f"{e['files_per_s']:7.1f} ({e['files_per_s'] / d['files_per_s']:.2f}x), daemon "
-            f"{e['daemon_cpu_ms_per_file']:.2f} ms CPU/file")
+            f"{e['daemon_cpu_ms_per_file']:.2f} ms CPU/file; machine busy "
+            f"{d['machine_busy']:.0%} / {e['machine_busy']:.0%}")
 
 
 def summarize(runs: list, cases: list[str]) -> list[dict]:

@@ -106,6 +106,15 @@ def proc_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def machine_cpu_seconds() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot, all CPUs (``/proc/stat``;
+    idle and iowait are not busy). Two readings give the machine's busy share between."""
+    with open("/proc/stat") as f:
+        vals = [int(x) for x in f.readline().split()[1:]]
+    total = sum(vals[:8])  # guest time is already counted in user
+    return (total - vals[3] - vals[4]) / CLK_TCK, total / CLK_TCK
+
+
 def proc_status_kb(pid: int, key: str) -> int | None:
     """A ``kB`` value of /proc/<pid>/status, e.g. VmHWM (peak RSS) or VmRSS."""
     try:

@@ -174,3 +174,104 @@ def test_plan_of_a_stopped_reader_gives_its_memory_back(setup):
         assert eng.counters.planned_hits > hits
 
     run_engine(cfg, body)
+
+
+def big_setup(tmp_path):
+    """More files than a plan reads ahead before its epoch's pages are judged."""
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    rng = random.Random(11)
+    files = {b"train/c%d/%03d.jpg" % (c, i): rng.randbytes(rng.randrange(500, 2000))
+             for c in range(3) for i in range(60)}
+    write_tree(src, files)
+    assert len(files) > 2 * readplan.FIRST_LEAD
+    return make_config(src, cache, chunk_size=16 << 10, reorder=False), files
+
+
+async def open_unread(eng, ino: int) -> None:
+    """An open the kernel's page cache serves: no READ comes before its release."""
+    h = await eng.open(ino, PID)
+    eng.release(h.fh)
+
+
+def test_a_sample_opened_again_in_its_epoch_is_read_only_if_a_read_comes(setup):
+    """A loader that opens each sample twice (its raw bytes, then PIL): the plan hands its
+    bytes to the first open, and the second one read the record again from the cache disk
+    at open, even when the kernel's pages (filled by the first) served it. Now it is
+    loaded at its first READ, if one comes, and then as the record alone."""
+    cfg, files = setup
+
+    async def body(eng):
+        r = Reader(eng, files)
+        await r.fill()
+        await r.announce()
+        await r.plan()
+        for _ in range(len(files)):
+            ino = r.ino_at(r.pos)
+            await r.read_next()  # the first open: the plan's bytes (or its own read)
+            before = eng.logs.bytes_read
+            h = await eng.open(ino, PID)  # the second: the kernel's pages serve it
+            eng.release(h.fh)
+            assert eng.logs.bytes_read == before, r.pos
+        assert eng.counters.planned_hits > 0
+        # a second open that is READ reads its record alone (no whole chunk)
+        ino = r.ino_at(0)
+        before, chunks = eng.logs.bytes_read, eng.counters.chunk_reads
+        h = await eng.open(ino, PID)
+        try:
+            data = await eng.read(h.fh, 0, 1 << 20)
+        finally:
+            eng.release(h.fh)
+        assert bytes(data) == files[r.by_ino[ino]]
+        assert eng.counters.chunk_reads == chunks
+        assert eng.logs.bytes_read - before <= len(data) + 4096
+
+    run_engine(cfg, body)
+
+
+def test_a_plan_stops_once_the_kernels_pages_serve_the_epoch(tmp_path):
+    """The kernel holds what the last epoch read: this epoch's opens come without READs.
+    Its plan read ahead only ``FIRST_LEAD`` positions until a window of opens was judged
+    (before, a dataset that fits in the budget was read whole at once, for nothing), then
+    stops and gives its memory back; the rest of the epoch reads nothing from the logs.
+    READs coming back start a plan again."""
+    cfg, files = big_setup(tmp_path)
+
+    async def body(eng):
+        r = Reader(eng, files)
+        await r.fill()
+        s = await r.announce()
+        assert not s.pages_served
+        plan = await r.plan()
+        with trio.fail_after(20):
+            while not plan.ready:
+                await trio.sleep(0.01)
+        await trio.sleep(0.2)  # it would read on now if its lead allowed
+        assert max(x.pos for x in plan.ready.values()) < readplan.FIRST_LEAD
+        # PAGED_MIN_OPENS opens served by the kernel, and one more to poke the plan
+        while not s.pages_served:
+            await open_unread(eng, r.ino_at(r.pos))
+            r.pos += 1
+        assert r.pos < readplan.FIRST_LEAD
+        await open_unread(eng, r.ino_at(r.pos))
+        r.pos += 1
+        with trio.fail_after(20):
+            while s.key in eng.plans.plans:
+                await trio.sleep(0.01)
+        assert plan.closed and eng.plans.held == 0 and eng.memtier.reserved == 0
+        before = eng.logs.bytes_read
+        while r.pos < len(s.order) // 2:
+            await open_unread(eng, r.ino_at(r.pos))
+            r.pos += 1
+        assert eng.logs.bytes_read == before  # nothing read ahead, nothing at open
+        # READs come back (the kernel dropped the pages): a new plan, from here
+        while s.pages_served:
+            await r.read_next()
+        with trio.fail_after(20):
+            while (p := eng.plans.plan_for(s)) is None or not p.ready:
+                await trio.sleep(0.01)
+        assert min(x.pos for x in p.ready.values()) >= r.pos - 1
+        planned = eng.counters.planned_hits
+        await r.read_rest()
+        assert eng.counters.planned_hits > planned
+
+    run_engine(cfg, body)

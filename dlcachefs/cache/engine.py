@@ -511,12 +511,18 @@ class Engine:
         any READ: loading it at open would read it from the cache disk for nothing (a
         ``cat`` pass over a dataset that fits in RAM read the whole cache back each time).
         Only for a current record that nothing else at open needs: not a file fetched
-        ahead or planned (their bytes are in memory already and must be taken), not a
-        stream writing a next-epoch log (it takes the bytes at open), not a file that
-        changed during the mount (direct_io: its READs always come)."""
+        ahead, nor one whose record the read plan holds or is reading (their bytes are in
+        memory already and must be taken), not a stream writing a next-epoch log (it
+        takes the bytes at open), not a file that changed during the mount (direct_io:
+        its READs always come). A sample of a planned epoch that the plan does not hold
+        (opened again in the epoch, its bytes handed to the first open; or the reader
+        got ahead of the plan) is lazy too, and its READ reads the record alone: a loader
+        that opens each sample twice (the raw bytes, then PIL) read every record twice
+        from the cache disk, once for pages the kernel already had."""
         ino = e.ino
         if ino in self.ns.changed or ino in self.readahead:
             return None
+        planned = False
         if stream is not None:
             if stream.next_log is not None:
                 return None
@@ -527,13 +533,16 @@ class Engine:
                 return None
             plan = self.plans.plan_for(stream)
             if plan is not None and plan.covers(ino):
-                return None
+                if plan.holds(ino):
+                    return None
+                planned = True
         ident = identity(e)
         rec = self.index.get_record(ino)
         if not self.versions.is_current(ino, rec, ident):
             return None
         assert rec is not None
-        whole = not self.plans.pending(stream)
+        # a planned epoch's chunks are not read whole (its other records are the plan's)
+        whole = not planned and not self.plans.pending(stream)
         return Handle(ino, None, True, ident=ident, paged=True, rec=rec, whole=whole,
                       seen=seen)
 

@@ -30,7 +30,15 @@ reader, inside a bounded window, and reads exactly the records it will ask for:
   reader has passed are dropped, never one an open waits for: its open moved the position
   before it took); one the plan has not read (the reader got ahead, or the record was not
   indexed when the window passed it) is read as a single record, never with a whole-chunk
-  probe. A plan that has handed out its whole epoch is closed.
+  probe; so is one the plan no longer holds (a second open of the sample in the epoch:
+  it is loaded at its first READ, if one comes, :meth:`ReadPlan.holds`). A plan that
+  has handed out its whole epoch is closed.
+* **Pages**: an epoch whose opens stop READing (the kernel's page cache holds what the
+  last epoch read: ``Stream.pages_found``, judged every ``PAGED_MIN_OPENS`` opens) stops
+  its plan and gives back what it holds; READs coming back (``pages_lost``) start a new
+  one from the reader's position. An epoch that starts so served gets no plan until then.
+  Until its first window is judged a plan reads at most ``FIRST_LEAD`` positions ahead
+  (a dataset that fits in the budget would otherwise be read whole at once).
 * **Idle**: a plan holding memory whose reader made no progress (its position did not
   move and no open took from the plan) for ``IDLE`` seconds (the job ended, crashed or
   hangs mid-epoch) gives back everything it holds (its reservation in the memory tier)
@@ -76,6 +84,11 @@ log = logging.getLogger(__name__)
 
 #: a covering read is made only while at least this fraction of its bytes is wanted
 MIN_USEFUL = 0.9
+
+#: an epoch's plan reads at most this many positions ahead until a window of its opens
+#: was judged (``Stream.pages_judged``, every ``streams.PAGED_MIN_OPENS`` opens of cached
+#: files), or its reader is this far: the kernel's page cache may serve the epoch
+FIRST_LEAD = 64
 
 #: seconds without progress of its reader after which a plan gives back what it holds
 IDLE = 10.0
@@ -263,12 +276,21 @@ class ReadPlanner:
         old = self.plans.pop(stream.key, None)
         if old is not None:
             old.close()
-        if stream.pages_served and not self.wanted(stream):
-            # the kernel's pages served the last epoch: no plan unless READs come back
-            # this epoch (then it starts from the reader's position)
-            await stream.pages_lost.wait()
-        if not self.wanted(stream):
-            return
+        while True:
+            if stream.pages_served and not self.wanted(stream):
+                # the kernel's pages serve this stream (the last epoch, or this one's
+                # latest opens): no plan unless READs come back (then it starts from the
+                # reader's position)
+                await stream.pages_lost.wait()
+            if not self.wanted(stream):
+                return
+            if not await self._run_plan(stream):
+                return
+
+    async def _run_plan(self, stream) -> bool:
+        """One plan of the stream's epoch, until it has handed everything out (False) or
+        the stream's opens stopped READing (``pages_found``: the kernel serves them; True,
+        the plan gave back everything it held)."""
         plan = self.plans[stream.key] = ReadPlan(self, stream)
         try:
             await plan.run()
@@ -282,6 +304,7 @@ class ReadPlanner:
         finally:
             if plan.closed and self.plans.get(stream.key) is plan:
                 del self.plans[stream.key]
+        return plan.pages_serve
 
     def _reserve(self, n: int) -> None:
         self.held += n
@@ -309,6 +332,7 @@ class ReadPlan:
         self.held = 0  # bytes this plan reserved
         self.ready: dict[int, _Ready] = {}
         self.inflight: dict[int, trio.Event] = {}
+        self.pages_serve = False  # stopped because the kernel's pages serve the opens
         # inodes whose open waits in take() for their batch: the reader's position already
         # moved past them (note_open runs before the open loads), so _drop_behind must
         # leave their records for the open
@@ -331,6 +355,12 @@ class ReadPlan:
         """Whether ``ino`` is a sample of this epoch's dataset (not, say, a validation
         file the same process reads: that one keeps the ordinary read path)."""
         return self.members is None or ino in self.members
+
+    def holds(self, ino: int) -> bool:
+        """Whether the plan has read ``ino``'s record or is reading it (an open takes
+        those bytes). False once handed out: a second open of the sample in the epoch
+        (a loader that opens each file twice) reads it itself, if a READ comes."""
+        return ino in self.ready or ino in self.inflight
 
     def _reserve(self, n: int) -> None:
         self.held += n
@@ -383,6 +413,13 @@ class ReadPlan:
         self.members = await trio.to_thread.run_sync(frozenset, self.inos)
         self._progressed()
         while not self.closed:
+            if self.stream.pages_found.is_set():
+                # its opens stopped READing: the kernel's pages serve them (seen at the
+                # next open's poke at the latest); what is read ahead would not be asked
+                log.info("stream %s: the kernel's page cache serves its opens: the read "
+                         "plan stops", self.stream.key)
+                self.pages_serve = True
+                return
             if self._progressed():
                 self.idle = False
             self._drop_behind()
@@ -443,11 +480,17 @@ class ReadPlan:
         if self.held > 0 and room < min(share // 2, pl.max_batch):
             return []  # read in batches (grouping), not one record at a time
         self.next = max(self.next, s.position)
+        lead = pl.lead
+        if not s.pages_judged and s.position < FIRST_LEAD:
+            # the epoch's first opens tell whether the kernel's pages serve it
+            # (pages_found): until then, read only a little ahead of them, not a whole
+            # small dataset the kernel may hold already
+            lead = min(lead, FIRST_LEAD)
         out: list[tuple[int, Want]] = []
         seen: set[int] = set()
         size = 0
         n = len(self.order)
-        while self.next < n and self.next - s.position < pl.lead:
+        while self.next < n and self.next - s.position < lead:
             p = self.next
             ino = self.inos[self.order[p]]
             if (not ino or self.consumed[p] or ino in self.ready or ino in self.inflight

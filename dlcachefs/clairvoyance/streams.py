@@ -179,10 +179,16 @@ class Stream:
     cached_reads: int = 0
     pages_served: bool = False
     # the last PAGED_MIN_OPENS of them: READs coming back (the kernel dropped the pages)
-    # end pages_served at once, and the epoch's read plan starts (pages_lost)
+    # end pages_served at once, and the epoch's read plan starts (pages_lost); none coming
+    # (the kernel holds what the last epoch read) start it at once, and the plan stops
+    # (pages_found): the epoch after the first one read whole read it again from the
+    # logs, for opens the kernel served
     recent_opens: int = 0
     recent_reads: int = 0
     pages_lost: trio.Event = field(default_factory=trio.Event)
+    pages_found: trio.Event = field(default_factory=trio.Event)
+    pages_judged: bool = False  # a window of this epoch's opens was judged (a read plan
+    # reads only a little ahead until then: readplan.FIRST_LEAD)
 
     def note_latency(self, cached: bool, seconds: float) -> None:
         if cached:
@@ -225,17 +231,30 @@ class Stream:
                              and r * PAGED_READ_EVERY <= n)
         self.cached_opens = self.cached_reads = self.recent_opens = self.recent_reads = 0
         self.pages_lost = trio.Event()
+        self.pages_found = trio.Event()
+        self.pages_judged = False
 
     def note_cached_open(self) -> None:
         """An open of a cached file whose bytes could be loaded lazily (see
         ``pages_served``); every PAGED_MIN_OPENS of them, a page-served epoch whose READs
-        came back (more than one in PAGED_READ_EVERY) is served so no longer."""
+        came back (more than one in PAGED_READ_EVERY) is served so no longer, and one
+        whose READs stopped coming (at most one in PAGED_READ_EVERY) is served so from
+        now on. Each change sets its event (``pages_lost``, ``pages_found``) and renews
+        the other one. (A READ comes after its open's answer: the few opens still to be
+        READ when a window is judged are counted in the next one.)"""
         self.cached_opens += 1
         self.recent_opens += 1
         if self.recent_opens >= PAGED_MIN_OPENS:
-            if self.pages_served and self.recent_reads * PAGED_READ_EVERY > self.recent_opens:
+            self.pages_judged = True
+            read_back = self.recent_reads * PAGED_READ_EVERY > self.recent_opens
+            if self.pages_served and read_back:
                 self.pages_served = False
                 self.pages_lost.set()
+                self.pages_found = trio.Event()
+            elif not self.pages_served and not read_back:
+                self.pages_served = True
+                self.pages_found.set()
+                self.pages_lost = trio.Event()
             self.recent_opens = self.recent_reads = 0
 
     def note_cached_read(self) -> None:
