@@ -4,7 +4,9 @@ An ordinary training script (torchvision ``ImageFolder`` + ``DataLoader(shuffle=
 num_workers=2)``, no generator: the per-epoch seed is drawn from the global RNG) runs for
 ``--epochs`` epochs through a dlcachefs mount under ``dlcachefs run``, so each epoch's
 order is announced at its start. Between epochs the training script waits for the chunk
-writer to go idle and drops the page cache (so every read reaches the daemon). Per epoch
+writer to go idle and drops the page cache (so every read reaches the daemon; not with
+``--keep-pages``, where the kernel serves what it holds). ``--opens 2``: the loader opens
+each sample twice (a 16-byte header check, then the read). Per epoch
 it records the daemon's ``rchar`` (``/proc/PID/io``: every byte the daemon read with a
 syscall: cache logs, source files, /dev/fuse, /proc) and the stats counters.
 
@@ -18,6 +20,7 @@ the same ratio from the stats alone).
     python -m bench.amplification                       # this checkout's code
     python -m bench.amplification --core-rev c444447    # the daemon of a revision
     python -m bench.amplification --venv /work/main/.venv   # another checkout's code
+    python -m bench.amplification --opens 2 [--keep-pages]   # a loader that opens twice
 
 Every sample's bytes are hashed in the training script and compared with the source's:
 a difference exits with status 1.
@@ -43,8 +46,12 @@ TRAIN = r'''
 import hashlib, json, os, sys, time, torch
 from torchvision import datasets, transforms
 root, epochs, mnt = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+twice, keep = "twice" in sys.argv[4:], "keep" in sys.argv[4:]
 digests = {}
 def loader(path):
+    if twice:  # a header check first, as loaders that validate their files do
+        with open(path, "rb") as f:
+            f.read(16)
     with open(path, "rb") as f:
         data = f.read()
     digests[os.path.relpath(path, root)] = hashlib.sha256(data).hexdigest()
@@ -73,6 +80,8 @@ def settle():
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and stats()["pending_bytes"]:
         time.sleep(0.1)
+    if keep:
+        return
     os.sync()
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("3\n")
@@ -132,8 +141,9 @@ def run(a: argparse.Namespace) -> dict:
         args = ["--chunk-size", a.chunk_size, "--memory", a.memory]
         with DlcMount(a.dataset, mnt, cache, args, exe=exe) as m:
             log(f"mounted with {' '.join(args)} ({exe})")
+            flags = (["twice"] if a.opens == 2 else []) + (["keep"] if a.keep_pages else [])
             r = subprocess.run([py, "-m", "dlcachefs.cli", "run", "--", py, script,
-                                os.path.join(mnt, "train"), str(a.epochs), mnt],
+                                os.path.join(mnt, "train"), str(a.epochs), mnt, *flags],
                                capture_output=True, text=True, timeout=1800, cwd=work)
             if r.returncode != 0:
                 raise SystemExit(f"training failed:\n{r.stderr[-4000:]}")
@@ -159,7 +169,8 @@ def run(a: argparse.Namespace) -> dict:
             f"MiB, x{row['amplification']}, chunk_reads {d['chunk_reads']}, record_reads "
             f"{d['record_reads']}, planned_reads {d.get('planned_reads', '-')}")
     return {"core": core, "files": len(truth), "dataset_bytes": total,
-            "chunk_size": a.chunk_size, "memory": a.memory, "epochs": rows,
+            "chunk_size": a.chunk_size, "memory": a.memory, "opens": a.opens,
+            "keep_pages": a.keep_pages, "epochs": rows,
             "bytes_equal_source": ok, "final_streams": final.get("streams")}
 
 
@@ -175,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--chunk-size", default="1M")
     p.add_argument("--memory", default="4M")
+    p.add_argument("--opens", type=int, choices=(1, 2), default=1,
+                   help="2: the loader opens each sample twice (a header check, then "
+                        "the read)")
+    p.add_argument("--keep-pages", action="store_true",
+                   help="keep the page cache between epochs (a dataset that fits in RAM: "
+                        "the kernel serves what the last epoch read)")
     p.add_argument("--core-rev", metavar="REV",
                    help="run the daemon from this git revision (git archive)")
     p.add_argument("--out", help="also write the JSON here")

@@ -54,8 +54,7 @@ from .dlcmount import DlcMount, counter_delta, dlcachefs_exe
 from .readers import read_all
 from .remote import slow_remote
 from .run import BenchFailure, Verifier
-from .util import (drop_page_cache, machine_cpu_seconds, machine_info, proc_cpu_seconds,
-                   write_json)
+from .util import drop_page_cache, machine_cpu_seconds, machine_info, proc_cpu_seconds, write_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_WORK = os.path.join(REPO, "bench", "out", "first_epoch")

@@ -485,28 +485,43 @@ def test_a_distributed_sampler_gives_the_tier_every_ranks_use(tmp_path, mount, s
     """With --peers, a DistributedSampler's announcement makes the daemon compute every
     rank's order (the replay worker's global order), so the expiries it sets follow the
     cluster's last use, not only this node's rank: the stream says so
-    (``cluster_ranks``), and the values this rank stores get an expiry."""
+    (``cluster_ranks``), and the values this rank keeps in the tier at eviction get an
+    expiry. (Values its first epoch's prefetch stores before the loader's pace is known
+    get none: on a loaded machine that can be all of them, so the expiry is looked for
+    in epoch 1, whose evictions offer values with the pace of epoch 0 known.)"""
     from torch.utils.data import DistributedSampler  # noqa: PLC0415
 
     src = tmp_path / "src"
     files = make_tree(src)
     imagefolder = sorted(files, key=lambda p: (p.parent.name, p.name))
     m = mount(src, "--peers", ",".join(s.address for s in servers), "--peer-item-max", "8M",
-              "--scan-ahead", "0")
-    fd = os.open(m.mnt / ".dlcache" / "control", os.O_WRONLY)
-    try:
-        os.write(fd, b"job d\ndataset train\nsampler distributed seed=5 world=3 rank=1\n"
-                     b"epoch 0\n")
-    finally:
-        os.close(fd)
+              "--scan-ahead", "0", "--cache-size", "2M", "--chunk-size", "128K")
+
+    def control(text: bytes) -> None:
+        fd = os.open(m.mnt / ".dlcache" / "control", os.O_WRONLY)
+        try:
+            os.write(fd, text)
+        finally:
+            os.close(fd)
+
+    announce = b"job d\ndataset train\nsampler distributed seed=5 world=3 rank=1\n"
+    control(announce + b"epoch 0\n")
     st = m.wait_stats(lambda st: (st["streams"].get("d/1") or {}).get("cluster_ranks") == 3,
                       "no cluster-wide order", timeout=120)
     assert st["streams"]["d/1"]["mode"] == "replayed", st["streams"]["d/1"]
     sampler = DistributedSampler(range(len(files)), num_replicas=3, rank=1, seed=5)
     sampler.set_epoch(0)
     read_exact(m, src, [imagefolder[i] for i in sampler])
-    st = drained(m)
-    assert st["peers"]["expiries_set"] > 0, st["peers"]
+    before = drained(m)["peers"]
+    control(announce + b"epoch 1\n")
+    m.wait_stats(lambda st: (st["streams"].get("d/1") or {}).get("epoch") == 1
+                 and st["streams"]["d/1"].get("cluster_ranks") == 3, "epoch 1 not configured",
+                 timeout=120)
+    sampler.set_epoch(1)
+    read_exact(m, src, [imagefolder[i] for i in sampler])
+    st = m.wait_stats(lambda st: st["peers"]["keep_offered"] > before["keep_offered"]
+                      and st["peers"]["store_pending"] == 0, "epoch 1 evicted nothing")
+    assert st["peers"]["expiries_set"] > before["expiries_set"], st["peers"]
 
 
 def test_an_owner_fetches_the_files_it_owns_for_the_other_ranks(tmp_path, mount, servers):

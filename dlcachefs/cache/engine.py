@@ -93,6 +93,11 @@ log = logging.getLogger(__name__)
 READER_REAP_S = 30.0
 
 
+#: the owner, in the read-ahead set, of the bytes of files the kernel READ only in part
+#: (kept for the open that follows: Engine.release)
+RELEASED_OWNER = "released"
+
+
 @dataclass(slots=True)
 class Handle:
     """An open file. ``data`` is one consistent version of the whole file, or None for a
@@ -117,6 +122,7 @@ class Handle:
                             # a lazy handle: its fill counted its hit or miss
     first_open: bool = False  # no earlier open of its file in this mount: the kernel
                               # holds none of its pages
+    read_end: int = 0  # the end of the furthest READ of its bytes
 
 
 class InoBits:
@@ -512,19 +518,19 @@ class Engine:
         ``cat`` pass over a dataset that fits in RAM read the whole cache back each time).
         Only for a current record that nothing else at open needs: not a file fetched
         ahead, nor one whose record the read plan holds or is reading (their bytes are in
-        memory already and must be taken), not a stream writing a next-epoch log (it
-        takes the bytes at open), not a file that changed during the mount (direct_io:
-        its READs always come). A sample of a planned epoch that the plan does not hold
+        memory already and must be taken), not one whose slot in the next epoch's log is
+        still to be written from the bytes its open is served, not a file that changed
+        during the mount (direct_io: its READs always come). A sample of a planned epoch that the plan does not hold
         (opened again in the epoch, its bytes handed to the first open; or the reader
-        got ahead of the plan) is lazy too, and its READ reads the record alone: a loader
-        that opens each sample twice (the raw bytes, then PIL) read every record twice
-        from the cache disk, once for pages the kernel already had."""
+        got ahead of the plan) is lazy too: a loader that opens each sample twice (the
+        raw bytes, then PIL) read every record twice from the cache disk, once for pages
+        the kernel already had. A stream whose epoch is read record by record
+        (``plans.reads_records``) never reads a whole chunk for one READ."""
         ino = e.ino
         if ino in self.ns.changed or ino in self.readahead:
             return None
-        planned = False
         if stream is not None:
-            if stream.next_log is not None:
+            if stream.next_log is not None and stream.next_log.wants(ino):
                 return None
             cur = stream.current_log
             if cur is not None and cur.release_after_use:
@@ -532,17 +538,14 @@ class Engine:
                 # that would find it evicted (and fetch the sample again)
                 return None
             plan = self.plans.plan_for(stream)
-            if plan is not None and plan.covers(ino):
-                if plan.holds(ino):
-                    return None
-                planned = True
+            if plan is not None and plan.covers(ino) and plan.holds(ino):
+                return None
         ident = identity(e)
         rec = self.index.get_record(ino)
         if not self.versions.is_current(ino, rec, ident):
             return None
         assert rec is not None
-        # a planned epoch's chunks are not read whole (its other records are the plan's)
-        whole = not planned and not self.plans.pending(stream)
+        whole = not self.plans.reads_records(stream) and not self.plans.pending(stream)
         return Handle(ino, None, True, ident=ident, paged=True, rec=rec, whole=whole,
                       seen=seen)
 
@@ -616,7 +619,8 @@ class Engine:
                     self.counters.planned_hits += 1
                     self.reader.after_use(rec.chunk_id, e.ino)
                     return data, True, False, False, e
-            whole = plan is None and not self.plans.pending(stream)
+            whole = (plan is None and not self.plans.reads_records(stream)
+                     and not self.plans.pending(stream))
             data = await self.reader.read_record(e.ino, rec, whole=whole)
             if data is not None:
                 self.counters.hits += 1
@@ -658,6 +662,7 @@ class Engine:
         if h.data is not None:
             self._same_version(h)  # (a page-cache handle: see there)
             out = h.data[offset : offset + size]
+            h.read_end = max(h.read_end, offset + len(out))
             if h.cached:
                 self.counters.bytes_from_cache += len(out)
             return out
@@ -739,6 +744,18 @@ class Engine:
             return
         if h.fd >= 0:
             os.close(h.fd)
+        if h.stream is not None:  # counted for its stream's verdict, and no READ came
+            h.stream.note_unread()
+            h.stream = None
+        if (h.data is not None and h.was_read and h.cached and h.paged
+                and h.ident is not None and 0 < h.read_end < len(h.data)
+                and h.ino not in self.readahead and self.readahead.has_room(len(h.data))):
+            # the kernel READ only the head of the file (a header check: the reader's
+            # 16 bytes and the kernel's read-ahead around them): the open that follows
+            # to read it all takes these bytes, not its record from the cache disk again.
+            # A spare: the first to go when room is wanted, and after a minute.
+            self.readahead.put(h.ino, h.ident, None, h.data, RELEASED_OWNER, cached=True,
+                               spare=True)
         if h.cached and not h.was_read and h.paged:
             self.counters.page_cache_opens += 1
         if h.rec is not None and not h.was_read:

@@ -34,11 +34,13 @@ reader, inside a bounded window, and reads exactly the records it will ask for:
   it is loaded at its first READ, if one comes, :meth:`ReadPlan.holds`). A plan that
   has handed out its whole epoch is closed.
 * **Pages**: an epoch whose opens stop READing (the kernel's page cache holds what the
-  last epoch read: ``Stream.pages_found``, judged every ``PAGED_MIN_OPENS`` opens) stops
-  its plan and gives back what it holds; READs coming back (``pages_lost``) start a new
-  one from the reader's position. An epoch that starts so served gets no plan until then.
+  last epoch read: ``Stream.pages_served`` turns on, judged every ``PAGED_MIN_OPENS``
+  opens' outcomes) pauses its plan: it reads nothing more ahead, and what it holds is
+  taken or dropped as the reader passes; READs coming back resume it from the reader's
+  position. An epoch that starts so served gets no plan until READs come back (``pages_lost``).
   Until its first window is judged a plan reads at most ``FIRST_LEAD`` positions ahead
-  (a dataset that fits in the budget would otherwise be read whole at once).
+  (a dataset that fits in the budget would otherwise be read whole at once, for pages
+  the kernel may hold).
 * **Idle**: a plan holding memory whose reader made no progress (its position did not
   move and no open took from the plan) for ``IDLE`` seconds (the job ended, crashed or
   hangs mid-epoch) gives back everything it holds (its reservation in the memory tier)
@@ -261,6 +263,13 @@ class ReadPlanner:
         if p is not None:
             p.poke()
 
+    def reads_records(self, stream) -> bool:
+        """Whether this stream's epoch is read record by record (a known order and no log
+        laid out for it, served by pages or not): its chunks are never read whole for
+        one open (a probe would read records the plan reads, or the kernel holds)."""
+        return (stream is not None and stream.samples is not None and bool(stream.order)
+                and stream.current_log is None)
+
     def wanted(self, stream) -> bool:
         """Whether this stream's epoch should be read through a plan: its order is known
         and its log was not laid out for it (that one is read whole chunk by chunk), and
@@ -276,21 +285,12 @@ class ReadPlanner:
         old = self.plans.pop(stream.key, None)
         if old is not None:
             old.close()
-        while True:
-            if stream.pages_served and not self.wanted(stream):
-                # the kernel's pages serve this stream (the last epoch, or this one's
-                # latest opens): no plan unless READs come back (then it starts from the
-                # reader's position)
-                await stream.pages_lost.wait()
-            if not self.wanted(stream):
-                return
-            if not await self._run_plan(stream):
-                return
-
-    async def _run_plan(self, stream) -> bool:
-        """One plan of the stream's epoch, until it has handed everything out (False) or
-        the stream's opens stopped READing (``pages_found``: the kernel serves them; True,
-        the plan gave back everything it held)."""
+        if stream.pages_served and not self.wanted(stream):
+            # the kernel's pages served the last epoch: no plan unless READs come back
+            # this epoch (then it starts from the reader's position)
+            await stream.pages_lost.wait()
+        if not self.wanted(stream):
+            return
         plan = self.plans[stream.key] = ReadPlan(self, stream)
         try:
             await plan.run()
@@ -304,7 +304,6 @@ class ReadPlanner:
         finally:
             if plan.closed and self.plans.get(stream.key) is plan:
                 del self.plans[stream.key]
-        return plan.pages_serve
 
     def _reserve(self, n: int) -> None:
         self.held += n
@@ -332,7 +331,6 @@ class ReadPlan:
         self.held = 0  # bytes this plan reserved
         self.ready: dict[int, _Ready] = {}
         self.inflight: dict[int, trio.Event] = {}
-        self.pages_serve = False  # stopped because the kernel's pages serve the opens
         # inodes whose open waits in take() for their batch: the reader's position already
         # moved past them (note_open runs before the open loads), so _drop_behind must
         # leave their records for the open
@@ -413,17 +411,14 @@ class ReadPlan:
         self.members = await trio.to_thread.run_sync(frozenset, self.inos)
         self._progressed()
         while not self.closed:
-            if self.stream.pages_found.is_set():
-                # its opens stopped READing: the kernel's pages serve them (seen at the
-                # next open's poke at the latest); what is read ahead would not be asked
-                log.info("stream %s: the kernel's page cache serves its opens: the read "
-                         "plan stops", self.stream.key)
-                self.pages_serve = True
-                return
             if self._progressed():
                 self.idle = False
             self._drop_behind()
-            batch = [] if self.idle else self._collect()
+            # paused while the kernel's pages serve the epoch's opens (what it would read
+            # ahead would not be asked for); what it holds is taken or dropped as the
+            # reader passes. READs coming back resume it from the reader's position.
+            paused = self.stream.pages_served
+            batch = [] if self.idle or paused else self._collect()
             if batch:
                 await self._read(batch)
                 continue
@@ -483,7 +478,7 @@ class ReadPlan:
         lead = pl.lead
         if not s.pages_judged and s.position < FIRST_LEAD:
             # the epoch's first opens tell whether the kernel's pages serve it
-            # (pages_found): until then, read only a little ahead of them, not a whole
+            # (pages_served): until then, read only a little ahead of them, not a whole
             # small dataset the kernel may hold already
             lead = min(lead, FIRST_LEAD)
         out: list[tuple[int, Want]] = []
@@ -494,7 +489,8 @@ class ReadPlan:
             p = self.next
             ino = self.inos[self.order[p]]
             if (not ino or self.consumed[p] or ino in self.ready or ino in self.inflight
-                    or ino in seen):
+                    or ino in seen or ino in eng.readahead):
+                # (held in memory already: fetched ahead, its open takes those bytes)
                 self.next += 1
                 continue
             rec = eng.versions.servable(ino)  # any version: take() compares records

@@ -227,6 +227,12 @@ class NextEpochLog:
 
     # ----- loop side ------------------------------------------------------------------
 
+    def wants(self, ino: int) -> bool:
+        """Whether ``ino``'s slot is still to be written from the bytes its open is
+        served (:meth:`consumed`): such an open loads them at open, not lazily."""
+        slot = self.slots.get(ino)
+        return slot is not None and not slot.written and not self.failed
+
     def consumed(self, ino: int, data: bytes | memoryview, ident: Identity) -> None:
         """The reader was just served ``data`` for ``ino``: queue it for its slot."""
         slot = self.slots.get(ino)

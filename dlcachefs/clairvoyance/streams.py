@@ -95,6 +95,9 @@ log = logging.getLogger(__name__)
 #: (Stream.pages_served)
 PAGED_MIN_OPENS = 32
 PAGED_READ_EVERY = 10
+#: within an epoch, a window of PAGED_MIN_OPENS outcomes with at most one READ in this
+#: many starts pages_served (a stricter bound than the one that ends it: hysteresis)
+PAGED_FOUND_EVERY = 30
 
 MAX_SAMPLE_LISTS = 4  # sample lists kept (train and val views of the jobs, a guess)
 MAX_GUESSES = 8  # directories listed ahead of an announcement, per mount
@@ -178,15 +181,16 @@ class Stream:
     cached_opens: int = 0
     cached_reads: int = 0
     pages_served: bool = False
-    # the last PAGED_MIN_OPENS of them: READs coming back (the kernel dropped the pages)
-    # end pages_served at once, and the epoch's read plan starts (pages_lost); none coming
-    # (the kernel holds what the last epoch read) start it at once, and the plan stops
-    # (pages_found): the epoch after the first one read whole read it again from the
-    # logs, for opens the kernel served
+    # the last PAGED_MIN_OPENS of them whose outcome is known (READ, or released without
+    # one): READs coming back (the kernel dropped the pages) end pages_served at once, and
+    # the epoch's read plan starts (pages_lost) or resumes; hardly any (at most one in
+    # PAGED_FOUND_EVERY: the kernel holds what the last epoch read) start it, and the plan
+    # pauses (it read the epoch after the first one whole again, for opens the kernel
+    # served). The stricter bound to start it keeps a kernel that holds most pages from
+    # flipping the verdict at every window.
     recent_opens: int = 0
     recent_reads: int = 0
     pages_lost: trio.Event = field(default_factory=trio.Event)
-    pages_found: trio.Event = field(default_factory=trio.Event)
     pages_judged: bool = False  # a window of this epoch's opens was judged (a read plan
     # reads only a little ahead until then: readplan.FIRST_LEAD)
 
@@ -231,36 +235,44 @@ class Stream:
                              and r * PAGED_READ_EVERY <= n)
         self.cached_opens = self.cached_reads = self.recent_opens = self.recent_reads = 0
         self.pages_lost = trio.Event()
-        self.pages_found = trio.Event()
         self.pages_judged = False
 
     def note_cached_open(self) -> None:
         """An open of a cached file whose bytes could be loaded lazily (see
-        ``pages_served``); every PAGED_MIN_OPENS of them, a page-served epoch whose READs
-        came back (more than one in PAGED_READ_EVERY) is served so no longer, and one
-        whose READs stopped coming (at most one in PAGED_READ_EVERY) is served so from
-        now on. Each change sets its event (``pages_lost``, ``pages_found``) and renews
-        the other one. (A READ comes after its open's answer: the few opens still to be
-        READ when a window is judged are counted in the next one.)"""
+        ``pages_served``): counted for the epoch's verdict; its outcome, a READ
+        (:meth:`note_cached_read`) or none (:meth:`note_unread`), is counted in the
+        current window."""
         self.cached_opens += 1
-        self.recent_opens += 1
-        if self.recent_opens >= PAGED_MIN_OPENS:
-            self.pages_judged = True
-            read_back = self.recent_reads * PAGED_READ_EVERY > self.recent_opens
-            if self.pages_served and read_back:
-                self.pages_served = False
-                self.pages_lost.set()
-                self.pages_found = trio.Event()
-            elif not self.pages_served and not read_back:
-                self.pages_served = True
-                self.pages_found.set()
-                self.pages_lost = trio.Event()
-            self.recent_opens = self.recent_reads = 0
 
     def note_cached_read(self) -> None:
         """The first READ of such an open: the kernel's pages did not serve it."""
         self.cached_reads += 1
         self.recent_reads += 1
+        self._judge()
+
+    def note_unread(self) -> None:
+        """Such an open was released with no READ: the kernel's pages served it."""
+        self._judge()
+
+    def _judge(self) -> None:
+        """One more outcome in the window; every PAGED_MIN_OPENS of them, a page-served
+        stream whose READs came back (more than one in PAGED_READ_EVERY) is served so no
+        longer (``pages_lost`` set), and one whose READs hardly come (at most one in
+        PAGED_FOUND_EVERY) is served so from now on (its plan pauses). Outcomes, not
+        opens: many opens answered before their READs come (a loader with many threads)
+        would look served."""
+        self.recent_opens += 1
+        if self.recent_opens < PAGED_MIN_OPENS:
+            return
+        self.pages_judged = True
+        if self.pages_served and self.recent_reads * PAGED_READ_EVERY > self.recent_opens:
+            self.pages_served = False
+            self.pages_lost.set()
+        elif (not self.pages_served
+              and self.recent_reads * PAGED_FOUND_EVERY <= self.recent_opens):
+            self.pages_served = True
+            self.pages_lost = trio.Event()
+        self.recent_opens = self.recent_reads = 0
 
     def stats(self) -> dict:
         hi = min(self.prefetched_upto, len(self.order))
