@@ -168,6 +168,54 @@ def test_an_epoch_is_page_served_when_its_cached_opens_came_without_reads(opens,
     assert s.pages_served is False  # an epoch with no opens of cached files tells nothing
 
 
+def opens(s: Stream, n: int, read: int) -> None:
+    """``n`` opens of cached files, the first ``read`` of them READ, the others released
+    with no READ (the kernel's pages served them)."""
+    for i in range(n):
+        s.note_cached_open()
+        if i < read:
+            s.note_cached_read()
+        else:
+            s.note_unread()
+
+
+def test_reads_that_stop_coming_make_an_epoch_page_served_at_once():
+    """The kernel holds what the last epoch read (its READs filled the pages): once a
+    window of 32 opens has at most one READ, the epoch is taken as page-served (its plan
+    pauses); 2 or 3 READs in 32 change nothing either way (hysteresis: a kernel holding
+    most pages does not turn the verdict at every window)."""
+    s = Stream("j", 0)
+    s.end_page_count()
+    assert not s.pages_served and not s.pages_judged
+    opens(s, 31, 0)
+    assert not s.pages_served and not s.pages_judged  # a window is 32 outcomes
+    opens(s, 1, 0)
+    assert s.pages_served and s.pages_judged
+    opens(s, 32, 3)  # not enough to end it
+    assert s.pages_served
+    opens(s, 32, 4)
+    assert not s.pages_served and s.pages_lost.is_set()
+    opens(s, 32, 2)  # not enough to start it again
+    assert not s.pages_served
+    opens(s, 32, 1)
+    assert s.pages_served and not s.pages_lost.is_set()  # renewed for the next loss
+    s.end_page_count()
+    assert not s.pages_judged
+
+
+def test_an_open_counts_once_its_outcome_is_known():
+    """Opens answered before their READs come (a loader with many threads) are not taken
+    for page-served: a window counts outcomes (a READ, or a release without one)."""
+    s = Stream("j", 0)
+    s.end_page_count()
+    for _ in range(64):
+        s.note_cached_open()  # 64 opens in flight, no outcome yet
+    assert not s.pages_served and not s.pages_judged
+    for _ in range(32):
+        s.note_cached_read()
+    assert not s.pages_served and s.pages_judged
+
+
 def test_reads_coming_back_end_a_page_served_epoch_at_once():
     """The kernel dropped the pages mid-epoch (a pause, memory pressure): as soon as READs
     come back for more than one open in ten, the epoch is no longer taken as page-served,
@@ -176,15 +224,9 @@ def test_reads_coming_back_end_a_page_served_epoch_at_once():
     s.cached_opens = 100
     s.end_page_count()
     assert s.pages_served and not s.pages_lost.is_set()
-    for i in range(32):  # 32 opens, 3 of them READ: still served by the pages
-        s.note_cached_open()
-        if i < 3:
-            s.note_cached_read()
+    opens(s, 32, 3)  # 32 opens, 3 of them READ: still served by the pages
     assert s.pages_served and not s.pages_lost.is_set()
-    for i in range(32):  # then 4 of 32 READ
-        s.note_cached_open()
-        if i < 4:
-            s.note_cached_read()
+    opens(s, 32, 4)  # then 4 of 32 READ
     assert not s.pages_served and s.pages_lost.is_set()
     s.cached_opens = 100
     s.end_page_count(same_dataset=False)  # another dataset: nothing known of its pages

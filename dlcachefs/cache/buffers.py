@@ -52,6 +52,10 @@ class Backlog:
     def __contains__(self, ino: int) -> bool:
         return ino in self._files
 
+    def holds_firmly(self, ino: int) -> bool:
+        """Held, and not as a spare (a spare may be let go before its open comes)."""
+        return ino in self._files and ino not in self._spare
+
     def __bool__(self) -> bool:
         return bool(self._files)
 
@@ -107,6 +111,7 @@ class ReadAhead:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.bytes = 0
+        self.spare_bytes = 0  # of them, the spares
         self._files: dict[int, ReadyFile] = {}
         # files held on a guess whose bytes are in the cache as well, oldest first (with
         # when they came): the first to go when room is asked for, and after SPARE_S
@@ -116,8 +121,15 @@ class ReadAhead:
     def __contains__(self, ino: int) -> bool:
         return ino in self._files
 
+    def holds_firmly(self, ino: int) -> bool:
+        """Held, and not as a spare (a spare may be let go before its open comes)."""
+        return ino in self._files and ino not in self._spare
+
     def has_room(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more fit; spare files are let go, oldest first, to make room."""
+        """Whether ``nbytes`` more fit; spare files are let go, oldest first, to make room
+        (none when that would not be enough)."""
+        if self.bytes - self.spare_bytes + nbytes > self.limit:
+            return False
         while self.bytes + nbytes > self.limit and self._spare:
             self._pop(next(iter(self._spare)))
         return self.bytes + nbytes <= self.limit
@@ -132,6 +144,7 @@ class ReadAhead:
         self.bytes += len(data)
         if spare:
             self._spare[ino] = time.monotonic()
+            self.spare_bytes += len(data)
 
     def drop_old_spares(self, age_s: float = SPARE_S) -> None:
         """Let go of the spares held longer than ``age_s`` (an idle daemon does not keep
@@ -156,5 +169,7 @@ class ReadAhead:
         f = self._files.pop(ino, None)
         if f is not None:
             self.bytes -= len(f.data)
-            self._spare.pop(ino, None)
+            if ino in self._spare:
+                del self._spare[ino]
+                self.spare_bytes -= len(f.data)
         return f

@@ -123,6 +123,8 @@ class Handle:
     first_open: bool = False  # no earlier open of its file in this mount: the kernel
                               # holds none of its pages
     read_end: int = 0  # the end of the furthest READ of its bytes
+    keep_partial: bool = True  # READ in part only, its bytes are kept for the next open
+                               # (not for an epoch read from its own laid-out log)
 
 
 class InoBits:
@@ -451,6 +453,7 @@ class Engine:
             if stream is not None:
                 stream.note_cached_open()
                 lazy.stream = stream
+                lazy.keep_partial = stream.current_log is None
                 lazy.cache_refetch = not stream.memory_prefetch
                 self._note_served(stream, ino, pid, t0, True)
             return OpenResult(self._new_fh(lazy), keep_cache=True, direct_io=False, entry=e)
@@ -469,7 +472,8 @@ class Engine:
         # mount layer may give a first open's pages to the kernel and keep them
         # (pages_for_kernel: the kernel holds no page of a file never opened)
         changed = self._bypass_pages(ino)
-        h = Handle(ino, memoryview(data), cached, first_open=first_open)
+        h = Handle(ino, memoryview(data), cached, first_open=first_open,
+                   keep_partial=stream is None or stream.current_log is None)
         if not changed:
             # its READs fill the kernel's pages, shared with every open of the file: each
             # checks first that no newer version is known, as a lazy handle's do; a
@@ -519,7 +523,8 @@ class Engine:
         Only for a current record that nothing else at open needs: not a file fetched
         ahead, nor one whose record the read plan holds or is reading (their bytes are in
         memory already and must be taken), not one whose slot in the next epoch's log is
-        still to be written from the bytes its open is served, not a file that changed
+        still to be written from the bytes its open is served (nor any open of a stream
+        that reads its own laid-out log while writing the next), not a file that changed
         during the mount (direct_io: its READs always come). A sample of a planned epoch that the plan does not hold
         (opened again in the epoch, its bytes handed to the first open; or the reader
         got ahead of the plan) is lazy too: a loader that opens each sample twice (the
@@ -530,7 +535,10 @@ class Engine:
         if ino in self.ns.changed or ino in self.readahead:
             return None
         if stream is not None:
-            if stream.next_log is not None and stream.next_log.wants(ino):
+            nl = stream.next_log
+            if nl is not None and (nl.wants(ino) or stream.current_log is not None):
+                # (an epoch read from its own laid-out log loads at open: its chunks are
+                # read ahead in order, and a lazy READ would read a record alone)
                 return None
             cur = stream.current_log
             if cur is not None and cur.release_after_use:
@@ -545,7 +553,7 @@ class Engine:
         if not self.versions.is_current(ino, rec, ident):
             return None
         assert rec is not None
-        whole = not self.plans.reads_records(stream) and not self.plans.pending(stream)
+        whole = not self.plans.reads_records(stream, ino) and not self.plans.pending(stream)
         return Handle(ino, None, True, ident=ident, paged=True, rec=rec, whole=whole,
                       seen=seen)
 
@@ -619,7 +627,7 @@ class Engine:
                     self.counters.planned_hits += 1
                     self.reader.after_use(rec.chunk_id, e.ino)
                     return data, True, False, False, e
-            whole = (plan is None and not self.plans.reads_records(stream)
+            whole = (plan is None and not self.plans.reads_records(stream, e.ino)
                      and not self.plans.pending(stream))
             data = await self.reader.read_record(e.ino, rec, whole=whole)
             if data is not None:
@@ -747,15 +755,21 @@ class Engine:
         if h.stream is not None:  # counted for its stream's verdict, and no READ came
             h.stream.note_unread()
             h.stream = None
-        if (h.data is not None and h.was_read and h.cached and h.paged
+        if (h.data is not None and h.was_read and h.cached and h.paged and h.keep_partial
                 and h.ident is not None and 0 < h.read_end < len(h.data)
+                and len(h.data) <= self.readahead.limit // 4
                 and h.ino not in self.readahead and self.readahead.has_room(len(h.data))):
             # the kernel READ only the head of the file (a header check: the reader's
             # 16 bytes and the kernel's read-ahead around them): the open that follows
-            # to read it all takes these bytes, not its record from the cache disk again.
-            # A spare: the first to go when room is wanted, and after a minute.
-            self.readahead.put(h.ino, h.ident, None, h.data, RELEASED_OWNER, cached=True,
-                               spare=True)
+            # to read it all takes these bytes, not its record from the cache disk again
+            # (a small file: a quarter of the read-ahead set at most). Not in an epoch
+            # read from its own laid-out log: its chunks are read ahead in order, and
+            # a loader's partial reads (PIL stops at a JPEG's end marker) would keep
+            # most files of the epoch in memory a second time.
+            # A spare: the first to go when room is wanted, and after a minute. A copy:
+            # the view may be of a larger buffer (a read plan's batch) it would keep.
+            self.readahead.put(h.ino, h.ident, None, bytes(h.data), RELEASED_OWNER,
+                               cached=True, spare=True)
         if h.cached and not h.was_read and h.paged:
             self.counters.page_cache_opens += 1
         if h.rec is not None and not h.was_read:

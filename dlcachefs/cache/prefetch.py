@@ -65,7 +65,9 @@ class Prefetcher:
         memory tier, when whole chunks are being read); True if it was fetched."""
         e = await self.ns.fresh_file(ino)
         if (e.size > self.cfg.max_cached_file or self.fetcher.in_flight(ino)
-                or ino in self.readahead):
+                or self.readahead.holds_firmly(ino)):
+            # (a spare, kept on a guess or for a header check's next open, may be let go
+            # before the open: its chunk is still preloaded)
             return False
         if self.versions.is_cached(ino, identity(e)):
             # a plan reads it ahead instead; or the kernel's pages serve the stream

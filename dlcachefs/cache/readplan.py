@@ -263,12 +263,17 @@ class ReadPlanner:
         if p is not None:
             p.poke()
 
-    def reads_records(self, stream) -> bool:
-        """Whether this stream's epoch is read record by record (a known order and no log
-        laid out for it, served by pages or not): its chunks are never read whole for
-        one open (a probe would read records the plan reads, or the kernel holds)."""
-        return (stream is not None and stream.samples is not None and bool(stream.order)
-                and stream.current_log is None)
+    def reads_records(self, stream, ino: int) -> bool:
+        """Whether ``ino`` is a sample of a stream's epoch read record by record (a known
+        order and no log laid out for it, served by pages or not): its chunk is never
+        read whole for one open (a probe would read records the plan reads, or the
+        kernel holds). Not a file outside the dataset (a validation set the same
+        process reads keeps the ordinary path), nor before a plan listed the members."""
+        if (stream is None or stream.samples is None or not stream.order
+                or stream.current_log is not None):
+            return False
+        members = stream.samples.members()
+        return members is not None and ino in members
 
     def wanted(self, stream) -> bool:
         """Whether this stream's epoch should be read through a plan: its order is known
@@ -285,9 +290,10 @@ class ReadPlanner:
         old = self.plans.pop(stream.key, None)
         if old is not None:
             old.close()
-        if stream.pages_served and not self.wanted(stream):
+        while stream.pages_served and not self.wanted(stream):
             # the kernel's pages served the last epoch: no plan unless READs come back
-            # this epoch (then it starts from the reader's position)
+            # this epoch (then it starts from the reader's position; the verdict may have
+            # turned again before this task ran)
             await stream.pages_lost.wait()
         if not self.wanted(stream):
             return
@@ -408,7 +414,7 @@ class ReadPlan:
     # ----- the task -------------------------------------------------------------------
 
     async def run(self) -> None:
-        self.members = await trio.to_thread.run_sync(frozenset, self.inos)
+        self.members = await trio.to_thread.run_sync(self.stream.samples.build_members)
         self._progressed()
         while not self.closed:
             if self._progressed():
