@@ -303,6 +303,8 @@ class Operations(pyfuse3.Operations):
         r = await self.engine.open(inode, ctx.pid)
         e = r.entry
         keep_cache, direct_io = r.keep_cache, r.direct_io
+        if inode in self.ns.changed:
+            self._drop_kernel_attrs(inode)
         if e is not None:  # (None: a mount's engine that does not say; see _fresh)
             ident = identity(e)
             held = self._open.get(inode)
@@ -328,6 +330,22 @@ class Operations(pyfuse3.Operations):
                 held.opened(e)
             self._fh_ino[r.fh] = (inode, ident)
         return pyfuse3.FileInfo(fh=r.fh, keep_cache=keep_cache, direct_io=direct_io)
+
+    def _drop_kernel_attrs(self, inode: int) -> None:
+        """The file changed on the source and the kernel was not told yet (its
+        invalidation is queued for the worker): it may still hold the older version's
+        attributes, and ``fstat`` on this open would give the older size (measured: 47 in
+        40,020 open + fstat + read of files replaced every 20 ms, ``--revalidate 1``;
+        ``numpy.fromfile`` then read the new version cut at the old size). So its
+        attributes go now, before the open is answered: the reader's ``fstat`` asks
+        GETATTR. Attributes only (no page is locked or dropped), so this may run inside
+        the OPEN (libfuse's rule names no open among the requests it must not run in);
+        the pages go with the queued invalidation."""
+        try:
+            pyfuse3.invalidate_inode(inode, True)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:  # ENOENT: the kernel holds nothing of it
+                log.debug("invalidating the attributes of inode %d: %s", inode, exc)
 
     def _store_pages(self, inode: int, fh: int, e: Entry) -> bool:
         """Give the kernel's page cache the bytes the open holds already
