@@ -23,12 +23,30 @@ def dataset(seed: int = 3) -> dict[bytes, bytes]:
             for c in range(3) for i in range(10)}
 
 
+def make_setup(tmp_path, files: dict[bytes, bytes], **kw):
+    """``files`` written to a source under ``tmp_path``, and a config over it (16 KiB
+    chunks, no next-epoch logs unless ``kw`` says otherwise)."""
+    src = tmp_path / "src"
+    write_tree(src, files)
+    kw = {"chunk_size": 16 << 10, "reorder": False, **kw}
+    return make_config(src, tmp_path / "cache", **kw), files
+
+
 @pytest.fixture
 def setup(tmp_path):
-    src, cache = tmp_path / "src", tmp_path / "cache"
-    files = dataset()
-    write_tree(src, files)
-    return make_config(src, cache, chunk_size=16 << 10, reorder=False), files
+    return make_setup(tmp_path, dataset())
+
+
+async def read_whole(eng, ino: int, step: int = 1 << 20) -> bytes:
+    """open (as the reader's process) + READs of ``step`` bytes to the end + release."""
+    h = await eng.open(ino, PID)
+    try:
+        out = bytearray()
+        while piece := await eng.read(h.fh, len(out), step):
+            out += piece
+    finally:
+        eng.release(h.fh)
+    return bytes(out)
 
 
 class Reader:
@@ -72,14 +90,7 @@ class Reader:
     async def read_next(self) -> None:
         ino = self.ino_at(self.pos)
         self.pos += 1
-        h = await self.eng.open(ino, PID)
-        try:
-            out = bytearray()
-            while piece := await self.eng.read(h.fh, len(out), 1 << 20):
-                out += piece
-        finally:
-            self.eng.release(h.fh)
-        assert bytes(out) == self.files[self.by_ino[ino]]
+        assert await read_whole(self.eng, ino) == self.files[self.by_ino[ino]]
 
     async def read_rest(self) -> None:
         while self.pos < len(self.stream.order):
@@ -179,13 +190,11 @@ def test_plan_of_a_stopped_reader_gives_its_memory_back(setup):
 
 def big_setup(tmp_path, per_class: int = 60):
     """More files than a plan reads ahead before its epoch's pages are judged."""
-    src, cache = tmp_path / "src", tmp_path / "cache"
     rng = random.Random(11)
     files = {b"train/c%d/%03d.jpg" % (c, i): rng.randbytes(rng.randrange(500, 2000))
              for c in range(3) for i in range(per_class)}
-    write_tree(src, files)
     assert len(files) > 2 * readplan.FIRST_LEAD
-    return make_config(src, cache, chunk_size=16 << 10, reorder=False), files
+    return make_setup(tmp_path, files)
 
 
 async def open_unread(eng, ino: int) -> None:
@@ -351,10 +360,7 @@ def test_a_next_epoch_log_does_not_keep_a_second_open_from_being_lazy(tmp_path):
     open is served: an open whose slot is still to be written loads its bytes at open;
     a second open of the sample (its slot written by the first) is lazy, and the kernel's
     pages serve it with nothing read from the cache disk."""
-    src, cache = tmp_path / "src", tmp_path / "cache"
-    files = dataset()
-    write_tree(src, files)
-    cfg = make_config(src, cache, chunk_size=16 << 10, reorder=True, reorder_min=0)
+    cfg, files = make_setup(tmp_path, dataset(), reorder=True, reorder_min=0)
 
     async def body(eng):
         r = Reader(eng, files)
@@ -378,10 +384,7 @@ def test_a_next_epoch_log_does_not_keep_a_second_open_from_being_lazy(tmp_path):
 def test_bytes_kept_for_the_next_open_are_never_an_older_version(tmp_path):
     """A header check keeps the file's bytes for the open that follows; the file changes
     on the source in between: that open gets the new version, never the kept bytes."""
-    src, cache = tmp_path / "src", tmp_path / "cache"
-    files = dataset()
-    write_tree(src, files)
-    cfg = make_config(src, cache, chunk_size=16 << 10, reorder=False, revalidate=0)
+    cfg, files = make_setup(tmp_path, dataset(), revalidate=0)
 
     async def body(eng):
         r = Reader(eng, files)
@@ -397,15 +400,8 @@ def test_bytes_kept_for_the_next_open_are_never_an_older_version(tmp_path):
             eng.release(h.fh)
         assert ino in eng.readahead  # kept for the next open
         new = b"new version " * 500
-        write_tree(src, {rel: new})
-        h = await eng.open(ino, PID)
-        try:
-            out = bytearray()
-            while piece := await eng.read(h.fh, len(out), 1000):
-                out += piece
-        finally:
-            eng.release(h.fh)
-        assert bytes(out) == new
+        write_tree(tmp_path / "src", {rel: new})
+        assert await read_whole(eng, ino, 1000) == new
 
     run_engine(cfg, body)
 
@@ -433,14 +429,7 @@ def test_a_header_check_then_a_read_reads_the_record_once(setup):
             finally:
                 eng.release(h.fh)
             before = eng.logs.bytes_read
-            h = await eng.open(ino, PID)  # then the whole file
-            try:
-                out = bytearray()
-                while piece := await eng.read(h.fh, len(out), 1000):
-                    out += piece
-            finally:
-                eng.release(h.fh)
-            assert bytes(out) == want
+            assert await read_whole(eng, ino, 1000) == want  # then the whole file
             assert eng.logs.bytes_read == before, r.pos
         size = sum(len(v) for v in files.values())
         assert eng.logs.bytes_read - read0 <= size / readplan.MIN_USEFUL + 4096

@@ -525,12 +525,13 @@ class Engine:
         memory already and must be taken), not one whose slot in the next epoch's log is
         still to be written from the bytes its open is served (nor any open of a stream
         that reads its own laid-out log while writing the next), not a file that changed
-        during the mount (direct_io: its READs always come). A sample of a planned epoch that the plan does not hold
-        (opened again in the epoch, its bytes handed to the first open; or the reader
-        got ahead of the plan) is lazy too: a loader that opens each sample twice (the
-        raw bytes, then PIL) read every record twice from the cache disk, once for pages
-        the kernel already had. A stream whose epoch is read record by record
-        (``plans.reads_records``) never reads a whole chunk for one READ."""
+        during the mount (direct_io: its READs always come). A sample of a planned epoch
+        that the plan does not hold (opened again in the epoch, its bytes handed to the
+        first open; or the reader got ahead of the plan) is lazy too: a loader that opens
+        each sample twice (the raw bytes, then PIL) read every record twice from the
+        cache disk, once for pages the kernel already had. A sample of an epoch read
+        record by record (``plans.reads_records``) never has its whole chunk read for one
+        READ."""
         ino = e.ino
         if ino in self.ns.changed or ino in self.readahead:
             return None

@@ -37,8 +37,8 @@ reader, inside a bounded window, and reads exactly the records it will ask for:
   last epoch read: ``Stream.pages_served`` turns on, judged every ``PAGED_MIN_OPENS``
   opens' outcomes) pauses its plan: it reads nothing more ahead, and what it holds is
   taken or dropped as the reader passes; READs coming back resume it from the reader's
-  position. An epoch that starts so served gets no plan until READs come back (``pages_lost``).
-  Until its first window is judged a plan reads at most ``FIRST_LEAD`` positions ahead
+  position. An epoch that starts so served gets no plan until READs come back
+  (``pages_lost``). Until its first window is judged a plan reads at most ``FIRST_LEAD`` positions ahead
   (a dataset that fits in the budget would otherwise be read whole at once, for pages
   the kernel may hold).
 * **Idle**: a plan holding memory whose reader made no progress (its position did not
