@@ -21,6 +21,7 @@ the same ratio from the stats alone).
     python -m bench.amplification --core-rev c444447    # the daemon of a revision
     python -m bench.amplification --venv /work/main/.venv   # another checkout's code
     python -m bench.amplification --opens 2 [--keep-pages]   # a loader that opens twice
+    python -m bench.amplification --generator           # a seeded generator (LCache's logs)
 
 Every sample's bytes are hashed in the training script and compared with the source's:
 a difference exits with status 1.
@@ -47,6 +48,7 @@ import hashlib, json, os, sys, time, torch
 from torchvision import datasets, transforms
 root, epochs, mnt = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 twice, keep = "twice" in sys.argv[4:], "keep" in sys.argv[4:]
+gen = "generator" in sys.argv[4:]
 digests = {}
 def loader(path):
     if twice:  # a header check first, as loaders that validate their files do
@@ -66,7 +68,8 @@ class Tracked(datasets.ImageFolder):
 ds = Tracked(root, loader=loader, transform=transforms.Compose(
     [transforms.Resize((16, 16)), transforms.ToTensor()]))
 torch.manual_seed(3)
-dl = torch.utils.data.DataLoader(ds, batch_size=32, shuffle=True, num_workers=2)
+dl = torch.utils.data.DataLoader(ds, batch_size=32, shuffle=True, num_workers=2,
+                                 generator=torch.Generator().manual_seed(5) if gen else None)
 stats_path = os.path.join(mnt, ".dlcache", "stats")
 def stats():
     with open(stats_path) as f:
@@ -102,9 +105,9 @@ print(json.dumps(out))
 '''
 
 COUNTERS = ("chunk_reads", "sequential_chunk_reads", "chunk_preloads", "record_reads",
-            "record_preloads", "planned_reads", "planned_records", "planned_bytes", "planned_hits",
-            "cache_disk_bytes_read", "hits", "misses", "bytes_from_source",
-            "bytes_from_cache")
+            "record_preloads", "fill_reads", "planned_reads", "planned_records", "planned_bytes", "planned_hits",
+            "cache_disk_bytes_read", "cache_disk_bytes_read_back", "hits", "misses",
+            "bytes_from_source", "bytes_from_cache")
 
 
 def log(msg: str) -> None:
@@ -138,10 +141,11 @@ def run(a: argparse.Namespace) -> dict:
         with open(script, "w") as f:
             f.write(TRAIN)
         mnt, cache = os.path.join(work, "mnt"), os.path.join(work, "cache")
-        args = ["--chunk-size", a.chunk_size, "--memory", a.memory]
+        args = ["--chunk-size", a.chunk_size, "--memory", a.memory, *a.mount_arg]
         with DlcMount(a.dataset, mnt, cache, args, exe=exe) as m:
             log(f"mounted with {' '.join(args)} ({exe})")
-            flags = (["twice"] if a.opens == 2 else []) + (["keep"] if a.keep_pages else [])
+            flags = ((["twice"] if a.opens == 2 else []) + (["keep"] if a.keep_pages else [])
+                     + (["generator"] if a.generator else []))
             r = subprocess.run([py, "-m", "dlcachefs.cli", "run", "--", py, script,
                                 os.path.join(mnt, "train"), str(a.epochs), mnt, *flags],
                                capture_output=True, text=True, timeout=1800, cwd=work)
@@ -150,6 +154,8 @@ def run(a: argparse.Namespace) -> dict:
             epochs = json.loads(r.stdout.strip().splitlines()[-1])
             final = m.stats()
     finally:
+        if a.keep_log and os.path.exists(os.path.join(work, "cache", "dlcachefs.log")):
+            shutil.copy(os.path.join(work, "cache", "dlcachefs.log"), a.keep_log)
         shutil.rmtree(work, ignore_errors=True)
     rows = []
     ok = True
@@ -170,7 +176,7 @@ def run(a: argparse.Namespace) -> dict:
             f"{d['record_reads']}, planned_reads {d.get('planned_reads', '-')}")
     return {"core": core, "files": len(truth), "dataset_bytes": total,
             "chunk_size": a.chunk_size, "memory": a.memory, "opens": a.opens,
-            "keep_pages": a.keep_pages, "epochs": rows,
+            "keep_pages": a.keep_pages, "generator": a.generator, "epochs": rows,
             "bytes_equal_source": ok, "final_streams": final.get("streams")}
 
 
@@ -192,8 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-pages", action="store_true",
                    help="keep the page cache between epochs (a dataset that fits in RAM: "
                         "the kernel serves what the last epoch read)")
+    p.add_argument("--generator", action="store_true",
+                   help="the DataLoader has its own seeded generator: every epoch's order is "
+                        "known ahead, so the next epoch's log is laid out in its order")
     p.add_argument("--core-rev", metavar="REV",
                    help="run the daemon from this git revision (git archive)")
+    p.add_argument("--mount-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument of the mount (repeat; --mount-arg=--flag=VALUE)")
+    p.add_argument("--keep-log", metavar="FILE", help="copy the daemon's log here")
     p.add_argument("--out", help="also write the JSON here")
     a = p.parse_args(argv)
     out = run(a)

@@ -151,6 +151,39 @@ def test_memory_tier_stores_no_chunk_larger_than_the_room_reservations_leave():
     assert 3 in t and t.bytes + t.reserved <= t.limit
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["put", "want", "unwant", "get"]),
+                          st.integers(0, 7), st.integers(5, 40)), max_size=60))
+def test_memory_tier_evicts_a_chunk_a_reader_wants_only_when_nothing_else_is_left(ops):
+    """A stream's reader needs the chunks it ``want``s (loaded ahead of it, or being read
+    by one of its loader workers): eviction takes the least recently used chunk nobody
+    wants first (plain LRU evicted them before their records were read: a laid-out log
+    read twice); the byte limit holds whatever the order of operations."""
+    from collections import Counter
+
+    from dlcachefs.cache.memtier import ChunkBuf, MemoryTier
+
+    t = MemoryTier(100)
+    wanted: Counter[int] = Counter()
+    for op, cid, size in ops:
+        if op == "put":
+            before = {c: len(t._d[c].data) for c in t._d}
+            t.put(ChunkBuf(cid, 0, b"x" * size, True))
+            gone = [c for c in before if c not in t and c != cid]
+            kept_unwanted = [c for c in t._d if c != cid and not wanted[c]]
+            if any(wanted[c] for c in gone):
+                assert not kept_unwanted, (gone, kept_unwanted)
+        elif op == "want":
+            t.want(cid)
+            wanted[cid] += 1
+        elif op == "unwant" and wanted[cid]:
+            t.unwant(cid)
+            wanted[cid] -= 1
+        else:
+            t.get(cid)
+        assert t.bytes == sum(len(b.data) for b in t._d.values()) <= t.limit
+
+
 @pytest.mark.parametrize("opens,reads,served", [
     (0, 0, False), (31, 0, False),  # too few opens of cached files to tell
     (32, 0, True), (100, 10, True),  # the kernel's pages served (almost) all of them

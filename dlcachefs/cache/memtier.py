@@ -1,5 +1,13 @@
 """The memory tier: whole chunks recently read from the logs, bounded in bytes (LRU).
 
+A stream's prefetcher says which chunks its reader still needs (:meth:`MemoryTier.want`:
+the chunks of its next records, loaded ahead or being read); eviction takes the least
+recently used chunk nobody wants first. Plain LRU evicted what a reader was about to
+read: a chunk loaded ahead, or one a loader worker had left for a moment for the next
+chunk while another worker still had records to read in it, was touched *before* the
+chunks the reader had finished, and a log laid out in the epoch's order was read about
+twice whenever the dataset was larger than ``--memory``.
+
 Runs on the trio loop only (no locks). Planned reads (:mod:`dlcachefs.cache.readplan`) hold their
 bytes outside the tier but within the same ``--memory``: they ``reserve`` room, which
 evicts chunks, and the tier then keeps ``bytes + reserved <= limit``. A chunk here may be only partly trusted: when its
@@ -9,7 +17,7 @@ checked against the record's own checksum before it is served.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 
@@ -27,6 +35,7 @@ class MemoryTier:
         self.bytes = 0
         self.reserved = 0  # bytes held by planned reads, out of the same limit
         self._d: OrderedDict[int, ChunkBuf] = OrderedDict()
+        self._wanted: Counter[int] = Counter()  # chunk id -> streams whose reader needs it
 
     def __len__(self) -> int:
         return len(self._d)
@@ -60,10 +69,29 @@ class MemoryTier:
     def unreserve(self, n: int) -> None:
         self.reserved -= n
 
+    def want(self, chunk_id: int) -> None:
+        """A stream's reader will read records of this chunk: evicted last."""
+        self._wanted[chunk_id] += 1
+
+    def unwant(self, chunk_id: int) -> None:
+        n = self._wanted[chunk_id] - 1
+        if n > 0:
+            self._wanted[chunk_id] = n
+        else:
+            del self._wanted[chunk_id]
+
     def _evict(self, extra: int) -> None:
         while self._d and self.bytes + self.reserved + extra > self.limit:
-            _, old = self._d.popitem(last=False)
+            old = self._d.pop(self._victim())
             self.bytes -= len(old.data)
+
+    def _victim(self) -> int:
+        """The least recently used chunk no stream wants, else the least recently used."""
+        if self._wanted:
+            for cid in self._d:  # oldest first
+                if cid not in self._wanted:
+                    return cid
+        return next(iter(self._d))
 
     def discard(self, chunk_id: int) -> None:
         old = self._d.pop(chunk_id, None)

@@ -32,6 +32,7 @@ from dlcachefs.cache.stats import Counters
 from dlcachefs.cache.versions import Versions
 from dlcachefs.cache.writer import ChunkWriter
 from dlcachefs.config import Config
+from dlcachefs.store.schema import Chunk
 
 #: the owner of scan-ahead's files in the read-ahead set (no stream's epoch ends them)
 SCAN_OWNER = "scan-ahead"
@@ -94,6 +95,14 @@ class Prefetcher:
         stream.bytes_from_source += len(data)
         self.counters.prefetched += 1
         return True
+
+    def chunk_ahead(self, ino: int, stream) -> Chunk | None:
+        """The chunk :meth:`prefetch_one` would load whole into the memory tier for
+        ``ino`` (its cached record's), if any: the stream keeps its lead of such chunks
+        within the tier, so that none is evicted before its reader comes."""
+        if self.plans.wanted(stream) or stream.pages_served:
+            return None
+        return self.reader.chunk_to_preload(ino)
 
     async def scan_one(self, ino: int) -> tuple[int, bool]:
         """Fetch ``ino`` into the cache unless it is there or on its way; (bytes fetched,

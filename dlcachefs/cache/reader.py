@@ -209,6 +209,20 @@ class LogReader:
             return data, False
         return data, bad == 0
 
+    def _preloads_whole(self, c: Chunk) -> bool:
+        return (c.length <= self.memtier.limit // 3 and self.memtier.can_hold(c.length)
+                and self._reuse >= 2.0)
+
+    def chunk_to_preload(self, ino: int) -> Chunk | None:
+        """The chunk a :meth:`preload` of ``ino`` would have in the memory tier (loaded
+        whole now, or there already), if any: the stream's prefetcher keeps such chunks
+        within the tier until their last record is opened."""
+        rec = self.index.get_record(ino)
+        if rec is None:
+            return None
+        c = self.index.get_chunk(rec.chunk_id)
+        return c if c is not None and self._preloads_whole(c) else None
+
     async def preload(self, ino: int, owner: str) -> None:
         """Ahead of the reader: its chunk into the memory tier when whole chunks are being
         reused, else the record alone into the read-ahead set (the reader then never
@@ -220,8 +234,7 @@ class LogReader:
         if c is None or not self.writer.pin(c.chunk_id):
             return
         try:
-            if (c.length <= self.memtier.limit // 3 and self.memtier.can_hold(c.length)
-                    and self._reuse >= 2.0):
+            if self._preloads_whole(c):
                 if await self._load_chunk_into_memory(c) is not None:
                     self.counters.chunk_preloads += 1
             elif ino not in self.readahead and self.readahead.has_room(rec.size):

@@ -14,6 +14,9 @@ slightly out of order; that only leaves a few holes behind ``position`` for a mo
 
 Bounds: at most ``lead`` samples (and ``lead_bytes``) ahead of the reader, at most
 ``concurrency`` fetches in flight, and never faster than the chunk writer takes them.
+Chunks loaded whole into the memory tier ahead of the reader stay within the tier, from
+the chunk of the reader's position on, and are ``want``-ed there until the reader's
+position passes their last record (the tier evicts them last).
 
 Modes (``mode`` and ``reason`` of each stream in stats):
 
@@ -955,24 +958,54 @@ class StreamManager:
         lead_bytes = self.lead_bytes
         if s.memory_prefetch:
             lead_bytes = min(lead_bytes, self.engine.readahead.limit)
-        sizes_ahead = 0
-        window: list[tuple[int, int]] = []  # (position, size) prefetched, for lead_bytes
+        window: deque[tuple[int, int]] = deque()  # (position, size) prefetched, for lead_bytes
+        # chunks loaded whole into the memory tier ahead of the reader, in order: [last
+        # position needing it, chunk id, length]; they stay within the tier (less what
+        # read plans reserved), else the last ones evict the first before they are read
+        chunks: deque[list[int]] = deque()
+        mem = self.engine.memtier
+        try:
+            await self._prefetch_in(s, slots, lead_bytes, window, chunks)
+        finally:
+            for _, cid, _ in chunks:
+                mem.unwant(cid)
+
+    async def _prefetch_in(self, s: Stream, slots: trio.Semaphore, lead_bytes: int,
+                           window: deque[tuple[int, int]], chunks: deque[list[int]]) -> None:
+        sizes_ahead = chunk_bytes = 0
+        mem = self.engine.memtier
         async with trio.open_nursery() as nursery:
             for p in range(len(s.order)):
                 ino = s.samples.inos[s.order[p]]
                 size = self.engine.ns.size_of(ino) if ino else 0
-                # stay within `lead` samples and `lead_bytes` of the reader
+                c = self.engine.prefetcher.chunk_ahead(ino, s) if ino else None
+                # stay within `lead` samples and `lead_bytes` of the reader, and within
+                # the memory tier for chunks loaded whole
                 while True:
                     while window and window[0][0] < s.position:
-                        sizes_ahead -= window.pop(0)[1]
-                    if p - s.position < self.lead and (sizes_ahead + size <= lead_bytes
-                                                       or not window):
+                        sizes_ahead -= window.popleft()[1]
+                    while chunks and chunks[0][0] < s.position:
+                        _, cid, length = chunks.popleft()
+                        chunk_bytes -= length
+                        mem.unwant(cid)
+                    new = c is not None and not (chunks and chunks[-1][1] == c.chunk_id)
+                    fits = (not new or not chunks
+                            or chunk_bytes + c.length <= mem.limit - mem.reserved)
+                    if p - s.position < self.lead and fits and (
+                            sizes_ahead + size <= lead_bytes or not window):
                         break
                     await s.moved.wait()
                 await slots.acquire()
                 s.prefetched_upto = p + 1
                 window.append((p, size))
                 sizes_ahead += size
+                if c is not None:
+                    if chunks and chunks[-1][1] == c.chunk_id:
+                        chunks[-1][0] = p
+                    else:
+                        chunks.append([p, c.chunk_id, c.length])
+                        chunk_bytes += c.length
+                        mem.want(c.chunk_id)
                 nursery.start_soon(self._fetch_one, s, p, ino, slots)
 
     async def _fetch_one(self, s: Stream, p: int, ino: int, slots: trio.Semaphore) -> None:
