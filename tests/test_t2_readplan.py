@@ -158,30 +158,36 @@ def test_memory_tier_evicts_a_chunk_a_reader_wants_only_when_nothing_else_is_lef
     """A stream's reader needs the chunks it ``want``s (loaded ahead of it, or being read
     by one of its loader workers): eviction takes the least recently used chunk nobody
     wants first (plain LRU evicted them before their records were read: a laid-out log
-    read twice); the byte limit holds whatever the order of operations."""
-    from collections import Counter
-
+    read twice), and among wanted ones the one wanted last (the furthest ahead); the byte
+    limit holds and ``wanted_bytes`` counts each wanted chunk once, whatever the order of
+    operations."""
     from dlcachefs.cache.memtier import ChunkBuf, MemoryTier
 
     t = MemoryTier(100)
-    wanted: Counter[int] = Counter()
+    wanted: dict[int, list[int]] = {}  # chunk id -> [count, length], in first-wanted order
     for op, cid, size in ops:
         if op == "put":
-            before = {c: len(t._d[c].data) for c in t._d}
+            before = list(t._d)
             t.put(ChunkBuf(cid, 0, b"x" * size, True))
             gone = [c for c in before if c not in t and c != cid]
-            kept_unwanted = [c for c in t._d if c != cid and not wanted[c]]
-            if any(wanted[c] for c in gone):
-                assert not kept_unwanted, (gone, kept_unwanted)
+            if any(c in wanted for c in gone):
+                # nothing unwanted was left, and the wanted went furthest-ahead first
+                assert all(c in wanted for c in t._d if c != cid), (gone, list(t._d))
+                held = [c for c in wanted if c in before and c != cid]
+                assert [c for c in held if c in gone] == held[len(held) - len(
+                    [c for c in gone if c in wanted]):], (held, gone)
         elif op == "want":
-            t.want(cid)
-            wanted[cid] += 1
-        elif op == "unwant" and wanted[cid]:
+            t.want(cid, size)
+            wanted.setdefault(cid, [0, size])[0] += 1
+        elif op == "unwant" and cid in wanted:
             t.unwant(cid)
-            wanted[cid] -= 1
+            wanted[cid][0] -= 1
+            if not wanted[cid][0]:
+                del wanted[cid]
         else:
             t.get(cid)
         assert t.bytes == sum(len(b.data) for b in t._d.values()) <= t.limit
+        assert t.wanted_bytes == sum(length for _, length in wanted.values())
 
 
 @pytest.mark.parametrize("opens,reads,served", [
@@ -274,3 +280,32 @@ def test_an_epoch_over_another_dataset_starts_with_its_pages_unknown():
     assert same_dataset(train, train)
     assert same_dataset(train, SampleList("train", [], [1, 2], [0, 0], ["a", "b"]))
     assert not same_dataset(train, val) and not same_dataset(None, train)
+
+
+def test_chunks_ahead_of_two_streams_share_the_memory_tier():
+    """Each stream's chunks loaded ahead stay within the tier less what the other wants
+    (review: each took the whole tier, and with two ranks on a mount the chunks wanted
+    overflowed it); a chunk whose positions come in two runs is wanted and counted once
+    until the reader passes both."""
+    from dlcachefs.cache.memtier import MemoryTier
+    from dlcachefs.clairvoyance.streams import _ChunksAhead
+    from dlcachefs.store.schema import Chunk
+
+    def chunk(cid: int) -> Chunk:
+        return Chunk(cid, 1, cid * 30, 30, 0, ())
+
+    mem = MemoryTier(100)
+    a, b = _ChunksAhead(mem), _ChunksAhead(mem)
+    a.add(0, chunk(1))
+    a.add(1, chunk(2))
+    assert a.fits(chunk(3))  # 90 of 100
+    b.add(0, chunk(7))  # a first chunk always fits
+    assert not a.fits(chunk(3)) and a.fits(chunk(2))  # 60 + 30 + 30 of b's > 100
+    assert not b.fits(chunk(8))  # 30 + 30 + a's 60 > 100
+    a.add(2, chunk(1))  # chunk 1 again, after chunk 2: one more run, no more bytes
+    assert mem.wanted_bytes == 90 and a.mine == 60
+    a.passed(2)  # the first run of 1 and the run of 2 are read; the second of 1 is not
+    assert mem.wanted_bytes == 60 and a.mine == 30 and 1 in a.chunks and 2 not in a.chunks
+    a.clear()
+    b.clear()
+    assert mem.wanted_bytes == 0 and not mem._wanted

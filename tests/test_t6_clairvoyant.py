@@ -104,12 +104,12 @@ def test_three_epochs_with_the_launcher(dataset, mount, tmp_path, reorder):
     """``always`` (``--reorder-min 0``, the page cache dropped between epochs, else the
     kernel serves epochs 2 and 3 and no log is read): LCache's next-epoch log is laid out
     and epochs 2 and 3 read it front to back, each chunk once. ``small-memory``: the same
-    with a memory tier of 3 chunks for a dataset of ~30 (chunks loaded ahead of the
+    with a memory tier of 3 chunks for a log of ~19 (chunks loaded ahead of the
     reader, or left by one loader worker for a moment while the other still reads them,
-    were evicted before their records were read, and read again: about 2x). ``default``:
-    the dataset fits in half the memory tier, so no second copy is written during epoch 1
-    (the stream says why) and epochs 2 and 3 read each chunk of the first epoch's logs at
-    most once, whole, into memory."""
+    were evicted before their records were read, and read again: 38 reads for 19).
+    ``default``: the dataset fits in half the memory tier, so no second copy is written
+    during epoch 1 (the stream says why) and epochs 2 and 3 read each chunk of the first
+    epoch's logs at most once, whole, into memory."""
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
     extra = {"always": ["--reorder-min", "0"], "default": [],
@@ -125,7 +125,8 @@ def test_three_epochs_with_the_launcher(dataset, mount, tmp_path, reorder):
     assert _delta(e1, "bytes_from_source") > 0
     # epoch 1: what was fetched ahead of the reader is served from memory, never read
     # back from the log it was just written to (with 1M of memory, the fetches ahead of
-    # the reader that memory cannot hold are: each at most once, alone)
+    # the reader that memory cannot hold are, a record at a time: no more reads than
+    # samples)
     assert _delta(e1, "prefetched") > 0
     backs = len(e1["samples"]) if reorder == "small-memory" else 0
     assert _delta(e1, "record_reads") <= backs and _delta(e1, "chunk_reads") == 0, (

@@ -2,11 +2,13 @@
 
 A stream's prefetcher says which chunks its reader still needs (:meth:`MemoryTier.want`:
 the chunks of its next records, loaded ahead or being read); eviction takes the least
-recently used chunk nobody wants first. Plain LRU evicted what a reader was about to
-read: a chunk loaded ahead, or one a loader worker had left for a moment for the next
-chunk while another worker still had records to read in it, was touched *before* the
-chunks the reader had finished, and a log laid out in the epoch's order was read about
-twice whenever the dataset was larger than ``--memory``.
+recently used chunk nobody wants first, and when every chunk held is wanted, the one
+wanted last (the furthest ahead of its reader). Plain LRU evicted what a reader was
+about to read: a chunk loaded ahead, or one a loader worker had left for a moment for
+the next chunk while another worker still had records to read in it, was touched
+*before* the chunks the reader had finished, and a log laid out in the epoch's order was
+read about twice whenever the dataset was larger than ``--memory``. ``wanted_bytes``
+(each wanted chunk once) lets each stream keep its lead within what the others leave.
 
 Runs on the trio loop only (no locks). Planned reads (:mod:`dlcachefs.cache.readplan`) hold their
 bytes outside the tier but within the same ``--memory``: they ``reserve`` room, which
@@ -17,7 +19,7 @@ checked against the record's own checksum before it is served.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass
 
 
@@ -35,7 +37,9 @@ class MemoryTier:
         self.bytes = 0
         self.reserved = 0  # bytes held by planned reads, out of the same limit
         self._d: OrderedDict[int, ChunkBuf] = OrderedDict()
-        self._wanted: Counter[int] = Counter()  # chunk id -> streams whose reader needs it
+        # chunk id -> [streams whose reader needs it, its length], in the order first wanted
+        self._wanted: OrderedDict[int, list[int]] = OrderedDict()
+        self.wanted_bytes = 0
 
     def __len__(self) -> int:
         return len(self._d)
@@ -69,16 +73,24 @@ class MemoryTier:
     def unreserve(self, n: int) -> None:
         self.reserved -= n
 
-    def want(self, chunk_id: int) -> None:
-        """A stream's reader will read records of this chunk: evicted last."""
-        self._wanted[chunk_id] += 1
+    def want(self, chunk_id: int, length: int) -> None:
+        """A stream's reader will read records of this chunk (``length`` bytes, held
+        now or loaded ahead soon): evicted last."""
+        w = self._wanted.get(chunk_id)
+        if w is None:
+            self._wanted[chunk_id] = [1, length]
+            self.wanted_bytes += length
+        else:
+            w[0] += 1
 
     def unwant(self, chunk_id: int) -> None:
-        n = self._wanted[chunk_id] - 1
-        if n > 0:
-            self._wanted[chunk_id] = n
-        else:
+        w = self._wanted.get(chunk_id)
+        if w is None:
+            return
+        w[0] -= 1
+        if w[0] <= 0:
             del self._wanted[chunk_id]
+            self.wanted_bytes -= w[1]
 
     def _evict(self, extra: int) -> None:
         while self._d and self.bytes + self.reserved + extra > self.limit:
@@ -86,11 +98,17 @@ class MemoryTier:
             self.bytes -= len(old.data)
 
     def _victim(self) -> int:
-        """The least recently used chunk no stream wants, else the least recently used."""
-        if self._wanted:
-            for cid in self._d:  # oldest first
-                if cid not in self._wanted:
-                    return cid
+        """The least recently used chunk no stream wants, else the one wanted last (the
+        furthest ahead of its reader: LRU among wanted chunks would take the next one a
+        reader needs, loaded ahead and not touched yet)."""
+        if not self._wanted:
+            return next(iter(self._d))
+        for cid in self._d:  # oldest first
+            if cid not in self._wanted:
+                return cid
+        for cid in reversed(self._wanted):
+            if cid in self._d:
+                return cid
         return next(iter(self._d))
 
     def discard(self, chunk_id: int) -> None:

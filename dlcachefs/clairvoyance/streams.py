@@ -64,7 +64,7 @@ from dlcachefs.clairvoyance.samplelist import (
     links_leaving,
 )
 from dlcachefs.errors import DlcError
-from dlcachefs.store.schema import Entry
+from dlcachefs.store.schema import Chunk, Entry
 
 if TYPE_CHECKING:
     from dlcachefs.cache.buffers import ReadAhead
@@ -315,6 +315,60 @@ class StreamEngine(ReorderEngine, Protocol):
     future: StreamFuture
     plans: ReadPlanner
     prefetcher: Prefetcher
+
+
+class _ChunksAhead:
+    """The chunks a stream's prefetcher loads whole into the memory tier ahead of its
+    reader (a log laid out in the epoch's order), from the chunk of the reader's position
+    on: each is ``want``-ed in the tier until the reader's position passes its last
+    record, and together they stay within the tier's room less what read plans reserved
+    and what other streams want (else the last ones loaded evict the first before their
+    records are read). Trio loop only."""
+
+    def __init__(self, mem: MemoryTier) -> None:
+        self.mem = mem
+        self.runs: deque[list[int]] = deque()  # [last position, chunk id], in order
+        # chunk id -> [its runs (a chunk's positions need not be contiguous), length]
+        self.chunks: dict[int, list[int]] = {}
+        self.mine = 0  # bytes of the chunks here, each once
+
+    def fits(self, c: Chunk) -> bool:
+        """Whether the reader's chunks ahead and ``c`` fit (a first chunk always does)."""
+        if c.chunk_id in self.chunks or not self.chunks:
+            return True
+        others = self.mem.wanted_bytes - self.mine
+        return self.mine + c.length <= self.mem.limit - self.mem.reserved - others
+
+    def add(self, p: int, c: Chunk) -> None:
+        """Position ``p`` reads a record of ``c``."""
+        if self.runs and self.runs[-1][1] == c.chunk_id:
+            self.runs[-1][0] = p
+            return
+        self.runs.append([p, c.chunk_id])
+        held = self.chunks.get(c.chunk_id)
+        if held is not None:
+            held[0] += 1
+            return
+        self.chunks[c.chunk_id] = [1, c.length]
+        self.mine += c.length
+        self.mem.want(c.chunk_id, c.length)
+
+    def passed(self, position: int) -> None:
+        """The reader's position: the runs before it are read."""
+        while self.runs and self.runs[0][0] < position:
+            self._drop(self.runs.popleft()[1])
+
+    def clear(self) -> None:
+        while self.runs:
+            self._drop(self.runs.popleft()[1])
+
+    def _drop(self, cid: int) -> None:
+        held = self.chunks[cid]
+        held[0] -= 1
+        if held[0] == 0:
+            del self.chunks[cid]
+            self.mine -= held[1]
+            self.mem.unwant(cid)
 
 
 class StreamManager:
@@ -959,39 +1013,34 @@ class StreamManager:
         if s.memory_prefetch:
             lead_bytes = min(lead_bytes, self.engine.readahead.limit)
         window: deque[tuple[int, int]] = deque()  # (position, size) prefetched, for lead_bytes
-        # chunks loaded whole into the memory tier ahead of the reader, in order: [last
-        # position needing it, chunk id, length]; they stay within the tier (less what
-        # read plans reserved), else the last ones evict the first before they are read
-        chunks: deque[list[int]] = deque()
-        mem = self.engine.memtier
+        # chunks loaded whole into the memory tier ahead of the reader (see _prefetch_in)
+        ahead = _ChunksAhead(self.engine.memtier)
         try:
-            await self._prefetch_in(s, slots, lead_bytes, window, chunks)
+            await self._prefetch_in(s, slots, lead_bytes, window, ahead)
+            # every position handed out: the chunks ahead stay wanted until read
+            while ahead.runs:
+                ahead.passed(s.position)
+                if ahead.runs:
+                    await s.moved.wait()
         finally:
-            for _, cid, _ in chunks:
-                mem.unwant(cid)
+            ahead.clear()
 
     async def _prefetch_in(self, s: Stream, slots: trio.Semaphore, lead_bytes: int,
-                           window: deque[tuple[int, int]], chunks: deque[list[int]]) -> None:
-        sizes_ahead = chunk_bytes = 0
-        mem = self.engine.memtier
+                           window: deque[tuple[int, int]], ahead: _ChunksAhead) -> None:
+        sizes_ahead = 0
         async with trio.open_nursery() as nursery:
             for p in range(len(s.order)):
                 ino = s.samples.inos[s.order[p]]
                 size = self.engine.ns.size_of(ino) if ino else 0
-                c = self.engine.prefetcher.chunk_ahead(ino, s) if ino else None
                 # stay within `lead` samples and `lead_bytes` of the reader, and within
                 # the memory tier for chunks loaded whole
                 while True:
                     while window and window[0][0] < s.position:
                         sizes_ahead -= window.popleft()[1]
-                    while chunks and chunks[0][0] < s.position:
-                        _, cid, length = chunks.popleft()
-                        chunk_bytes -= length
-                        mem.unwant(cid)
-                    new = c is not None and not (chunks and chunks[-1][1] == c.chunk_id)
-                    fits = (not new or not chunks
-                            or chunk_bytes + c.length <= mem.limit - mem.reserved)
-                    if p - s.position < self.lead and fits and (
+                    ahead.passed(s.position)
+                    # asked again after each wait: the tier's room may have changed
+                    c = self.engine.prefetcher.chunk_ahead(ino, s) if ino else None
+                    if p - s.position < self.lead and (c is None or ahead.fits(c)) and (
                             sizes_ahead + size <= lead_bytes or not window):
                         break
                     await s.moved.wait()
@@ -1000,12 +1049,7 @@ class StreamManager:
                 window.append((p, size))
                 sizes_ahead += size
                 if c is not None:
-                    if chunks and chunks[-1][1] == c.chunk_id:
-                        chunks[-1][0] = p
-                    else:
-                        chunks.append([p, c.chunk_id, c.length])
-                        chunk_bytes += c.length
-                        mem.want(c.chunk_id)
+                    ahead.add(p, c)
                 nursery.start_soon(self._fetch_one, s, p, ino, slots)
 
     async def _fetch_one(self, s: Stream, p: int, ino: int, slots: trio.Semaphore) -> None:
