@@ -139,8 +139,11 @@ def test_epochs_the_page_cache_serves_read_nothing_from_the_logs(tmp_path, mount
     without READs, the next epochs are not read ahead from the logs (no plan, no
     preload) and nothing is read from the cache disk at all. With the next epoch's order
     known (a seeded generator) and a next-epoch log laid out (``--reorder-min 0``), that
-    log's opens count too: no log is laid out after such an epoch (before, every epoch
-    wrote and read back the whole dataset while the kernel served it)."""
+    log's opens count too: the log being laid out is given up as soon as the epoch's
+    first opens are judged served, and none is laid out after such an epoch (before,
+    every epoch wrote and read back the whole dataset while the kernel served it, and
+    the epoch after a cold one read its own laid-out log whole: 33 MiB for 0 served in
+    ``bench.amplification --generator --keep-pages``)."""
     src = tmp_path / "src"
     make_images(src, classes=4, per_class=100)
     truth = {str(p.relative_to(src)): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -163,7 +166,10 @@ def test_epochs_the_page_cache_serves_read_nothing_from_the_logs(tmp_path, mount
     # the logs, for nothing); once epoch 1 was served so, nothing is read at all
     ep = epochs[1]
     assert ep["after"]["fuse_ops"].get("read", 0) == ep["before"]["fuse_ops"].get("read", 0)
-    if not next_known:  # (with a next-epoch log laid out, epoch 1 reads that one)
+    if not next_known:
+        # (with a next-epoch log laid out, epoch 1 reads its own log until its opens are
+        # judged, and completes it at its start, from the cache: the samples epoch 0
+        # served before that log was planned, however many the machine's pace left)
         total = sum(p.stat().st_size for p in src.rglob("*.jpg"))
         read = ep["after"]["cache_disk_bytes_read"] - ep["before"]["cache_disk_bytes_read"]
         assert read < total / 2, (read, total)
@@ -174,19 +180,17 @@ def test_epochs_the_page_cache_serves_read_nothing_from_the_logs(tmp_path, mount
         delta = {k: ep["after"][k] - ep["before"][k] for k in
                  ("cache_disk_bytes_read", "planned_reads", "chunk_preloads", "misses",
                   "record_reads", "chunk_reads")}
-        if next_known and i == 2:
-            # the log laid out for it during epoch 1 is completed as it starts: the
-            # samples served before that log was planned are copied in from the cache
-            # (a few chunks, however many the machine's pace left); no open reads
-            del delta["chunk_reads"], delta["record_reads"], delta["cache_disk_bytes_read"]
         assert not any(delta.values()), (i, delta)
         assert ep["after"]["fuse_ops"].get("read", 0) == ep["before"]["fuse_ops"].get("read", 0)
         st = ep["after"]["streams"]["default/0"]
         assert st["page_cache"]["serves_this_epoch"], st
         assert st["next_log"] is None, st
-    if next_known:  # the log was laid out while the pages were not yet known to serve
+    if next_known:
+        # epoch 1's log for epoch 2 was given up within epoch 1 (or, when epoch 0 was
+        # judged served already, not laid out), and none was laid out after it
         st = epochs[1]["after"]["streams"]["default/0"]
-        assert st["next_log"] is not None, st
+        assert st["next_log"] is None and ("given up" in st["reorder"]
+                                           or "page cache served" in st["reorder"]), st
         assert "page cache served" in epochs[-1]["after"]["streams"]["default/0"]["reorder"]
 
 

@@ -459,8 +459,8 @@ class Engine:
             return OpenResult(self._new_fh(lazy), keep_cache=True, direct_io=False, entry=e)
         data, cached, waited, joined, got = await self._load(
             e, cache=stream is None or not stream.memory_prefetch, stream=stream)
-        if stream is not None and stream.next_log is not None:
-            stream.next_log.consumed(ino, data, identity(e))
+        for nl in self.streams.next_logs():  # (every stream's: see next_logs)
+            nl.consumed(ino, data, identity(e))
         if stream is not None:
             self._note_served(stream, ino, pid, t0, cached)
         if stream is not None and waited:
@@ -523,8 +523,8 @@ class Engine:
         Only for a current record that nothing else at open needs: not a file fetched
         ahead, nor one whose record the read plan holds or is reading (their bytes are in
         memory already and must be taken), not one whose slot in the next epoch's log is
-        still to be written from the bytes its open is served (nor any open of a stream
-        that reads its own laid-out log while writing the next), not a file that changed
+        still to be written from the bytes its open is served (any stream's next log;
+        nor any open of a stream that reads its own laid-out log while writing the next), not a file that changed
         during the mount (direct_io: its READs always come). A sample of a planned epoch
         that the plan does not hold (opened again in the epoch, its bytes handed to the
         first open; or the reader got ahead of the plan) is lazy too: a loader that opens
@@ -535,9 +535,10 @@ class Engine:
         ino = e.ino
         if ino in self.ns.changed or ino in self.readahead:
             return None
+        if any(nl.wants(ino) for nl in self.streams.next_logs()):
+            return None  # (a slot of any stream's next log: see StreamManager.next_logs)
         if stream is not None:
-            nl = stream.next_log
-            if nl is not None and (nl.wants(ino) or stream.current_log is not None):
+            if stream.next_log is not None and stream.current_log is not None:
                 # (an epoch read from its own laid-out log loads at open: its chunks are
                 # read ahead in order, and a lazy READ would read a record alone)
                 return None
