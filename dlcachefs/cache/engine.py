@@ -460,7 +460,8 @@ class Engine:
         data, cached, waited, joined, got = await self._load(
             e, cache=stream is None or not stream.memory_prefetch, stream=stream)
         for nl in self.streams.next_logs():  # (every stream's: see next_logs)
-            nl.consumed(ino, data, identity(e))
+            # the version of the bytes (a fetch joined may have read an older one)
+            nl.consumed(ino, data, identity(got))
         if stream is not None:
             self._note_served(stream, ino, pid, t0, cached)
         if stream is not None and waited:
@@ -523,8 +524,9 @@ class Engine:
         Only for a current record that nothing else at open needs: not a file fetched
         ahead, nor one whose record the read plan holds or is reading (their bytes are in
         memory already and must be taken), not one whose slot in the next epoch's log is
-        still to be written from the bytes its open is served (any stream's next log;
-        nor any open of a stream that reads its own laid-out log while writing the next), not a file that changed
+        still to be written from the bytes its open is served (any stream's next
+        log; nor any open of a stream that reads its own laid-out log while writing the
+        next), not a file that changed
         during the mount (direct_io: its READs always come). A sample of a planned epoch
         that the plan does not hold (opened again in the epoch, its bytes handed to the
         first open; or the reader got ahead of the plan) is lazy too: a loader that opens

@@ -1,4 +1,5 @@
-"""The memory tier: whole chunks recently read from the logs, bounded in bytes (LRU).
+"""The memory tier: whole chunks recently read from the logs, bounded in bytes (LRU, but
+for the chunks readers want: below).
 
 A stream's prefetcher says which chunks its reader still needs (:meth:`MemoryTier.want`:
 the chunks of its next records, loaded ahead or being read); eviction takes the least

@@ -120,7 +120,7 @@ def stats_document(eng: Engine) -> dict:
         "scan_ahead": eng.scan.stats(),
     }
     out.update(eng.counters.as_dict())
-    out["cache_disk_bytes_read"] = eng.logs.bytes_read  # every pread that serves
+    out["cache_disk_bytes_read"] = eng.logs.bytes_read  # every pread of the logs (serving, and background fills)
     # reordered logs' chunks read back (just written) to checksum them before a seal
     out["cache_disk_bytes_read_back"] = eng.logs.bytes_read_back
     out["read_plans"] = eng.plans.stats()

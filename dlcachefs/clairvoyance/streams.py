@@ -113,6 +113,12 @@ def same_dataset(old: SampleList | None, new: SampleList) -> bool:
     return old is not None and (new is old or new.root == old.root)
 
 
+#: why a stream's next epoch's log was given up (stats: ``reorder``)
+GIVEN_UP = ("given up: the kernel's page cache serves this epoch "
+            "(page_cache.serves_this_epoch); laid out again at the start of an epoch that "
+            "follows one whose READs came")
+
+
 @dataclass
 class Stream:
     job: str
@@ -137,6 +143,7 @@ class Stream:
     target_epoch: int | None = None  # announced; ``epoch`` catches up once its order is known
     early: list[int] = field(default_factory=list)  # opens seen before the order was known
     next_log: NextEpochLog | None = None  # the next epoch's log being laid out (LCache)
+    chunks_ahead: _ChunksAhead | None = None  # its prefetcher's chunks loaded ahead
     reorder: str = ""  # why no next epoch's log is laid out (stats), when that is decided
     memory_prefetch: bool = False  # dataset > half the cache: prefetch into memory only
     current_log: NextEpochLog | None = None  # the reordered log this epoch reads
@@ -289,9 +296,7 @@ class Stream:
             return
         nl.abandon()
         self.next_log = None
-        self.reorder = ("given up: the kernel's page cache serves this epoch "
-                        "(page_cache.serves_this_epoch); laid out again once its READs come "
-                        "back")
+        self.reorder = GIVEN_UP
         log.info("stream %s: the kernel's page cache serves epoch %d; its next epoch's "
                  "log is given up", self.key, self.epoch)
 
@@ -322,7 +327,8 @@ class StreamEngine(ReorderEngine, Protocol):
     :class:`NextEpochLog` of each stream (:class:`ReorderEngine`): the namespace (sample
     lists, sizes, paths), the index's typed listings, ``writer.retire_chunk`` (LCache's
     release after use), the read-ahead set (``drop_owner``, ``limit``), the memory
-    tier's ``limit`` (whether a next epoch's log is worth laying out),
+    tier (``limit``: whether a next epoch's log is worth laying out; ``want``,
+    ``unwant``, ``wanted_bytes``, ``reserved``: the chunks loaded ahead of a reader),
     ``losses.epoch_started``, the policy clock ``future.tick``, ``plans.run`` (an epoch's
     read plan) and ``prefetcher.prefetch_one``."""
 
@@ -808,13 +814,18 @@ class StreamManager:
                      s.key, len(nl.slots), len(samples), epoch + 1)
         if s.target_epoch != epoch:  # a newer epoch began while planning
             nl.abandon()
+        elif s.pages_served and not s.memory_prefetch:
+            # judged served by the kernel's pages while planning (a large dataset takes a
+            # second or more): _judge found no log to give up then
+            nl.abandon()
+            s.reorder = GIVEN_UP
         else:
             s.next_log = nl
             # samples this epoch already served before the plan existed go in from the
             # cache: this stream's, and those the other ranks of the dataset served (its
             # slots are filled from every stream's opens: next_logs)
             done = [st.samples.inos[st.order[p]] for st in self.streams.values()
-                    if st.samples is samples and st.epoch == epoch and st.order
+                    if same_dataset(st.samples, samples) and st.epoch == epoch and st.order
                     for p in range(len(st.order)) if st.consumed[p]]
             nursery.start_soon(nl.backfill, done)
         nursery.start_soon(nl.run)
@@ -857,6 +868,10 @@ class StreamManager:
         listing of the counters' directory, only while a current log is protected)."""
         zerocopy = None
         for s in self.streams.values():
+            if s.chunks_ahead is not None and now - s.last_open >= IDLE_S:
+                # a reader that stopped short of its epoch's end: its chunks ahead are
+                # wanted no more (they would shrink every other stream's room)
+                s.chunks_ahead.clear()
             nxt = s.next_log
             if nxt is not None and now - s.last_open >= IDLE_S and any(
                     c.chunk_id in self.engine.writer.protected for c in nxt.chunks):
@@ -1046,7 +1061,7 @@ class StreamManager:
             lead_bytes = min(lead_bytes, self.engine.readahead.limit)
         window: deque[tuple[int, int]] = deque()  # (position, size) prefetched, for lead_bytes
         # chunks loaded whole into the memory tier ahead of the reader (see _prefetch_in)
-        ahead = _ChunksAhead(self.engine.memtier)
+        ahead = s.chunks_ahead = _ChunksAhead(self.engine.memtier)
         try:
             await self._prefetch_in(s, slots, lead_bytes, window, ahead)
             # every position handed out: the chunks ahead stay wanted until read
@@ -1056,6 +1071,8 @@ class StreamManager:
                     await s.moved.wait()
         finally:
             ahead.clear()
+            if s.chunks_ahead is ahead:
+                s.chunks_ahead = None
 
     async def _prefetch_in(self, s: Stream, slots: trio.Semaphore, lead_bytes: int,
                            window: deque[tuple[int, int]], ahead: _ChunksAhead) -> None:
