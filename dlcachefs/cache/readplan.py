@@ -268,9 +268,16 @@ class ReadPlanner:
         order and no log laid out for it, served by pages or not): its chunk is never
         read whole for one open (a probe would read records the plan reads, or the
         kernel holds). Not a file outside the dataset (a validation set the same
-        process reads keeps the ordinary path), nor before a plan listed the members."""
+        process reads keeps the ordinary path), nor before a plan listed the members,
+        nor while the next epoch, announced, is being configured and was laid out (its
+        first opens, before the switch, read the new log's chunks whole: alone, they
+        read records the preloads then read again with their chunks)."""
         if (stream is None or stream.samples is None or not stream.order
                 or stream.current_log is not None):
+            return False
+        nl = stream.next_log
+        if (nl is not None and stream.target_epoch is not None
+                and stream.target_epoch != stream.epoch and nl.epoch == stream.target_epoch):
             return False
         members = stream.samples.members()
         return members is not None and ino in members
