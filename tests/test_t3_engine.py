@@ -104,6 +104,45 @@ def cold_read(src: Path, cache: Path, files, policy: str, **cfg_kw):
     return eng, source
 
 
+def test_a_damaged_chunk_counter_never_gives_a_new_chunk_an_indexed_id(tree):
+    """A flipped bit in the index's next-chunk counter (the structural check cannot see
+    it: the chaos suite's damage scenario) gave the next chunk written the id of one still
+    indexed; indexing it replaced that chunk's entry while its log kept counting its bytes,
+    and a later eviction by that id deleted the new chunk's log under its entry. New ids
+    now start past every chunk indexed, as log ids start past every log file."""
+    src, cache, files = tree
+    names = sorted(files)
+    first, second = names[: len(names) // 2], names[len(names) // 2:]
+    cfg = make_config(src, cache)
+
+    async def read_some(eng, which):
+        for rel in which:
+            assert await read_all(eng, rel) == files[rel], rel
+            await eng.flush()
+        return eng.index.last_chunk_id()
+
+    last, _ = run_engine(cfg, lambda eng: read_some(eng, first))
+    assert last >= 2
+    from dlcachefs.store.index import Index
+
+    ix = Index(cfg.index_dir)
+    try:  # the counter damaged on disk, below the chunks indexed
+        with ix.write() as w:
+            w.set_meta(S.K_NEXT_CHUNK, (1).to_bytes(8, "little"))
+    finally:
+        ix.close()
+
+    async def body(eng):
+        before = {c.chunk_id: c for c in eng.index.iter_chunks()}
+        await read_some(eng, second)
+        after = {c.chunk_id: c for c in eng.index.iter_chunks()}
+        # no chunk indexed before was replaced by a new one under its id
+        assert all(after.get(cid, c) == c for cid, c in before.items())
+        assert min(set(after) - set(before)) > last
+
+    run_engine(cfg, body)  # (and the live bytes of every log match its chunks)
+
+
 # ----- basic read path -----------------------------------------------------------------
 
 

@@ -216,7 +216,12 @@ class ChunkWriter:
         self._group_bytes: dict[int, int] = {}
         self._full = False
         self._package_tag = 0
-        self._next_chunk = max(1, _meta_u64(index, S.K_NEXT_CHUNK))
+        # past every chunk indexed too, as log ids past every log file: a sequence counter
+        # damaged on disk (a flipped bit the index's structural check cannot see) gave a
+        # new chunk the id of an indexed one; indexing it replaced that chunk's entry while
+        # its log kept counting its bytes, and a later eviction by that id deleted the new
+        # chunk's log under its entry (the chaos suite's damage scenario, 3 in 17 runs)
+        self._next_chunk = max(1, _meta_u64(index, S.K_NEXT_CHUNK), index.last_chunk_id() + 1)
         self._next_log = max(1, _meta_u64(index, S.K_NEXT_LOG), max(logs.log_ids(), default=0) + 1)
 
     # ----- called from the read path (trio loop) -------------------------------------

@@ -121,6 +121,12 @@ class Index:
             v = txn.get(ukey(chunk_id))
         return Chunk.unpack(chunk_id, v) if v is not None else None
 
+    def last_chunk_id(self) -> int:
+        """The largest chunk id indexed (0: none). Keys are big-endian: the last key."""
+        with self.env.begin(db=self.chunk) as txn:
+            cur = txn.cursor()
+            return unkey(cur.key()) if cur.last() else 0
+
     def iter_chunks(self) -> Iterator[Chunk]:
         with self.env.begin(db=self.chunk) as txn:
             for k, v in txn.cursor():
