@@ -22,6 +22,7 @@ the same ratio from the stats alone).
     python -m bench.amplification --venv /work/main/.venv   # another checkout's code
     python -m bench.amplification --opens 2 [--keep-pages]   # a loader that opens twice
     python -m bench.amplification --generator           # a seeded generator (LCache's logs)
+    python -m bench.amplification --generator --replace 10   # files changed between epochs
 
 Every sample's bytes are hashed in the training script and compared with the source's:
 a difference exits with status 1.
@@ -49,6 +50,8 @@ from torchvision import datasets, transforms
 root, epochs, mnt = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 twice, keep = "twice" in sys.argv[4:], "keep" in sys.argv[4:]
 gen = "generator" in sys.argv[4:]
+opts = dict(a.split("=", 1) for a in sys.argv[4:] if "=" in a)
+replace, src = int(opts.get("replace", 0)), opts.get("src")
 digests = {}
 def loader(path):
     if twice:  # a header check first, as loaders that validate their files do
@@ -88,9 +91,27 @@ def settle():
     os.sync()
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("3\n")
+def replace_files(epoch):
+    # a dataset that changes between epochs: ``replace`` files get new bytes and sizes
+    # in the source (still decodable: a JPEG decoder ignores bytes after its end marker)
+    import random
+    rng = random.Random(epoch)
+    for path, _ in rng.sample(ds.samples, replace):
+        p = os.path.join(src, os.path.relpath(path, root))
+        with open(p, "rb") as f:
+            data = f.read()
+        with open(p + ".tmp", "wb") as f:
+            f.write(data + os.urandom(rng.randrange(100, 5000)))
+        os.replace(p + ".tmp", p)
+    truth = []
+    for path, _ in ds.samples:
+        with open(os.path.join(src, os.path.relpath(path, root)), "rb") as f:
+            truth.append(hashlib.sha256(f.read()).hexdigest())
+    return sorted(truth)
 out = []
 pid = stats()["pid"]
 for epoch in range(epochs):
+    truth = replace_files(epoch) if replace and epoch else None
     settle()
     before, r0 = stats(), rchar(pid)
     t0 = time.perf_counter()
@@ -100,7 +121,7 @@ for epoch in range(epochs):
     secs = time.perf_counter() - t0
     r1, after = rchar(pid), stats()
     out.append({"before": before, "after": after, "rchar": r1 - r0, "seconds": secs,
-                "digests": sorted(seen)})
+                "digests": sorted(seen), "truth": truth})
 print(json.dumps(out))
 '''
 
@@ -142,10 +163,16 @@ def run(a: argparse.Namespace) -> dict:
             f.write(TRAIN)
         mnt, cache = os.path.join(work, "mnt"), os.path.join(work, "cache")
         args = ["--chunk-size", a.chunk_size, "--memory", a.memory, *a.mount_arg]
-        with DlcMount(a.dataset, mnt, cache, args, exe=exe) as m:
+        root = a.dataset
+        if a.replace:  # the files change: a copy, so the reusable dataset stays as made
+            root = os.path.join(work, "src")
+            shutil.copytree(a.dataset, root)
+            src = os.path.join(root, "train")
+        with DlcMount(root, mnt, cache, args, exe=exe) as m:
             log(f"mounted with {' '.join(args)} ({exe})")
             flags = ((["twice"] if a.opens == 2 else []) + (["keep"] if a.keep_pages else [])
-                     + (["generator"] if a.generator else []))
+                     + (["generator"] if a.generator else [])
+                     + ([f"replace={a.replace}", f"src={src}"] if a.replace else []))
             r = subprocess.run([py, "-m", "dlcachefs.cli", "run", "--", py, script,
                                 os.path.join(mnt, "train"), str(a.epochs), mnt, *flags],
                                capture_output=True, text=True, timeout=1800, cwd=work)
@@ -163,7 +190,7 @@ def run(a: argparse.Namespace) -> dict:
         d = {k: ep["after"].get(k, 0) - ep["before"].get(k, 0) for k in COUNTERS
              if k in ep["after"]}
         served = d["bytes_from_cache"] + d["bytes_from_source"]
-        same = ep["digests"] == truth
+        same = ep["digests"] == (ep.get("truth") or truth)
         ok &= same
         row = {"epoch": i + 1, "daemon_rchar": ep["rchar"], "bytes_served": served,
                "amplification": round(ep["rchar"] / served, 3) if served else None,
@@ -176,7 +203,8 @@ def run(a: argparse.Namespace) -> dict:
             f"{d['record_reads']}, planned_reads {d.get('planned_reads', '-')}")
     return {"core": core, "files": len(truth), "dataset_bytes": total,
             "chunk_size": a.chunk_size, "memory": a.memory, "opens": a.opens,
-            "keep_pages": a.keep_pages, "generator": a.generator, "epochs": rows,
+            "keep_pages": a.keep_pages, "generator": a.generator, "replace": a.replace,
+            "epochs": rows,
             "bytes_equal_source": ok, "final_streams": final.get("streams")}
 
 
@@ -201,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--generator", action="store_true",
                    help="the DataLoader has its own seeded generator: every epoch's order is "
                         "known ahead, so the next epoch's log is laid out in its order")
+    p.add_argument("--replace", type=int, default=0, metavar="N",
+                   help="before each epoch after the first, give N files of the source new "
+                        "bytes and sizes (a dataset that changes between epochs)")
     p.add_argument("--core-rev", metavar="REV",
                    help="run the daemon from this git revision (git archive)")
     p.add_argument("--mount-arg", action="append", default=[], metavar="ARG",

@@ -1330,11 +1330,72 @@ def test_reorder_backfill_of_a_vanished_file_does_not_end_the_engine(tmp_path, p
             await backfilled.wait()
         nl.request_finish()
         await nl.done.wait()
-        assert nl.sealed < len(nl.chunks)  # the chunk with the vanished file stays unsealed
+        # the vanished file's slot holds a filler record: its chunk is sealed all the same
+        assert not nl.failed and nl.sealed == len(nl.chunks) == 1
         # the engine still serves the other files
         assert await read_all(eng, b"train/c0/img1.jpg") == files[b"train/c0/img1.jpg"]
 
     run_engine(make_config(src, cache, policy=policy), body)
+
+
+def test_a_sample_changed_or_gone_since_its_log_was_planned_leaves_a_filler(tmp_path, policy):
+    """Sweep B: a file replaced (new size) or deleted between the planning of a next
+    epoch's log and its fill left its chunk unsealed for good, and that chunk's other
+    samples were then read out of order from their old chunks (6.5x read per byte served).
+    Its slot now holds a filler record (inode 0, zeros) of the planned length: the chunk is
+    sealed and indexed with the other samples only, checksums holding, and the changed
+    file is served in its new version, the deleted one not at all."""
+    from dlcachefs.cache.namespace import identity
+    from dlcachefs.clairvoyance.reorder import NextEpochLog
+    from dlcachefs.errors import NotFound
+    from dlcachefs.store.chunkfmt import verify_chunk
+
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    files = {f"train/c0/img{i}.jpg".encode(): os.urandom(3000 + i) for i in range(5)}
+    write_tree(src, files)
+    new1 = os.urandom(4321)
+
+    async def body(eng):
+        inos = [eng.ns.resolve(r).ino for r in files]
+        planned = [identity(eng.index.get_entry(i)) for i in inos]
+        nl = NextEpochLog(eng, "default/0", 1)
+        await nl.plan(inos)
+        assert len(nl.chunks) == 1 and len(nl.chunks[0].slots) == 5
+        eng.streams._nursery.start_soon(nl.run)
+        # img1 is replaced and served in its new version in this epoch (the reader's
+        # bytes are fed to the log): its slot can never hold the planned version
+        (src / "train/c0/img1.jpg").write_bytes(new1)
+        changed = dataclasses.replace(planned[1], size=len(new1), mtime_ns=planned[1].mtime_ns + 1)
+        nl.consumed(inos[1], new1, changed)
+        nl.consumed(inos[2], files[b"train/c0/img2.jpg"], planned[2])
+        assert nl.slots[inos[1]].filler and not nl.slots[inos[2]].filler
+        os.unlink(src / "train/c0/img0.jpg")  # gone before the fill at the epoch boundary
+        nl.request_finish()
+        nl.start_reading()
+        with trio.fail_after(20):
+            await nl.done.wait()
+        assert not nl.failed and nl.sealed == 1
+        c = nl.chunks[0]
+        assert c.unread == 3  # the filler slots are never read in the log's epoch
+        chunk = eng.index.get_chunk(c.chunk_id)
+        assert chunk is not None and set(chunk.members) == {inos[2], inos[3], inos[4]}
+        for i in (2, 3, 4):
+            rec = eng.index.get_record(inos[i])
+            assert rec.log_id == nl.log_id and rec.chunk_id == c.chunk_id
+        assert eng.index.get_record(inos[0]) is None or eng.index.get_record(inos[0]).log_id != nl.log_id
+        raw = eng.logs.read(nl.log_id, c.offset, c.length)
+        header, recs, bad = verify_chunk(raw)
+        assert bad == 0 and header.n_records == 5
+        assert [r.ino for r in recs] == [0, 0, inos[2], inos[3], inos[4]]
+        for r, rel in zip(recs[2:], list(files)[2:], strict=True):
+            assert bytes(raw[r.data_offset:r.data_offset + r.size]) == files[rel]
+        for rel in list(files)[2:]:
+            assert await read_all(eng, rel) == files[rel]
+        assert await read_all(eng, b"train/c0/img1.jpg") == new1
+        with pytest.raises(NotFound):
+            await read_all(eng, b"train/c0/img0.jpg")
+
+    run_engine(make_config(src, cache, policy=policy, revalidate=0), body)
 
 
 def test_invariants_are_checked_after_every_reorder_seal(tmp_path, policy):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,9 +50,23 @@ while stats() is not None and time.monotonic() < deadline:
     if stats()["sampler_replay_ready"]:
         break
     time.sleep(0.1)
+def replace_files(src, n, epoch):
+    # the dataset changes between epochs: n files get bytes appended in the source (a
+    # JPEG decoder ignores bytes after its end marker: the same images, new sizes)
+    import random
+    for path, _ in random.Random(epoch).sample(ds.samples, n):
+        p = os.path.join(src, os.path.relpath(path, root))
+        with open(p, "rb") as f:
+            data = f.read()
+        with open(p + ".tmp", "wb") as f:
+            f.write(data + bytes(range(256)) * (epoch + 3))
+        os.replace(p + ".tmp", p)
 for epoch in range(first, first + epochs):
     if sampler is not None:
         sampler.set_epoch(epoch)
+    if epoch > first and os.environ.get("DLC_REPLACE"):
+        src, n = os.environ["DLC_REPLACE"].rsplit(":", 1)
+        replace_files(src, int(n), epoch)
     before = stats()
     samples = []
     for x, y in dl:
@@ -78,6 +93,10 @@ print(json.dumps(out))
 '''
 
 
+#: files changed in the source before each epoch after the first ("changing")
+REPLACED = 20
+
+
 def _run(cmd: list[str], env: dict | None = None) -> list[dict]:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                        env=None if env is None else {**os.environ, **env})
@@ -99,7 +118,7 @@ def dataset(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("reorder", [
     pytest.param(mode, marks=pytest.mark.skipif(
         os.geteuid() != 0, reason="drops the page cache between epochs"))
-    for mode in ("always", "small-memory")] + ["default"])
+    for mode in ("always", "small-memory", "changing")] + ["default"])
 def test_three_epochs_with_the_launcher(dataset, mount, tmp_path, reorder):
     """``always`` (``--reorder-min 0``, the page cache dropped between epochs, else the
     kernel serves epochs 2 and 3 and no log is read): LCache's next-epoch log is laid out
@@ -113,12 +132,18 @@ def test_three_epochs_with_the_launcher(dataset, mount, tmp_path, reorder):
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
     extra = {"always": ["--reorder-min", "0"], "default": [],
-             "small-memory": ["--reorder-min", "0", "--memory", "1M"]}[reorder]
-    m = mount(dataset, "--chunk-size", "256K", *extra)
+             "small-memory": ["--reorder-min", "0", "--memory", "1M"],
+             "changing": ["--reorder-min", "0", "--revalidate", "0"]}[reorder]
+    env = None if reorder == "default" else {"DLC_DROP": "1"}
+    src = dataset
+    if reorder == "changing":  # files change between epochs: on a copy of the dataset
+        src = tmp_path / "src"
+        shutil.copytree(dataset, src)
+        env["DLC_REPLACE"] = f"{src}:{REPLACED}"
+    m = mount(src, "--chunk-size", "256K", *extra)
     direct = _run([sys.executable, str(script), str(dataset), "3", "distributed"])
     through = _run([sys.executable, "-m", "dlcachefs.cli", "run", "--", sys.executable,
-                    str(script), str(m.mnt), "3", "distributed"],
-                   env=None if reorder == "default" else {"DLC_DROP": "1"})
+                    str(script), str(m.mnt), "3", "distributed"], env=env)
     for d, t in zip(direct, through, strict=True):
         assert t["samples"] == d["samples"]  # same samples, same labels, same order
     e1, e2, e3 = through
@@ -134,8 +159,12 @@ def test_three_epochs_with_the_launcher(dataset, mount, tmp_path, reorder):
     st = m.stats()
     chunks = st["chunks"]
     for ep in (e2, e3):
-        assert _delta(ep, "bytes_from_source") == 0  # the cache serves epochs 2 and 3
-        assert _delta(ep, "misses") == 0
+        if reorder == "changing":  # the changed files come from the source, nothing else
+            assert 0 < _delta(ep, "bytes_from_source") <= REPLACED * 16 << 10
+            assert _delta(ep, "misses") <= REPLACED
+        else:
+            assert _delta(ep, "bytes_from_source") == 0  # the cache serves epochs 2 and 3
+            assert _delta(ep, "misses") == 0
         reads = _delta(ep, "chunk_reads")
         stream = ep["before"]["streams"]["default/0"]
         if reorder != "default":
@@ -143,8 +172,21 @@ def test_three_epochs_with_the_launcher(dataset, mount, tmp_path, reorder):
             # the first follows a neighbour (counted in the order the reads are asked
             # for, so preloads finishing out of order do not matter)
             seq = _delta(ep, "sequential_chunk_reads")
-            assert reads == stream["next_log"]["chunks"], reads
-            assert reads > 0 and seq >= reads - 1, (reads, seq)
+            # (changing: epoch 3's log was planned before epoch 2 opened the files changed
+            # since epoch 1; their slots hold filler records and every chunk was sealed:
+            # before, those chunks stayed unsealed and epoch 3 read 8.8x what it served)
+            assert stream["next_log"]["sealed"] == stream["next_log"]["chunks"], stream
+            if reorder == "changing":
+                # the changed files' new versions were cached apart, in epoch 2, in a
+                # chunk or two of their own; every other byte comes from the epoch's log
+                assert stream["next_log"]["chunks"] <= reads <= stream["next_log"]["chunks"] + 2
+                disk, served = _delta(ep, "cache_disk_bytes_read"), _delta(ep, "bytes_from_cache")
+                assert disk <= 1.2 * served, (disk, served)
+            else:
+                assert reads == stream["next_log"]["chunks"], reads
+            # (each read of a chunk outside the log breaks the sequence twice at most)
+            apart = reads - stream["next_log"]["chunks"]
+            assert reads > 0 and seq >= reads - 1 - 2 * apart, (reads, seq)
             # (an open between the epoch's announcement and its switch may read its
             # record alone, at the pace of the machine: a few, never a chunk's worth)
             assert _delta(ep, "record_reads") <= 4, _delta(ep, "record_reads")

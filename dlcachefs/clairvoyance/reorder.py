@@ -93,6 +93,9 @@ class Slot:
     rlen: int  # the record's length (header, path, bytes)
     written: bool = False
     read: bool = False  # read in this log's own epoch (a sample may repeat in an order)
+    #: written with a filler record, not the file's: the file changed or vanished since
+    #: planning, so this version can never be written; the chunk seals without it
+    filler: bool = False
 
 
 @dataclass(slots=True)
@@ -105,6 +108,18 @@ class PlannedChunk:
     sealed: bool = False
     unread: int = 0  # records not yet read in this log's own epoch
     held: int = 0  # bytes of it reserved in the writer's --cache-size account
+
+    def members(self) -> tuple[int, ...]:
+        """The files the chunk holds once sealed (its filler slots hold none)."""
+        return tuple(s.ino for s in self.slots if not s.filler)
+
+
+def filler_record(rlen: int) -> bytes:
+    """A record of ``rlen`` bytes that belongs to no file (inode 0, empty key, zeros):
+    it takes the slot of a sample whose planned version can no longer be written, so the
+    chunk's layout, computed from the planned sizes, stays valid and the chunk can be
+    sealed. Nothing indexes inode 0, so no reader ever serves it."""
+    return encode_record(RecordIn(0, b"", 0, 0, bytes(rlen - RECORD_HEADER_SIZE)))
 
 
 def plan_layout(index, inos: list[int], chunk_size: int, max_file: int, start_offset: int,
@@ -193,6 +208,7 @@ class NextEpochLog:
         #: small for the dataset: set by the stream manager after start_reading)
         self.release_after_use = False
         self._finish = False
+        self._reading = False  # start_reading was called: chunks count their unread
         self.done = trio.Event()
 
     async def plan(self, order_inos: list[int], max_bytes: int | None = None,
@@ -238,14 +254,34 @@ class NextEpochLog:
         slot = self.slots.get(ino)
         if slot is None or slot.written or self.failed:
             return
-        if slot.ident != ident or len(data) != slot.ident.size:
-            return  # changed since planning: the fill decides at the epoch boundary
+        if slot.ident != ident:
+            # changed since planning: the planned version is gone from the source, and
+            # the slot's length was computed from it, so the slot gets a filler record
+            # and its chunk can still be sealed (the new version is cached on its own)
+            self._claim_filler(slot)
+            return
+        if len(data) != slot.ident.size:
+            return  # not the whole file: the fill decides at the epoch boundary
         if self.queued_bytes + len(data) > MAX_QUEUED or not self._reserve(slot):
             return
         slot.written = True  # claimed; written by the drain task
         self.queue.append((slot, bytes(data)))
         self.queued_bytes += len(data)
         self._wake.set()
+
+    def _claim_filler(self, slot: Slot) -> bool:
+        """Claim ``slot`` for a filler record (see :func:`filler_record`); False when
+        there is no room for it in --cache-size (its chunk then stays unsealed)."""
+        if slot.written or self.failed or not self._reserve(slot):
+            return False
+        slot.written = slot.filler = True
+        if not slot.read:  # nothing of it is to be read from this log in its epoch
+            slot.read = True
+            if self._reading:
+                self.chunks[slot.chunk].unread -= 1
+        self.queue.append((slot, b""))
+        self._wake.set()
+        return True
 
     def _reserve(self, slot: Slot) -> bool:
         """Room in --cache-size for the slot's record (and its chunk's header, with the
@@ -260,8 +296,9 @@ class NextEpochLog:
 
     def start_reading(self) -> None:
         """This log's epoch has begun: count, per chunk, the records still to be read."""
+        self._reading = True
         for c in self.chunks:
-            c.unread = len(c.slots)
+            c.unread = sum(not s.read for s in c.slots)  # (filler slots are never read)
 
     def used(self, ino: int) -> int | None:
         """The reader consumed ``ino`` in this log's epoch; returns the chunk id when that
@@ -393,8 +430,13 @@ class NextEpochLog:
             except DlcError:
                 data = None
             # (after the await: the backfill may have claimed it, or the log failed)
-            if data is None or slot.written or self.failed or not self._reserve(slot):
-                continue  # gone or changed, or no room: that chunk stays unsealed
+            if data is None:
+                # gone, changed, or not readable now: a filler record takes its place,
+                # so the chunk's other samples are still read from this log in order
+                self._claim_filler(slot)
+                continue
+            if slot.written or self.failed or not self._reserve(slot):
+                continue  # claimed meanwhile, or no room: that chunk stays unsealed
             slot.written = True
             self.queue.append((slot, bytes(data)))
             self.queued_bytes += len(data)
@@ -422,8 +464,11 @@ class NextEpochLog:
     def _write_slots(self, batch: list[tuple[Slot, bytes]]) -> None:
         logs = self.engine.logs
         for slot, data in batch:
-            rec = encode_record(RecordIn(slot.ino, slot.key, slot.ident.mtime_ns,
-                                         slot.ident.src_ino, data))
+            if slot.filler:
+                rec = filler_record(slot.rlen)
+            else:
+                rec = encode_record(RecordIn(slot.ino, slot.key, slot.ident.mtime_ns,
+                                             slot.ident.src_ino, data))
             logs.pwrite(self.log_id, rec, slot.offset)
 
     async def _seal(self, c: PlannedChunk) -> None:
@@ -437,7 +482,7 @@ class NextEpochLog:
         c.sealed = True
         c.held = 0  # the reservations are chunk bytes now
         self.sealed += 1
-        eng.policy.on_insert(c.chunk_id, tuple(s.ino for s in c.slots), c.length)
+        eng.policy.on_insert(c.chunk_id, c.members(), c.length)
         eng.counters.reorder_chunks += 1
         for old in dead:
             eng.writer.retire_chunk(old)
@@ -460,6 +505,8 @@ class NextEpochLog:
         mv = memoryview(payload)
         recs = []
         for slot in c.slots:
+            if slot.filler:
+                continue
             data_off = slot.offset + RECORD_HEADER_SIZE + len(slot.key)
             rel = data_off - c.offset - CHUNK_HEADER_SIZE
             xxh = checksum(mv[rel : rel + slot.ident.size])
@@ -467,7 +514,7 @@ class NextEpochLog:
                 c.chunk_id, self.log_id, data_off, slot.ident.size, xxh, slot.ident.mtime_ns,
                 slot.ident.src_ino)))
         chunk = Chunk(c.chunk_id, self.log_id, c.offset, c.length, time.time_ns(),
-                      tuple(s.ino for s in c.slots))
+                      c.members())
         # keep_indexed=False: moving each record into the next epoch's order is the point;
         # the chunks left without records are the caller's to retire (LCache line 16)
         sealed = seal_chunks(eng.index, [NewChunk(chunk, recs)], keep_indexed=False,
