@@ -410,11 +410,23 @@ def cmd_stats(mountpoint: str, as_json: bool) -> int:
     return 0
 
 
+#: keys that name bytes but count something else (reads, injections)
+_COUNTS_OF_BYTES = frozenset({"injections_with_wrong_bytes", "wrong_bytes_reads"})
+
+
+def _is_size(key: str) -> bool:
+    """Whether a stats key holds a number of bytes (shown as a size)."""
+    if key in _COUNTS_OF_BYTES:
+        return False
+    return (key.endswith(("bytes", "_file")) or key.startswith("bytes_")
+            or "_bytes_read" in key or key.endswith("_bytes_dropped"))
+
+
 def _shown(key: str, v: object) -> str:
     """A value as the human stats show it: sizes in units (and exact), lists inline."""
     if isinstance(v, bool) or v is None:
         return str(v)
-    if isinstance(v, int) and (key.endswith(("bytes", "_file")) or key.startswith("bytes_")):
+    if isinstance(v, int) and _is_size(key):
         return f"{format_size(v)} ({v:,})"
     if isinstance(v, float):
         return str(round(v, 3))

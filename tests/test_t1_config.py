@@ -359,16 +359,21 @@ def test_human_stats_show_sections_as_indented_lines(capsys):
     indented key/value lines, not one-line dict dumps; sizes in units and exact."""
     from dlcachefs.cli import print_tree
 
-    print_tree({"hits": 12, "bytes_from_source": 123456789, "uptime_s": 12.34567,
+    print_tree({"hits": 12, "bytes_from_source": 123456789, "cache_disk_bytes_read": 2 << 20,
+                "cache_disk_bytes_read_back": 3 << 30, "wrong_bytes_reads": 2048,
+                "uptime_s": 12.34567,
                 "streams": {"default/0": {"mode": "replayed", "loader": {"opens": 5},
                                           "substitutions": {}}},
                 "fuse_ops": {"lookup": 10}, "sizes": [1, 2], "error": None,
                 "le": [[0.0005, 0], [0.001, 1], [0.0025, 1], ["+Inf", 3]]})
     lines = capsys.readouterr().out.splitlines()
     assert lines == [
-        "hits               12",
-        "bytes_from_source  117.7M (123,456,789)",
-        "uptime_s           12.346",
+        "hits                        12",
+        "bytes_from_source           117.7M (123,456,789)",
+        "cache_disk_bytes_read       2.0M (2,097,152)",
+        "cache_disk_bytes_read_back  3.0G (3,221,225,472)",
+        "wrong_bytes_reads           2048",
+        "uptime_s                    12.346",
         "streams:",
         "  default/0:",
         "    mode           replayed",
@@ -377,9 +382,9 @@ def test_human_stats_show_sections_as_indented_lines(capsys):
         "    substitutions  -",
         "fuse_ops:",
         "  lookup  10",
-        "sizes              1, 2",
-        "error              None",
-        "le                 0.0005: 0, 0.001: 1, 0.0025: 1, +Inf: 3",
+        "sizes                       1, 2",
+        "error                       None",
+        "le                          0.0005: 0, 0.001: 1, 0.0025: 1, +Inf: 3",
     ]
     assert not any("{" in line for line in lines)
 

@@ -342,6 +342,8 @@ def test_cache_smaller_than_the_dataset(client, tmp_path, policy):
             after = eng.stats()
             hits.append(after["hits"] - before["hits"])
             if log is not None:
+                # its chunks were released once read, and counted
+                assert after["released_after_use"] > before["released_after_use"]
                 assert log.missing_at_start is not None
                 # the next epoch's log got its samples as they were read (per-slot room)
                 assert log.missing_at_start <= len(log.slots) // 2, log.missing_at_start

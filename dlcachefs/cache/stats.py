@@ -60,7 +60,7 @@ class Counters:
     losses: int = 0                # per-sample losses received (loss control lines)
     losses_ignored: int = 0        # losses of a job with no listed dataset, or out of range
     losses_dropped: int = 0        # losses of a dataset whose importance another's replaced
-    released_after_use: int = 0    # chunks the policy released right after a use
+    released_after_use: int = 0    # chunks released right after their last use (policy, laid-out log)
     planned_reads: int = 0         # preads of planned reads (a known order read ahead)
     planned_records: int = 0       # records those reads delivered (checksum verified)
     planned_bytes: int = 0         # bytes those reads read from the logs

@@ -331,6 +331,7 @@ class NextEpochLog:
         """LCache's release after use: every record of the chunk was read in this log's
         epoch; it is no longer protected, and evicted at the next seal."""
         self.engine.writer.protected.discard(chunk_id)
+        self.engine.counters.released_after_use += 1
         self.engine.writer.retire_chunk(chunk_id)
 
     def request_finish(self) -> None:
