@@ -116,6 +116,7 @@ class Handle:
     whole: bool = True  # a lazy handle's load may read the record's whole chunk
     filling: trio.Event | None = None  # set when its fill ended (concurrent READs: one)
     stream: Stream | None = None  # a cached file's stream: its READs are counted there
+    page_count: int = 0  # ... in this epoch's count of it (Stream.page_count)
     cache_refetch: bool = True  # a lazy handle's refetch may be cached (not memory-only)
     seen: int = 0  # Namespace.changes when it opened (a paged handle's version check)
     was_read: bool = False  # a READ came (else the kernel's pages served the open); for
@@ -451,7 +452,7 @@ class Engine:
         lazy = self._lazy_open(e, stream, seen)
         if lazy is not None:
             if stream is not None:
-                stream.note_cached_open()
+                lazy.page_count = stream.note_cached_open()
                 lazy.stream = stream
                 lazy.keep_partial = stream.current_log is None
                 lazy.cache_refetch = not stream.memory_prefetch
@@ -485,7 +486,7 @@ class Engine:
             # counted even when a next-epoch log took the bytes at open (never lazy
             # then): an epoch the kernel's pages served lays out no next log
             # (StreamTable._plan_next), and the one after opens lazily
-            stream.note_cached_open()
+            h.page_count = stream.note_cached_open()
             h.stream = stream
         fh = self._new_fh(h)
         # a file that changed during the mount: its first open bypasses the page cache
@@ -657,7 +658,7 @@ class Engine:
             raise InvalidArgument("bad file handle")
         h.was_read = True
         if h.stream is not None:  # its first READ: the kernel's pages did not serve it
-            h.stream.note_cached_read()
+            h.stream.note_cached_read(h.page_count)
             h.stream = None
         while h.data is None and h.rec is not None:
             # one fill at a time per handle; no lock: an uncontended trio.Lock costs two
@@ -743,7 +744,7 @@ class Engine:
             return
         h.was_read = True
         if h.stream is not None:
-            h.stream.note_cached_read()
+            h.stream.note_cached_read(h.page_count)
             h.stream = None
         if h.cached:
             self.counters.bytes_from_cache += len(h.data)
@@ -757,7 +758,7 @@ class Engine:
         if h.fd >= 0:
             os.close(h.fd)
         if h.stream is not None:  # counted for its stream's verdict, and no READ came
-            h.stream.note_unread()
+            h.stream.note_unread(h.page_count)
             h.stream = None
         if (h.data is not None and h.was_read and h.cached and h.paged and h.keep_partial
                 and h.ident is not None and 0 < h.read_end < len(h.data)

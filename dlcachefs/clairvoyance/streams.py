@@ -191,6 +191,9 @@ class Stream:
     cached_opens: int = 0
     cached_reads: int = 0
     pages_served: bool = False
+    # which epoch's count an open is in (bumped at each switch): an open counted in one
+    # epoch whose READ, or release, comes after the switch is not the next epoch's
+    page_count: int = 0
     # the last PAGED_MIN_OPENS of them whose outcome is known (READ, or released without
     # one): READs coming back (the kernel dropped the pages) end pages_served at once, and
     # the epoch's read plan starts (pages_lost) or resumes; hardly any (at most one in
@@ -244,25 +247,30 @@ class Stream:
         self.pages_served = (same_dataset and n >= PAGED_MIN_OPENS
                              and r * PAGED_READ_EVERY <= n)
         self.cached_opens = self.cached_reads = self.recent_opens = self.recent_reads = 0
+        self.page_count += 1
         self.pages_lost = trio.Event()
         self.pages_judged = False
 
-    def note_cached_open(self) -> None:
+    def note_cached_open(self) -> int:
         """An open of a cached file whose bytes could be loaded lazily (see
         ``pages_served``): counted for the epoch's verdict; its outcome, a READ
         (:meth:`note_cached_read`) or none (:meth:`note_unread`), is counted in the
-        current window."""
+        current window. Returns the count it is in, for its outcome."""
         self.cached_opens += 1
+        return self.page_count
 
-    def note_cached_read(self) -> None:
+    def note_cached_read(self, count: int) -> None:
         """The first READ of such an open: the kernel's pages did not serve it."""
+        if count != self.page_count:
+            return  # opened in an epoch that has ended
         self.cached_reads += 1
         self.recent_reads += 1
         self._judge()
 
-    def note_unread(self) -> None:
+    def note_unread(self, count: int) -> None:
         """Such an open was released with no READ: the kernel's pages served it."""
-        self._judge()
+        if count == self.page_count:
+            self._judge()
 
     def _judge(self) -> None:
         """One more outcome in the window; every PAGED_MIN_OPENS of them, a page-served
