@@ -24,8 +24,15 @@ import hashlib, json, os, sys, time, torch
 from torchvision import datasets, transforms
 root, epochs, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 first = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+def tolerant(path):  # a loader that skips files deleted since the listing
+    try:
+        return datasets.folder.default_loader(path)
+    except FileNotFoundError:
+        from PIL import Image
+        return Image.new("RGB", (16, 16))
 ds = datasets.ImageFolder(root, transform=transforms.Compose(
-    [transforms.Resize((16, 16)), transforms.ToTensor()]))
+    [transforms.Resize((16, 16)), transforms.ToTensor()]),
+    **({"loader": tolerant} if os.environ.get("DLC_REPLACE") else {}))
 if kind == "distributed":
     sampler = torch.utils.data.DistributedSampler(ds, num_replicas=1, rank=0, seed=7)
     dl = torch.utils.data.DataLoader(ds, batch_size=32, sampler=sampler, num_workers=2)
@@ -50,12 +57,20 @@ while stats() is not None and time.monotonic() < deadline:
     if stats()["sampler_replay_ready"]:
         break
     time.sleep(0.1)
-def replace_files(src, n, epoch):
+def replace_files(src, n, gone, epoch):
     # the dataset changes between epochs: n files get bytes appended in the source (a
-    # JPEG decoder ignores bytes after its end marker: the same images, new sizes)
+    # JPEG decoder ignores bytes after its end marker: the same images, new sizes), and
+    # ``gone`` others are deleted
     import random
-    for path, _ in random.Random(epoch).sample(ds.samples, n):
+    picked = random.Random(epoch).sample(ds.samples, n + gone)
+    for path, _ in picked[n:]:
         p = os.path.join(src, os.path.relpath(path, root))
+        if os.path.exists(p):
+            os.unlink(p)
+    for path, _ in picked[:n]:
+        p = os.path.join(src, os.path.relpath(path, root))
+        if not os.path.exists(p):
+            continue
         with open(p, "rb") as f:
             data = f.read()
         with open(p + ".tmp", "wb") as f:
@@ -65,8 +80,8 @@ for epoch in range(first, first + epochs):
     if sampler is not None:
         sampler.set_epoch(epoch)
     if epoch > first and os.environ.get("DLC_REPLACE"):
-        src, n = os.environ["DLC_REPLACE"].rsplit(":", 1)
-        replace_files(src, int(n), epoch)
+        src, n, gone = os.environ["DLC_REPLACE"].rsplit(":", 2)
+        replace_files(src, int(n), int(gone), epoch)
     before = stats()
     samples = []
     for x, y in dl:
@@ -93,8 +108,9 @@ print(json.dumps(out))
 '''
 
 
-#: files changed in the source before each epoch after the first ("changing")
-REPLACED = 20
+#: files changed, and deleted, in the source before each epoch after the first
+#: ("changing")
+REPLACED, DELETED = 20, 3
 
 
 def _run(cmd: list[str], env: dict | None = None) -> list[dict]:
@@ -135,16 +151,19 @@ def test_three_epochs_with_the_launcher(dataset, mount, tmp_path, reorder):
              "small-memory": ["--reorder-min", "0", "--memory", "1M"],
              "changing": ["--reorder-min", "0", "--revalidate", "0"]}[reorder]
     env = None if reorder == "default" else {"DLC_DROP": "1"}
-    src = dataset
-    if reorder == "changing":  # files change between epochs: on a copy of the dataset
-        src = tmp_path / "src"
+    src, direct_src, direct_env = dataset, dataset, None
+    if reorder == "changing":  # files change between epochs: on copies of the dataset
+        src, direct_src = tmp_path / "src", tmp_path / "direct"
         shutil.copytree(dataset, src)
-        env["DLC_REPLACE"] = f"{src}:{REPLACED}"
-        # (a log left with unsealed chunks never settles: its assertion below says so
-        # after 2 minutes, not at the test's timeout)
+        shutil.copytree(dataset, direct_src)
+        env["DLC_REPLACE"] = f"{src}:{REPLACED}:{DELETED}"
+        direct_env = {"DLC_REPLACE": f"{direct_src}:{REPLACED}:{DELETED}"}
+        # (a log left with unsealed chunks, or a position that stops, never settles: its
+        # assertion below says so after 2 minutes, not at the test's timeout)
         env["DLC_SETTLE_S"] = "120"
     m = mount(src, "--chunk-size", "256K", *extra)
-    direct = _run([sys.executable, str(script), str(dataset), "3", "distributed"])
+    direct = _run([sys.executable, str(script), str(direct_src), "3", "distributed"],
+                  env=direct_env)
     through = _run([sys.executable, "-m", "dlcachefs.cli", "run", "--", sys.executable,
                     str(script), str(m.mnt), "3", "distributed"], env=env)
     for d, t in zip(direct, through, strict=True):
@@ -165,6 +184,9 @@ def test_three_epochs_with_the_launcher(dataset, mount, tmp_path, reorder):
         if reorder == "changing":  # the changed files come from the source, nothing else
             assert 0 < _delta(ep, "bytes_from_source") <= REPLACED * 16 << 10
             assert _delta(ep, "misses") <= REPLACED
+            # the deleted files' positions were passed (the stream's position stopped at
+            # the first of them for the rest of the epoch, and its prefetch with it)
+            assert ep["after"]["streams"]["default/0"]["position"] == len(ep["samples"])
         else:
             assert _delta(ep, "bytes_from_source") == 0  # the cache serves epochs 2 and 3
             assert _delta(ep, "misses") == 0

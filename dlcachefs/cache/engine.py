@@ -180,6 +180,7 @@ class Engine:
         self.ns = Namespace(self.index, self.calls, revalidate=cfg.revalidate,
                             use_src_ino=cfg.use_source_inode)
         self.streams = StreamManager(self)
+        self.ns.on_removed = self.streams.note_gone
         if not self.memory.replay_worker:
             log.warning("%s", self.memory.replay_reason)
             self.streams.replay.disable(self.memory.replay_reason)

@@ -70,6 +70,9 @@ MISSING_RELIST_S = 1.0
 DIR_ATTRS_MIN_S = 1.0
 
 ROOT_INO = 1
+
+#: inodes remembered as gone from the source (Namespace.gone)
+MAX_GONE = 1 << 20
 #: names at the root that the mount reserves for itself and hides from the mirror
 RESERVED_ROOT_NAMES = frozenset({b".dlcache"})
 
@@ -173,7 +176,9 @@ def merge_listing(w: IndexTxn, dir_e: Entry, dir_rel: bytes, listing: list[Listi
         if stat_mod.S_ISDIR(item.st.st_mode):
             res.subdirs.append((ino, dir_rel + b"/" + item.name if dir_rel else item.name))
     for name, ino in old.items():
-        w.delete_tree(ino)
+        for r in w.delete_tree(ino):
+            if r != ino:  # (a removed directory's files: gone too, see Namespace.gone)
+                res.removed.append((b"", r))
         res.removed.append((name, ino))
     dir_e.checked_at = now
     w.put_entry(dir_e)
@@ -191,6 +196,12 @@ class Namespace:
         self.revalidate = revalidate
         self.use_src_ino = use_src_ino
         self.on_invalidate: Invalidate | None = None
+        # inodes found gone from the source during this mount, most recent last (bounded:
+        # MAX_GONE): an inode is never handed out again, so a stream whose epoch order
+        # holds one never sees it opened (its open fails at LOOKUP) and passes it by
+        # (StreamManager.note_gone, told through on_removed)
+        self.gone: dict[int, None] = {}
+        self.on_removed: Callable[[list[int]], None] | None = None
         # inodes of which the kernel may still hold attributes or pages of another
         # version than the current one (a change seen on the source during this mount,
         # or an older open's attributes answered): every open of them bypasses the
@@ -478,9 +489,10 @@ class Namespace:
                 if ino != ROOT_INO:
                     await self._check_root(f"{os.fsdecode(rel)} is missing")
                     self.changes += 1  # before the write: see __init__
-                    await trio.to_thread.run_sync(self._delete, e)
+                    removed = await trio.to_thread.run_sync(self._delete, e)
                     self._dir_checked.clear()  # a subtree went: rare, start afresh
                     self._notify("entry", e.parent, e.name, e.ino)
+                    self._note_gone(removed)
                 raise
             if ino == ROOT_INO and not _visible(listing) and self.children(ROOT_INO):
                 self._root_fault("it lists empty")
@@ -496,6 +508,8 @@ class Namespace:
                 self._notify("inode", ino, None, child)
             for _name, child in res.removed:
                 self._dir_paths.pop(child, None)
+            if res.removed:
+                self._note_gone([child for _name, child in res.removed])
         except Exception as err:
             outcome.append(err)
             raise
@@ -533,9 +547,20 @@ class Namespace:
             cur = w.get_entry(e.ino) or e
             return merge_listing(w, cur, rel, listing, time.time(), self.use_src_ino)
 
-    def _delete(self, e: Entry) -> None:
+    def _delete(self, e: Entry) -> list[int]:
         with self.index.write() as w:
-            w.delete_tree(e.ino)
+            return w.delete_tree(e.ino)
+
+    def _note_gone(self, inos: list[int]) -> None:
+        """Inodes removed from the snapshot (gone from the source): remembered in
+        :attr:`gone`, and told to ``on_removed``."""
+        for ino in inos:
+            self.gone.pop(ino, None)
+            self.gone[ino] = None
+        while len(self.gone) > MAX_GONE:
+            del self.gone[next(iter(self.gone))]
+        if self.on_removed is not None:
+            self.on_removed(inos)
 
     def note_kernel_behind(self, ino: int) -> None:
         """The kernel was given attributes of another version of ``ino`` than the

@@ -269,6 +269,12 @@ class NextEpochLog:
         self.queued_bytes += len(data)
         self._wake.set()
 
+    def gone(self, ino: int) -> None:
+        """``ino`` is gone from the source: its slot can never hold it (a filler)."""
+        slot = self.slots.get(ino)
+        if slot is not None:
+            self._claim_filler(slot)
+
     def _claim_filler(self, slot: Slot) -> bool:
         """Claim ``slot`` for a filler record (see :func:`filler_record`); False when
         there is no room for it in --cache-size (its chunk then stays unsealed)."""

@@ -734,6 +734,8 @@ class StreamManager:
                 prev.abandon()
         for ino in early:  # opens before the switch: counted against this epoch's log
             self.note_open(s, ino, learn=False)  # (learned when they came)
+        if self.engine.ns.gone:  # files gone from the source: never opened in this epoch
+            self._pass_gone(s, list(self.engine.ns.gone))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._prefetch, s)
             # this epoch's reads from the logs, in its order (dlcachefs.cache.readplan)
@@ -1186,13 +1188,42 @@ class StreamManager:
         p = s.positions.pop(ino)
         if p is None:
             return
-        s.consumed[p] = 1
         s.last_open = time.monotonic()
+        self._consume(s, ino, p)
+        self._advance(s)
+
+    def note_gone(self, inos: list[int]) -> None:
+        """Files found gone from the source (``Namespace.on_removed``): no open of them
+        will come (it fails at LOOKUP), so every stream's position passes them. (It
+        stopped at the first one for the rest of the epoch, and with it the prefetch
+        and the chunk preloads ahead: 6-8x read per byte served in the sweep.) A stream
+        between an announcement and its switch passes them at the switch, from
+        ``Namespace.gone``. Every next-epoch log being laid out gives their slots filler
+        records. Trio loop."""
+        for s in self.streams.values():
+            if s.order and s.epoch == s.target_epoch and not s.restarting:
+                self._pass_gone(s, inos)
+        for nl in self.next_logs():  # their slots get fillers: the logs can be sealed
+            for ino in inos:
+                nl.gone(ino)
+
+    def _pass_gone(self, s: Stream, inos: list[int]) -> None:
+        for ino in inos:
+            while (p := s.positions.pop(ino)) is not None:  # (every position of it)
+                self._consume(s, ino, p)
+        self._advance(s)
+
+    def _consume(self, s: Stream, ino: int, p: int) -> None:
+        """Position ``p`` (of ``ino``) is done with in this epoch."""
+        s.consumed[p] = 1
         cur = s.current_log
         if cur is not None and cur.release_after_use:
             done = cur.used(ino)  # LCache line 16: release a chunk after use
             if done is not None:
                 cur.release(done)
+
+    def _advance(self, s: Stream) -> None:
+        """Move the stream's position past what is consumed; wake what waits on it."""
         moved = False
         while s.position < len(s.consumed) and s.consumed[s.position]:
             s.position += 1
