@@ -201,20 +201,19 @@ def test_three_epochs_with_the_launcher(dataset, mount, tmp_path, reorder):
             # since epoch 1; their slots hold filler records and every chunk was sealed:
             # before, those chunks stayed unsealed and epoch 3 read 8.8x what it served)
             assert stream["next_log"]["sealed"] == stream["next_log"]["chunks"], stream
-            if reorder == "changing":
-                # the changed files' new versions were cached apart, in epoch 2, in a
-                # chunk or two of their own; every other byte comes from the epoch's log
-                assert stream["next_log"]["chunks"] <= reads <= stream["next_log"]["chunks"] + 2
-                disk, served = _delta(ep, "cache_disk_bytes_read"), _delta(ep, "bytes_from_cache")
-                assert disk <= 1.2 * served, (disk, served)
-            else:
-                assert reads == stream["next_log"]["chunks"], reads
-            # (each read of a chunk outside the log breaks the sequence twice at most)
-            apart = reads - stream["next_log"]["chunks"]
-            assert reads > 0 and seq >= reads - 1 - 2 * apart, (reads, seq)
+            assert reads == stream["next_log"]["chunks"], reads
+            assert reads > 0 and seq >= reads - 1, (reads, seq)
             # (an open between the epoch's announcement and its switch may read its
             # record alone, at the pace of the machine: a few, never a chunk's worth)
-            assert _delta(ep, "record_reads") <= 4, _delta(ep, "record_reads")
+            singles = 4
+            if reorder == "changing":
+                # the files changed before epoch 2 were cached apart, in epoch 2, in the
+                # writer's chunks: in epoch 3 each is read alone, never its whole chunk
+                # for one record (1.25x read per byte served with two ranks, 1.03x now)
+                singles += REPLACED
+                disk, served = _delta(ep, "cache_disk_bytes_read"), _delta(ep, "bytes_from_cache")
+                assert disk <= 1.2 * served, (disk, served)
+            assert _delta(ep, "record_reads") <= singles, _delta(ep, "record_reads")
         else:
             assert stream["next_log"] is None and "not needed" in stream["reorder"], stream
             # no read amplification: what is not in memory already (chunks epoch 1

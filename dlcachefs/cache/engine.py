@@ -559,7 +559,7 @@ class Engine:
         if not self.versions.is_current(ino, rec, ident):
             return None
         assert rec is not None
-        whole = not self.plans.reads_records(stream, ino) and not self.plans.pending(stream)
+        whole = self.plans.reads_whole(stream, ino, rec)
         return Handle(ino, None, True, ident=ident, paged=True, rec=rec, whole=whole,
                       seen=seen)
 
@@ -633,8 +633,7 @@ class Engine:
                     self.counters.planned_hits += 1
                     self.reader.after_use(rec.chunk_id, e.ino)
                     return data, True, False, False, e
-            whole = (plan is None and not self.plans.reads_records(stream, e.ino)
-                     and not self.plans.pending(stream))
+            whole = plan is None and self.plans.reads_whole(stream, e.ino, rec)
             data = await self.reader.read_record(e.ino, rec, whole=whole)
             if data is not None:
                 self.counters.hits += 1

@@ -213,20 +213,21 @@ class LogReader:
         return (c.length <= self.memtier.limit // 3 and self.memtier.can_hold(c.length)
                 and self._reuse >= 2.0)
 
-    def chunk_to_preload(self, ino: int) -> Chunk | None:
+    def chunk_to_preload(self, ino: int, only_log: int | None = None) -> Chunk | None:
         """The chunk a :meth:`preload` of ``ino`` would have in the memory tier (loaded
         whole now, or there already), if any: the stream's prefetcher keeps such chunks
         within the tier until their last record is opened."""
         rec = self.index.get_record(ino)
-        if rec is None:
+        if rec is None or (only_log is not None and rec.log_id != only_log):
             return None
         c = self.index.get_chunk(rec.chunk_id)
         return c if c is not None and self._preloads_whole(c) else None
 
-    async def preload(self, ino: int, owner: str) -> None:
+    async def preload(self, ino: int, owner: str, only_log: int | None = None) -> None:
         """Ahead of the reader: its chunk into the memory tier when whole chunks are being
         reused, else the record alone into the read-ahead set (the reader then never
-        waits for the disk)."""
+        waits for the disk). ``only_log``: whole chunks of that log only (the one laid
+        out for the reader's epoch); a record elsewhere is loaded alone."""
         rec = self.index.get_record(ino)
         if rec is None or rec.chunk_id in self.memtier or rec.chunk_id in self._loading:
             return
@@ -234,7 +235,7 @@ class LogReader:
         if c is None or not self.writer.pin(c.chunk_id):
             return
         try:
-            if self._preloads_whole(c):
+            if (only_log is None or rec.log_id == only_log) and self._preloads_whole(c):
                 if await self._load_chunk_into_memory(c) is not None:
                     self.counters.chunk_preloads += 1
             elif ino not in self.readahead and self.readahead.has_room(rec.size):

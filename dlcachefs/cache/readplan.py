@@ -282,6 +282,19 @@ class ReadPlanner:
         members = stream.samples.members()
         return members is not None and ino in members
 
+    def reads_whole(self, stream, ino: int, rec) -> bool:
+        """Whether an open of ``ino`` (cached in ``rec``) may read the record's whole
+        chunk (the reader's choice then, :meth:`CacheReader._whole_chunk`): not for a
+        sample read record by record (:meth:`reads_records`) or while the stream's plan
+        is being made, nor for a record outside the log laid out for the stream's epoch
+        (a file changed since the log was planned, or a slot not sealed yet): that
+        epoch's other samples come from its log, so such a chunk serves one record."""
+        if stream is not None:
+            cur = stream.current_log
+            if cur is not None and rec.log_id != cur.log_id:
+                return False
+        return not self.reads_records(stream, ino) and not self.pending(stream)
+
     def wanted(self, stream) -> bool:
         """Whether this stream's epoch should be read through a plan: its order is known
         and its log was not laid out for it (that one is read whole chunk by chunk), and
