@@ -294,3 +294,38 @@ def test_check_invariants_reports_a_broken_account(tmp_path, caplog):
     run_engine(make_config(src, cache, cache_size=60_000, chunk_size=8192), body)
     assert any("invariant violated" in r.getMessage() and r.levelname == "ERROR"
                for r in caplog.records)
+
+
+def test_the_first_rank_to_plan_its_next_log_leaves_the_others_their_share(tmp_path,
+                                                                           monkeypatch):
+    """Sweep F3: two DistributedSampler ranks, a cache smaller than the dataset. The rank
+    that announced first counted itself alone and planned its next-epoch log for the whole
+    cache (16 chunks in a 12 MiB cache), so the other rank's log found no room and its
+    epoch came from the source. A rank now waits for its job's other ranks (``world``)
+    before it plans; each log stays within its share."""
+    from dlcachefs.clairvoyance import streams as streams_mod
+
+    monkeypatch.setattr(streams_mod, "RANKS_WAIT_S", 60.0)  # (the wait never runs out here)
+    files = dataset(3)
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    write_tree(src, files)
+    cfg = make_config(src, cache, policy="lru", chunk_size=4096, cache_size=40_000,
+                      reorder_min=0)
+
+    async def body(eng):
+        d = Driver(eng, files, 2, False)
+        await d.announce(0)
+        await trio.sleep(0.5)  # (before the fix, rank 0 planned its log meanwhile)
+        await d.announce(1)
+        with trio.fail_after(30):
+            while any((s := eng.streams.streams.get(("j", r))) is None or s.next_log is None
+                      or not s.next_log.chunks for r in (0, 1)):
+                await trio.sleep(0.01)
+        w = eng.writer
+        share = (w.limit - 2 * w.chunk_target) // 2
+        for r in (0, 1):
+            nl = eng.streams.streams[("j", r)].next_log
+            planned = nl.chunks[-1].offset + nl.chunks[-1].length - nl.chunks[0].offset
+            assert 0 < planned <= share, (r, planned, share)
+
+    run_engine(cfg, body)

@@ -76,6 +76,9 @@ if TYPE_CHECKING:
     from dlcachefs.importance.losses import Losses
 
 MAX_UNANNOUNCED = 8  # stats entries for processes that read without announcing
+#: how long a DistributedSampler's rank waits for its job's other ranks on the mount
+#: before it plans its next-epoch log (see StreamManager._ranks_laying_out)
+RANKS_WAIT_S = 2.0
 MAX_LEARNED = 1 << 22  # opens remembered per epoch of a learned stream
 #: a stream that opened nothing for this long (a training that ended or died mid-epoch)
 #: no longer protects its logs from eviction (StreamManager.unprotect_idle)
@@ -818,7 +821,8 @@ class StreamManager:
         order = await trio.to_thread.run_sync(s.replayer.order, epoch + 1)
         nl = NextEpochLog(self.engine, s.key, epoch + 1)
         nl.order = order
-        await nl.plan([samples.inos[i] for i in order], budget, ranks=self.ordered_streams())
+        ranks = await self._ranks_laying_out(s)
+        await nl.plan([samples.inos[i] for i in order], budget, ranks=ranks)
         if budget is not None:
             log.info("stream %s: the cache holds %d of %d samples of epoch %d's log",
                      s.key, len(nl.slots), len(samples), epoch + 1)
@@ -1030,6 +1034,24 @@ class StreamManager:
         mount read 5.8x what they served with ``--memory 8M``)."""
         return [s.next_log for s in self.streams.values()
                 if s.next_log is not None and not s.next_log.failed]
+
+    async def _ranks_laying_out(self, s: Stream) -> int:
+        """How many streams share the cache with ``s``'s next-epoch log: every stream
+        that knows its order. A DistributedSampler's rank that gets here before the other
+        ranks of its job on this mount (they announce within milliseconds of each other)
+        waits for them, up to ``RANKS_WAIT_S``: counted alone, the first rank planned its
+        log for the whole cache, and with a cache smaller than the dataset the second
+        rank's log found no room (the sweep: 16 chunks planned for a 12 MiB cache, epoch
+        2 then read 103% of the dataset from the source). On a node that holds only some
+        of the world's ranks the wait runs out and the ranks present are counted."""
+        spec = getattr(s.replayer, "spec", None)
+        world = spec.world if spec is not None and spec.kind == "distributed" else 1
+        deadline = trio.current_time() + RANKS_WAIT_S
+        while (world > 1 and trio.current_time() < deadline
+               and sum(1 for o in self.streams.values()
+                       if o.job == s.job and o.order and o.dataset == s.dataset) < world):
+            await trio.sleep(0.05)
+        return self.ordered_streams()
 
     def ordered_streams(self) -> int:
         """How many streams know their order (the ranks laying out their next epochs)."""
