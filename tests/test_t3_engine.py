@@ -1439,3 +1439,34 @@ def test_invariants_are_checked_after_every_reorder_seal(tmp_path, policy):
     assert len(seals) > 1
     for i in seals:  # each reorder seal is followed by a check before anything else seals
         assert events[i + 1] == "check", events
+
+
+def test_a_chunk_left_holding_no_record_is_retired(tmp_path, policy):
+    """Sweep F5: a chunk whose files all changed on the source (their old records dropped
+    as stale, the new versions cached in another chunk) holds nothing an open can read,
+    yet it stayed, counted in the cache's bytes, until the policy evicted it: a cache with
+    room never did (28 of 49 chunks, 27.5 MB, held no record after a few epochs of a
+    changing dataset). It is retired at the next seal now, and counted apart."""
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    files = {f"train/c0/img{i}.jpg".encode(): os.urandom(3000) for i in range(4)}
+    write_tree(src, files)
+
+    async def body(eng):
+        for rel in files:
+            assert await read_all(eng, rel) == files[rel]
+        await eng.flush()
+        old = {eng.index.get_record(eng.ns.resolve(r).ino).chunk_id for r in files}
+        assert all(eng.index.get_chunk(c) is not None for c in old)
+        new = {r: os.urandom(3500) for r in files}  # every file replaced, new sizes
+        for rel, data in new.items():
+            (src / os.fsdecode(rel)).write_bytes(data)
+        for rel in files:
+            assert await read_all(eng, rel) == new[rel]
+        await eng.flush()
+        await eng.flush()  # (a chunk left empty by one seal goes at the next)
+        assert all(eng.index.get_chunk(c) is None for c in old), old
+        live = sum(c.length for c in eng.index.iter_chunks())
+        assert eng.index.counter(S.K_CHUNK_BYTES) == live
+        assert eng.counters.chunks_superseded >= len(old)
+
+    run_engine(make_config(src, cache, policy=policy, revalidate=0), body)

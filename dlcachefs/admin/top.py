@@ -101,7 +101,8 @@ def frame(cur: dict, prev: dict | None, dt: float, mnt: str) -> Frame:
         ("from the cache", r("bytes_from_cache", True)),
         ("zero-copy reads", "-" if zc is None else f"{format_size(zc)}/s"),
         ("prefetched", f"{r('prefetched')} (+{r('scan_ahead_files')} scanned ahead)"),
-        ("chunks written / evicted", f"{r('chunks_written')} / {r('chunks_evicted')}"),
+        ("chunks written / evicted (superseded)",
+         f"{r('chunks_written')} / {r('chunks_evicted')} ({r('chunks_superseded')})"),
     ]))
     f.sections.append(("since mount", [
         ("hits / misses", f"{cur.get('hits', 0):,} / {cur.get('misses', 0):,}"),

@@ -48,6 +48,7 @@ class Counters:
     source_retries: int = 0
     chunks_written: int = 0
     chunks_evicted: int = 0
+    chunks_superseded: int = 0  # of chunks_evicted: holding no record any more (moved, stale)
     cache_skipped: int = 0         # fetched files not cached (cache full, writer behind, disk full)
     read_through: int = 0          # opens of files above --max-cached-file: read from the
                                    # source, never cached (also counted in misses)

@@ -150,6 +150,7 @@ class _Result:
     disk_free: int = 0
     kept: list[Evicted] = field(default_factory=list)  # victims' records read back
     unread: int = 0  # victims' current records not read back (no room)
+    dead: list[int] = field(default_factory=list)  # chunks left holding no record
 
 
 class ChunkWriter:
@@ -177,6 +178,7 @@ class ChunkWriter:
         self.pending: dict[int, Pending] = {}  # ino -> record not yet indexed
         self.drops: set[int] = set()
         self.retire: set[int] = set()  # indexed chunks to evict once unpinned (superseded)
+        self._superseded: set[int] = set()  # doomed from ``retire`` (chunks_superseded)
         # chunks of a next epoch's log, and of the current epoch's log until read (a cache
         # too small for the dataset): never the policy's victims
         self.protected: set[int] = set()
@@ -406,6 +408,7 @@ class ChunkWriter:
                 return False  # everything pinned or protected, or too little to give up
             for c in chosen:
                 self._doom(c, sizes[c])
+            self._superseded.update(c for c in chosen if c in self.retire)
             self.retire.difference_update(chosen)
             self._wake.set()  # the next commit drops them
             return freed >= short
@@ -474,8 +477,18 @@ class ChunkWriter:
         for c in res.evicted:
             self.policy.on_remove(c.chunk_id)
             self.retire.discard(c.chunk_id)  # evicted as a victim while it waited there
+            if c.chunk_id in self._superseded:
+                self._superseded.discard(c.chunk_id)
+                self.counters.chunks_superseded += 1
         self.counters.chunks_evicted += len(res.evicted)
         self.disk_free = res.disk_free
+        # chunks whose last records were dropped (stale: their files changed) or replaced
+        # by newer versions hold nothing any open can read: retired at the next seal.
+        # (They stayed until the policy evicted them, which a cache with room never did:
+        # a dataset changing between epochs left 28 of 49 chunks, 27.5 MB, holding no
+        # record.)
+        for cid in res.dead:
+            self.retire_chunk(cid)
 
     def shrink_to_limit(self) -> None:
         """A cache over ``--cache-size`` (mounted again with a smaller one): doom victims
@@ -640,6 +653,7 @@ class ChunkWriter:
             self.retire.discard(c)
             if c not in self.doomed:
                 self._doom(c, self._length(c))
+                self._superseded.add(c)
         write = bool(records)
         if records and self.cfg.min_free > 0:
             # the free-space floor on the cache disk (--cache-size was reserved at submit)
@@ -778,11 +792,9 @@ class ChunkWriter:
                 off += length
         # keep_indexed: a record of the same version indexed elsewhere meanwhile was put
         # there by the reorderer, in the next epoch's order: this copy is the one to waste.
-        # Sealed.dead is not used: chunks whose records were all dropped or replaced by
-        # newer versions stay until the policy evicts them (only the reorderer retires).
         sealed = seal_chunks(self.index, new, keep_indexed=True, victims=victims, drops=drops,
                              new_log=new_log)
-        res.indexed, res.evicted = sealed.indexed, sealed.evicted
+        res.indexed, res.evicted, res.dead = sealed.indexed, sealed.evicted, sealed.dead
         for c in res.evicted:
             self.logs.release(c.log_id, c.offset, c.length)
         res.disk_free = _free_bytes(self.cfg.cache_dir)
