@@ -76,3 +76,28 @@ def test_custom_is_valid_file_mismatch_is_refused(tmp_path):
         cs, vid = announce_view(eng, src, odd)
         with pytest.raises(ValueError, match="sample list mismatch.*3.*is_valid_file"):
             _Mgr(eng).view_samples("k", cs.views[vid])
+
+
+def test_a_root_rebuilt_after_files_were_added_is_listed_anew(tmp_path):
+    """Sweep F2: a training that rebuilds its ImageFolder after files were added (or
+    deleted) announces a new view over the same root. The root's list verified for the
+    first view was reused for it without a check, so the order was replayed over the old
+    samples (403 misses of 600, and the stream's stats showed the old count). The root is
+    now listed anew when the training's count or digest differs."""
+    src = tmp_path / "src"
+    touch(src, "a/1.jpg", "a/2.jpg", "b/3.jpg", "b/4.jpg")
+    mgr = None
+    with scanned(src, tmp_path / "cache1") as eng:
+        mgr = _Mgr(eng)
+        first = folder.ImageFolder(str(src), loader=lambda p: p)
+        cs, vid = announce_view(eng, src, data.Subset(first, [3, 2, 1, 0]))
+        assert len(mgr.view_samples("k1", cs.views[vid])) == 4
+    touch(src, "a/0.jpg", "b/5.jpg")  # added on the source; the training lists again
+    with scanned(src, tmp_path / "cache2") as eng:
+        mgr.engine = eng  # (the manager's cache of verified roots is kept)
+        again = folder.ImageFolder(str(src), loader=lambda p: p)
+        ds = data.Subset(again, [5, 0, 3])
+        cs, vid = announce_view(eng, src, ds)
+        sl = mgr.view_samples("k2", cs.views[vid])
+        assert [sl.paths[i] for i in range(len(ds))] == [
+            os.path.relpath(ds[i][0], src) for i in range(len(ds))]

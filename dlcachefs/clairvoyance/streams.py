@@ -428,7 +428,9 @@ class StreamManager:
         self.replay_ready = False  # torch imported: orders can be replayed without waiting
         self.replay = ReplayWorker()  # torch's sampler replay runs there, not in the daemon
         self._replay_started = False
-        self._roots: dict[tuple, SampleList] = {}  # (rel, extensions) -> verified root list
+        # (rel, extensions) -> a root's list verified against a training's, with its
+        # count and digest: a view built later (the files changed) is checked against it
+        self._roots: dict[tuple, tuple[SampleList, int, str]] = {}
         self.unannounced: OrderedDict[int, dict] = OrderedDict()  # pgid -> stats entry
         self._pid_group: OrderedDict[int, int] = OrderedDict()  # reader pid -> pgid
 
@@ -567,11 +569,16 @@ class StreamManager:
         nbytes = 0
         for r in view.roots:
             rk = (r.rel, r.extensions)
-            sl = self._roots.get(rk)
+            known = self._roots.get(rk)
+            # a root's list made or verified earlier holds only while the training's is
+            # the same: one that rebuilt its ImageFolder after files were added or
+            # deleted has another count or digest, and the earlier list replayed its
+            # order over the wrong samples (403 misses of 600 in the sweep)
+            sl = known[0] if known is not None and known[1:] == (r.count, r.sha) else None
             if sl is None:
                 sl = self._samplelists.get(r.rel) if r.extensions == IMG_EXTENSIONS else None
-                if sl is None:
-                    sl = image_folder(self.engine.ns, r.rel, r.extensions)
+                if sl is None or len(sl) != r.count or paths_digest(sl.paths) != r.sha:
+                    sl = image_folder(self.engine.ns, r.rel, r.extensions)  # (listed anew)
                 if len(sl) != r.count or paths_digest(sl.paths) != r.sha:
                     hint = " (a custom is_valid_file?)" if r.extensions is None else ""
                     out = links_leaving(self.engine.ns, r.rel)
@@ -586,7 +593,7 @@ class StreamManager:
                            else "") + f"{hint}; the order is not replayed")
                 if len(self._roots) > 16:
                     self._roots.clear()
-                self._roots[rk] = sl
+                self._roots[rk] = (sl, r.count, r.sha)
             inos += sl.inos
             labels += sl.labels
             nbytes += sl.nbytes
