@@ -418,8 +418,8 @@ def _is_size(key: str) -> bool:
     """Whether a stats key holds a number of bytes (shown as a size)."""
     if key in _COUNTS_OF_BYTES:
         return False
-    return (key.endswith(("bytes", "_file")) or key.startswith("bytes_")
-            or "_bytes_read" in key or key.endswith("_bytes_dropped"))
+    return (key.endswith(("bytes", "_file", "_capacity")) or key.startswith("bytes_")
+            or key == "package_size" or "_bytes_read" in key or key.endswith("_bytes_dropped"))
 
 
 def _shown(key: str, v: object) -> str:

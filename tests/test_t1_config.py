@@ -361,6 +361,7 @@ def test_human_stats_show_sections_as_indented_lines(capsys):
 
     print_tree({"hits": 12, "bytes_from_source": 123456789, "cache_disk_bytes_read": 2 << 20,
                 "cache_disk_bytes_read_back": 3 << 30, "wrong_bytes_reads": 2048,
+                "policy": {"h_capacity": 11534336, "package_size": 1 << 20, "h_units": 3},
                 "uptime_s": 12.34567,
                 "streams": {"default/0": {"mode": "replayed", "loader": {"opens": 5},
                                           "substitutions": {}}},
@@ -373,6 +374,10 @@ def test_human_stats_show_sections_as_indented_lines(capsys):
         "cache_disk_bytes_read       2.0M (2,097,152)",
         "cache_disk_bytes_read_back  3.0G (3,221,225,472)",
         "wrong_bytes_reads           2048",
+        "policy:",
+        "  h_capacity    11.0M (11,534,336)",
+        "  package_size  1.0M (1,048,576)",
+        "  h_units       3",
         "uptime_s                    12.346",
         "streams:",
         "  default/0:",
