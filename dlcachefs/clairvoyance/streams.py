@@ -831,8 +831,9 @@ class StreamManager:
         ranks = await self._ranks_laying_out(s)
         await nl.plan([samples.inos[i] for i in order], budget, ranks=ranks)
         if budget is not None:
-            log.info("stream %s: the cache holds %d of %d samples of epoch %d's log",
-                     s.key, len(nl.slots), len(samples), epoch + 1)
+            # (of the stream's own order: a DistributedSampler rank's is its shard)
+            log.info("stream %s: the cache holds %d of the %d samples of epoch %d's order",
+                     s.key, len(nl.slots), len(order), epoch + 1)
         if s.target_epoch != epoch:  # a newer epoch began while planning
             nl.abandon()
         elif s.pages_served and not s.memory_prefetch:
