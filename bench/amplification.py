@@ -231,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
                         "known ahead, so the next epoch's log is laid out in its order")
     p.add_argument("--replace", type=int, default=0, metavar="N",
                    help="before each epoch after the first, give N files of the source new "
-                        "bytes and sizes (a dataset that changes between epochs)")
+                        "bytes and sizes (a dataset that changes between epochs; with "
+                        "--mount-arg=--revalidate=0, else the mount may serve the version "
+                        "it listed, within --revalidate, and the digest check fails)")
     p.add_argument("--core-rev", metavar="REV",
                    help="run the daemon from this git revision (git archive)")
     p.add_argument("--mount-arg", action="append", default=[], metavar="ARG",

@@ -1365,7 +1365,12 @@ def test_a_sample_changed_or_gone_since_its_log_was_planned_leaves_a_filler(tmp_
         # img1 is replaced and served in its new version in this epoch (the reader's
         # bytes are fed to the log): its slot can never hold the planned version
         (src / "train/c0/img1.jpg").write_bytes(new1)
-        changed = dataclasses.replace(planned[1], size=len(new1), mtime_ns=planned[1].mtime_ns + 1)
+        changed = identity(await eng.ns.fresh_file(inos[1]))  # (an open sees it)
+        assert changed != planned[1]
+        # the bytes of an older version than planned (a fetch joined) say nothing
+        older = dataclasses.replace(planned[1], mtime_ns=planned[1].mtime_ns - 1)
+        nl.consumed(inos[2], files[b"train/c0/img2.jpg"], older)
+        assert not nl.slots[inos[2]].written
         nl.consumed(inos[1], new1, changed)
         nl.consumed(inos[2], files[b"train/c0/img2.jpg"], planned[2])
         assert nl.slots[inos[1]].filler and not nl.slots[inos[2]].filler

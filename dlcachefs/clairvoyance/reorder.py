@@ -17,7 +17,11 @@ through this stream in epoch e) are filled from the cache, or the source, and th
 chunks sealed. Epoch e+1 then reads its log front to back, one large read per chunk.
 
 Each sample gets one slot (its first position in the next order): the index keeps one
-location per file. Crash safety is the writer's: only complete, fsynced chunks are
+location per file. A slot whose planned version is gone for good (the file deleted, or
+changed: the reader was served another version and the namespace lists that one) gets a
+filler record of the slot's length (inode 0, never indexed), so the chunk's other samples
+still seal in order; a chunk of fillers only is never sealed. A source error that says
+nothing of the version (a timeout, EIO) leaves the slot unwritten. Crash safety is the writer's: only complete, fsynced chunks are
 indexed; after a crash the plan is gone and the records still point at their old chunks.
 
 ``--cache-size``: each slot's record length (and the chunk header's, with its chunk's first
@@ -52,7 +56,7 @@ import trio
 
 from dlcachefs.cache.namespace import identity
 from dlcachefs.cache.source import Identity
-from dlcachefs.errors import DlcError
+from dlcachefs.errors import DlcError, NotFound, SourceChanged
 from dlcachefs.store import schema as S
 from dlcachefs.store.chunkfmt import (
     CHUNK_HEADER_SIZE,
@@ -255,10 +259,13 @@ class NextEpochLog:
         if slot is None or slot.written or self.failed:
             return
         if slot.ident != ident:
-            # changed since planning: the planned version is gone from the source, and
-            # the slot's length was computed from it, so the slot gets a filler record
-            # and its chunk can still be sealed (the new version is cached on its own)
-            self._claim_filler(slot)
+            # changed since planning: when the planned version is no longer the listed
+            # one, it can never be written, and the slot's length was computed from it,
+            # so the slot gets a filler record and its chunk can still be sealed (the new
+            # version is cached on its own). (The bytes served may also be an older
+            # version than planned, from a fetch joined: then the fill decides.)
+            if self.engine.prefetcher.versions.listed_entry(ino, slot.ident) is None:
+                self._claim_filler(slot)
             return
         if len(data) != slot.ident.size:
             return  # not the whole file: the fill decides at the epoch boundary
@@ -276,8 +283,9 @@ class NextEpochLog:
             self._claim_filler(slot)
 
     def _claim_filler(self, slot: Slot) -> bool:
-        """Claim ``slot`` for a filler record (see :func:`filler_record`); False when
-        there is no room for it in --cache-size (its chunk then stays unsealed)."""
+        """Claim ``slot`` for a filler record (see :func:`filler_record`); False when it
+        was claimed already, the log failed, or there is no room for it in --cache-size
+        (its chunk then stays unsealed)."""
         if slot.written or self.failed or not self._reserve(slot):
             return False
         slot.written = slot.filler = True
@@ -398,7 +406,9 @@ class NextEpochLog:
                 if c.remaining == 0:
                     ready.append(c)
             for c in ready:
-                await self._seal(c)
+                if c.members():
+                    await self._seal(c)
+                # (a chunk of fillers only would hold nothing: it is given up at the end)
 
     async def backfill(self, inos: list[int]) -> None:
         """Queue samples consumed before this plan existed (read back from the cache)."""
@@ -413,10 +423,13 @@ class NextEpochLog:
             if slot is None or slot.written or self.failed or self._finish:
                 continue
             try:
-                data = await self.engine.prefetcher.bytes_for(slot.ino, slot.ident)
-            except DlcError:  # gone from the source, timed out...: its chunk stays unsealed
+                data = await self._planned_bytes(slot)
+            except DlcError:  # timed out, the source failing...: left for the fill
                 continue
             # (after the await: the log may have ended, or another task claimed the slot)
+            if data is None and not self._finish:
+                self._claim_filler(slot)  # gone, or changed: never this version again
+                continue
             if (data is None or slot.written or self.failed or self._finish
                     or not self._reserve(slot)):
                 continue
@@ -433,13 +446,13 @@ class NextEpochLog:
             if slot.written:
                 continue
             try:
-                data = await self.engine.prefetcher.bytes_for(slot.ino, slot.ident)
+                data = await self._planned_bytes(slot)
             except DlcError:
-                data = None
+                continue  # timed out, the source failing...: that chunk stays unsealed
             # (after the await: the backfill may have claimed it, or the log failed)
             if data is None:
-                # gone, changed, or not readable now: a filler record takes its place,
-                # so the chunk's other samples are still read from this log in order
+                # gone, or changed: a filler record takes its place, so the chunk's
+                # other samples are still read from this log in order
                 self._claim_filler(slot)
                 continue
             if slot.written or self.failed or not self._reserve(slot):
@@ -450,6 +463,15 @@ class NextEpochLog:
             if self.queued_bytes > 8 << 20:
                 await self._drain()
         await self._drain()
+
+    async def _planned_bytes(self, slot: Slot) -> bytes | memoryview | None:
+        """The bytes of the slot's planned version (the cache's, else the source's);
+        None when that version is gone for good (the file deleted or changed). Other
+        source errors (a timeout, EIO, a lapsed mount) raise: nothing is known then."""
+        try:
+            return await self.engine.prefetcher.bytes_for(slot.ino, slot.ident)
+        except (NotFound, SourceChanged):
+            return None
 
     def _record_plan(self) -> None:
         """Thread: the epoch's chunk list in the index (the per-sample locations follow as
@@ -492,7 +514,7 @@ class NextEpochLog:
         eng.policy.on_insert(c.chunk_id, c.members(), c.length)
         eng.counters.reorder_chunks += 1
         for old in dead:
-            eng.writer.retire_chunk(old)
+            eng.writer.retire_chunk(old, empty=True)
         if self.release_after_use and c.unread == 0:
             self.release(c.chunk_id)  # read whole before it was sealed (the boundary fill)
 

@@ -14,7 +14,7 @@ A log file is a header followed by chunks, back to back::
   the source identity the bytes were read under (mtime_ns, source inode), xxh3-64 of the
   data, xxh3-64 of header + key. The key is the file's path relative to the source root.
   A record with inode 0 and an empty key is a filler: it holds the place of a sample
-  whose file changed after a reordered log was planned (see
+  whose file changed or was deleted after a reordered log was planned (see
   :func:`dlcachefs.clairvoyance.reorder.filler_record`); nothing indexes inode 0.
 
 Two levels of checksums: the payload checksum lets a reader verify a whole chunk in one
