@@ -326,3 +326,24 @@ def test_chunks_ahead_of_two_streams_share_the_memory_tier():
     a.clear()
     b.clear()
     assert mem.wanted_bytes == 0 and not mem._wanted
+
+
+def test_the_log_laid_out_for_the_epoch_being_read():
+    """Records outside the log laid out for the epoch being read are read alone (review):
+    from the announcement on, that log is the announced epoch's (still ``next_log`` until
+    the switch), not the ending epoch's; a failed log has no records "outside" it."""
+    from types import SimpleNamespace as NS
+
+    s = Stream("j", 0)
+    assert s.laid_out_log() is None
+    s.epoch = s.target_epoch = 3
+    s.current_log = NS(log_id=7, failed=False, epoch=3)
+    s.next_log = NS(log_id=9, failed=False, epoch=4)
+    assert s.laid_out_log() == 7
+    s.target_epoch = 4  # announced, its order being computed: epoch 4's log is read
+    assert s.laid_out_log() == 9
+    s.next_log = NS(log_id=9, failed=True, epoch=4)
+    assert s.laid_out_log() is None
+    s.target_epoch = 3
+    s.current_log = NS(log_id=7, failed=True, epoch=3)
+    assert s.laid_out_log() is None

@@ -280,3 +280,44 @@ def test_opens_waiting_for_a_relisting_fail_as_it_fails(tmp_path, clock, fail):
             assert outcomes == [("data", b"c" * 500)] * 4
 
     run_engine(make_config(src, cache, revalidate=100), body, source)
+
+
+def test_files_gone_from_the_source_are_passed_by_a_streams_position(tmp_path):
+    """Sweep F1: a file deleted from the source never opens again (its LOOKUP fails), so
+    a stream whose order holds it stopped there for the rest of the epoch, and its
+    prefetch with it. Once the namespace finds it gone (a re-listing), every stream's
+    position passes it; a class directory deleted whole passes all its files."""
+    import shutil
+
+    from test_t3_limits import Driver, dataset
+
+    files = dataset(5)
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    write_tree(src, files)
+
+    async def body(eng):
+        d = Driver(eng, files, 1, False)
+        await d.announce(0)
+        s = eng.streams.streams[("j", 0)]
+        order = [s.samples.inos[i] for i in s.order]
+        parent_of = {i: eng.ns.get(i).parent for i in order}
+        path_of = {i: eng.ns.path_of(eng.ns.get(i)) for i in order}
+        first = order[0]
+        assert s.position == 0
+        os.unlink(src / os.fsdecode(path_of[first]))
+        await eng.ns.refresh_dir(parent_of[first])
+        assert first in eng.ns.gone
+        assert s.position == 1  # passed without an open
+        # a whole class directory: its files are gone too (a subtree's inodes)
+        cls = parent_of[order[1]]
+        top = eng.ns.get(cls).parent  # (train/)
+        shutil.rmtree(src / os.fsdecode(eng.ns.path_of(eng.ns.get(cls))))
+        await eng.ns.refresh_dir(top)
+        members = [i for i in order if parent_of[i] == cls]
+        assert members and all(i in eng.ns.gone for i in members)
+        k = 0  # the gone files at the head of the order: the position is past them all
+        while k < len(order) and order[k] in eng.ns.gone:
+            k += 1
+        assert s.position == k >= 2
+
+    run_engine(make_config(src, cache, policy="lru", revalidate=0), body)

@@ -296,16 +296,12 @@ def test_check_invariants_reports_a_broken_account(tmp_path, caplog):
                for r in caplog.records)
 
 
-def test_the_first_rank_to_plan_its_next_log_leaves_the_others_their_share(tmp_path,
-                                                                           monkeypatch):
+def test_the_first_rank_to_plan_its_next_log_leaves_the_others_their_share(tmp_path):
     """Sweep F3: two DistributedSampler ranks, a cache smaller than the dataset. The rank
     that announced first counted itself alone and planned its next-epoch log for the whole
     cache (16 chunks in a 12 MiB cache), so the other rank's log found no room and its
-    epoch came from the source. A rank now waits for its job's other ranks (``world``)
-    before it plans; each log stays within its share."""
-    from dlcachefs.clairvoyance import streams as streams_mod
-
-    monkeypatch.setattr(streams_mod, "RANKS_WAIT_S", 60.0)  # (the wait never runs out here)
+    epoch came from the source. In the job's first epoch on the mount every rank of the
+    world is expected; each log stays within its share."""
     files = dataset(3)
     src, cache = tmp_path / "src", tmp_path / "cache"
     write_tree(src, files)

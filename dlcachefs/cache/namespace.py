@@ -200,7 +200,7 @@ class Namespace:
         # MAX_GONE): an inode is never handed out again, so a stream whose epoch order
         # holds one never sees it opened (its open fails at LOOKUP) and passes it by
         # (StreamManager.note_gone, told through on_removed)
-        self.gone: dict[int, None] = {}
+        self.gone: OrderedDict[int, None] = OrderedDict()
         self.on_removed: Callable[[list[int]], None] | None = None
         # inodes of which the kernel may still hold attributes or pages of another
         # version than the current one (a change seen on the source during this mount,
@@ -555,10 +555,10 @@ class Namespace:
         """Inodes removed from the snapshot (gone from the source): remembered in
         :attr:`gone`, and told to ``on_removed``."""
         for ino in inos:
-            self.gone.pop(ino, None)
             self.gone[ino] = None
+            self.gone.move_to_end(ino)
         while len(self.gone) > MAX_GONE:
-            del self.gone[next(iter(self.gone))]
+            self.gone.popitem(last=False)
         if self.on_removed is not None:
             self.on_removed(inos)
 

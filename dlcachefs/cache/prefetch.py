@@ -109,8 +109,7 @@ class Prefetcher:
         """With a log laid out for the stream's epoch, only that log's chunks are loaded
         whole ahead of the reader (its id); a record elsewhere (a file changed since the
         log was planned) is loaded alone: its chunk serves this epoch nothing else."""
-        cur = stream.current_log
-        return None if cur is None else cur.log_id
+        return stream.laid_out_log()
 
     async def scan_one(self, ino: int) -> tuple[int, bool]:
         """Fetch ``ino`` into the cache unless it is there or on its way; (bytes fetched,

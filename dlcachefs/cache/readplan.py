@@ -284,14 +284,14 @@ class ReadPlanner:
 
     def reads_whole(self, stream, ino: int, rec) -> bool:
         """Whether an open of ``ino`` (cached in ``rec``) may read the record's whole
-        chunk (the reader's choice then, :meth:`CacheReader._whole_chunk`): not for a
+        chunk (the reader's choice then, :meth:`LogReader._whole_chunk`): not for a
         sample read record by record (:meth:`reads_records`) or while the stream's plan
         is being made, nor for a record outside the log laid out for the stream's epoch
         (a file changed since the log was planned, or a slot not sealed yet): that
         epoch's other samples come from its log, so such a chunk serves one record."""
         if stream is not None:
-            cur = stream.current_log
-            if cur is not None and rec.log_id != cur.log_id:
+            laid = stream.laid_out_log()
+            if laid is not None and rec.log_id != laid:
                 return False
         return not self.reads_records(stream, ino) and not self.pending(stream)
 

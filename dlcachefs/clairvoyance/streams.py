@@ -76,9 +76,6 @@ if TYPE_CHECKING:
     from dlcachefs.importance.losses import Losses
 
 MAX_UNANNOUNCED = 8  # stats entries for processes that read without announcing
-#: how long a DistributedSampler's rank waits for its job's other ranks on the mount
-#: before it plans its next-epoch log (see StreamManager._ranks_laying_out)
-RANKS_WAIT_S = 2.0
 MAX_LEARNED = 1 << 22  # opens remembered per epoch of a learned stream
 #: a stream that opened nothing for this long (a training that ended or died mid-epoch)
 #: no longer protects its logs from eviction (StreamManager.unprotect_idle)
@@ -237,6 +234,18 @@ class Stream:
         if self.order and self.epoch == self.target_epoch:
             return False
         return self.learn_cur is not None or self.error is not None
+
+    def laid_out_log(self) -> int | None:
+        """The id of the log laid out for the epoch being read (the announced one from
+        its announcement on, before the switch: its log is still ``next_log``), None when
+        that epoch has none, or its log failed (then no record is "outside" it)."""
+        if self.target_epoch is not None and self.target_epoch != self.epoch:
+            nl = self.next_log
+            if nl is not None and nl.epoch == self.target_epoch and not nl.failed:
+                return nl.log_id
+            return None
+        cur = self.current_log
+        return None if cur is None or cur.failed else cur.log_id
 
     @property
     def key(self) -> str:
@@ -431,6 +440,9 @@ class StreamManager:
         # (rel, extensions) -> a root's list verified against a training's, with its
         # count and digest: a view built later (the files changed) is checked against it
         self._roots: dict[tuple, tuple[SampleList, int, str]] = {}
+        # (job, dataset) -> (the epoch its ranks first planned a next-epoch log here, the
+        # most of its DistributedSampler's ranks seen on this mount then; _ranks_laying_out)
+        self._local_ranks: dict[tuple, tuple[int, int]] = {}
         self.unannounced: OrderedDict[int, dict] = OrderedDict()  # pgid -> stats entry
         self._pid_group: OrderedDict[int, int] = OrderedDict()  # reader pid -> pgid
 
@@ -828,7 +840,7 @@ class StreamManager:
         order = await trio.to_thread.run_sync(s.replayer.order, epoch + 1)
         nl = NextEpochLog(self.engine, s.key, epoch + 1)
         nl.order = order
-        ranks = await self._ranks_laying_out(s)
+        ranks = self._ranks_laying_out(s)
         await nl.plan([samples.inos[i] for i in order], budget, ranks=ranks)
         if budget is not None:
             # (of the stream's own order: a DistributedSampler rank's is its shard)
@@ -843,6 +855,8 @@ class StreamManager:
             s.reorder = GIVEN_UP
         else:
             s.next_log = nl
+            for ino in list(self.engine.ns.gone):  # gone while it was planned: fillers
+                nl.gone(ino)
             # samples this epoch already served before the plan existed go in from the
             # cache: this stream's, and those the other ranks of the dataset served (its
             # slots are filled from every stream's opens: next_logs)
@@ -1043,23 +1057,32 @@ class StreamManager:
         return [s.next_log for s in self.streams.values()
                 if s.next_log is not None and not s.next_log.failed]
 
-    async def _ranks_laying_out(self, s: Stream) -> int:
+    def _ranks_laying_out(self, s: Stream) -> int:
         """How many streams share the cache with ``s``'s next-epoch log: every stream
-        that knows its order. A DistributedSampler's rank that gets here before the other
-        ranks of its job on this mount (they announce within milliseconds of each other)
-        waits for them, up to ``RANKS_WAIT_S``: counted alone, the first rank planned its
-        log for the whole cache, and with a cache smaller than the dataset the second
-        rank's log found no room (the sweep: 16 chunks planned for a 12 MiB cache, epoch
-        2 then read 103% of the dataset from the source). On a node that holds only some
-        of the world's ranks the wait runs out and the ranks present are counted."""
+        that knows its order, and for a DistributedSampler the ranks of its job expected
+        on this mount, not only those that announced yet. Counted alone, the first rank
+        to announce planned its log for the whole cache, and with a cache smaller than
+        the dataset the other ranks' logs found no room (the sweep: two ranks, 16 chunks
+        planned for a 12 MiB cache, epoch 2 read 103% of the dataset from the source).
+        In the job's first epoch on the mount all of the world's ranks are expected (a
+        node holding fewer then lays out smaller logs for one epoch: the rest of that
+        epoch is prefetched in order); after, as many as it saw. No waiting for the
+        ranks: the plan is not delayed (a first epoch shorter than a wait got no log)."""
+        n = self.ordered_streams()
         spec = getattr(s.replayer, "spec", None)
-        world = spec.world if spec is not None and spec.kind == "distributed" else 1
-        deadline = trio.current_time() + RANKS_WAIT_S
-        while (world > 1 and trio.current_time() < deadline
-               and sum(1 for o in self.streams.values()
-                       if o.job == s.job and o.order and o.dataset == s.dataset) < world):
-            await trio.sleep(0.05)
-        return self.ordered_streams()
+        if spec is None or spec.kind != "distributed" or spec.world < 2:
+            return n
+        key = (s.job, s.dataset)
+        seen = sum(1 for o in self.streams.values()
+                   if o.job == s.job and o.order and o.dataset == s.dataset)
+        first, most = self._local_ranks.get(key, (s.epoch, 0))
+        most = max(most, seen)
+        self._local_ranks[key] = (first, most)
+        while len(self._local_ranks) > 64:
+            self._local_ranks.pop(next(iter(self._local_ranks)))
+        # (in the job's first epoch here, its ranks may still be announcing)
+        expected = spec.world if s.epoch == first else most
+        return max(n, n - seen + min(expected, spec.world))
 
     def ordered_streams(self) -> int:
         """How many streams know their order (the ranks laying out their next epochs)."""
@@ -1224,7 +1247,9 @@ class StreamManager:
 
     def note_gone(self, inos: list[int]) -> None:
         """Files found gone from the source (``Namespace.on_removed``): no open of them
-        will come (it fails at LOOKUP), so every stream's position passes them. (It
+        will come (with ``--revalidate 0`` it fails at LOOKUP; an open that gets as far
+        as OPEN moves the position itself, even when its fetch then finds the file
+        gone), so every stream's position passes them. (It
         stopped at the first one for the rest of the epoch, and with it the prefetch
         and the chunk preloads ahead: 6-8x read per byte served in the sweep.) A stream
         between an announcement and its switch passes them at the switch, from
@@ -1238,10 +1263,13 @@ class StreamManager:
                 nl.gone(ino)
 
     def _pass_gone(self, s: Stream, inos: list[int]) -> None:
+        moved = s.position
         for ino in inos:
             while (p := s.positions.pop(ino)) is not None:  # (every position of it)
                 self._consume(s, ino, p)
         self._advance(s)
+        if s.position != moved:
+            self.engine.plans.poke(s)
 
     def _consume(self, s: Stream, ino: int, p: int) -> None:
         """Position ``p`` (of ``ino``) is done with in this epoch."""
