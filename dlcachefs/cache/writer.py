@@ -178,7 +178,9 @@ class ChunkWriter:
         self.pending: dict[int, Pending] = {}  # ino -> record not yet indexed
         self.drops: set[int] = set()
         self.retire: set[int] = set()  # indexed chunks to evict once unpinned (superseded)
-        self._superseded: set[int] = set()  # doomed from ``retire`` (chunks_superseded)
+        # indexed chunks known to hold no record (all moved or stale): retired whenever
+        # not protected, however long that takes (chunks_superseded counts them)
+        self._held_nothing: set[int] = set()
         # chunks of a next epoch's log, and of the current epoch's log until read (a cache
         # too small for the dataset): never the policy's victims
         self.protected: set[int] = set()
@@ -349,13 +351,17 @@ class ChunkWriter:
         self._next_log += 1
         return lid
 
-    def retire_chunk(self, chunk_id: int) -> None:
-        """A chunk whose records all moved elsewhere: evict it at the next seal."""
+    def retire_chunk(self, chunk_id: int, empty: bool = False) -> None:
+        """A chunk released after use, or (``empty``) one that holds no record any more
+        (all moved elsewhere, or dropped as stale): evict it at the next seal. A
+        protected chunk is not evicted this way; an empty one waits until it is not."""
         # several paths release the same chunk (after use, when its plan ends, when its
         # records moved): one that is gone already is not retired again, or it would be
         # doomed with no bytes to give back (retire holds indexed chunks only)
         if self.index.get_chunk(chunk_id) is None:
             return
+        if empty:
+            self._held_nothing.add(chunk_id)
         self.retire.add(chunk_id)
         self._wake.set()
 
@@ -408,7 +414,6 @@ class ChunkWriter:
                 return False  # everything pinned or protected, or too little to give up
             for c in chosen:
                 self._doom(c, sizes[c])
-            self._superseded.update(c for c in chosen if c in self.retire)
             self.retire.difference_update(chosen)
             self._wake.set()  # the next commit drops them
             return freed >= short
@@ -477,8 +482,8 @@ class ChunkWriter:
         for c in res.evicted:
             self.policy.on_remove(c.chunk_id)
             self.retire.discard(c.chunk_id)  # evicted as a victim while it waited there
-            if c.chunk_id in self._superseded:
-                self._superseded.discard(c.chunk_id)
+            if c.chunk_id in self._held_nothing:
+                self._held_nothing.discard(c.chunk_id)
                 self.counters.chunks_superseded += 1
         self.counters.chunks_evicted += len(res.evicted)
         self.disk_free = res.disk_free
@@ -488,7 +493,7 @@ class ChunkWriter:
         # a dataset changing between epochs left 28 of 49 chunks, 27.5 MB, holding no
         # record.)
         for cid in res.dead:
-            self.retire_chunk(cid)
+            self.retire_chunk(cid, empty=True)
 
     def shrink_to_limit(self) -> None:
         """A cache over ``--cache-size`` (mounted again with a smaller one): doom victims
@@ -649,11 +654,15 @@ class ChunkWriter:
         # superseded chunks go now (release after use); pinned ones wait for a later
         # seal; a protected (epoch log) chunk is never given up this way
         self.retire -= self.protected
+        for c in [c for c in self._held_nothing if c not in self.protected]:
+            if self.index.get_chunk(c) is None:  # (dropped meanwhile, by a victim's path)
+                self._held_nothing.discard(c)
+            else:  # (an empty chunk protected when its last record went: now it is not)
+                self.retire.add(c)
         for c in [c for c in self.retire if c not in self.pins]:
             self.retire.discard(c)
             if c not in self.doomed:
                 self._doom(c, self._length(c))
-                self._superseded.add(c)
         write = bool(records)
         if records and self.cfg.min_free > 0:
             # the free-space floor on the cache disk (--cache-size was reserved at submit)
