@@ -260,8 +260,8 @@ while stats() is not None and not stats()["sampler_replay_ready"]:
 out = []
 for epoch in range(epochs):
     sampler.set_epoch(epoch)
+    before = stats()  # (before the barrier: no rank reads this epoch before rank 0's)
     barrier()
-    before = stats()
     samples = []
     for x, y in dl:
         for xi, yi in zip(x, y):
