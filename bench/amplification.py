@@ -23,6 +23,7 @@ the same ratio from the stats alone).
     python -m bench.amplification --opens 2 [--keep-pages]   # a loader that opens twice
     python -m bench.amplification --generator           # a seeded generator (LCache's logs)
     python -m bench.amplification --generator --replace 10   # files changed between epochs
+    python -m bench.amplification --generator --delete 5     # files deleted between epochs
 
 Every sample's bytes are hashed in the training script and compared with the source's:
 a difference exits with status 1.
@@ -51,14 +52,18 @@ root, epochs, mnt = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 twice, keep = "twice" in sys.argv[4:], "keep" in sys.argv[4:]
 gen = "generator" in sys.argv[4:]
 opts = dict(a.split("=", 1) for a in sys.argv[4:] if "=" in a)
-replace, src = int(opts.get("replace", 0)), opts.get("src")
+replace, delete, src = int(opts.get("replace", 0)), int(opts.get("delete", 0)), opts.get("src")
 digests = {}
 def loader(path):
-    if twice:  # a header check first, as loaders that validate their files do
+    from PIL import Image
+    try:
+        if twice:  # a header check first, as loaders that validate their files do
+            with open(path, "rb") as f:
+                f.read(16)
         with open(path, "rb") as f:
-            f.read(16)
-    with open(path, "rb") as f:
-        data = f.read()
+            data = f.read()
+    except FileNotFoundError:  # deleted since the listing (--delete): skipped
+        return Image.new("RGB", (16, 16))
     digests[os.path.relpath(path, root)] = hashlib.sha256(data).hexdigest()
     from PIL import Image
     import io
@@ -67,7 +72,7 @@ class Tracked(datasets.ImageFolder):
     def __getitem__(self, i):
         x, y = super().__getitem__(i)
         path = self.samples[i][0]
-        return x, y, digests.pop(os.path.relpath(path, root))
+        return x, y, digests.pop(os.path.relpath(path, root), "")
 ds = Tracked(root, loader=loader, transform=transforms.Compose(
     [transforms.Resize((16, 16)), transforms.ToTensor()]))
 torch.manual_seed(3)
@@ -96,8 +101,15 @@ def replace_files(epoch):
     # in the source (still decodable: a JPEG decoder ignores bytes after its end marker)
     import random
     rng = random.Random(epoch)
-    for path, _ in rng.sample(ds.samples, replace):
+    picked = rng.sample(ds.samples, replace + delete)
+    for path, _ in picked[replace:]:  # deleted: the loader skips them
         p = os.path.join(src, os.path.relpath(path, root))
+        if os.path.exists(p):
+            os.unlink(p)
+    for path, _ in picked[:replace]:
+        p = os.path.join(src, os.path.relpath(path, root))
+        if not os.path.exists(p):
+            continue
         with open(p, "rb") as f:
             data = f.read()
         with open(p + ".tmp", "wb") as f:
@@ -105,19 +117,21 @@ def replace_files(epoch):
         os.replace(p + ".tmp", p)
     truth = []
     for path, _ in ds.samples:
-        with open(os.path.join(src, os.path.relpath(path, root)), "rb") as f:
-            truth.append(hashlib.sha256(f.read()).hexdigest())
+        p = os.path.join(src, os.path.relpath(path, root))
+        if os.path.exists(p):
+            with open(p, "rb") as f:
+                truth.append(hashlib.sha256(f.read()).hexdigest())
     return sorted(truth)
 out = []
 pid = stats()["pid"]
 for epoch in range(epochs):
-    truth = replace_files(epoch) if replace and epoch else None
+    truth = replace_files(epoch) if (replace or delete) and epoch else None
     settle()
     before, r0 = stats(), rchar(pid)
     t0 = time.perf_counter()
     seen = []
     for _x, _y, d in dl:
-        seen.extend(d)
+        seen.extend(x for x in d if x)  # (a deleted file has no digest)
     secs = time.perf_counter() - t0
     r1, after = rchar(pid), stats()
     out.append({"before": before, "after": after, "rchar": r1 - r0, "seconds": secs,
@@ -164,7 +178,7 @@ def run(a: argparse.Namespace) -> dict:
         mnt, cache = os.path.join(work, "mnt"), os.path.join(work, "cache")
         args = ["--chunk-size", a.chunk_size, "--memory", a.memory, *a.mount_arg]
         root = a.dataset
-        if a.replace:  # the files change: a copy, so the reusable dataset stays as made
+        if a.replace or a.delete:  # the files change: a copy, so the dataset stays as made
             root = os.path.join(work, "src")
             shutil.copytree(a.dataset, root)
             src = os.path.join(root, "train")
@@ -172,7 +186,8 @@ def run(a: argparse.Namespace) -> dict:
             log(f"mounted with {' '.join(args)} ({exe})")
             flags = ((["twice"] if a.opens == 2 else []) + (["keep"] if a.keep_pages else [])
                      + (["generator"] if a.generator else [])
-                     + ([f"replace={a.replace}", f"src={src}"] if a.replace else []))
+                     + ([f"replace={a.replace}", f"delete={a.delete}", f"src={src}"]
+                        if a.replace or a.delete else []))
             r = subprocess.run([py, "-m", "dlcachefs.cli", "run", "--", py, script,
                                 os.path.join(mnt, "train"), str(a.epochs), mnt, *flags],
                                capture_output=True, text=True, timeout=1800, cwd=work)
@@ -204,6 +219,7 @@ def run(a: argparse.Namespace) -> dict:
     return {"core": core, "files": len(truth), "dataset_bytes": total,
             "chunk_size": a.chunk_size, "memory": a.memory, "opens": a.opens,
             "keep_pages": a.keep_pages, "generator": a.generator, "replace": a.replace,
+            "delete": a.delete,
             "epochs": rows,
             "bytes_equal_source": ok, "final_streams": final.get("streams")}
 
@@ -234,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
                         "bytes and sizes (a dataset that changes between epochs; with "
                         "--mount-arg=--revalidate=0, else the mount may serve the version "
                         "it listed, within --revalidate, and the digest check fails)")
+    p.add_argument("--delete", type=int, default=0, metavar="N",
+                   help="before each epoch after the first, delete N files of the source (the "
+                        "training's loader skips them; with --mount-arg=--revalidate=0)")
     p.add_argument("--core-rev", metavar="REV",
                    help="run the daemon from this git revision (git archive)")
     p.add_argument("--mount-arg", action="append", default=[], metavar="ARG",
