@@ -73,7 +73,8 @@ class Prefetcher:
         if self.versions.is_cached(ino, identity(e)):
             # a plan reads it ahead instead; or the kernel's pages serve the stream
             if not self.plans.wanted(stream) and not stream.pages_served:
-                await self.reader.preload(ino, stream.key, self._whole_ahead(stream))
+                # (with a log laid out for the epoch, whole chunks of that log only)
+                await self.reader.preload(ino, stream.key, stream.laid_out_log())
             return False
         if self._left_to_open(ino):
             return False
@@ -102,14 +103,9 @@ class Prefetcher:
         within the tier, so that none is evicted before its reader comes."""
         if self.plans.wanted(stream) or stream.pages_served:
             return None
-        return self.reader.chunk_to_preload(ino, self._whole_ahead(stream))
-
-    @staticmethod
-    def _whole_ahead(stream) -> int | None:
-        """With a log laid out for the stream's epoch, only that log's chunks are loaded
-        whole ahead of the reader (its id); a record elsewhere (a file changed since the
-        log was planned) is loaded alone: its chunk serves this epoch nothing else."""
-        return stream.laid_out_log()
+        # with a log laid out for the epoch, only that log's chunks are loaded whole; a
+        # record elsewhere (a file changed since the log was planned) is loaded alone
+        return self.reader.chunk_to_preload(ino, stream.laid_out_log())
 
     async def scan_one(self, ino: int) -> tuple[int, bool]:
         """Fetch ``ino`` into the cache unless it is there or on its way; (bytes fetched,

@@ -21,8 +21,9 @@ location per file. A slot whose planned version is gone for good (the file delet
 changed: the reader was served another version and the namespace lists that one) gets a
 filler record of the slot's length (inode 0, never indexed), so the chunk's other samples
 still seal in order; a chunk of fillers only is never sealed. A source error that says
-nothing of the version (a timeout, EIO) leaves the slot unwritten. Crash safety is the writer's: only complete, fsynced chunks are
-indexed; after a crash the plan is gone and the records still point at their old chunks.
+nothing of the version (a timeout, EIO) leaves the slot unwritten. Crash safety is the
+writer's: only complete, fsynced chunks are indexed; after a crash the plan is gone and
+the records still point at their old chunks.
 
 ``--cache-size``: each slot's record length (and the chunk header's, with its chunk's first
 slot) is reserved in the chunk writer's account (:meth:`ChunkWriter.try_reserve`, which
@@ -282,12 +283,12 @@ class NextEpochLog:
         if slot is not None:
             self._claim_filler(slot)
 
-    def _claim_filler(self, slot: Slot) -> bool:
-        """Claim ``slot`` for a filler record (see :func:`filler_record`); False when it
-        was claimed already, the log failed, or there is no room for it in --cache-size
-        (its chunk then stays unsealed)."""
+    def _claim_filler(self, slot: Slot) -> None:
+        """Claim ``slot`` for a filler record (see :func:`filler_record`), unless it was
+        claimed already, the log failed, or there is no room for it in --cache-size (its
+        chunk then stays unsealed)."""
         if slot.written or self.failed or not self._reserve(slot):
-            return False
+            return
         slot.written = slot.filler = True
         if not slot.read:  # nothing of it is to be read from this log in its epoch
             slot.read = True
@@ -295,7 +296,6 @@ class NextEpochLog:
                 self.chunks[slot.chunk].unread -= 1
         self.queue.append((slot, b""))
         self._wake.set()
-        return True
 
     def _reserve(self, slot: Slot) -> bool:
         """Room in --cache-size for the slot's record (and its chunk's header, with the

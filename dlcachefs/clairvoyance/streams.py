@@ -1249,12 +1249,11 @@ class StreamManager:
         """Files found gone from the source (``Namespace.on_removed``): no open of them
         will come (with ``--revalidate 0`` it fails at LOOKUP; an open that gets as far
         as OPEN moves the position itself, even when its fetch then finds the file
-        gone), so every stream's position passes them. (It
-        stopped at the first one for the rest of the epoch, and with it the prefetch
-        and the chunk preloads ahead: 6-8x read per byte served in the sweep.) A stream
-        between an announcement and its switch passes them at the switch, from
-        ``Namespace.gone``. Every next-epoch log being laid out gives their slots filler
-        records. Trio loop."""
+        gone), so every stream's position passes them. (It stopped at the first one for
+        the rest of the epoch, and with it the prefetch and the chunk preloads ahead:
+        6-8x read per byte served in the sweep.) A stream between an announcement and
+        its switch passes them at the switch, from ``Namespace.gone``. Every next-epoch
+        log being laid out gives their slots filler records. Trio loop."""
         for s in self.streams.values():
             if s.order and s.epoch == s.target_epoch and not s.restarting:
                 self._pass_gone(s, inos)
