@@ -166,8 +166,9 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     """Print the hit-ratio table (and write JSON) of every policy at every cache size."""
     import json  # noqa: PLC0415
 
+    from dlcachefs.clairvoyance.trace import load_trace  # noqa: PLC0415
     from dlcachefs.session import policies  # noqa: PLC0415
-    from dlcachefs.sim.simulate import generate_trace, load_trace, simulate, table  # noqa: PLC0415
+    from dlcachefs.sim.simulate import generate_trace, simulate, table  # noqa: PLC0415
 
     trace = load_trace(a.trace) if a.trace else generate_trace(
         a.samples, a.epochs, a.sampler, a.seed, a.classes)

@@ -139,7 +139,7 @@ def test_trace_recorded_by_the_mount_replays_in_simulate(tmp_path, mount):
     import subprocess
     import sys
 
-    from dlcachefs.sim.simulate import load_trace
+    from dlcachefs.clairvoyance.trace import load_trace
 
     src = tmp_path / "src"
     files = make_tree(src)

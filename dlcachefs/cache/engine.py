@@ -77,11 +77,11 @@ from dlcachefs.cache.views import IndexCacheView, InodeImportance, StreamFuture
 from dlcachefs.cache.writer import ChunkWriter
 from dlcachefs.clairvoyance.control import ControlState
 from dlcachefs.clairvoyance.streams import Stream, StreamManager
+from dlcachefs.clairvoyance.trace import TraceRecorder
 from dlcachefs.config import Config
 from dlcachefs.errors import InvalidArgument, SourceChanged
 from dlcachefs.importance.losses import Losses
 from dlcachefs.importance.packer import Packer
-from dlcachefs.sim.tracelog import TraceRecorder
 from dlcachefs.store.index import Index
 from dlcachefs.store.logs import LogStore
 from dlcachefs.store.schema import Entry, Record

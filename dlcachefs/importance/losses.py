@@ -30,7 +30,7 @@ from dlcachefs.cache.stats import Counters
 from dlcachefs.cache.tasks import TaskOwner
 from dlcachefs.cache.views import InodeImportance
 from dlcachefs.clairvoyance.streams import Stream, StreamManager, dataset_key
-from dlcachefs.sim.tracelog import TraceRecorder
+from dlcachefs.clairvoyance.trace import TraceRecorder
 
 if TYPE_CHECKING:
     from dlcachefs.clairvoyance.control import ControlState

@@ -2,9 +2,10 @@
 
 A trace is what a training reads, epoch by epoch (sample indices in order), with each
 sample's size and class directory, and the losses the training reported in each epoch.
-It comes from a file (JSON, as :func:`save_trace` writes) or is generated from sampler
-settings (:func:`generate_trace`: torch's RandomSampler / DistributedSampler orders, or
-iCACHE's importance sampling over synthetic losses).
+It comes from a file (JSON, :mod:`dlcachefs.clairvoyance.trace`: what a mount's
+``--trace`` writes) or is generated from sampler settings (:func:`generate_trace`:
+torch's RandomSampler / DistributedSampler orders, or iCACHE's importance sampling over
+synthetic losses).
 
 The runner drives the same :class:`~dlcachefs.cache.policy.CachePolicy` objects a mount uses,
 through the same calls in the same order as the chunk writer and the engine (request,
@@ -20,7 +21,6 @@ apart, and reads nothing from the source.
 from __future__ import annotations
 
 import heapq
-import json
 import math
 import random
 from collections import OrderedDict
@@ -28,48 +28,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dlcachefs.cache.policy import PACK_CHUNK, PolicyContext
+from dlcachefs.clairvoyance.trace import Trace
 from dlcachefs.importance.scores import Importance, select_epoch
 
 NEVER = float("inf")
-
-
-@dataclass
-class Trace:
-    """Orders per epoch over samples 0..n-1, their sizes, classes and reported losses."""
-
-    sizes: list[int]
-    classes: list[int]
-    epochs: list[list[int]]
-    losses: list[dict[int, float]] = field(default_factory=list)
-
-    @property
-    def n(self) -> int:
-        return len(self.sizes)
-
-    def total_bytes(self) -> int:
-        return sum(self.sizes)
-
-    def accesses(self) -> int:
-        return sum(len(e) for e in self.epochs)
-
-
-def save_trace(trace: Trace, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump({"sizes": trace.sizes, "classes": trace.classes, "epochs": trace.epochs,
-                   "losses": [{str(k): v for k, v in d.items()} for d in trace.losses]}, f)
-
-
-def load_trace(path: str) -> Trace:
-    with open(path) as f:
-        d = json.load(f)
-    n = len(d["sizes"])
-    t = Trace([int(s) for s in d["sizes"]], [int(c) for c in d.get("classes") or [0] * n],
-              [[int(i) for i in e] for e in d["epochs"]],
-              [{int(k): float(v) for k, v in e.items()} for e in d.get("losses", [])])
-    for e in t.epochs:
-        if any(not 0 <= i < n for i in e):
-            raise ValueError(f"{path}: a sample index is out of range 0..{n - 1}")
-    return t
 
 
 def generate_trace(n: int, epochs: int, sampler: str = "random", seed: int = 0,

@@ -1,21 +1,65 @@
-"""Recording what a training read, for ``dlcachefs simulate --trace`` (``--trace FILE``).
+"""A training's access trace: its format, and its recording by a mount (``--trace FILE``).
 
-Each open attributed to a stream is noted as (epoch, dataset index) of the stream's
-dataset; losses are noted per epoch. At unmount the trace is written in the format of
-:func:`dlcachefs.sim.simulate.save_trace`: every epoch's order as read (the first open of
-each sample per epoch), file sizes and classes from the sample list, and the losses.
-One dataset per trace (the first one a stream reads). Runs on the trio loop; memory is
-one int per first read of a sample in an epoch, and one byte per sample.
+:class:`Trace` is what ``dlcachefs simulate --trace`` replays (every epoch's order over
+samples 0..n-1, their sizes, classes and reported losses), written and read as JSON by
+:func:`save_trace` / :func:`load_trace`.
+
+:class:`TraceRecorder` records one: each open attributed to a stream is noted as (epoch,
+dataset index) of the stream's dataset; losses are noted per epoch. At unmount the trace
+is written: every epoch's order as read (the first open of each sample per epoch), file
+sizes and classes from the sample list, and the losses. One dataset per trace (the first
+one a stream reads). Runs on the trio loop; memory is one int per first read of a sample
+in an epoch, and one byte per sample.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from dataclasses import dataclass, field
 
 from dlcachefs.clairvoyance.samplelist import SampleList
-from dlcachefs.sim.simulate import Trace, save_trace
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Trace:
+    """Orders per epoch over samples 0..n-1, their sizes, classes and reported losses."""
+
+    sizes: list[int]
+    classes: list[int]
+    epochs: list[list[int]]
+    losses: list[dict[int, float]] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.sizes)
+
+    def total_bytes(self) -> int:
+        return sum(self.sizes)
+
+    def accesses(self) -> int:
+        return sum(len(e) for e in self.epochs)
+
+
+def save_trace(trace: Trace, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump({"sizes": trace.sizes, "classes": trace.classes, "epochs": trace.epochs,
+                   "losses": [{str(k): v for k, v in d.items()} for d in trace.losses]}, f)
+
+
+def load_trace(path: str) -> Trace:
+    with open(path) as f:
+        d = json.load(f)
+    n = len(d["sizes"])
+    t = Trace([int(s) for s in d["sizes"]], [int(c) for c in d.get("classes") or [0] * n],
+              [[int(i) for i in e] for e in d["epochs"]],
+              [{int(k): float(v) for k, v in e.items()} for e in d.get("losses", [])])
+    for e in t.epochs:
+        if any(not 0 <= i < n for i in e):
+            raise ValueError(f"{path}: a sample index is out of range 0..{n - 1}")
+    return t
 
 
 class TraceRecorder:
