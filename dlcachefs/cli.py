@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "verify":
             from dlcachefs.store.verify import cmd_verify  # noqa: PLC0415
 
-            return cmd_verify(a.cache_dir, a.repair, a.json)
+            return cmd_verify(a.cache_dir, a.repair, a.json,
+                              is_mounted=lambda mp: mountctl.is_mounted(mp, fuse=True))
     except ValueError as e:
         print(f"dlcachefs: {e}", file=sys.stderr)
         return 2

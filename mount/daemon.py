@@ -131,7 +131,8 @@ def _keep_thread_names() -> None:
 def run(cfg: Config, report: Reporter) -> int:
     """Run a mount until it is unmounted. ``report`` sends lines to the waiting parent:
     ``progress ...`` while scanning, ``ready`` once mounted, ``error ...`` on failure."""
-    lock = CacheLock(cfg.data_dir, cfg.dataset_id)
+    lock = CacheLock(cfg.data_dir, cfg.dataset_id,
+                     is_mounted=lambda mp: mountctl.is_mounted(mp, fuse=True))
     engine: Engine | None = None
     metrics = None
     try:

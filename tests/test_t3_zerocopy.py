@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from dlcachefs.data import reader as R
 from dlcachefs.data.reader import CacheInfo, CacheReader
+from dlcachefs.store import readonly
 from dlcachefs.store import tally as T
 from dlcachefs.store.index import Index
 from dlcachefs.testing.fakes import make_config, read_all, run_engine, write_tree
@@ -291,7 +292,7 @@ def test_damage_between_lookup_and_read_never_returns_wrong_bytes(
         _damage(kind, os.readlink(f"/proc/self/fd/{fd}"), offset, size)
         return os.pread(fd, size, offset)
 
-    monkeypatch.setattr(R, "_pread", damaging_pread)
+    monkeypatch.setattr(readonly, "_pread", damaging_pread)
     with reading(src0, cache) as r:
         assert r.read(src0 / os.fsdecode(rel)) == FILES[rel]
         c = r.counts()

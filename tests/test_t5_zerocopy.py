@@ -20,8 +20,8 @@ from conftest import requires_fuse
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dlcachefs.data import reader as R
 from dlcachefs.data.reader import CacheReader
+from dlcachefs.store import readonly
 from dlcachefs.testing.mounting import wait_until
 
 torch = pytest.importorskip("torch")
@@ -286,9 +286,9 @@ def test_eviction_under_zero_copy_readers_never_returns_wrong_bytes(tmp_path, mo
     for rel in list(a)[:3]:
         read_path(str(m.mnt / rel))  # cached again, and indexed
         m.wait_stats(lambda s: s["pending_bytes"] == 0, "the writer did not settle")
-        monkeypatch.setattr(R, "_pread", evicting_pread)
+        monkeypatch.setattr(readonly, "_pread", evicting_pread)
         assert r.read(m.mnt / rel) == a[rel]
-        monkeypatch.setattr(R, "_pread", os.pread)
+        monkeypatch.setattr(readonly, "_pread", os.pread)
     assert len(raced) == 3
     assert r.counts()["mismatch"] == 3  # the three raced reads fell back to the mount
 

@@ -28,7 +28,7 @@ bytes other than the source's. So a key is only ever the digest of the whole con
 zero-copy reader opens one (:class:`~dlcachefs.store.readonly.IndexReader`, ``lock=True``);
 ``content[digest]`` gives an inode whose key must be that digest and whose record must have
 the key's version (:meth:`IndexReader.by_content`); the record is read from that dataset's
-log through a read-only descriptor (:class:`~dlcachefs.data.reader.LogFiles`) and served
+log through a read-only descriptor (:class:`~dlcachefs.store.readonly.LogFiles`) and served
 only if its xxh3 is the record's. An eviction in the other dataset at the same moment
 (index entry gone, hole punched, log deleted) makes one of these checks fail, and the fetch
 goes on to the peers and the source: never other bytes. Nothing here writes to another
@@ -85,12 +85,11 @@ import trio
 from dlcachefs.cache.namespace import identity
 from dlcachefs.cache.source import Identity
 from dlcachefs.config import DATASETS_DIR, Config
-from dlcachefs.data.reader import LogFiles
 from dlcachefs.errors import DlcError, InvalidArgument
 from dlcachefs.store.chunkfmt import checksum
 from dlcachefs.store.index import Index
 from dlcachefs.store.integrity import check_index
-from dlcachefs.store.readonly import IndexReader
+from dlcachefs.store.readonly import IndexReader, LogFiles
 from dlcachefs.store.schema import ContentKey, Entry
 
 if TYPE_CHECKING:

@@ -86,7 +86,7 @@ from dataclasses import dataclass
 import lmdb
 
 from dlcachefs.store.chunkfmt import checksum
-from dlcachefs.store.readonly import INFO_FORMAT, IndexReader, Located
+from dlcachefs.store.readonly import INFO_FORMAT, IndexReader, Located, LogFiles
 from dlcachefs.store.tally import FIELDS, TallyWriter
 
 #: the mount's description of its cache for zero-copy readers, below the mount root
@@ -97,20 +97,14 @@ SWEEP_EVERY = 256
 CHECK_EVERY_S = 0.05
 #: reads between attempts to open an index that could not be opened (per process)
 RETRY_EVERY = 1024
-#: log descriptors kept open per process before unused ones are closed
-MAX_FDS = 256
 
 _F = {name: i for i, name in enumerate(FIELDS)}
 HITS, HIT_BYTES, MISMATCH, MISSING_LOG, ERRORS = (
     _F["hits"], _F["hit_bytes"], _F["mismatch"], _F["missing_log"], _F["errors"])
 UNRESOLVED = _F["unresolved"]
 
-#: the read of a record's bytes (a seam for tests: evict between lookup and read)
-_pread = os.pread
 #: the root directory's inode number on every FUSE mount (the kernel's FUSE_ROOT_ID)
 FUSE_ROOT_INO = 1
-#: Linux returns at most this many bytes per read(2)/pread(2) (MAX_RW_COUNT)
-MAX_RW = 0x7FFFF000
 
 
 def _warn(msg: str) -> None:
@@ -256,89 +250,6 @@ class CacheReader:
 
 
 # ----- per-process state -------------------------------------------------------------------
-
-class LogFiles:
-    """Read-only descriptors of one cache's log files, shared by the threads of a process.
-
-    Protocol (``_lock`` guards both tables): a descriptor is taken (``users`` + 1) for
-    one ``pread`` and given back. :meth:`sweep` retires descriptors of deleted logs
-    (``st_nlink == 0``): a retired one leaves ``_fds`` at once (the next read of that log
-    opens the file anew, or finds it gone) and is closed when its last user gives it
-    back, so a descriptor number is never closed, and reused by another ``open``, under
-    a ``pread``."""
-
-    def __init__(self, directory: str) -> None:
-        self.dir = directory
-        self._lock = threading.Lock()
-        self._fds: dict[int, list[int]] = {}  # log id -> [fd, users, retired]
-        self._busy: list[list[int]] = []  # retired while in use: closed by their last user
-
-    def pread(self, log_id: int, size: int, offset: int) -> bytes:
-        with self._lock:
-            slot = self._fds.get(log_id)
-            if slot is None:
-                fd = os.open(os.path.join(self.dir, f"{log_id:08d}.log"),
-                             os.O_RDONLY | os.O_CLOEXEC)  # FileNotFoundError: gone
-                slot = self._fds[log_id] = [fd, 0, 0]
-            slot[1] += 1
-        try:
-            if size <= MAX_RW:
-                return _pread(slot[0], size, offset)
-            return _pread_all(slot[0], size, offset)
-        finally:
-            with self._lock:
-                slot[1] -= 1
-                if slot[2] and slot[1] == 0:
-                    self._busy.remove(slot)
-                    _close(slot[0])
-
-    def sweep(self, everything: bool = False) -> None:
-        """Retire descriptors of deleted logs (every one with ``everything``; every
-        one when more than :data:`MAX_FDS` are open)."""
-        with self._lock:
-            everything = everything or len(self._fds) > MAX_FDS
-            for log_id, slot in list(self._fds.items()):
-                try:
-                    gone = everything or os.fstat(slot[0]).st_nlink == 0
-                except OSError:
-                    gone = True
-                if gone:
-                    del self._fds[log_id]
-                    slot[2] = 1
-                    if slot[1]:
-                        self._busy.append(slot)
-                    else:
-                        _close(slot[0])
-
-    def abandon(self) -> None:
-        """In a forked child: close the copies it inherited (no lock: the forking thread
-        is the only one, and a lock held by another thread at fork stays held)."""
-        for slot in [*self._fds.values(), *self._busy]:
-            _close(slot[0])
-        self._fds, self._busy = {}, []
-
-    def open_count(self) -> int:
-        """Descriptors open now (tests)."""
-        with self._lock:
-            return len(self._fds) + len(self._busy)
-
-
-def _pread_all(fd: int, size: int, offset: int) -> bytes:
-    """``size`` bytes at ``offset`` in several ``pread`` calls (a record of 2 GiB or more:
-    one call returns at most :data:`MAX_RW`); short at the file's end, like one call."""
-    out = bytearray()
-    while len(out) < size:
-        piece = _pread(fd, min(size - len(out), MAX_RW), offset + len(out))
-        if not piece:
-            break
-        out += piece
-    return bytes(out)
-
-
-def _close(fd: int) -> None:
-    with contextlib.suppress(OSError):
-        os.close(fd)
-
 
 class _NoTally:
     """Counts kept in this process only (the cache directory is not writable for us)."""

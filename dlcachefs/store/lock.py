@@ -12,16 +12,21 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+from collections.abc import Callable
 
 from dlcachefs.errors import CacheLocked
 
 
 class CacheLock:
-    def __init__(self, cache_dir: str, dataset: str | None = None) -> None:
+    def __init__(self, cache_dir: str, dataset: str | None = None,
+                 is_mounted: Callable[[str], bool] | None = None) -> None:
         """``dataset``: the dataset id when ``cache_dir`` is one under a shared root (for
-        the error message)."""
+        the error message). ``is_mounted(path)``: whether a FUSE filesystem is mounted
+        at ``path`` (:func:`dlcachefs.mountctl.is_mounted`), for a holder's mountpoint in
+        the error message; without it the holder is taken to be mounted there."""
         self.path = os.path.join(cache_dir, "lock")
         self.dataset = dataset
+        self.is_mounted = is_mounted
         self.fd: int | None = None
 
     def acquire(self, mountpoint: str) -> None:
@@ -47,7 +52,7 @@ class CacheLock:
             # (scanning the source), committing as it stops, or unmounted lazily
             what = (f"), not mounted at {mp} now: starting, stopping, or unmounted lazily "
                     "and exiting once the files still open there are closed; wait, close "
-                    "them" if _detached(mp) else f", mounted at {mp}); unmount it first")
+                    "them" if self._detached(mp) else f", mounted at {mp}); unmount it first")
             raise CacheLocked(
                 f"cache directory {os.path.dirname(self.path)} is in use by another dlcachefs "
                 f"daemon (pid {holder.get('pid', '?')}{what}, or choose another --cache-dir"
@@ -56,15 +61,14 @@ class CacheLock:
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "mountpoint": mountpoint}).encode(), 0)
         self.fd = fd
 
+    def _detached(self, mountpoint: str) -> bool:
+        """Whether a daemon's mountpoint is no longer mounted (a lazy unmount: the daemon
+        serves the files still open and exits after the last close)."""
+        return (self.is_mounted is not None and os.path.isabs(mountpoint)
+                and not self.is_mounted(mountpoint))
+
     def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
 
-
-def _detached(mountpoint: str) -> bool:
-    """Whether a daemon's mountpoint is no longer mounted (a lazy unmount: the daemon
-    serves the files still open and exits after the last close)."""
-    from dlcachefs import mountctl  # noqa: PLC0415 - only on this error path
-
-    return os.path.isabs(mountpoint) and not mountctl.is_mounted(mountpoint, fuse=True)

@@ -1,4 +1,6 @@
-"""The index as another process sees it: read-only, for a training's zero-copy reader.
+"""The cache as another process sees it: read-only, for a training's zero-copy reader
+and for a shared root's other datasets (dedup): the index (:class:`IndexReader`) and the
+log files (:class:`LogFiles`).
 
 The daemon stays the only writer of a cache directory (DESIGN.md). A reader in the
 training process (:mod:`dlcachefs.data`) opens the LMDB environment read-only, with
@@ -27,9 +29,10 @@ transaction per sample what an ``open`` of the same path through the mount would
    made unreadable on the source would stay readable from the cache.
 
 The answer is a :class:`Located` (where the bytes are and their xxh3-64), or the reason.
-Nothing here reads a log: the bytes may be gone by the time the caller reads them (an
-eviction commits between this transaction and the read), which is why the caller checks
-the checksum of what it reads (see :mod:`dlcachefs.data.reader`).
+The index reader reads no log: the bytes may be gone by the time the caller reads them
+(an eviction commits between this transaction and the read), which is why the caller
+reads them with :class:`LogFiles` and checks the checksum of what it reads (see
+:mod:`dlcachefs.data.reader`).
 
 Directory walks: the walk to a file's directory (``train/n01440764`` for every sample of
 that class) is remembered in the process, keyed by the directory's path, the uid and the
@@ -59,9 +62,11 @@ grow. Blocking code; any thread (py-lmdb read transactions are per call here).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import struct
+import threading
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -381,3 +386,97 @@ def _who() -> tuple[int, frozenset[int], bool]:
 def _file_id(index_dir: str) -> tuple[int, int]:
     st = os.stat(os.path.join(index_dir, "data.mdb"))
     return st.st_dev, st.st_ino
+
+
+# ----- the logs, read-only -----------------------------------------------------------------
+
+#: log descriptors kept open per process before unused ones are closed
+MAX_FDS = 256
+#: Linux returns at most this many bytes per read(2)/pread(2) (MAX_RW_COUNT)
+MAX_RW = 0x7FFFF000
+
+#: the read of a record's bytes (a seam for tests: evict between lookup and read)
+_pread = os.pread
+
+
+class LogFiles:
+    """Read-only descriptors of one cache's log files, shared by the threads of a process.
+
+    Protocol (``_lock`` guards both tables): a descriptor is taken (``users`` + 1) for
+    one ``pread`` and given back. :meth:`sweep` retires descriptors of deleted logs
+    (``st_nlink == 0``): a retired one leaves ``_fds`` at once (the next read of that log
+    opens the file anew, or finds it gone) and is closed when its last user gives it
+    back, so a descriptor number is never closed, and reused by another ``open``, under
+    a ``pread``."""
+
+    def __init__(self, directory: str) -> None:
+        self.dir = directory
+        self._lock = threading.Lock()
+        self._fds: dict[int, list[int]] = {}  # log id -> [fd, users, retired]
+        self._busy: list[list[int]] = []  # retired while in use: closed by their last user
+
+    def pread(self, log_id: int, size: int, offset: int) -> bytes:
+        with self._lock:
+            slot = self._fds.get(log_id)
+            if slot is None:
+                fd = os.open(os.path.join(self.dir, f"{log_id:08d}.log"),
+                             os.O_RDONLY | os.O_CLOEXEC)  # FileNotFoundError: gone
+                slot = self._fds[log_id] = [fd, 0, 0]
+            slot[1] += 1
+        try:
+            if size <= MAX_RW:
+                return _pread(slot[0], size, offset)
+            return _pread_all(slot[0], size, offset)
+        finally:
+            with self._lock:
+                slot[1] -= 1
+                if slot[2] and slot[1] == 0:
+                    self._busy.remove(slot)
+                    _close(slot[0])
+
+    def sweep(self, everything: bool = False) -> None:
+        """Retire descriptors of deleted logs (every one with ``everything``; every
+        one when more than :data:`MAX_FDS` are open)."""
+        with self._lock:
+            everything = everything or len(self._fds) > MAX_FDS
+            for log_id, slot in list(self._fds.items()):
+                try:
+                    gone = everything or os.fstat(slot[0]).st_nlink == 0
+                except OSError:
+                    gone = True
+                if gone:
+                    del self._fds[log_id]
+                    slot[2] = 1
+                    if slot[1]:
+                        self._busy.append(slot)
+                    else:
+                        _close(slot[0])
+
+    def abandon(self) -> None:
+        """In a forked child: close the copies it inherited (no lock: the forking thread
+        is the only one, and a lock held by another thread at fork stays held)."""
+        for slot in [*self._fds.values(), *self._busy]:
+            _close(slot[0])
+        self._fds, self._busy = {}, []
+
+    def open_count(self) -> int:
+        """Descriptors open now (tests)."""
+        with self._lock:
+            return len(self._fds) + len(self._busy)
+
+
+def _pread_all(fd: int, size: int, offset: int) -> bytes:
+    """``size`` bytes at ``offset`` in several ``pread`` calls (a record of 2 GiB or more:
+    one call returns at most :data:`MAX_RW`); short at the file's end, like one call."""
+    out = bytearray()
+    while len(out) < size:
+        piece = _pread(fd, min(size - len(out), MAX_RW), offset + len(out))
+        if not piece:
+            break
+        out += piece
+    return bytes(out)
+
+
+def _close(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 
 from dlcachefs.errors import CacheLocked, FormatError
 from dlcachefs.store.chunkfmt import checksum, decode_chunk_header
@@ -74,7 +75,10 @@ def verify(cache_dir: str, repair: bool) -> dict:
     return report
 
 
-def cmd_verify(cache_dir: str, repair: bool, as_json: bool) -> int:
+def cmd_verify(cache_dir: str, repair: bool, as_json: bool,
+               is_mounted: Callable[[str], bool] | None = None) -> int:
+    """``dlcachefs verify``: ``is_mounted`` as :class:`CacheLock` takes it (the CLI
+    passes :func:`dlcachefs.mountctl.is_mounted`)."""
     import os  # noqa: PLC0415
 
     datasets = os.path.join(cache_dir, "datasets")
@@ -97,7 +101,7 @@ def cmd_verify(cache_dir: str, repair: bool, as_json: bool) -> int:
               "meta.lmdb, no logs/); give the --cache-dir the mount used (by default "
               "~/.cache/dlcachefs/<source name>-<hash>)", file=sys.stderr)
         return 2
-    lock = CacheLock(cache_dir)
+    lock = CacheLock(cache_dir, is_mounted=is_mounted)
     try:
         lock.acquire("(dlcachefs verify)")
     except CacheLocked as e:
