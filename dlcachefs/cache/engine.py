@@ -73,7 +73,7 @@ from dlcachefs.cache.source import (
 from dlcachefs.cache.stats import Counters, stats_document
 from dlcachefs.cache.substitute import Substitution
 from dlcachefs.cache.versions import Versions
-from dlcachefs.cache.views import IndexCacheView, InodeImportance, StreamFuture
+from dlcachefs.cache.views import IndexCacheView, StreamFuture
 from dlcachefs.cache.writer import ChunkWriter
 from dlcachefs.clairvoyance.control import ControlState
 from dlcachefs.clairvoyance.streams import Stream, StreamManager
@@ -82,6 +82,7 @@ from dlcachefs.config import Config
 from dlcachefs.errors import InvalidArgument, SourceChanged
 from dlcachefs.importance.losses import Losses
 from dlcachefs.importance.packer import Packer
+from dlcachefs.importance.view import InodeImportance
 from dlcachefs.store.index import Index
 from dlcachefs.store.logs import LogStore
 from dlcachefs.store.schema import Entry, Record

@@ -28,9 +28,9 @@ import trio
 
 from dlcachefs.cache.stats import Counters
 from dlcachefs.cache.tasks import TaskOwner
-from dlcachefs.cache.views import InodeImportance
 from dlcachefs.clairvoyance.streams import Stream, StreamManager, dataset_key
 from dlcachefs.clairvoyance.trace import TraceRecorder
+from dlcachefs.importance.view import InodeImportance
 
 if TYPE_CHECKING:
     from dlcachefs.clairvoyance.control import ControlState

@@ -42,10 +42,10 @@ if TYPE_CHECKING:
     from dlcachefs.cache.namespace import Namespace
     from dlcachefs.cache.policy import CachePolicy
     from dlcachefs.cache.stats import Counters
-    from dlcachefs.cache.views import InodeImportance
     from dlcachefs.cache.writer import ChunkWriter
     from dlcachefs.clairvoyance.streams import StreamManager
     from dlcachefs.config import Config
+    from dlcachefs.importance.view import InodeImportance
     from dlcachefs.store.index import Index
 
 log = logging.getLogger(__name__)
