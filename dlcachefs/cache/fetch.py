@@ -26,7 +26,8 @@ from __future__ import annotations
 import errno
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import trio
 
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
     from dlcachefs.cache.policy import CachePolicy
     from dlcachefs.cache.versions import Versions
     from dlcachefs.cache.writer import ChunkWriter
-    from dlcachefs.peers.tier import PeerTier
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +157,32 @@ class SourceSlot:
         return Prepaid(self.limiter, b)
 
 
+class PeerLookup(Protocol):
+    """What a peer-tier lookup found: the file's bytes (a hit), or None."""
+
+    data: bytes | None
+
+
+class PeerReads(Protocol):
+    """What the fetcher uses of the cluster's shared tier (``--peers``:
+    :class:`dlcachefs.peers.tier.PeerTier`, built by the composition root only then)."""
+
+    def fits(self, rel: bytes, ident: Identity) -> bool:
+        """Whether this version of ``rel`` may be held by the tier (its size)."""
+
+    def lookup(self, rel: bytes, ident: Identity,
+               before_lease: Callable[[], Awaitable[None]] | None = None,
+               on_wait: Callable[[], None] | None = None) -> Awaitable[PeerLookup]:
+        """The bytes from the owner, or a lease to read the source (never raises)."""
+
+    def release(self, got: PeerLookup | None) -> None:
+        """Give up ``got``'s lease (no value will be stored)."""
+
+    def store_later(self, rel: bytes, ident: Identity, data: bytes | memoryview,
+                    got: PeerLookup | None = None, ino: int = 0) -> None:
+        """Store this version at its owner in the background (and release the lease)."""
+
+
 class _Inflight:
     """One fetch in progress; later opens of the same file wait for it."""
 
@@ -190,12 +216,13 @@ class Fetcher(TaskOwner):
 
     def __init__(self, cfg: Config, calls: SourceCalls, ns: Namespace, writer: ChunkWriter,
                  policy: CachePolicy, versions: Versions, backlog: Backlog,
-                 counters: Counters, peers: PeerTier | None = None) -> None:
+                 counters: Counters, peers: PeerReads | None = None,
+                 dedup: ContentStore | None = None) -> None:
         self.cfg = cfg
         self.calls = calls
         self.peers = peers  # the cluster's shared tier (--peers), looked up before the source
         #: the root's other datasets (--shared-cache dedup), looked up before the peers
-        self.dedup: ContentStore | None = None
+        self.dedup = dedup
         self.ns = ns
         self.writer = writer
         self.policy = policy
