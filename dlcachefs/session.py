@@ -1,45 +1,95 @@
-"""The composition root of one mount's core: policy, engine and control, wired once.
+"""The composition root of one mount's core: every part made once, here, and handed its
+collaborators in its constructor.
 
 :func:`build` is how the daemon (:mod:`dlcachefs.mount.daemon`), the core tests
 (:func:`dlcachefs.testing.fakes.run_engine`) and the simulator's engine mode
 (:mod:`dlcachefs.sim.engine_replay`) make a mount's core, so that control -> streams ->
-engine runs without FUSE exactly as it does mounted:
+engine runs without FUSE exactly as it does mounted. What it makes, in the order the
+parts need each other:
 
-* the caching policy named by ``cfg.policy``, looked up in the registry
-  (:func:`dlcachefs.policies.registry`: built-in and entry-point policies). This module is
-  the one place of the core that imports :mod:`dlcachefs.policies` (DESIGN.md's layers:
-  the plugins depend on the core's contract, :mod:`dlcachefs.cache.policy`, never the
-  reverse); the engine receives a factory of its policy and never names one;
-* the :class:`~dlcachefs.cache.engine.Engine` over ``cfg.source`` (or a given source);
-* the :class:`~dlcachefs.clairvoyance.control.ControlState` of the control file, bound to
-  the engine's streams, losses and sample lists, and attached to the engine.
+* the cache directory's index and logs, the counters, the memory budget (fitted to the
+  daemon's memory cgroup), the one wrapper of source calls, the namespace;
+* the streams (:mod:`dlcachefs.clairvoyance`: who reads what, in which order) and the
+  caching policy's views of the cache, the streams' future and the samples' importance;
+  the policy named by ``cfg.policy``, looked up in the registry
+  (:func:`dlcachefs.policies.registry`: built-in and entry-point policies; this is the
+  one place of the core that imports :mod:`dlcachefs.policies`);
+* the read path's parts (:mod:`dlcachefs.cache`: writer, reader, fetcher, versions,
+  buffers, substitution) and the :class:`~dlcachefs.cache.engine.Engine` over them;
+* the background parts: read plans, prefetch, scan-ahead, the losses and the packer
+  (:mod:`dlcachefs.importance`), the peer tier and the owner's prefetch
+  (:mod:`dlcachefs.peers`, ``--peers`` only), a shared root's share and dedup
+  (``--shared-cache`` only), the trace recorder (``--trace``);
+* the control file's state, bound to the streams and the losses.
 
-Nothing here runs: the caller starts the engine (:meth:`Engine.start`, blocking) and runs
-its background tasks (:meth:`Engine.run`) in a nursery it owns, or hands both to
-:meth:`Session.run`.
+The read path reaches the background parts only through the Protocols of
+:mod:`dlcachefs.cache.readers`: the streams answer which stream an open is for, and the
+observers (the streams, the read planner, the trace recorder, scan-ahead, in that order)
+hear every open.
+
+Nothing here runs at build time: the caller starts the core (:meth:`Session.start`,
+blocking: recovery, the namespace scan), runs its background tasks
+(:meth:`Session.serve`) in a nursery it owns, and closes it (:meth:`Session.close`,
+:meth:`Session.close_files`); or hands a body to :meth:`Session.run`.
+
+Concurrency: every part lives on the trio loop of :meth:`Session.serve`; each part's
+module says what it runs in threads.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 import trio
 
+from dlcachefs import __version__
+from dlcachefs.cache.buffers import LATER_CHUNKS, Backlog, ReadAhead
+from dlcachefs.cache.dedup import ContentStore
 from dlcachefs.cache.engine import Engine
-from dlcachefs.cache.namespace import is_dir
+from dlcachefs.cache.fetch import Fetcher, SourceCalls
+from dlcachefs.cache.invariants import check_after_commit
+from dlcachefs.cache.memlimit import MemoryBudget, cgroup_limit, current_rss, fit
+from dlcachefs.cache.memtier import MemoryTier
+from dlcachefs.cache.namespace import Namespace, is_dir
 from dlcachefs.cache.policy import CachePolicy, PolicyContext
-from dlcachefs.cache.source import Source
-from dlcachefs.clairvoyance.control import ControlState
+from dlcachefs.cache.prefetch import Prefetcher
+from dlcachefs.cache.reader import LogReader
+from dlcachefs.cache.readers import Observers
+from dlcachefs.cache.readplan import ReadPlanner
+from dlcachefs.cache.recovery import check_source, recover
+from dlcachefs.cache.scanahead import ScanAhead
+from dlcachefs.cache.shares import ShareKeeper
+from dlcachefs.cache.source import DirDescriptors, LocalSource, Source
+from dlcachefs.cache.stats import Counters
+from dlcachefs.cache.substitute import Substitution
+from dlcachefs.cache.versions import Versions
+from dlcachefs.cache.views import IndexCacheView, PolicyClock, StreamFuture
+from dlcachefs.cache.writer import AccountLimit, ChunkWriter
+from dlcachefs.clairvoyance.control import ControlState, ErrorLog
+from dlcachefs.clairvoyance.events import StreamEvents
+from dlcachefs.clairvoyance.streams import StreamManager
+from dlcachefs.clairvoyance.trace import TraceRecorder
 from dlcachefs.config import Config
 from dlcachefs.errors import DlcError
+from dlcachefs.importance.losses import Losses
+from dlcachefs.importance.packer import Packer
+from dlcachefs.importance.view import InodeImportance
+from dlcachefs.peers.expiry import expiry_of_streams
 from dlcachefs.policies import make_policy, registry
+from dlcachefs.store.index import Index
+from dlcachefs.store.logs import LogStore
+from dlcachefs.store.tally import TALLY_DIR, TallyReader
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: what the engine takes: its policy, made from the engine's read-only views
+#: what the engine's parts take: the policy, made from its read-only views
 PolicyFactory = Callable[[PolicyContext], CachePolicy]
 
 
@@ -61,46 +111,144 @@ def policy_factory(spec: str) -> PolicyFactory:
 
 
 @dataclass
-class Session:
-    """One mount's core: the engine and the control file's state attached to it."""
+class _StreamParts:
+    """What the streams and their next-epoch logs use (the ``StreamEngine`` and
+    ``ReorderEngine`` Protocols of :mod:`dlcachefs.clairvoyance`), gathered as
+    :func:`build` makes the parts; complete before anything runs."""
 
+    cfg: Config
+    ns: Namespace
+    index: Index
+    logs: LogStore
+    counters: Counters
+    disk_limiter: trio.CapacityLimiter
+    zerocopy: TallyReader
+    readahead: ReadAhead | None = None
+    memtier: MemoryTier | None = None
+    writer: ChunkWriter | None = None
+    policy: CachePolicy | None = None
+    future: StreamFuture | None = None
+    plans: ReadPlanner | None = None
+    prefetcher: Prefetcher | None = None
+    losses: Losses | None = None
+
+
+@dataclass
+class Session:
+    """One mount's core: the engine (the read path), the background parts and the
+    control file's state, as :func:`build` made and wired them."""
+
+    cfg: Config
     engine: Engine
     control: ControlState
+    streams: StreamManager
+    losses: Losses
+    plans: ReadPlanner
+    prefetcher: Prefetcher
+    scan: ScanAhead
+    importance: InodeImportance
+    future: StreamFuture
+    memory: MemoryBudget
+    zerocopy: TallyReader
+    packer: Packer | None = None
+    trace: TraceRecorder | None = None
+    peers: object | None = None  # dlcachefs.peers.tier.PeerTier, with --peers
+    owner_prefetch: object | None = None  # dlcachefs.peers.ownerfetch.OwnerPrefetch
+    shares: ShareKeeper | None = None
+    dedup: ContentStore | None = None
+    started: float = 0.0
 
     @property
     def policy(self) -> CachePolicy:
-        """The engine's caching policy (made by :func:`build` from ``cfg.policy``)."""
+        """The caching policy (made by :func:`build` from ``cfg.policy``)."""
         return self.engine.policy
+
+    # ----- life cycle ------------------------------------------------------------------
+
+    def start(self, progress: Callable[[int, int, float], None] | None = None) -> dict:
+        """Blocking start-up before the filesystem is served: a cache of another source is
+        refused; with ``--shared-cache``, this dataset's entry in the root's ledger first
+        (its limit is the one recovery shrinks to) and dedup's manifest; then crash
+        recovery and the namespace scan when there is no snapshot yet or ``--rescan`` was
+        given (:mod:`dlcachefs.cache.recovery`)."""
+        eng = self.engine
+        check_source(self.cfg, eng.index, eng.source.root)
+        if self.shares is not None:
+            eng.writer.limit = self.shares.join()
+        if self.dedup is not None:
+            self.dedup.load_manifest()
+        return recover(self.cfg, eng.index, eng.logs, eng.ns, eng.writer, eng.policy,
+                       progress)
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Every part's background tasks, until cancelled (each part owns its own
+        nursery, started here)."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.engine.run)
+            if self.peers is not None:
+                await nursery.start(self.peers.run)  # type: ignore[attr-defined]
+            await nursery.start(self.losses.run)
+            await nursery.start(self.streams.run)
+            await nursery.start(self.scan.run)
+            nursery.start_soon(self._unprotect_idle_streams)
+            if self.shares is not None:
+                await nursery.start(self.shares.run)
+            if self.dedup is not None:
+                await nursery.start(self.dedup.run)
+            if self.owner_prefetch is not None:
+                await nursery.start(self.owner_prefetch.run)  # type: ignore[attr-defined]
+            if self.packer is not None:
+                await nursery.start(self.packer.run)
+            task_status.started()
+
+    async def _unprotect_idle_streams(self) -> None:
+        """Let go, now and then, of the protection of idle streams' logs
+        (``StreamManager.unprotect_idle``)."""
+        while True:
+            await trio.sleep(DirDescriptors.TTL_S)
+            self.streams.unprotect_idle(time.monotonic())
+
+    async def close(self) -> None:
+        """Stop prefetching, seal and commit what is pending, and stop the background
+        work that outlives a cancel (the peer tier's queued stores, the trace)."""
+        self.streams.close()
+        self.scan.close()
+        await self.engine.close()
+        if self.peers is not None:
+            await self.peers.close()  # type: ignore[attr-defined]  # queued stores, bounded
+        if self.trace is not None:
+            await trio.to_thread.run_sync(self.trace.save, self.engine.ns.size_of)
+
+    def close_files(self) -> None:
+        """Release descriptors and the index (after :meth:`close`; off the loop is fine).
+        A shared root hears this dataset's exact bytes after the last commit first."""
+        if self.shares is not None:
+            self.shares.leave()
+        self.engine.close_files()
 
     def write(self, data: bytes, pid: int) -> int:
         """One ``write()`` of ``data`` to ``.dlcache/control`` by process ``pid``, as the
         FUSE layer hands it over: applied whole (returns ``len(data)``) or refused whole
         with :class:`~dlcachefs.errors.ControlError` (EINVAL; the reason is kept for
-        ``.dlcache/errors``). Trio loop: the streams' tasks start in the engine's nursery."""
+        ``.dlcache/errors``). Trio loop: the streams' tasks start in their nursery."""
         return self.control.apply(data, pid)
 
     def run(self, body: Callable[[Session], Awaitable[T]]) -> T:
-        """Blocking: start the engine (crash recovery, namespace scan), then run
-        ``body(self)`` under trio with the engine's background tasks running, then close
-        the engine as an unmount does (seal and commit what is pending). For cores
-        without a kernel mount (tests, the simulator's engine mode). The index stays
-        open (its state can be checked afterwards) until :meth:`close_files`."""
-        eng = self.engine
-        eng.start()
+        """Blocking: :meth:`start`, then run ``body(self)`` under trio with the background
+        tasks running, then :meth:`close` as an unmount does. For cores without a
+        kernel mount (tests, the simulator's engine mode). The index stays open (its
+        state can be checked afterwards) until :meth:`close_files`."""
+        self.start()
 
         async def main() -> T:
             async with trio.open_nursery() as nursery:
-                await nursery.start(eng.run)
+                await nursery.start(self.serve)
                 result = await body(self)
-                await eng.close()  # seals what is pending, as at unmount
+                await self.close()  # seals what is pending, as at unmount
                 nursery.cancel_scope.cancel()  # the other background tasks, as the daemon
             return result
 
         return trio.run(main)
-
-    def close_files(self) -> None:
-        """Release the engine's descriptors and the index (after :meth:`run`)."""
-        self.engine.close_files()
 
     def __enter__(self) -> Session:
         return self
@@ -108,31 +256,217 @@ class Session:
     def __exit__(self, *exc: object) -> None:
         self.close_files()
 
+    # ----- the stats document ----------------------------------------------------------
+
+    def stats(self) -> dict:
+        """The ``.dlcache/stats`` document (counters since mount; cache state
+        cumulative): the one place that reads every part. Trio loop."""
+        eng = self.engine
+        cfg = self.cfg
+        snap = eng.index.snapshot()
+        out = {
+            "version": __version__,
+            "pid": os.getpid(),
+            "source": os.fsdecode(eng.source.root),
+            "mountpoint": cfg.mountpoint,
+            "cache_dir": cfg.data_dir,
+            "uptime_s": round(time.time() - self.started, 3),
+            "files": snap["files"],
+            "bytes_total": snap["bytes_total"],
+            "cached_files": snap["records"],
+            "cached_bytes": snap["cached_bytes"],
+            "chunks": snap["chunks"],
+            "chunk_bytes": snap["chunk_bytes"],
+            # --cache-size, or with --shared-cache this dataset's share of it now
+            "cache_limit_bytes": eng.writer.limit,
+            # the disk under the cache: free space, --min-free, a pause after a failed write
+            "cache_disk": eng.writer.disk_state(),
+            "max_cached_file": cfg.max_cached_file,  # larger files are read through
+            "memory_bytes": eng.memtier.bytes,
+            "memory_limit_bytes": eng.memtier.limit,
+            # the daemon's memory cgroup limit found at start (None: none); --memory and
+            # the buffers were sized to fit it (dlcachefs.cache.memlimit)
+            "cgroup_memory_limit": self.memory.cgroup_limit,
+            "readahead_limit_bytes": eng.readahead.limit,
+            "backlog_limit_bytes": eng.backlog.limit,
+            # fetched, not yet in a sealed chunk (waiting for the writer's room included)
+            "pending_bytes": eng.writer.open_bytes + eng.writer.sealing_bytes
+            + eng.backlog.bytes,
+            # the --cache-size account: chunk_bytes - evicting_bytes + reserved_bytes
+            # <= cache_limit_bytes (see dlcachefs.cache.writer)
+            "reserved_bytes": eng.writer.pending_bytes,
+            "evicting_bytes": eng.writer.doomed_bytes,
+            # the account itself as the writer keeps it (its "used" follows the index
+            # once a commit's bookkeeping is done: chunk_bytes may be ahead meanwhile)
+            "cache_account_bytes": eng.writer.account(),
+            "open_files": len(eng.handles),
+            "revalidate_s": cfg.revalidate,
+            # torch loaded (from a training's first contact on, in the background):
+            # announced samplers replay
+            "sampler_replay_ready": self.streams.replay_ready,
+            "losses_waiting": self.losses.waiting,
+            # trees fetched ahead of readers whose order is unknown (cache.scanahead)
+            "scan_ahead": self.scan.stats(),
+        }
+        out.update(eng.counters.as_dict())
+        # every pread of the logs (serving, and background fills)
+        out["cache_disk_bytes_read"] = eng.logs.bytes_read
+        # reordered logs' chunks read back (just written) to checksum them before a seal
+        out["cache_disk_bytes_read_back"] = eng.logs.bytes_read_back
+        out["read_plans"] = self.plans.stats()
+        out["source_latency"] = eng.calls.latency.as_dict()  # seconds per attempt, by call
+        # samples training processes read from the cache directly, and their fallbacks.
+        # Blocking on the loop on purpose, as the LMDB reads: a listing and two small
+        # opens of a local file per reading process (tens of microseconds each), only
+        # when stats are read
+        out["zerocopy"] = self.zerocopy.collect()
+        out["streams"] = self.streams.stats()
+        for key, rel in self.scan.tree_of_groups().items():
+            if key in out["streams"]:
+                out["streams"][key]["scan_ahead"] = rel
+        # --shared-cache: the root's budget, this dataset's share, the ledger's entries
+        out["shared"] = None if self.shares is None else self.shares.stats()
+        # --shared-cache dedup: files served from the root's other datasets
+        out["dedup"] = None if self.dedup is None else self.dedup.stats()
+        out["policy"] = {"name": cfg.policy, **eng.policy.stats()}
+        # the cluster's shared tier (--peers): per server and lease counts
+        out["peers"] = None if self.peers is None else self.peers.stats()  # type: ignore[attr-defined]
+        if self.owner_prefetch is not None:  # --peer-self: fetched ahead for the cluster
+            out["peers"]["owner_prefetch"] = self.owner_prefetch.stats()  # type: ignore[attr-defined]
+        out["packer"] = None if self.packer is None else self.packer.as_dict()
+        imp = self.importance
+        t = imp.table
+        out["importance"] = None if t is None else {
+            "dataset": imp.dataset, "samples": t.n, "version": t.version(),
+            "h_samples": None if t.high is None else sum(t.high),
+            "jobs": {k: {"reported": j.reported, "benefit": j.benefit}
+                     for k, j in t.jobs.items()}}
+        return out
+
 
 def build(cfg: Config, source: Source | None = None) -> Session:
-    """The core of a mount of ``cfg``: the policy of ``cfg.policy``, the engine over
-    ``source`` (default: ``cfg.source`` on the local filesystem) and the control state,
-    wired together. Opens the cache's index and logs; nothing starts yet."""
+    """The core of a mount of ``cfg`` over ``source`` (default: ``cfg.source`` on the local
+    filesystem), every part made and wired (the module docstring). Opens the cache's index
+    and logs; nothing starts yet."""
     factory = policy_factory(cfg.policy)  # a bad --policy fails before the index opens
-    engine = Engine(cfg, source, policy=factory)
-    return Session(engine, _control(engine))
+    source = source if source is not None else LocalSource(cfg.source)
+    os.makedirs(cfg.data_dir, exist_ok=True)
+    index = Index(cfg.index_dir)
+    logs = LogStore(cfg.logs_dir, cfg.log_size)
+    counters = Counters()
+    # container-aware: --memory, read-ahead and the backlog fit the memory cgroup's limit
+    memory = fit(cfg.memory, cfg.chunk_size, LATER_CHUNKS * cfg.chunk_size, cgroup_limit(),
+                 current_rss())
+    if memory.reason:
+        log.warning("%s", memory.reason)
+    calls = SourceCalls(source, cfg, counters)  # every call on the source goes through it
+    disk_limiter = trio.CapacityLimiter(4)
+    observers = Observers()  # the read path's events, fanned out (added below)
+    ns = Namespace(index, calls, revalidate=cfg.revalidate, use_src_ino=cfg.use_source_inode,
+                   on_removed=observers.gone)
+    zerocopy = TallyReader(os.path.join(cfg.data_dir, TALLY_DIR))  # zero-copy readers' counts
 
+    # the streams first: the policy's future is a view of them
+    parts = _StreamParts(cfg, ns, index, logs, counters, disk_limiter, zerocopy)
+    streams = StreamManager(parts)  # type: ignore[arg-type]  # complete below
+    if not memory.replay_worker:
+        log.warning("%s", memory.replay_reason)
+        streams.replay.disable(memory.replay_reason)
+    clock = PolicyClock()
+    future = StreamFuture(streams, clock)
+    importance = InodeImportance()
+    # the account's limit, read by the policy's view and kept by the writer (a shared
+    # root's share moves it at run time)
+    limit = AccountLimit(cfg.cache_size)
+    policy = factory(PolicyContext(IndexCacheView(index, limit), future, importance))
+    memtier = MemoryTier(memory.memory)
 
-def _control(engine: Engine) -> ControlState:
-    """The :class:`ControlState` of a mount over ``engine``, attached to it (the engine
-    reads jobs' datasets from it and notes dropped input in its error log)."""
+    # the cluster's shared tier (--peers): pymemcache is imported only then
+    peers = None
+    if cfg.peers is not None:
+        from dlcachefs.peers.tier import PeerTier  # noqa: PLC0415 - optional dependency
+
+        # (its expiry of a value reads the streams' orders: the last planned use)
+        peers = PeerTier(cfg, source.root, expiry_of=lambda ino: expiry_of_streams(streams, ino))
+    # --shared-cache dedup: identical bytes held once in the root (dlcachefs.cache.dedup)
+    dedup = ContentStore(cfg, index, calls) if cfg.shared_cache and cfg.dedup else None
+    # --shared-cache: units cut for the smallest share a dataset may get (a 32nd of the
+    # budget when the floor is smaller: units of a few KiB would cost more)
+    basis = (max(int(cfg.cache_size * cfg.share_floor), cfg.cache_size // 32, 4096)
+             if cfg.shared_cache else None)
+    writer = ChunkWriter(
+        cfg, index, logs, policy, memtier, counters, limit=limit, unit_basis=basis,
+        keeper=peers if peers is not None and cfg.peer_keep else None,  # Lobster 4.4
+        content_keys=dedup is not None,
+        after_commit=check_after_commit if cfg.debug_invariants else None)
+    backlog = Backlog(memory.backlog)  # fetched bytes waiting for the writer's room
+    readahead = ReadAhead(memory.readahead)  # bytes fetched or loaded ahead of their opens
+    versions = Versions(index, writer, backlog)
+    reader = LogReader(index, logs, memtier, writer, policy, counters, disk_limiter,
+                       readahead)
+    fetcher = Fetcher(cfg, calls, ns, writer, policy, versions, backlog, counters, peers,
+                      dedup)
+    # planned reads of known orders: half of --memory, taken from the tier
+    plans = ReadPlanner(index=index, logs=logs, writer=writer, memtier=memtier,
+                        counters=counters, disk_limiter=disk_limiter, reader=reader,
+                        versions=versions, readahead=readahead,
+                        budget=min(memory.memory // 2, streams.lead_bytes), lead=streams.lead,
+                        max_batch=max(4 << 20, 2 * cfg.chunk_size))
+    prefetcher = Prefetcher(
+        cfg, ns=ns, versions=versions, fetcher=fetcher, reader=reader, writer=writer,
+        policy=policy, backlog=backlog, readahead=readahead, plans=plans, counters=counters)
+    trace = TraceRecorder(cfg.trace) if cfg.trace else None
+    errors = ErrorLog()  # the control file's, shared with the losses
+    losses = Losses(importance, streams, counters, cfg.h_fraction, trace, errors)
+    parts.readahead, parts.memtier, parts.writer, parts.policy = readahead, memtier, writer, policy
+    parts.future, parts.plans, parts.prefetcher, parts.losses = future, plans, prefetcher, losses
+
+    # iCACHE's dynamic packaging fills the L-cache when substitution is on (and the
+    # policy plans packages at all)
+    packs = type(policy).plan_package is not CachePolicy.plan_package
+    packer = (Packer(cfg, index=index, ns=ns, policy=policy, writer=writer, fetcher=fetcher,
+                     importance=importance, sample_list=streams.sample_list)
+              if cfg.substitute and packs else None)
+    substitution = Substitution(
+        cfg, index=index, ns=ns, versions=versions, fetcher=fetcher, reader=reader,
+        readahead=readahead, policy=policy, packer=packer, counters=counters)
+    scan = ScanAhead(cfg, index=index, ns=ns, writer=writer, fetcher=fetcher,
+                     prefetcher=prefetcher, group_of=streams.group_of)
+    stream_events = StreamEvents(streams)
+    # who hears each open, in this order: the streams (positions), the read plans, the
+    # trace, scan-ahead
+    observers.add(stream_events)
+    observers.add(plans)
+    if trace is not None:
+        observers.add(trace)
+    observers.add(scan)
+    engine = Engine(
+        cfg, source=source, index=index, logs=logs, counters=counters, calls=calls, ns=ns,
+        policy=policy, clock=clock, memtier=memtier, writer=writer, backlog=backlog,
+        readahead=readahead, versions=versions, reader=reader, fetcher=fetcher,
+        substitution=substitution, plans=plans, readers=stream_events, observers=observers)
+
+    # --shared-cache: this dataset's share of the root's budget (dlcachefs.cache.shares)
+    shares = ShareKeeper(cfg, index, writer, counters, calls) if cfg.shared_cache else None
+    # --peer-self: this node fetches ahead the files it owns in the cluster's order
+    owner_prefetch = None
+    if peers is not None and cfg.peer_self is not None:
+        from dlcachefs.peers.ownerfetch import OwnerPrefetch  # noqa: PLC0415 - --peers only
+
+        owner_prefetch = OwnerPrefetch(cfg, index=index, ns=ns, fetcher=fetcher, peers=peers,
+                                       streams=streams)
 
     def resolve_dir(rel: str) -> int:
-        e = engine.ns.resolve(os.fsencode(rel))
+        e = ns.resolve(os.fsencode(rel))
         if not is_dir(e):
             raise DlcError("not a directory")
         return e.ino
 
     control = ControlState(
-        resolve_dir, engine.streams.on_stream, dataset_size=engine.streams.dataset_size,
-        on_loss=engine.losses.on_loss, on_order=engine.streams.on_order,
-        loss_room=engine.losses.room)
-    control.on_job_dropped = engine.streams.drop_job
-    control.job_reading = engine.streams.job_reading
-    engine.losses.attach_control(control)
-    return control
+        resolve_dir, streams.on_stream, dataset_size=streams.dataset_size,
+        on_loss=losses.on_loss, on_order=streams.on_order, loss_room=losses.room,
+        on_job_dropped=streams.drop_job, job_reading=streams.job_reading, errors=errors)
+    return Session(cfg, engine, control, streams, losses, plans, prefetcher, scan, importance,
+                   future, memory, zerocopy, packer=packer, trace=trace, peers=peers,
+                   owner_prefetch=owner_prefetch, shares=shares, dedup=dedup,
+                   started=time.time())

@@ -25,10 +25,9 @@ from dlcachefs.mount import fuseloop
 from dlcachefs.mount.ops import Operations
 
 from dlcachefs import mountctl
-from dlcachefs.cache.engine import Engine
 from dlcachefs.config import DATASETS_DIR, Config
 from dlcachefs.errors import DlcError
-from dlcachefs.session import build
+from dlcachefs.session import Session, build
 from dlcachefs.store import integrity, ledger
 from dlcachefs.store.lock import CacheLock
 
@@ -133,7 +132,7 @@ def run(cfg: Config, report: Reporter) -> int:
     ``progress ...`` while scanning, ``ready`` once mounted, ``error ...`` on failure."""
     lock = CacheLock(cfg.data_dir, cfg.dataset_id,
                      is_mounted=lambda mp: mountctl.is_mounted(mp, fuse=True))
-    engine: Engine | None = None
+    session: Session | None = None
     metrics = None
     try:
         check_mountpoint(cfg.mountpoint)
@@ -142,12 +141,11 @@ def run(cfg: Config, report: Reporter) -> int:
         lock.acquire(cfg.mountpoint)
         check_index_or_quarantine(cfg.index_dir)
         session = build(cfg)
-        engine = session.engine
 
         def progress(entries: int, dirs: int, elapsed: float) -> None:
             report(f"progress {entries} {dirs} {elapsed:.1f}")
 
-        info = engine.start(progress=progress)
+        info = session.start(progress=progress)
         log.info("started: %s", info)
         if cfg.metrics_port:
             # bound before the mount: a port in use fails the mount with the reason
@@ -160,22 +158,22 @@ def run(cfg: Config, report: Reporter) -> int:
                                f"{e.strerror}") from e
             log.info("metrics on http://%s:%d/metrics", *metrics.address)
 
-        ops = Operations(engine, session.control)
+        ops = Operations(session)
         pyfuse3.init(ops, cfg.mountpoint, fuse_options(cfg))
     except (DlcError, OSError, RuntimeError, ValueError, ImportError) as e:
         report(f"error {e}")
         log.error("mount failed: %s", e)
         if metrics is not None:
             metrics.close()
-        if engine is not None:
-            engine.close_files()
+        if session is not None:
+            session.close_files()
         lock.release()
         return 1
     fuseloop.install()  # a cheaper lock around each wait for a request
     _keep_thread_names()
     clean = False
     try:
-        trio.run(_serve, engine, ops, report, metrics)
+        trio.run(_serve, session, ops, report, metrics)
         clean = True
     except Exception:
         # in the log, where a daemonized mount's only trace is (its stderr is /dev/null,
@@ -185,7 +183,7 @@ def run(cfg: Config, report: Reporter) -> int:
     finally:
         if metrics is not None:
             metrics.close()  # before the index closes: no scrape reaches a closed engine
-        engine.close_files()
+        session.close_files()
         # the index as this stop leaves it: the next start need not walk it (unless an
         # LMDB error while serving hinted at damage, e.g. pages changed under the map)
         if clean and not integrity.damage_seen():
@@ -195,12 +193,12 @@ def run(cfg: Config, report: Reporter) -> int:
     return 0
 
 
-async def _serve(engine: Engine, ops: Operations, report: Reporter, metrics=None) -> None:
+async def _serve(session: Session, ops: Operations, report: Reporter, metrics=None) -> None:
     signalled = stopping = False
     async with trio.open_nursery() as nursery:
-        await nursery.start(engine.run)
+        await nursery.start(session.serve)
         if metrics is not None:  # scrapes build the stats on this loop (admin.metrics)
-            metrics.attach(engine.stats, trio.lowlevel.current_trio_token())
+            metrics.attach(session.stats, trio.lowlevel.current_trio_token())
         nursery.start_soon(ops.invalidation_worker)
 
         async def on_signals() -> None:
@@ -226,7 +224,7 @@ async def _serve(engine: Engine, ops: Operations, report: Reporter, metrics=None
         async def after_init() -> None:
             # the kernel sets the readahead from the INIT reply: raise it only after that
             await ops.initialized.wait()
-            await trio.to_thread.run_sync(raise_read_ahead, engine.cfg.mountpoint)
+            await trio.to_thread.run_sync(raise_read_ahead, session.cfg.mountpoint)
 
         nursery.start_soon(after_init)
         report("ready")
@@ -243,5 +241,5 @@ async def _serve(engine: Engine, ops: Operations, report: Reporter, metrics=None
                 metrics.detach()  # scrapes from now on: dlcachefs_up 0
             pyfuse3.close(unmount=not clean)
             with trio.CancelScope(shield=True):
-                await engine.close()
+                await session.close()
             nursery.cancel_scope.cancel()

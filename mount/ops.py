@@ -21,11 +21,10 @@ import trio
 from dlcachefs.mount import virtual as V
 from dlcachefs.mount.errmap import fuse_errors
 
-from dlcachefs.cache.engine import Engine
 from dlcachefs.cache.namespace import ROOT_INO, identity
 from dlcachefs.cache.source import Identity
-from dlcachefs.clairvoyance.control import ControlState
 from dlcachefs.errors import NotFound, PermissionDenied, ReadOnly
+from dlcachefs.session import Session
 from dlcachefs.store.schema import Entry
 
 log = logging.getLogger(__name__)
@@ -89,11 +88,13 @@ class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, engine: Engine, control: ControlState) -> None:
+    def __init__(self, session: Session) -> None:
         super().__init__()
+        engine = session.engine
+        self.session = session
         self.engine = engine
         self.ns = engine.ns
-        self.control = control
+        self.control = session.control
         self.vattrs = V.VirtualAttrs()
         self.timeout = float(engine.cfg.revalidate)
         self._can_store = engine.cfg.store_pages > 0  # (off for good after ENOSYS)
@@ -261,7 +262,7 @@ class Operations(pyfuse3.Operations):
         else:
             e = await self.ns.fresh_dir(inode)
             listing = [(b".", inode), (b"..", e.parent or ROOT_INO), *self.ns.children(inode)]
-            self.engine.streams.note_opendir(e)
+            self.session.streams.note_opendir(e)
         dh = self._next_dh
         self._next_dh += 1
         self._dirs[dh] = listing
@@ -393,13 +394,13 @@ class Operations(pyfuse3.Operations):
             # a training process is here (the hook opens it at interpreter start): the
             # sampler replay worker imports torch while the script imports its own
             try:
-                self.engine.streams.start_replay()
+                self.session.streams.start_replay()
             except Exception:  # noqa: BLE001 - never fail the open for it (unmounting)
                 log.exception("starting the sampler replay worker failed")
         if inode == V.STATS_INO:
             import json  # noqa: PLC0415  (only here)
 
-            doc = self.engine.stats()
+            doc = self.session.stats()
             doc["fuse_ops"] = dict(self.ops)
             if ctx.uid not in (self.vattrs.uid, 0):
                 doc = V.shared_stats(doc)  # another user's job sees no job's own sections

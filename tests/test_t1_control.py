@@ -322,7 +322,7 @@ class Recorder:
             resolve_dir,
             lambda s, j, pid: self.streams.append((s.job, s.rank)),
             dataset_size=sz.get,
-            on_loss=lambda job, i, v: self.losses.append((job, i, v)),
+            on_loss=lambda js, i, v: self.losses.append((js.name, i, v)),
             on_order=lambda s, j, e, o, pid: self.orders.append((s.job, s.rank, e, list(o), pid)),
         )
 
@@ -693,7 +693,7 @@ def test_losses_for_an_unlisted_dataset_wait_within_a_bound():
     got: list = []
     room = [5]
     cs = ControlState(resolve_dir, dataset_size=lambda rel: None,
-                      on_loss=lambda job, i, v: got.append(i), loss_room=lambda: room[0])
+                      on_loss=lambda js, i, v: got.append(i), loss_room=lambda: room[0])
     cs.apply(b"dataset train\nloss 0 1 1 1 2 1\n", 1)
     assert got == [[0, 1, 2]]
     room[0] = 2
@@ -702,7 +702,7 @@ def test_losses_for_an_unlisted_dataset_wait_within_a_bound():
     assert "only 2 more can wait" in cs.errors_text().decode()
     # a dataset of known size is not limited by the waiting room
     cs2 = ControlState(resolve_dir, dataset_size=lambda rel: 100,
-                       on_loss=lambda job, i, v: got.append(i), loss_room=lambda: 0)
+                       on_loss=lambda js, i, v: got.append(i), loss_room=lambda: 0)
     cs2.apply(b"dataset train\nloss 7 1 8 1\n", 1)
     assert got[-1] == [7, 8]
 

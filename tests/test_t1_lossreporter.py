@@ -33,7 +33,7 @@ class FakeMount:
         self.dataset = str(self.root / "train")
         self.losses: list[tuple[str, list[int], list[float]]] = []
         self.cs = ControlState(self._resolve, dataset_size={"train": N}.get,
-                               on_loss=lambda job, i, v: self.losses.append((job, i, v)))
+                               on_loss=lambda js, i, v: self.losses.append((js.name, i, v)))
         self.writes: list[bytes] = []
         self.refused: list[str] = []
         real_write = os.write

@@ -31,7 +31,7 @@ class Receiver:
         self.losses: list[tuple[str, list[int], list[float]]] = []
         self.orders: list[tuple[str, int, list[int]]] = []
         self.cs = ControlState(
-            self._resolve, on_loss=lambda job, i, v: self.losses.append((job, i, v)),
+            self._resolve, on_loss=lambda js, i, v: self.losses.append((js.name, i, v)),
             on_order=lambda st, job, e, order, pid: self.orders.append((job.name, e, list(order))))
 
     def _resolve(self, rel: str) -> int:

@@ -32,7 +32,7 @@ from dlcachefs.clairvoyance.samplelist import (  # noqa: E402
 def scanned(src: Path, cache: Path) -> Iterator[Engine]:
     """An engine whose namespace snapshot is a fresh scan of ``src`` (no FUSE, no trio)."""
     with session.build(make_config(src, cache)) as sess:
-        sess.engine.start()
+        sess.start()
         yield sess.engine
 
 

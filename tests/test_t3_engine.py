@@ -50,6 +50,7 @@ from dlcachefs.testing.fakes import (
     read_all,
     read_source,
     run_engine,
+    run_session,
     write_tree,
 )
 
@@ -214,7 +215,8 @@ def test_a_prefetched_file_that_waited_for_the_writer_is_a_hit(tree, policy):
     src, cache, files = tree
     rel = b"top.txt"
 
-    async def body(eng):
+    async def body(sess):
+        eng = sess.engine
         e = eng.ns.resolve(rel)
         room = eng.writer.has_room
         # the cache disk is behind: no room for the fetched bytes (the prefetch's own
@@ -223,7 +225,7 @@ def test_a_prefetched_file_that_waited_for_the_writer_is_a_hit(tree, policy):
         stream = SimpleNamespace(memory_prefetch=False, bytes_from_source=0,
                                  pages_served=False, key="job/0")
         try:
-            assert await eng.prefetcher.prefetch_one(e.ino, stream)
+            assert await sess.prefetcher.prefetch_one(e.ino, stream)
         finally:
             eng.writer.has_room = room
         assert eng.backlog.get(e.ino, identity(e)) is not None  # waiting for the writer
@@ -233,7 +235,7 @@ def test_a_prefetched_file_that_waited_for_the_writer_is_a_hit(tree, policy):
         assert await read_all(eng, rel) == files[rel]
         assert (c.prefetch_hits, c.hits - hits, c.misses) == (0, 1, 0)
 
-    run_engine(make_config(src, cache, policy=policy, flush_interval=30.0), body)
+    run_session(make_config(src, cache, policy=policy, flush_interval=30.0), body)
 
 
 def test_read_offsets_and_eof(tree, policy):
@@ -359,7 +361,8 @@ def test_an_open_loads_nothing_until_its_first_read(tree, policy):
     rel = b"train/cls1/img03.jpg"
     source = CountingSource(src)
 
-    async def body(eng):
+    async def body(sess):
+        eng = sess.engine
         seen = []
         orig = eng.reader.after_use
         eng.reader.after_use = lambda cid, ino: (seen.append(ino), orig(cid, ino))[1]
@@ -368,16 +371,16 @@ def test_an_open_loads_nothing_until_its_first_read(tree, policy):
             r = await eng.open(e.ino)
             assert r.keep_cache and not r.direct_io
             eng.release(r.fh)
-        assert eng.stats()["cache_disk_bytes_read"] == 0
+        assert sess.stats()["cache_disk_bytes_read"] == 0
         assert eng.counters.record_reads == eng.counters.chunk_reads == 0
         assert eng.counters.hits == 3 and eng.counters.bytes_from_cache == 0
         assert seen == [e.ino] * 3
         assert await read_all(eng, rel) == files[rel]  # the READ loads it
-        assert eng.stats()["cache_disk_bytes_read"] >= len(files[rel])
+        assert sess.stats()["cache_disk_bytes_read"] >= len(files[rel])
         assert seen == [e.ino] * 4  # once per open, read or not
         assert sum(source.reads.values()) == 0
 
-    run_engine(make_config(src, cache, policy=policy), body, source)
+    run_session(make_config(src, cache, policy=policy), body, source)
 
 
 async def _open_then(eng, rel, between):
@@ -1051,14 +1054,15 @@ def test_disk_full_serves_from_source_and_recovers(tree, monkeypatch, policy):
     def enospc(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    async def body(eng):
+    async def body(sess):
+        eng = sess.engine
         monkeypatch.setattr(os, "fdatasync", enospc)
         await read_everything(eng, files, flush=True)
         c = eng.counters
         assert c.write_errors == 1  # then the writer backs off instead of failing again
         assert c.cache_skipped == len(files)
         # stats and scan-ahead say why nothing is cached now (the disk, not the policy)
-        disk = eng.stats()["cache_disk"]
+        disk = sess.stats()["cache_disk"]
         assert disk["paused_s"] > 0 and "No space left on device" in disk["paused_reason"]
         assert "caching is paused" in eng.writer.short_of_disk()
         assert eng.index.n_records() == 0 and eng.index.n_chunks() == 0
@@ -1066,12 +1070,12 @@ def test_disk_full_serves_from_source_and_recovers(tree, monkeypatch, policy):
         assert [p.stat().st_size for p in logs] == [LOG_HEADER_SIZE]
         monkeypatch.setattr(os, "fdatasync", real_fdatasync)
         eng.writer.backoff_until = 0.0  # the disk has room again; skip the wait
-        assert eng.stats()["cache_disk"]["paused_s"] == 0 and eng.writer.short_of_disk() is None
+        assert sess.stats()["cache_disk"]["paused_s"] == 0 and eng.writer.short_of_disk() is None
         await read_everything(eng, files, flush=True)
         assert eng.index.n_records() == len(files)
         assert c.misses == 2 * len(files)
 
-    run_engine(make_config(src, cache, policy=policy), body)
+    run_session(make_config(src, cache, policy=policy), body)
 
     async def remount(eng):
         await read_everything(eng, files)
@@ -1313,9 +1317,10 @@ def test_reorder_backfill_of_a_vanished_file_does_not_end_the_engine(tmp_path, p
     write_tree(src, files)
     inos: list[int] = []
 
-    async def body(eng):
+    async def body(sess):
+        eng = sess.engine
         inos.extend(eng.ns.resolve(r).ino for r in files)
-        nl = NextEpochLog(eng, "default/0", 1)
+        nl = NextEpochLog(sess.streams.engine, "default/0", 1)
         await nl.plan(inos)
         os.unlink(src / "train/c0/img0.jpg")  # not cached, and gone from the source
         backfilled = trio.Event()
@@ -1324,8 +1329,8 @@ def test_reorder_backfill_of_a_vanished_file_does_not_end_the_engine(tmp_path, p
             await nl.backfill([inos[0]])  # tries the source for the vanished file
             backfilled.set()
 
-        eng.streams._nursery.start_soon(backfill)
-        eng.streams._nursery.start_soon(nl.run)
+        sess.streams._nursery.start_soon(backfill)
+        sess.streams._nursery.start_soon(nl.run)
         with trio.fail_after(20):
             await backfilled.wait()
         nl.request_finish()
@@ -1335,7 +1340,7 @@ def test_reorder_backfill_of_a_vanished_file_does_not_end_the_engine(tmp_path, p
         # the engine still serves the other files
         assert await read_all(eng, b"train/c0/img1.jpg") == files[b"train/c0/img1.jpg"]
 
-    run_engine(make_config(src, cache, policy=policy), body)
+    run_session(make_config(src, cache, policy=policy), body)
 
 
 def test_a_sample_changed_or_gone_since_its_log_was_planned_leaves_a_filler(tmp_path, policy):
@@ -1355,13 +1360,14 @@ def test_a_sample_changed_or_gone_since_its_log_was_planned_leaves_a_filler(tmp_
     write_tree(src, files)
     new1 = os.urandom(4321)
 
-    async def body(eng):
+    async def body(sess):
+        eng = sess.engine
         inos = [eng.ns.resolve(r).ino for r in files]
         planned = [identity(eng.index.get_entry(i)) for i in inos]
-        nl = NextEpochLog(eng, "default/0", 1)
+        nl = NextEpochLog(sess.streams.engine, "default/0", 1)
         await nl.plan(inos)
         assert len(nl.chunks) == 1 and len(nl.chunks[0].slots) == 5
-        eng.streams._nursery.start_soon(nl.run)
+        sess.streams._nursery.start_soon(nl.run)
         # img1 is replaced and served in its new version in this epoch (the reader's
         # bytes are fed to the log): its slot can never hold the planned version
         (src / "train/c0/img1.jpg").write_bytes(new1)
@@ -1400,7 +1406,7 @@ def test_a_sample_changed_or_gone_since_its_log_was_planned_leaves_a_filler(tmp_
         with pytest.raises(NotFound):
             await read_all(eng, b"train/c0/img0.jpg")
 
-    run_engine(make_config(src, cache, policy=policy, revalidate=0), body)
+    run_session(make_config(src, cache, policy=policy, revalidate=0), body)
 
 
 def test_invariants_are_checked_after_every_reorder_seal(tmp_path, policy):
@@ -1414,16 +1420,17 @@ def test_invariants_are_checked_after_every_reorder_seal(tmp_path, policy):
     write_tree(src, files)
     events: list[str] = []
 
-    async def body(eng):
+    async def body(sess):
+        eng = sess.engine
         check = eng.writer.after_commit
         assert check is not None  # make_config turns --debug-invariants on
 
-        def after_commit():
+        def after_commit(writer):
             events.append("check")
-            check()
+            check(writer)
 
         eng.writer.after_commit = after_commit
-        nl = NextEpochLog(eng, "default/0", 1)
+        nl = NextEpochLog(sess.streams.engine, "default/0", 1)
         await nl.plan([eng.ns.resolve(r).ino for r in files])
         seal_thread = nl._seal_thread
 
@@ -1432,14 +1439,14 @@ def test_invariants_are_checked_after_every_reorder_seal(tmp_path, policy):
             return seal_thread(c)
 
         nl._seal_thread = sealing
-        eng.streams._nursery.start_soon(nl.run)
+        sess.streams._nursery.start_soon(nl.run)
         nl.request_finish()  # fill every slot (from the source) and seal every chunk
         with trio.fail_after(20):
             await nl.done.wait()
         assert nl.sealed == len(nl.chunks) > 1 and eng.counters.reorder_chunks == nl.sealed
         assert eng.index.get_record(eng.ns.resolve(b"train/c0/img00.jpg").ino).log_id == nl.log_id
 
-    run_engine(make_config(src, cache, policy=policy, chunk_size=16 << 10), body)
+    run_session(make_config(src, cache, policy=policy, chunk_size=16 << 10), body)
     seals = [i for i, ev in enumerate(events) if ev == "seal"]
     assert len(seals) > 1
     for i in seals:  # each reorder seal is followed by a check before anything else seals

@@ -12,7 +12,14 @@ import pytest
 import trio
 
 from dlcachefs.cache import namespace as ns_mod
-from dlcachefs.testing.fakes import CountingSource, make_config, read_all, run_engine, write_tree
+from dlcachefs.testing.fakes import (
+    CountingSource,
+    make_config,
+    read_all,
+    run_engine,
+    run_session,
+    write_tree,
+)
 
 
 class Clock:
@@ -295,10 +302,11 @@ def test_files_gone_from_the_source_are_passed_by_a_streams_position(tmp_path):
     src, cache = tmp_path / "src", tmp_path / "cache"
     write_tree(src, files)
 
-    async def body(eng):
-        d = Driver(eng, files, 1, False)
+    async def body(sess):
+        eng = sess.engine
+        d = Driver(sess, files, 1, False)
         await d.announce(0)
-        s = eng.streams.streams[("j", 0)]
+        s = sess.streams.streams[("j", 0)]
         order = [s.samples.inos[i] for i in s.order]
         parent_of = {i: eng.ns.get(i).parent for i in order}
         path_of = {i: eng.ns.path_of(eng.ns.get(i)) for i in order}
@@ -320,4 +328,4 @@ def test_files_gone_from_the_source_are_passed_by_a_streams_position(tmp_path):
             k += 1
         assert s.position == k >= 2
 
-    run_engine(make_config(src, cache, policy="lru", revalidate=0), body)
+    run_session(make_config(src, cache, policy="lru", revalidate=0), body)

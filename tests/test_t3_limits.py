@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from dlcachefs.cache.writer import Pending, _units
 from dlcachefs.store import schema as S
 from dlcachefs.store.chunkfmt import CHUNK_HEADER_SIZE
-from dlcachefs.testing.fakes import make_config, read_all, run_engine, write_tree
+from dlcachefs.testing.fakes import make_config, read_all, run_engine, run_session, write_tree
 
 PID = 9_000_000  # above the kernel's pid_max: never a real process (rank r is PID + r)
 POLICIES = sorted(registry())
@@ -70,9 +70,11 @@ async def cache_all(eng, rels) -> None:
 class Driver:
     """Ranks of one job reading their DistributedSampler epochs through the engine."""
 
-    def __init__(self, eng, files: dict[bytes, bytes], ranks: int, substitute: bool) -> None:
+    def __init__(self, sess, files: dict[bytes, bytes], ranks: int, substitute: bool) -> None:
+        eng = sess.engine
         self.eng, self.files, self.ranks, self.substitute = eng, files, ranks, substitute
-        self.cs = eng.control  # the control state run_engine's session attached
+        self.sess = sess
+        self.cs = sess.control
         self.by_ino = {eng.ns.resolve(rel).ino: rel for rel in files}
         self.epoch = [-1] * ranks
         self.pos = [0] * ranks
@@ -83,14 +85,14 @@ class Driver:
         self.cs.apply(f"job j\ndataset train\nsampler distributed seed=5 world={self.ranks} "
                       f"rank={r}\nepoch {self.epoch[r]}\n".encode(), PID + r)
         with trio.fail_after(20):  # the order is replayed in a thread: wait for it
-            while (s := self.eng.streams.streams.get(("j", r))) is None or \
+            while (s := self.sess.streams.streams.get(("j", r))) is None or \
                     s.epoch != self.epoch[r] or not s.order:
                 await trio.sleep(0.01)
 
     async def read(self, r: int, n: int) -> None:
         if self.epoch[r] < 0:
             await self.announce(r)
-        s = self.eng.streams.streams[("j", r)]
+        s = self.sess.streams.streams[("j", r)]
         for _ in range(n):
             if self.pos[r] >= len(s.order):
                 return
@@ -146,8 +148,9 @@ def test_cache_size_holds_after_every_step(policy, package, chunk_size, cache_si
                           cache_size=cache_size, reorder=reorder, substitute=substitute,
                           h_fraction=0.5)
 
-        async def body(eng):
-            d = Driver(eng, files, ranks, substitute)
+        async def body(sess):
+            eng = sess.engine
+            d = Driver(sess, files, ranks, substitute)
             assert_limit(eng, cache_size)
             for op, rank, n in steps:
                 r = rank % ranks
@@ -170,7 +173,7 @@ def test_cache_size_holds_after_every_step(policy, package, chunk_size, cache_si
             event(f"substitutions: {c.substitutions > 0}")
             event(f"cache below the chunk size: {cache_size < chunk_size}")
 
-        run_engine(cfg, body)
+        run_session(cfg, body)
 
 
 # ----- units larger than the cache -------------------------------------------------------
@@ -308,20 +311,21 @@ def test_the_first_rank_to_plan_its_next_log_leaves_the_others_their_share(tmp_p
     cfg = make_config(src, cache, policy="lru", chunk_size=4096, cache_size=40_000,
                       reorder_min=0)
 
-    async def body(eng):
-        d = Driver(eng, files, 2, False)
+    async def body(sess):
+        eng = sess.engine
+        d = Driver(sess, files, 2, False)
         await d.announce(0)
         await trio.sleep(0.5)  # (before the fix, rank 0 planned its log meanwhile)
         await d.announce(1)
         with trio.fail_after(30):
-            while any((s := eng.streams.streams.get(("j", r))) is None or s.next_log is None
+            while any((s := sess.streams.streams.get(("j", r))) is None or s.next_log is None
                       or not s.next_log.chunks for r in (0, 1)):
                 await trio.sleep(0.01)
         w = eng.writer
         share = (w.limit - 2 * w.chunk_target) // 2
         for r in (0, 1):
-            nl = eng.streams.streams[("j", r)].next_log
+            nl = sess.streams.streams[("j", r)].next_log
             planned = nl.chunks[-1].offset + nl.chunks[-1].length - nl.chunks[0].offset
             assert 0 < planned <= share, (r, planned, share)
 
-    run_engine(cfg, body)
+    run_session(cfg, body)

@@ -9,7 +9,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlcachefs.testing.fakes import CountingSource, make_config, run_engine, write_tree
+from dlcachefs.testing.fakes import CountingSource, make_config, run_session, write_tree
 
 
 def dataset(classes: int = 4, per_class: int = 40, seed: int = 0) -> dict[bytes, bytes]:
@@ -18,13 +18,13 @@ def dataset(classes: int = 4, per_class: int = 40, seed: int = 0) -> dict[bytes,
             for c in range(classes) for i in range(per_class)}
 
 
-async def with_h_list(eng, losses) -> list[int]:
+async def with_h_list(sess, losses) -> list[int]:
     """The dataset listed and an H-list from ``losses`` (by dataset index), as a stream's
     epoch start does; the inodes of the samples."""
-    sl = await eng.streams.ensure_sample_list("")
-    eng.importance.bind("", sl.inos, eng.cfg.h_fraction)
-    eng.importance.table.update("j", list(range(len(sl.inos))), losses)
-    eng.importance.table.rebuild()
+    sl = await sess.streams.ensure_sample_list("")
+    sess.importance.bind("", sl.inos, sess.cfg.h_fraction)
+    sess.importance.table.update("j", list(range(len(sl.inos))), losses)
+    sess.importance.table.rebuild()
     return sl.inos
 
 
@@ -37,17 +37,19 @@ def test_packer_reads_each_member_once_into_one_unit_within_the_l_share(tmp_path
     cfg = make_config(tmp_path / "src", tmp_path / "cache", cache_size=200_000,
                       policy="icache:package=40000", substitute=True)
 
-    async def body(eng):
-        await with_h_list(eng, losses)
-        while await eng.packer.step():  # (the packer's own task may build some too)
+    async def body(sess):
+        eng = sess.engine
+        await with_h_list(sess, losses)
+        while await sess.packer.step():  # (the packer's own task may build some too)
             pass
         await eng.flush()
 
-    _, eng = run_engine(cfg, body, source=src)
+    _, sess = run_session(cfg, body, source=src)
+    eng = sess.engine
     pol = eng.policy
-    assert pol.packages == eng.packer.stats.packages >= 1
+    assert pol.packages == sess.packer.stats.packages >= 1
     # every packed sample is L, read from the source exactly once
-    imp = eng.importance
+    imp = sess.importance
     packed = [m for u, (members, _) in pol._l.items() for m in members]
     assert packed and len(set(packed)) == len(packed)
     assert not any(imp.is_high(m) for m in packed)
@@ -68,9 +70,10 @@ def test_substitution_serves_packed_samples_of_the_same_directory(tmp_path):
                       policy="icache:package=30000", substitute=True)
     by_bytes = {v: k for k, v in files.items()}
 
-    async def body(eng):
-        await with_h_list(eng, losses)
-        while await eng.packer.step():
+    async def body(sess):
+        eng = sess.engine
+        await with_h_list(sess, losses)
+        while await sess.packer.step():
             pass
         await eng.flush()
         # a stream reads every file once (as an epoch would); misses of L-samples
@@ -78,7 +81,7 @@ def test_substitution_serves_packed_samples_of_the_same_directory(tmp_path):
         from dlcachefs.clairvoyance.streams import Stream
 
         s = Stream("j", 0)
-        eng.streams.stream_of = lambda pid: s  # every open is this stream's
+        sess.streams.stream_of = lambda pid: s  # every open is this stream's
         served = {}
         for rel in sorted(files):
             e = eng.ns.resolve(rel)
@@ -87,10 +90,11 @@ def test_substitution_serves_packed_samples_of_the_same_directory(tmp_path):
                 served[rel] = bytes(await eng.read(r.fh, 0, 1 << 20))
             finally:
                 eng.release(r.fh)
-        high = {rel for rel in files if eng.importance.is_high(eng.ns.resolve(rel).ino)}
+        high = {rel for rel in files if sess.importance.is_high(eng.ns.resolve(rel).ino)}
         return high, served
 
-    (high, served), eng = run_engine(cfg, body)
+    (high, served), sess = run_session(cfg, body)
+    eng = sess.engine
     assert 0 < len(high) < n
     subs = 0
     for rel, got in served.items():

@@ -22,6 +22,7 @@ from dlcachefs.testing.fakes import (  # noqa: E402
     make_config,
     read_all,
     run_engine,
+    run_session,
     write_tree,
 )
 from dlcachefs.testing.memcached import Memcached, cluster, memcached_available  # noqa: E402
@@ -43,7 +44,7 @@ def _read_everything(files, cfg, src, drain=True):
     async def body(eng):
         out = {rel: await read_all(eng, rel) for rel in files}
         if drain:
-            assert await eng.peers.drain()
+            assert await eng.fetcher.peers.drain()
         return out
     return run_engine(cfg, body, src)
 
@@ -62,7 +63,7 @@ def test_a_file_leaves_the_source_once_for_the_cluster(tmp_path, servers):
     got, a = _read_everything(files, _cfg(tmp_path, "a", peers), src_a)
     assert got == files
     assert a.counters.bytes_from_source == total and a.counters.bytes_from_peers == 0
-    st = a.peers.stats()
+    st = a.fetcher.peers.stats()
     assert st["leases"] == len(files) and st["store_dropped"] == 0
     assert sum(s["stored"] for s in st["servers"].values()) == len(files)
     # every server owns a share (rendezvous over 3)
@@ -75,7 +76,7 @@ def test_a_file_leaves_the_source_once_for_the_cluster(tmp_path, servers):
         assert src.calls["read_file"] == 0
         assert eng.counters.bytes_from_source == 0
         assert eng.counters.bytes_from_peers == total
-        st = eng.peers.stats()
+        st = eng.fetcher.peers.stats()
         assert sum(s["hits"] for s in st["servers"].values()) == len(files)
         assert st["leases"] == 0
 
@@ -120,7 +121,7 @@ def test_a_damaged_or_foreign_value_is_never_served(tmp_path, servers):
     assert got == files  # exact: every damaged value was refused
     assert eng.counters.bytes_from_peers == 0
     assert src.calls["read_file"] == len(files)
-    st = eng.peers.stats()
+    st = eng.fetcher.peers.stats()
     assert sum(s["rejected"] for s in st["servers"].values()) == len(files)
     # and the node that refused them stored the good value again
     got, c = _read_everything(files, _cfg(tmp_path, "c", peers), CountingSource(tmp_path / "src"))
@@ -141,11 +142,11 @@ def test_a_hung_server_costs_its_timeout_once(tmp_path, servers, caplog):
         cfg = _cfg(tmp_path, "a", peers, peer_timeout=0.5, peer_dead_time=600)
         got, eng = _read_everything(files, cfg, src)
         assert got == files
-        st = eng.peers.stats()["servers"][addr]
+        st = eng.fetcher.peers.stats()["servers"][addr]
         assert st["state"] == "down" and st["marked_down"] == 1
         assert st["hits"] == st["misses"] == st["stored"] == 0
         # its share went to the others: each file was stored by a live server
-        live = [eng.peers.stats()["servers"][m.address] for m in servers[:2]]
+        live = [eng.fetcher.peers.stats()["servers"][m.address] for m in servers[:2]]
         assert sum(s["stored"] for s in live) == len(files)
         # a second node pays the timeout once too, then never asks it again
         src_b = CountingSource(tmp_path / "src")
@@ -153,7 +154,7 @@ def test_a_hung_server_costs_its_timeout_once(tmp_path, servers, caplog):
                                               peer_dead_time=600), src_b)
         assert got == files
         # its share was stored at the others by node a: served from there
-        sb = b.peers.stats()["servers"][addr]
+        sb = b.fetcher.peers.stats()["servers"][addr]
         assert sb["marked_down"] == 1
         assert b.counters.bytes_from_peers + b.counters.bytes_from_source == sum(
             map(len, files.values()))
@@ -168,11 +169,13 @@ def test_without_peers_nothing_changes(tmp_path):
     write_tree(tmp_path / "src", files)
     cfg = make_config(tmp_path / "src", tmp_path / "a")
 
-    async def body(eng):
-        assert eng.peers is None and eng.fetcher.peers is None
-        assert eng.stats()["peers"] is None
+    async def body(sess):
+        eng = sess.engine
+        assert sess.peers is None and eng.fetcher.peers is None
+        assert sess.stats()["peers"] is None
         return {rel: await read_all(eng, rel) for rel in files}
-    got, eng = run_engine(cfg, body, CountingSource(tmp_path / "src"))
+    got, sess = run_session(cfg, body, CountingSource(tmp_path / "src"))
+    eng = sess.engine
     assert got == files
     assert eng.counters.bytes_from_peers == 0
 
@@ -208,22 +211,22 @@ def test_a_server_back_up_is_found_by_the_probe_and_owns_its_share_again(tmp_pat
         # the victim owns the first file: the first reads must meet it (a fixed victim
         # owned none of 15 random-port-hashed keys once in a few hundred runs)
         e = eng.ns.resolve(rels[0])
-        owner = eng.peers.owner(eng.peers.key_of(rels[0], identity(e)))
+        owner = eng.fetcher.peers.owner(eng.fetcher.peers.key_of(rels[0], identity(e)))
         victim = next(m for m in servers if m.address == owner)
         victim.kill9()
         first = {rel: await read_all(eng, rel) for rel in rels[:15]}
-        st = eng.peers.stats()["servers"][victim.address]
+        st = eng.fetcher.peers.stats()["servers"][victim.address]
         assert st["state"] == "down" and st["marked_down"] == 1 and st["stored"] == 0
         await trio.to_thread.run_sync(victim.restart)
         with trio.fail_after(30):
-            while eng.peers.stats()["servers"][victim.address]["state"] != "up":
+            while eng.fetcher.peers.stats()["servers"][victim.address]["state"] != "up":
                 await trio.sleep(0.05)
         rest = {rel: await read_all(eng, rel) for rel in rels[15:]}
-        assert await eng.peers.drain()
+        assert await eng.fetcher.peers.drain()
         return {**first, **rest}
     got, eng = run_engine(cfg, body, CountingSource(tmp_path / "src"))
     assert got == files
-    st = eng.peers.stats()["servers"][victim.address]
+    st = eng.fetcher.peers.stats()["servers"][victim.address]
     assert st["marked_down"] == 1 and st["marked_down_s"] > 0
     assert st["stored"] > 0  # its share of the second half went to it
 
@@ -249,17 +252,17 @@ def test_a_server_back_from_down_is_refilled_from_the_next_one(tmp_path, servers
 
     async def body(eng):
         # the node sees the server down once, then up again (the probe)
-        eng.peers._mark_down(victim.address, "test: seen down")
+        eng.fetcher.peers._mark_down(victim.address, "test: seen down")
         with trio.fail_after(30):
-            while eng.peers.stats()["servers"][victim.address]["state"] != "up":
+            while eng.fetcher.peers.stats()["servers"][victim.address]["state"] != "up":
                 await trio.sleep(0.05)
         out = {rel: await read_all(eng, rel) for rel in files}
-        assert await eng.peers.drain()
+        assert await eng.fetcher.peers.drain()
         return out
     got, b = run_engine(_cfg(tmp_path, "b", peers, **kw), body, src)
     assert got == files
     assert src.calls["read_file"] == 0 and b.counters.bytes_from_source == 0
-    st = b.peers.stats()
+    st = b.fetcher.peers.stats()
     assert st["refills"] > 0
     assert st["servers"][victim.address]["stored"] == st["refills"]  # its share, back
 
@@ -310,7 +313,7 @@ def _read_concurrently(files, cfg, src):
     async def body(eng):
         async with trio.open_nursery() as n:
             out = _start_reads(n, eng, files)
-        assert await eng.peers.drain()
+        assert await eng.fetcher.peers.drain()
         return out
     return run_engine(cfg, body, src)
 
@@ -331,7 +334,7 @@ def test_many_lookups_at_a_hung_server_pay_its_timeout_once(tmp_path):
         got, eng = _read_concurrently(files, cfg, src)
         assert got == files
         accepted = len(hung.conns)
-        st = eng.peers.stats()
+        st = eng.fetcher.peers.stats()
         assert st["servers"][hung.address]["marked_down"] == 1
         assert 1 <= accepted <= LOOKUP_THREADS, accepted
         assert st["lookup_failures"] == st["store_failures"] == 0
@@ -354,7 +357,7 @@ def test_an_unexpected_failure_of_a_call_is_a_miss_and_never_ends_the_tier(tmp_p
         raise RuntimeError("Too many objects, 16 >= 16")
 
     async def body(eng):
-        tier = eng.peers
+        tier = eng.fetcher.peers
         for c in tier.servers.clients.values():
             assert c.client_pool.max_size >= tier._threads.total_tokens
         real = {n: c.get_many for n, c in tier.servers.clients.items()}
@@ -374,7 +377,7 @@ def test_an_unexpected_failure_of_a_call_is_a_miss_and_never_ends_the_tier(tmp_p
         return out
     got, eng = run_engine(_cfg(tmp_path, "a", peers), body, CountingSource(tmp_path / "src"))
     assert got == files
-    st = eng.peers.stats()
+    st = eng.fetcher.peers.stats()
     # 6 lookups failed, then 12 stores (the 6 read after the failed lookups too)
     assert sum(s["errors"] for s in st["servers"].values()) == 6 + 12
     assert sum(s["stored"] for s in st["servers"].values()) == 1
@@ -405,11 +408,11 @@ def test_a_store_refused_as_too_large_releases_its_lease(tmp_path, caplog):
             got, a = _read_everything(files, _cfg(tmp_path, "a", [m.address]),
                                       CountingSource(tmp_path / "src"))
         assert got == files
-        st = a.peers.stats()
+        st = a.fetcher.peers.stats()
         assert st["leases"] == 2
         assert st["servers"][m.address]["stored"] == 1  # the small one
         assert st["servers"][m.address]["errors"] == 1
-        ck = a.peers.key_of(b"big.bin", _ident(tmp_path, b"big.bin"))
+        ck = a.fetcher.peers.key_of(b"big.bin", _ident(tmp_path, b"big.bin"))
         mc = _client(m.address)
         try:
             assert mc.get(ck.lease) is None, "the lease was left behind"
@@ -421,7 +424,7 @@ def test_a_store_refused_as_too_large_releases_its_lease(tmp_path, caplog):
         got, b = _read_everything(files, _cfg(tmp_path, "b", [m.address]),
                                   CountingSource(tmp_path / "src"))
         assert got == files
-        assert b.peers.stats()["lease_waits"] == 0
+        assert b.fetcher.peers.stats()["lease_waits"] == 0
 
 
 def _hold_lease(tmp_path, address: str, rel: bytes) -> None:
@@ -449,7 +452,7 @@ def test_a_lease_wait_counts_one_miss_and_tells_an_owner_gone_from_a_timeout(tmp
     got, eng = run_engine(_cfg(tmp_path, "a", [m.address], peer_lease=1),
                           lambda eng: read_all(eng, b"a.bin"), CountingSource(tmp_path / "src"))
     assert got == files[b"a.bin"]
-    st = eng.peers.stats()
+    st = eng.fetcher.peers.stats()
     assert st["servers"][m.address]["misses"] == 1
     assert st["lease_waits"] == 1 and st["lease_wait_timeouts"] == 1
     assert st["lease_wait_owner_down"] == 0
@@ -463,14 +466,14 @@ def test_a_lease_wait_counts_one_miss_and_tells_an_owner_gone_from_a_timeout(tmp
                 out.append(await read_all(eng, b"b.bin"))
             n.start_soon(reader)
             with trio.fail_after(30):
-                while eng.peers.stats()["lease_waits"] == 0:
+                while eng.fetcher.peers.stats()["lease_waits"] == 0:
                     await trio.sleep(0.01)
-            eng.peers._mark_down(m.address, "test: gone")
+            eng.fetcher.peers._mark_down(m.address, "test: gone")
         return out[0]
     got, eng = run_engine(_cfg(tmp_path, "b", [m.address], peer_lease=60, peer_dead_time=600),
                           body, CountingSource(tmp_path / "src"))
     assert got == files[b"b.bin"]
-    st = eng.peers.stats()
+    st = eng.fetcher.peers.stats()
     assert st["lease_waits"] == 1 and st["lease_wait_owner_down"] == 1
     assert st["lease_wait_timeouts"] == 0
     assert st["servers"][m.address]["misses"] == 1
@@ -558,7 +561,7 @@ def test_a_node_leases_only_what_it_can_read_at_once(tmp_path, servers):
     def leases_in_memcached(eng) -> int:
         mc = _client(m.address)
         try:
-            keys = [eng.peers.key_of(rel, _ident(tmp_path, rel)).lease for rel in files]
+            keys = [eng.fetcher.peers.key_of(rel, _ident(tmp_path, rel)).lease for rel in files]
             return len(mc.get_many(keys))
         finally:
             mc.close()
@@ -568,18 +571,18 @@ def test_a_node_leases_only_what_it_can_read_at_once(tmp_path, servers):
             out = _start_reads(n, eng, files)
             with trio.fail_after(30):
                 # every lookup asked, and the two that hold a slot leased
-                while (eng.peers.stats()["servers"][m.address]["misses"] < len(files)
-                       or eng.peers.stats()["leases"] < 2 or not src.entered.is_set()):
+                while (eng.fetcher.peers.stats()["servers"][m.address]["misses"] < len(files)
+                       or eng.fetcher.peers.stats()["leases"] < 2 or not src.entered.is_set()):
                     await trio.sleep(0.01)
             held = await trio.to_thread.run_sync(leases_in_memcached, eng)
-            leases = eng.peers.stats()["leases"]
+            leases = eng.fetcher.peers.stats()["leases"]
             src.release()
-        assert await eng.peers.drain()
+        assert await eng.fetcher.peers.drain()
         return out, held, leases
     (got, held, leases), eng = run_engine(cfg, body, src)
     assert got == files
     assert held == 2 and leases == 2
-    st = eng.peers.stats()
+    st = eng.fetcher.peers.stats()
     assert st["leases"] == len(files)  # each read in turn, each stored for the cluster
     assert st["servers"][m.address]["stored"] == len(files)
 
@@ -598,7 +601,7 @@ def test_a_call_waiting_for_a_thread_does_not_count_the_wait_against_its_server(
     rel = sorted(files)[0]
 
     async def body(eng):
-        threads = eng.peers._threads
+        threads = eng.fetcher.peers._threads
         held = [object() for _ in range(int(threads.total_tokens))]
         for b in held:
             threads.acquire_on_behalf_of_nowait(b)
@@ -608,9 +611,9 @@ def test_a_call_waiting_for_a_thread_does_not_count_the_wait_against_its_server(
                 out.append(await read_all(eng, rel))
             n.start_soon(reader)
             with trio.fail_after(30):
-                while eng.peers.stats()["lookups"] == 0:
+                while eng.fetcher.peers.stats()["lookups"] == 0:
                     await trio.sleep(0.01)
-            await trio.sleep(4 * eng.peers.timeout)  # longer than --peer-timeout: no answer
+            await trio.sleep(4 * eng.fetcher.peers.timeout)  # longer than --peer-timeout: no answer
             assert not out  # it waits for a thread
             for b in held:
                 threads.release_on_behalf_of(b)
@@ -618,7 +621,7 @@ def test_a_call_waiting_for_a_thread_does_not_count_the_wait_against_its_server(
     got, eng = run_engine(_cfg(tmp_path, "b", peers, peer_timeout=0.25), body,
                           CountingSource(tmp_path / "src"))
     assert got == files[rel]
-    st = eng.peers.stats()["servers"][peers[0]]
+    st = eng.fetcher.peers.stats()["servers"][peers[0]]
     assert st["marked_down"] == 0 and st["errors"] == 0 and st["hits"] == 1
 
 
@@ -650,19 +653,19 @@ def test_the_expiry_the_tier_computes_is_the_one_memcached_gets(tmp_path, server
 
     async def body(eng):
         rels = {eng.ns.resolve(rel).ino: rel for rel in files}
-        eng.peers.expiry_of = lambda ino: 0 if ino % 3 == 0 else 5000 + 100 * ino
+        eng.fetcher.peers.expiry_of = lambda ino: 0 if ino % 3 == 0 else 5000 + 100 * ino
         for ino, rel in rels.items():
-            want[rel] = eng.peers.expiry_of(ino)
+            want[rel] = eng.fetcher.peers.expiry_of(ino)
             assert await read_all(eng, rel) == files[rel]
-        assert await eng.peers.drain()
+        assert await eng.fetcher.peers.drain()
         # an evicted record whose owner holds it: touched with its expiry, not pushed
         ino, rel = next((i, r) for i, r in rels.items() if i % 3 == 0)
         e = eng.ns.resolve(rel)
-        eng.peers.expiry_of = lambda _ino: 7777
+        eng.fetcher.peers.expiry_of = lambda _ino: 7777
         want[rel] = 7777
-        eng.peers.keep([(ino, rel, Identity(e.size, e.mtime_ns, e.src_ino), files[rel])], 0)
-        assert await eng.peers.drain()
-        st = eng.peers.stats()
+        eng.fetcher.peers.keep([(ino, rel, Identity(e.size, e.mtime_ns, e.src_ino), files[rel])], 0)
+        assert await eng.fetcher.peers.drain()
+        st = eng.fetcher.peers.stats()
         assert (st["keep_offered"], st["keep_held"], st["keep_pushed"]) == (1, 1, 0)
 
     _, eng = run_engine(_cfg(tmp_path, "a", peers), body, CountingSource(tmp_path / "src"))
@@ -676,4 +679,4 @@ def test_the_expiry_the_tier_computes_is_the_one_memcached_gets(tmp_path, server
         else:  # memcached counts down in whole seconds: a test run is far shorter than 60
             assert want[rel] - 60 < ttl <= want[rel], (rel, ttl, want[rel])
     # the stores with an expiry, and the touch
-    assert eng.peers.stats()["expiries_set"] == sum(1 for v in want.values() if v)
+    assert eng.fetcher.peers.stats()["expiries_set"] == sum(1 for v in want.values() if v)

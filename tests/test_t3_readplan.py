@@ -12,7 +12,7 @@ import trio
 
 import dlcachefs.cache.readplan as readplan
 from dlcachefs.cache.namespace import identity
-from dlcachefs.testing.fakes import make_config, read_all, run_engine, write_tree
+from dlcachefs.testing.fakes import make_config, read_all, run_session, write_tree
 
 PID = 9_100_000  # above the kernel's pid_max: never a real process
 
@@ -52,9 +52,11 @@ async def read_whole(eng, ino: int, step: int = 1 << 20) -> bytes:
 class Reader:
     """One rank reading its announced epoch through the engine, in the epoch's order."""
 
-    def __init__(self, eng, files) -> None:
+    def __init__(self, sess, files) -> None:
+        eng = sess.engine
         self.eng, self.files = eng, files
-        self.cs = eng.control  # the control state run_engine's session attached
+        self.sess = sess
+        self.cs = sess.control
         self.by_ino = {eng.ns.resolve(rel).ino: rel for rel in files}
         self.pos = 0
 
@@ -70,7 +72,7 @@ class Reader:
                       f"epoch {epoch}\n".encode(), PID)
         self.pos = 0
         with trio.fail_after(20):  # the order is replayed in a thread: wait for it
-            while (s := self.eng.streams.streams.get(("j", 0))) is None or \
+            while (s := self.sess.streams.streams.get(("j", 0))) is None or \
                     s.epoch != epoch or not s.order:
                 await trio.sleep(0.01)
         self.stream = s
@@ -79,7 +81,7 @@ class Reader:
     async def plan(self):
         """The stream's plan, once its task has begun."""
         with trio.fail_after(20):
-            while (p := self.eng.plans.plans.get(self.stream.key)) is None:
+            while (p := self.sess.plans.plans.get(self.stream.key)) is None:
                 await trio.sleep(0.01)
         return p
 
@@ -109,8 +111,9 @@ def test_open_waiting_for_its_batch_takes_the_planned_bytes(setup, monkeypatch):
         gate.wait(30)  # the first batch stays in flight until the open waits for it
         return real(logs, runs)
 
-    async def body(eng):
-        r = Reader(eng, files)
+    async def body(sess):
+        eng = sess.engine
+        r = Reader(sess, files)
         await r.fill()
         monkeypatch.setattr(readplan, "read_runs", gated)
         await r.announce()
@@ -130,7 +133,7 @@ def test_open_waiting_for_its_batch_takes_the_planned_bytes(setup, monkeypatch):
         assert eng.counters.fill_reads == 0  # not read again as a single record
         await r.read_rest()
 
-    run_engine(cfg, body)
+    run_session(cfg, body)
 
 
 def test_finished_plan_is_closed_and_unregistered(setup):
@@ -138,19 +141,20 @@ def test_finished_plan_is_closed_and_unregistered(setup):
     plan_for kept returning a plan that serves nothing."""
     cfg, files = setup
 
-    async def body(eng):
-        r = Reader(eng, files)
+    async def body(sess):
+        eng = sess.engine
+        r = Reader(sess, files)
         await r.fill()
         s = await r.announce()
         plan = await r.plan()
         await r.read_rest()
         with trio.fail_after(20):
-            while s.key in eng.plans.plans:
+            while s.key in sess.plans.plans:
                 await trio.sleep(0.01)
-        assert plan.closed and eng.plans.plan_for(s) is None
-        assert eng.plans.held == 0 and eng.memtier.reserved == 0
+        assert plan.closed and sess.plans.plan_for(s) is None
+        assert sess.plans.held == 0 and eng.memtier.reserved == 0
 
-    run_engine(cfg, body)
+    run_session(cfg, body)
 
 
 def test_plan_of_a_stopped_reader_gives_its_memory_back(setup):
@@ -159,9 +163,10 @@ def test_plan_of_a_stopped_reader_gives_its_memory_back(setup):
     what it holds, and reads ahead again once the reader moves."""
     cfg, files = setup
 
-    async def body(eng):
-        eng.plans.idle = 0.3
-        r = Reader(eng, files)
+    async def body(sess):
+        eng = sess.engine
+        sess.plans.idle = 0.3
+        r = Reader(sess, files)
         await r.fill()
         await r.announce()
         plan = await r.plan()
@@ -172,10 +177,10 @@ def test_plan_of_a_stopped_reader_gives_its_memory_back(setup):
                 await trio.sleep(0.01)
         assert eng.memtier.reserved > 0
         with trio.fail_after(20):
-            while eng.memtier.reserved or eng.plans.held:
+            while eng.memtier.reserved or sess.plans.held:
                 await trio.sleep(0.01)
         assert plan.idle and not plan.ready and plan.held == 0
-        assert eng.plans.plan_for(r.stream) is plan  # still this epoch's plan
+        assert sess.plans.plan_for(r.stream) is plan  # still this epoch's plan
         hits = eng.counters.planned_hits
         await r.read_next()  # the reader moves again: so does the plan
         with trio.fail_after(20):
@@ -185,7 +190,7 @@ def test_plan_of_a_stopped_reader_gives_its_memory_back(setup):
         await r.read_rest()
         assert eng.counters.planned_hits > hits
 
-    run_engine(cfg, body)
+    run_session(cfg, body)
 
 
 def big_setup(tmp_path, per_class: int = 60):
@@ -222,8 +227,9 @@ def test_a_sample_opened_again_in_its_epoch_is_read_only_if_a_read_comes(setup):
         assert eng.counters.chunk_reads == chunks
         assert eng.logs.bytes_read - before <= len(data) + 4096
 
-    async def body(eng):
-        r = Reader(eng, files)
+    async def body(sess):
+        eng = sess.engine
+        r = Reader(sess, files)
         await r.fill()
         s = await r.announce()
         await r.plan()
@@ -239,11 +245,11 @@ def test_a_sample_opened_again_in_its_epoch_is_read_only_if_a_read_comes(setup):
             assert eng.logs.bytes_read == before, r.pos
         assert eng.counters.planned_hits > 0
         with trio.fail_after(20):  # the plan handed everything out and is gone
-            while s.key in eng.plans.plans:
+            while s.key in sess.plans.plans:
                 await trio.sleep(0.01)
         await second_open_read(eng, r, r.ino_at(0))
 
-    run_engine(cfg, body)
+    run_session(cfg, body)
 
 
 def test_a_plan_pauses_while_the_kernels_pages_serve_the_epoch(tmp_path):
@@ -254,8 +260,9 @@ def test_a_plan_pauses_while_the_kernels_pages_serve_the_epoch(tmp_path):
     the reader's position."""
     cfg, files = big_setup(tmp_path)
 
-    async def body(eng):
-        r = Reader(eng, files)
+    async def body(sess):
+        eng = sess.engine
+        r = Reader(sess, files)
         await r.fill()
         s = await r.announce()
         assert not s.pages_served
@@ -276,8 +283,8 @@ def test_a_plan_pauses_while_the_kernels_pages_serve_the_epoch(tmp_path):
             r.pos += 1
         await trio.sleep(0.2)
         assert eng.logs.bytes_read == read  # nothing more read ahead, nothing at open
-        assert eng.plans.held == 0 and eng.memtier.reserved == 0  # passed: dropped
-        assert eng.plans.plan_for(s) is plan
+        assert sess.plans.held == 0 and eng.memtier.reserved == 0  # passed: dropped
+        assert sess.plans.plan_for(s) is plan
         # READs come back (the kernel dropped the pages): the plan resumes, from here
         while s.pages_served:
             await r.read_next()
@@ -289,7 +296,7 @@ def test_a_plan_pauses_while_the_kernels_pages_serve_the_epoch(tmp_path):
         await r.read_rest()
         assert eng.counters.planned_hits > planned
 
-    run_engine(cfg, body)
+    run_session(cfg, body)
 
 
 def test_a_verdict_that_keeps_turning_never_has_records_read_twice(tmp_path):
@@ -301,8 +308,9 @@ def test_a_verdict_that_keeps_turning_never_has_records_read_twice(tmp_path):
     cfg, files = big_setup(tmp_path, per_class=100)
     size = sum(len(v) for v in files.values())
 
-    async def body(eng):
-        r = Reader(eng, files)
+    async def body(sess):
+        eng = sess.engine
+        r = Reader(sess, files)
         await r.fill()
         s = await r.announce()
         plan = await r.plan()
@@ -322,7 +330,7 @@ def test_a_verdict_that_keeps_turning_never_has_records_read_twice(tmp_path):
         assert eng.logs.bytes_read - before <= size / readplan.MIN_USEFUL + 4096
         assert plan.held == 0 or plan.closed
 
-    run_engine(cfg, body)
+    run_session(cfg, body)
 
 
 def test_a_plan_never_reads_what_memory_holds(setup):
@@ -330,8 +338,9 @@ def test_a_plan_never_reads_what_memory_holds(setup):
     taken from there by its open: the plan skips it rather than read its record too."""
     cfg, files = setup
 
-    async def body(eng):
-        r = Reader(eng, files)
+    async def body(sess):
+        eng = sess.engine
+        r = Reader(sess, files)
         await r.fill()
         # five files whose bytes are in memory before the epoch is announced
         held = sorted(r.by_ino)[:5]
@@ -352,7 +361,7 @@ def test_a_plan_never_reads_what_memory_holds(setup):
                 await r.read_next()
         assert not seen & set(held)
 
-    run_engine(cfg, body)
+    run_session(cfg, body)
 
 
 def test_a_next_epoch_log_does_not_keep_a_second_open_from_being_lazy(tmp_path):
@@ -362,8 +371,9 @@ def test_a_next_epoch_log_does_not_keep_a_second_open_from_being_lazy(tmp_path):
     pages serve it with nothing read from the cache disk."""
     cfg, files = make_setup(tmp_path, dataset(), reorder=True, reorder_min=0)
 
-    async def body(eng):
-        r = Reader(eng, files)
+    async def body(sess):
+        eng = sess.engine
+        r = Reader(sess, files)
         await r.fill()
         s = await r.announce()
         with trio.fail_after(20):
@@ -378,7 +388,7 @@ def test_a_next_epoch_log_does_not_keep_a_second_open_from_being_lazy(tmp_path):
             eng.release(h.fh)
             assert eng.logs.bytes_read == before, r.pos
 
-    run_engine(cfg, body)
+    run_session(cfg, body)
 
 
 def test_bytes_kept_for_the_next_open_are_never_an_older_version(tmp_path):
@@ -386,8 +396,9 @@ def test_bytes_kept_for_the_next_open_are_never_an_older_version(tmp_path):
     on the source in between: that open gets the new version, never the kept bytes."""
     cfg, files = make_setup(tmp_path, dataset(), revalidate=0)
 
-    async def body(eng):
-        r = Reader(eng, files)
+    async def body(sess):
+        eng = sess.engine
+        r = Reader(sess, files)
         await r.fill()
         await r.announce()
         await r.plan()
@@ -403,7 +414,7 @@ def test_bytes_kept_for_the_next_open_are_never_an_older_version(tmp_path):
         write_tree(tmp_path / "src", {rel: new})
         assert await read_whole(eng, ino, 1000) == new
 
-    run_engine(cfg, body)
+    run_session(cfg, body)
 
 
 def test_a_header_check_then_a_read_reads_the_record_once(setup):
@@ -413,8 +424,9 @@ def test_a_header_check_then_a_read_reads_the_record_once(setup):
     for the open that follows."""
     cfg, files = setup
 
-    async def body(eng):
-        r = Reader(eng, files)
+    async def body(sess):
+        eng = sess.engine
+        r = Reader(sess, files)
         await r.fill()
         s = await r.announce()
         await r.plan()
@@ -434,4 +446,4 @@ def test_a_header_check_then_a_read_reads_the_record_once(setup):
         size = sum(len(v) for v in files.values())
         assert eng.logs.bytes_read - read0 <= size / readplan.MIN_USEFUL + 4096
 
-    run_engine(cfg, body)
+    run_session(cfg, body)

@@ -7,7 +7,7 @@ import os
 import trio
 
 from dlcachefs.clairvoyance.reorder import NextEpochLog
-from dlcachefs.testing.fakes import make_config, read_all, run_engine, write_tree
+from dlcachefs.testing.fakes import make_config, read_all, run_session, write_tree
 
 
 def two_samples(tmp_path) -> tuple[dict, object]:
@@ -18,16 +18,16 @@ def two_samples(tmp_path) -> tuple[dict, object]:
     return files, make_config(src, cache, policy="lru", chunk_size=64 << 10)
 
 
-async def planned(eng, files: dict) -> tuple[NextEpochLog, list[int]]:
+async def planned(sess, files: dict) -> tuple[NextEpochLog, list[int]]:
     """Epoch 1's log of the samples, in their order: one chunk, one slot each."""
-    inos = [eng.ns.resolve(r).ino for r in files]
-    nl = NextEpochLog(eng, "default/0", 1)
+    inos = [sess.engine.ns.resolve(r).ino for r in files]
+    nl = NextEpochLog(sess.streams.engine, "default/0", 1)
     await nl.plan(inos)
     assert len(nl.chunks) == 1 and len(nl.chunks[0].slots) == 2
     return nl, inos
 
 
-def start_backfill(eng, nl: NextEpochLog, inos: list[int]) -> trio.Event:
+def start_backfill(sess, nl: NextEpochLog, inos: list[int]) -> trio.Event:
     """Run the log's backfill of ``inos`` in the background; the event is set when it
     returned (what it claims is claimed by then)."""
     finished = trio.Event()
@@ -36,7 +36,7 @@ def start_backfill(eng, nl: NextEpochLog, inos: list[int]) -> trio.Event:
         await nl.backfill(inos)
         finished.set()
 
-    eng.streams._nursery.start_soon(backfill)
+    sess.streams._nursery.start_soon(backfill)
     return finished
 
 
@@ -47,10 +47,11 @@ def scenario(tmp_path, vanish_t: bool):
     files, cfg = two_samples(tmp_path)
     out = {}
 
-    async def body(eng):
-        nl, inos = await planned(eng, files)
+    async def body(sess):
+        eng = sess.engine
+        nl, inos = await planned(sess, files)
         S, T = inos
-        real = eng.prefetcher.bytes_for
+        real = sess.prefetcher.bytes_for
         gate_b, gate_f = trio.Event(), trio.Event()
         inside = {"b": trio.Event(), "f": trio.Event()}
         calls = []
@@ -67,9 +68,9 @@ def scenario(tmp_path, vanish_t: bool):
                 return None  # T gone / no room: never claimed
             return await real(ino, ident)
 
-        eng.prefetcher.bytes_for = bytes_for
-        backfilled = start_backfill(eng, nl, [S])
-        eng.streams._nursery.start_soon(nl.run)
+        sess.prefetcher.bytes_for = bytes_for
+        backfilled = start_backfill(sess, nl, [S])
+        sess.streams._nursery.start_soon(nl.run)
         await inside["b"].wait()        # backfill is fetching S
         nl.request_finish()             # the epoch switch
         await inside["f"].wait()        # the fill is fetching S too
@@ -85,7 +86,7 @@ def scenario(tmp_path, vanish_t: bool):
             out["T_read"] = await read_all(eng, b"train/c0/img01.jpg")
             out["T_src"] = files[b"train/c0/img01.jpg"]
 
-    run_engine(cfg, body, check_invariants=False)
+    run_session(cfg, body, check_invariants=False)
     return out
 
 
@@ -106,9 +107,10 @@ def test_a_backfill_ending_after_its_log_reserves_nothing(tmp_path):
     files, cfg = two_samples(tmp_path)
     out = {}
 
-    async def body(eng):
-        nl, inos = await planned(eng, files)
-        real = eng.prefetcher.bytes_for
+    async def body(sess):
+        eng = sess.engine
+        nl, inos = await planned(sess, files)
+        real = sess.prefetcher.bytes_for
         gate, inside = trio.Event(), trio.Event()
 
         async def bytes_for(ino, ident):
@@ -116,10 +118,10 @@ def test_a_backfill_ending_after_its_log_reserves_nothing(tmp_path):
             await gate.wait()
             return await real(ino, ident)
 
-        eng.prefetcher.bytes_for = bytes_for
+        sess.prefetcher.bytes_for = bytes_for
         before = eng.writer.reserved
-        backfilled = start_backfill(eng, nl, [inos[0]])
-        eng.streams._nursery.start_soon(nl.run)
+        backfilled = start_backfill(sess, nl, [inos[0]])
+        sess.streams._nursery.start_soon(nl.run)
         await inside.wait()
         nl.abandon()                 # a newer epoch began: the log is given up
         await nl.done.wait()         # run()'s cleanup has run
@@ -128,7 +130,7 @@ def test_a_backfill_ending_after_its_log_reserves_nothing(tmp_path):
         out["leaked"] = eng.writer.reserved - before
         out["held"] = nl.chunks[0].held
 
-    run_engine(cfg, body, check_invariants=False)
+    run_session(cfg, body, check_invariants=False)
     assert out["leaked"] == 0, out
 
 
@@ -138,8 +140,8 @@ def test_a_sample_repeated_in_the_order_is_read_once_from_its_log(tmp_path):
     would be released with slots still unread."""
     files, cfg = two_samples(tmp_path)
 
-    async def body(eng):
-        nl, inos = await planned(eng, files)
+    async def body(sess):
+        nl, inos = await planned(sess, files)
         nl.chunks[0].sealed = True  # (as if sealed: used() names a chunk to release)
         nl.start_reading()
         assert nl.used(inos[0]) is None
@@ -148,4 +150,4 @@ def test_a_sample_repeated_in_the_order_is_read_once_from_its_log(tmp_path):
         nl.chunks[0].sealed = False
         nl.abandon()
 
-    run_engine(cfg, body, check_invariants=False)
+    run_session(cfg, body, check_invariants=False)

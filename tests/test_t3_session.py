@@ -118,10 +118,10 @@ async def poll(check, what: str):
     return out
 
 
-async def announced(eng, epoch: int):
+async def announced(sess, epoch: int):
     """The stream of the test's job once epoch ``epoch``'s order is known."""
     def ready():
-        s = eng.streams.streams.get(("default", 0))
+        s = sess.streams.streams.get(("default", 0))
         return s if s is not None and s.epoch == epoch and s.order else None
 
     return await poll(ready, f"epoch {epoch} announced")
@@ -162,9 +162,9 @@ def test_announced_epochs_through_the_session(client, tmp_path, policy):
         # the wiring: cfg.policy's registered class decides from the engine's views, and
         # the control state is the engine's
         assert type(sess.policy) is policies()[policy]
-        assert sess.policy is eng.policy and eng.control is sess.control
-        assert sess.policy.ctx.future is eng.future
-        assert sess.policy.ctx.importance is eng.importance
+        assert sess.policy is eng.policy and sess.losses.errors is sess.control.errors
+        assert sess.policy.ctx.future is sess.future
+        assert sess.policy.ctx.importance is sess.importance
         ds = c.image_folder()
         by_index = {i: os.fsencode(os.path.relpath(p, c.root)) for i, (p, _) in
                     enumerate(ds.samples)}
@@ -175,7 +175,7 @@ def test_announced_epochs_through_the_session(client, tmp_path, policy):
             sampler.set_epoch(epoch)
             order = list(sampler)  # the hook announces the epoch as it starts
             assert c.refused == []
-            s = await announced(eng, epoch)
+            s = await announced(sess, epoch)
             assert s.mode == "replayed", s.reason
             assert s.order == order  # the replayed order is the sampler's
             if planned_next is not None:
@@ -184,7 +184,7 @@ def test_announced_epochs_through_the_session(client, tmp_path, policy):
             planned_next = list(s.next_first_order)
             assert len(planned_next) == n
             inos = {i: eng.ns.resolve(by_index[i]).ino for i in order}
-            before = eng.stats()
+            before = sess.stats()
             if epoch == 0:
                 # prefetch: every sample of the epoch fetched ahead of the reader
                 await poll(lambda s=s: all(s.ready), "epoch 0 prefetched")
@@ -194,7 +194,7 @@ def test_announced_epochs_through_the_session(client, tmp_path, policy):
                 assert s.current_log is not None and s.current_log.epoch == epoch
             for i in order:
                 assert await read_file(eng, inos[i]) == files[by_index[i]], by_index[i]
-            after = eng.stats()
+            after = sess.stats()
             assert max(source.reads.values()) == 1  # no file ever fetched twice
             if epoch > 0:  # the cache serves the epoch, from the log laid out for it
                 assert after["bytes_from_source"] == before["bytes_from_source"]
@@ -212,7 +212,7 @@ def test_announced_epochs_through_the_session(client, tmp_path, policy):
             reporter.flush()
             assert reporter.sent_pairs == n * (epoch + 1) and reporter.dropped_pairs == 0
             assert c.refused == []
-            table = eng.importance.table
+            table = sess.importance.table
             assert table is not None and table.jobs["default"].reported == n * (epoch + 1)
             assert list(table.jobs["default"].iv) == pytest.approx(
                 [dict(zip(order, values, strict=True))[i] for i in range(n)], rel=1e-8)
@@ -248,12 +248,12 @@ def test_an_epoch_announced_again_is_a_repeat_only_once_it_was_read_through(clie
                     enumerate(ds.samples)}
         sampler = torch_data.DistributedSampler(ds, num_replicas=1, rank=0, seed=SEED)
         order = list(sampler)
-        s = await announced(eng, 0)
+        s = await announced(sess, 0)
         first = await poll(lambda: s.next_log, "the next epoch's log")
         assert list(sampler) == order  # again, nothing read: a restart
         await poll(lambda: s.next_log is not None and s.next_log is not first,
                    "the restart's next log")
-        s2 = eng.streams.streams[("default", 0)]
+        s2 = sess.streams.streams[("default", 0)]
         assert s2 is s and not s.repeats and "repeats" not in s.reason
         for i in order:
             assert await read_file(eng, eng.ns.resolve(by_index[i]).ino) == files[by_index[i]]
@@ -282,16 +282,16 @@ def test_a_forgotten_job_ends_its_streams_and_gives_up_their_logs(client, tmp_pa
         sampler = torch_data.DistributedSampler(ds, num_replicas=1, rank=0, seed=SEED)
         sampler.set_epoch(0)
         order = list(sampler)
-        s = await announced(eng, 0)
+        s = await announced(sess, 0)
         nl = await poll(lambda: s.next_log, "the next epoch's log")
-        eng.control.on_job_dropped("default")  # as ControlState._forget_idle_jobs calls it
-        assert ("default", 0) not in eng.streams.streams
+        sess.control.on_job_dropped("default")  # as ControlState._forget_idle_jobs calls it
+        assert ("default", 0) not in sess.streams.streams
         assert nl.failed and not any(ch.chunk_id in eng.writer.protected for ch in nl.chunks)
         await eng.flush()
         assert eng.check_invariants() == []
         sampler.set_epoch(1)
         assert list(sampler) != order
-        s2 = await announced(eng, 1)
+        s2 = await announced(sess, 1)
         assert s2 is not s and s2.mode == "replayed", s2.reason
 
     with build(cfg, CountingSource(src)) as sess:
@@ -320,12 +320,12 @@ def test_cache_smaller_than_the_dataset(client, tmp_path, policy):
         for epoch in range(3):
             sampler.set_epoch(epoch)
             order = list(sampler)
-            s = await announced(eng, epoch)
+            s = await announced(sess, epoch)
             assert s.mode == "replayed" and s.order == order
             log = s.current_log if epoch and s.memory_prefetch else None
             if log is not None:
                 await poll(lambda log=log: log.done.is_set(), "this epoch's log finished")
-            before = eng.stats()
+            before = sess.stats()
             for k, i in enumerate(order):
                 ino = eng.ns.resolve(rels[i]).ino
                 assert await read_file(eng, ino) == files[rels[i]], rels[i]
@@ -339,7 +339,7 @@ def test_cache_smaller_than_the_dataset(client, tmp_path, policy):
                     assert all(eng.index.get_chunk(c) is not None for c in ahead)
                     assert set(ahead) <= eng.writer.protected
             await eng.flush()
-            after = eng.stats()
+            after = sess.stats()
             hits.append(after["hits"] - before["hits"])
             if log is not None:
                 # its chunks were released once read, and counted
@@ -360,20 +360,20 @@ def test_cache_smaller_than_the_dataset(client, tmp_path, policy):
         if s.memory_prefetch:
             assert cur is not None and cur.release_after_use
             ids = {c.chunk_id for c in cur.chunks}
-            eng.streams.unprotect_idle(time.monotonic() + IDLE_S / 2)
+            sess.streams.unprotect_idle(time.monotonic() + IDLE_S / 2)
             assert cur.release_after_use  # not idle yet
-            eng.streams.unprotect_idle(time.monotonic() + IDLE_S + 1)
+            sess.streams.unprotect_idle(time.monotonic() + IDLE_S + 1)
             assert not cur.release_after_use and not ids & eng.writer.protected
             # the same when a zero-copy reader appears (its hits are never seen)
             from dlcachefs.store.tally import TallyWriter
 
             cur.release_after_use = True
             eng.writer.protected.update(ids)
-            eng.streams.unprotect_idle(time.monotonic())
+            sess.streams.unprotect_idle(time.monotonic())
             assert cur.release_after_use  # no reader
-            reader = TallyWriter(eng.zerocopy.dir)  # this process, counting: alive
+            reader = TallyWriter(sess.zerocopy.dir)  # this process, counting: alive
             try:
-                eng.streams.unprotect_idle(time.monotonic())
+                sess.streams.unprotect_idle(time.monotonic())
             finally:
                 reader.close()
             assert not cur.release_after_use and not ids & eng.writer.protected
@@ -415,10 +415,10 @@ def test_opens_before_the_epoch_switch_count_against_its_log(client, tmp_path):
                 for i in order[:3]:
                     ino = eng.ns.resolve(rels[i]).ino
                     assert await read_file(eng, ino) == files[rels[i]]
-                s = eng.streams.streams[("default", 0)]
+                s = sess.streams.streams[("default", 0)]
                 out["early"] = len(s.early)
                 k0 = 3
-            s = await announced(eng, epoch)
+            s = await announced(sess, epoch)
             if epoch == 1:
                 log = s.current_log
                 out["mp"] = s.memory_prefetch

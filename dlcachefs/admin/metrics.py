@@ -1,7 +1,7 @@
 """``--metrics-port``: the mount's statistics as Prometheus metrics over HTTP.
 
 One source of truth: a scrape reads the same document as ``.dlcache/stats``
-(:func:`dlcachefs.cache.stats.stats_document`) and converts it; nothing is counted twice.
+(:meth:`dlcachefs.session.Session.stats`) and converts it; nothing is counted twice.
 :func:`families` is that conversion (a pure function of the document, tested on its
 own); :class:`StatsCollector` is the prometheus-client ``Collector`` calling it.
 

@@ -1,5 +1,8 @@
-"""The cache engine: what an open and a read of a mirrored file do, and the wiring of
-the parts that do the work. No FUSE in here.
+"""The read path: what an open, a read and a release of a mirrored file do. No FUSE in
+here, and no part that works in the background: those are built by the composition root
+(:mod:`dlcachefs.session`) and reached through the small Protocols of
+:mod:`dlcachefs.cache.readers` (the readers' streams, and the events the read path tells
+them).
 
 Read path of one file (``open`` does the work, ``read`` only slices):
 
@@ -12,29 +15,22 @@ Read path of one file (``open`` does the work, ``read`` only slices):
 4. a record that is stale or fails its checksum is dropped and counted, never served;
 5. bytes fetched but not sealed yet (the writer's pending records, the backlog);
 6. otherwise the file is fetched whole (:mod:`dlcachefs.cache.fetch`): from the peer
-   tier when ``--peers`` names one (:mod:`dlcachefs.peers.tier`), else from the source,
-   served, and handed to the chunk writer (:mod:`dlcachefs.cache.writer`).
+   tier when ``--peers`` names one, else from the source, served, and handed to the chunk
+   writer (:mod:`dlcachefs.cache.writer`).
 
 Under ``--substitute`` a missed L-sample may be served with another sample first
-(:mod:`dlcachefs.cache.substitute`). Work ahead of readers is in
-:mod:`dlcachefs.cache.prefetch` (known orders), :mod:`dlcachefs.cache.scanahead` (unknown
-orders) and :mod:`dlcachefs.clairvoyance.reorder` (the next epoch's log); start-up in
-:mod:`dlcachefs.cache.recovery`; losses in :mod:`dlcachefs.importance.losses`; the stats
-document in :mod:`dlcachefs.cache.stats`.
-
-The background parts (streams, the reorderer, scan-ahead, the packer, read plans) are
-given this engine and use only the members their module declares in a Protocol
-(``StreamEngine``, ``ReorderEngine``, ``ScanEngine``, ``PackerEngine``, ``PlanEngine``):
-all of them public attributes listed in :meth:`Engine.__init__`.
+(:mod:`dlcachefs.cache.substitute`). Each open is told to the observers
+(:class:`~dlcachefs.cache.readers.OpenObserver`: the streams, the read planner,
+scan-ahead, the trace) before its bytes are looked for, and how it was served after.
 
 Concurrency rules: all engine state lives on the trio loop and is touched only there.
 Source calls run in worker threads under the source limiter (``--source-threads``,
 :class:`~dlcachefs.cache.fetch.SourceCalls`); log reads and checksums of whole chunks in
-worker threads under ``disk_limiter`` (a read plan's batch: one hop). The chunk writer's
+worker threads under the disk limiter (a read plan's batch: one hop). The chunk writer's
 commits run in its own thread of one (see :mod:`dlcachefs.cache.writer`). LMDB read
 transactions run on the loop (microseconds); LMDB write transactions only in threads.
-Every background task belongs to a nursery of :meth:`Engine.run` (each part owns its
-own, started there).
+The engine's own background tasks (the writer, the fetcher's hand-overs, the policy's
+steps, LMDB reader slots, idle descriptors) run in :meth:`Engine.run`'s nursery.
 """
 
 from __future__ import annotations
@@ -42,26 +38,19 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
 
-from dlcachefs.cache.buffers import LATER_CHUNKS, Backlog, ReadAhead
-from dlcachefs.cache.dedup import ContentStore
+from dlcachefs.cache.buffers import Backlog, ReadAhead
 from dlcachefs.cache.fetch import Fetcher, SourceCalls
 from dlcachefs.cache.invariants import check_cache
-from dlcachefs.cache.memlimit import cgroup_limit, current_rss, fit
 from dlcachefs.cache.memtier import MemoryTier
 from dlcachefs.cache.namespace import Namespace, identity, is_file
-from dlcachefs.cache.ownerfetch import OwnerPrefetch
-from dlcachefs.cache.policy import CachePolicy, PolicyContext
-from dlcachefs.cache.prefetch import Prefetcher
+from dlcachefs.cache.policy import CachePolicy
 from dlcachefs.cache.reader import LogReader
+from dlcachefs.cache.readers import OpenEvent, OpenObserver, Readers, ReaderStream, Served
 from dlcachefs.cache.readplan import ReadPlanner
-from dlcachefs.cache.recovery import check_source, recover
-from dlcachefs.cache.scanahead import ScanAhead
-from dlcachefs.cache.shares import ShareKeeper
 from dlcachefs.cache.source import (
     DirDescriptors,
     Identity,
@@ -70,23 +59,16 @@ from dlcachefs.cache.source import (
     open_for_range_reads,
     pread_checked,
 )
-from dlcachefs.cache.stats import Counters, stats_document
+from dlcachefs.cache.stats import Counters
 from dlcachefs.cache.substitute import Substitution
 from dlcachefs.cache.versions import Versions
-from dlcachefs.cache.views import IndexCacheView, StreamFuture
+from dlcachefs.cache.views import PolicyClock
 from dlcachefs.cache.writer import ChunkWriter
-from dlcachefs.clairvoyance.control import ControlState
-from dlcachefs.clairvoyance.streams import Stream, StreamManager
-from dlcachefs.clairvoyance.trace import TraceRecorder
 from dlcachefs.config import Config
 from dlcachefs.errors import InvalidArgument, SourceChanged
-from dlcachefs.importance.losses import Losses
-from dlcachefs.importance.packer import Packer
-from dlcachefs.importance.view import InodeImportance
 from dlcachefs.store.index import Index
 from dlcachefs.store.logs import LogStore
 from dlcachefs.store.schema import Entry, Record
-from dlcachefs.store.tally import TALLY_DIR, TallyReader
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +98,7 @@ class Handle:
     rec: Record | None = None  # the cached version's record, for a lazy handle
     whole: bool = True  # a lazy handle's load may read the record's whole chunk
     filling: trio.Event | None = None  # set when its fill ended (concurrent READs: one)
-    stream: Stream | None = None  # a cached file's stream: its READs are counted there
+    stream: ReaderStream | None = None  # a cached file's stream: its READs are counted there
     page_count: int = 0  # ... in this epoch's count of it (Stream.page_count)
     cache_refetch: bool = True  # a lazy handle's refetch may be cached (not memory-only)
     seen: int = 0  # Namespace.changes when it opened (a paged handle's version check)
@@ -157,161 +139,60 @@ class OpenResult:
 
 
 class Engine:
-    """Opens, reads and releases mirrored files; owns and wires the cache's parts."""
+    """Opens, reads and releases mirrored files over the parts of the read path, which
+    the composition root (:func:`dlcachefs.session.build`) makes and hands it."""
 
-    def __init__(self, cfg: Config, source: Source | None = None, *,
-                 policy: Callable[[PolicyContext], CachePolicy]) -> None:
-        """``policy`` makes the caching policy from the engine's views (a policy class, or
-        :func:`dlcachefs.session.policy_factory` of ``cfg.policy``); the engine never looks
-        policies up by name (the composition root, :mod:`dlcachefs.session`, does)."""
+    def __init__(self, cfg: Config, *, source: Source, index: Index, logs: LogStore,
+                 counters: Counters, calls: SourceCalls, ns: Namespace, policy: CachePolicy,
+                 clock: PolicyClock, memtier: MemoryTier, writer: ChunkWriter,
+                 backlog: Backlog, readahead: ReadAhead, versions: Versions,
+                 reader: LogReader, fetcher: Fetcher, substitution: Substitution,
+                 plans: ReadPlanner, readers: Readers, observers: OpenObserver) -> None:
+        """``policy`` is the caching policy the writer and the reader consult too;
+        ``clock`` the policy's clock (one tick per open); ``plans`` the read plans of
+        known orders (their bytes are taken at open); ``readers`` answers which stream an
+        open belongs to; ``observers`` hear every open (see the module docstring)."""
         self.cfg = cfg
-        self.source = source if source is not None else LocalSource(cfg.source)
-        os.makedirs(cfg.data_dir, exist_ok=True)
-        self.index = Index(cfg.index_dir)
-        self.logs = LogStore(cfg.logs_dir, cfg.log_size)
-        self.counters = Counters()
-        # container-aware: --memory, read-ahead and the backlog fit the memory cgroup's limit
-        self.memory = fit(cfg.memory, cfg.chunk_size, LATER_CHUNKS * cfg.chunk_size,
-                          cgroup_limit(), current_rss())
-        if self.memory.reason:
-            log.warning("%s", self.memory.reason)
-        # every call on the source goes through this one wrapper (limiter, timeout, retries)
-        self.calls = SourceCalls(self.source, cfg, self.counters)
-        self.disk_limiter = trio.CapacityLimiter(4)
-        self.ns = Namespace(self.index, self.calls, revalidate=cfg.revalidate,
-                            use_src_ino=cfg.use_source_inode)
-        self.streams = StreamManager(self)
-        self.ns.on_removed = self.streams.note_gone
-        if not self.memory.replay_worker:
-            log.warning("%s", self.memory.replay_reason)
-            self.streams.replay.disable(self.memory.replay_reason)
-        # what the policy sees: chunks from the index, the streams' future, the losses
-        self.future = StreamFuture(self.streams)
-        self.importance = InodeImportance()
-        # the policy sees the writer's limit (a shared root's share moves at run time)
-        self.policy = policy(PolicyContext(
-            IndexCacheView(self.index, self._cache_limit), self.future, self.importance))
-        self.memtier = MemoryTier(self.memory.memory)
-        # --shared-cache: units cut for the smallest share a dataset may get (a 32nd of
-        # the budget when the floor is smaller: units of a few KiB would cost more)
-        basis = (max(int(cfg.cache_size * cfg.share_floor), cfg.cache_size // 32, 4096)
-                 if cfg.shared_cache else None)
-        self.writer = ChunkWriter(cfg, self.index, self.logs, self.policy, self.memtier,
-                                  self.counters, unit_basis=basis)
-        if cfg.debug_invariants:
-            self.writer.after_commit = self._after_commit
-        # iCACHE's dynamic packaging fills the L-cache when substitution is on (and the
-        # policy plans packages at all)
-        plans = type(self.policy).plan_package is not CachePolicy.plan_package
-        self.packer = Packer(self) if cfg.substitute and plans else None
-        self.trace = TraceRecorder(cfg.trace) if cfg.trace else None
-        # zero-copy readers' counts (dlcachefs.data): their files' counts at start are the base
-        self.zerocopy = TallyReader(os.path.join(cfg.data_dir, TALLY_DIR))
-        # fetched bytes held in memory: waiting for the writer's room; read ahead of opens
-        self.backlog = Backlog(self.memory.backlog)
-        self.readahead = ReadAhead(self.memory.readahead)
-        self.versions = Versions(self.index, self.writer, self.backlog)
-        self.reader = LogReader(self.index, self.logs, self.memtier, self.writer, self.policy,
-                                self.counters, self.disk_limiter, self.readahead)
-        # the cluster's shared tier (--peers): pymemcache is imported only then
-        self.peers = None
-        if cfg.peers is not None:
-            from dlcachefs.peers.tier import PeerTier  # noqa: PLC0415 - optional dependency
-            self.peers = PeerTier(cfg, self.source.root)
-            if cfg.peer_keep:  # keep the last copy in the cluster (Lobster 4.4)
-                self.writer.keeper = self.peers
-            self.peers.expiry_of = self.peer_expiry
-        self.fetcher = Fetcher(cfg, self.calls, self.ns, self.writer, self.policy,
-                               self.versions, self.backlog, self.counters, self.peers)
-        # --peer-self: this node fetches ahead the files it owns in the cluster's order
-        self.owner_prefetch = (OwnerPrefetch(self) if self.peers is not None
-                               and cfg.peer_self is not None else None)
-        # planned reads of known orders (issue 9): half of --memory, taken from the tier
-        self.plans = ReadPlanner(self, min(self.memory.memory // 2, self.streams.lead_bytes),
-                                 lead=self.streams.lead,
-                                 max_batch=max(4 << 20, 2 * cfg.chunk_size))
-        self.prefetcher = Prefetcher(
-            cfg, ns=self.ns, versions=self.versions, fetcher=self.fetcher,
-            reader=self.reader, writer=self.writer, policy=self.policy, backlog=self.backlog,
-            readahead=self.readahead, plans=self.plans, counters=self.counters)
-        self.substitution = Substitution(
-            cfg, index=self.index, ns=self.ns, versions=self.versions, fetcher=self.fetcher,
-            reader=self.reader, readahead=self.readahead, policy=self.policy,
-            packer=self.packer, counters=self.counters)
-        self.losses = Losses(self.importance, self.streams, self.counters, cfg.h_fraction,
-                             self.trace)
-        self.scan = ScanAhead(self)
-        # --shared-cache: this dataset's share of the root's budget (dlcachefs.cache.shares)
-        self.shares = (ShareKeeper(cfg, self.index, self.writer, self.counters, self.calls)
-                       if cfg.shared_cache else None)
-        # --shared-cache dedup: identical bytes held once in the root (dlcachefs.cache.dedup)
-        self.dedup = (ContentStore(cfg, self.index, self.calls)
-                      if cfg.shared_cache and cfg.dedup else None)
-        if self.dedup is not None:
-            self.writer.content_keys = True
-            self.fetcher.dedup = self.dedup
+        self.source = source
+        self.index = index
+        self.logs = logs
+        self.counters = counters
+        self.calls = calls  # every call on the source (limiter, timeout, retries)
+        self.ns = ns
+        self.policy = policy
+        self.clock = clock
+        self.memtier = memtier
+        self.writer = writer
+        self.backlog = backlog  # fetched bytes waiting for the writer's room
+        self.readahead = readahead  # fetched or loaded bytes waiting for their opens
+        self.versions = versions
+        self.reader = reader
+        self.fetcher = fetcher
+        self.substitution = substitution
+        self.plans = plans
+        self.readers = readers
+        self.observers = observers
         self.handles: dict[int, Handle] = {}
         self._opened = InoBits()  # files opened in this mount (Handle.first_open)
         self._next_fh = 1
-        self.started = time.time()
 
     # ----- life cycle ----------------------------------------------------------------
-
-    def start(self, progress: Callable[[int, int, float], None] | None = None) -> dict:
-        """Blocking start-up before the filesystem is served: crash recovery, then the
-        namespace scan when there is no snapshot yet or ``--rescan`` was given
-        (:mod:`dlcachefs.cache.recovery`). With ``--shared-cache``, this dataset's entry
-        in the root's ledger first: its limit is the one recovery shrinks to."""
-        # first (before a shared root's ledger hears of this mount): a cache of another
-        # source is refused
-        check_source(self.cfg, self.index, self.source.root)
-        if self.shares is not None:
-            self.writer.limit = self.shares.join()
-        if self.dedup is not None:
-            self.dedup.load_manifest()
-        return recover(self.cfg, self.index, self.logs, self.ns, self.writer, self.policy,
-                       progress)
 
     def check_invariants(self) -> list[str]:
         """Violated invariants of the cache, as readable lines (empty when all hold); see
         :mod:`dlcachefs.cache.invariants`. Trio loop."""
         return check_cache(self.writer, self.index, self.logs, self.writer.limit)
 
-    def _cache_limit(self) -> int:
-        """The limit of the cache account now: ``--cache-size``, or this dataset's share."""
-        w = getattr(self, "writer", None)  # a policy may ask while the engine is built
-        return self.cfg.cache_size if w is None else w.limit
-
-    def _after_commit(self) -> None:
-        """--debug-invariants: check after every commit; a violation is an ERROR."""
-        problems = self.check_invariants()
-        if problems:
-            self.counters.invariant_violations += len(problems)
-            for p in problems[:10]:
-                log.error("invariant violated: %s", p)
-
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Background tasks (the chunk writer, the parts' own nurseries, the policy's
-        steps), until cancelled or :meth:`close`."""
+        """The read path's background tasks (the chunk writer, the fetcher's hand-overs,
+        the policy's steps, the upkeep of LMDB reader slots and idle descriptors), until
+        cancelled."""
         async with trio.open_nursery() as nursery:
             await nursery.start(self.writer.run)
             await nursery.start(self.fetcher.run)
-            if self.peers is not None:
-                await nursery.start(self.peers.run)
-            await nursery.start(self.losses.run)
-            await nursery.start(self.streams.run)
-            await nursery.start(self.scan.run)
             nursery.start_soon(self._maintain_policy)
             nursery.start_soon(self._reap_readers)
             nursery.start_soon(self._let_idle_things_go)
-            if self.shares is not None:
-                await nursery.start(self.shares.run)
-            if self.dedup is not None:
-                await nursery.start(self.dedup.run)
-            if self.owner_prefetch is not None:
-                await nursery.start(self.owner_prefetch.run)
-            if self.packer is not None:
-                await nursery.start(self.packer.run)
             task_status.started()
 
     async def _maintain_policy(self) -> None:
@@ -344,15 +225,13 @@ class Engine:
     async def _let_idle_things_go(self) -> None:
         """Close the source directory descriptors kept for fetches once they expire, so
         that an idle daemon holds none (``LocalSource.drop_idle``: O_PATH closes under a
-        lock held for microseconds, cheap enough for the loop), let go of scan-ahead's
-        spares held too long (``ReadAhead.drop_old_spares``) and of the protection of idle
-        streams' logs (``StreamManager.unprotect_idle``)."""
+        lock held for microseconds, cheap enough for the loop), and let go of
+        scan-ahead's spares held too long (``ReadAhead.drop_old_spares``)."""
         while True:
             await trio.sleep(DirDescriptors.TTL_S)
             if isinstance(self.source, LocalSource):
                 self.source.drop_idle()
             self.readahead.drop_old_spares()
-            self.streams.unprotect_idle(time.monotonic())
 
     async def flush(self) -> None:
         """Seal everything fetched so far, the files still waiting for the writer's room
@@ -361,16 +240,10 @@ class Engine:
         await self.writer.flush()
 
     async def close(self) -> None:
-        """Stop prefetching, seal and commit what is pending, and stop background work."""
-        self.streams.close()
-        self.scan.close()
+        """Seal and commit what is pending (for up to 10 s), and stop the writer."""
         with trio.move_on_after(10):  # what readers were served is worth keeping
             await self.flush()
         await self.writer.close()
-        if self.peers is not None:
-            await self.peers.close()  # the stores still queued, bounded
-        if self.trace is not None:
-            await trio.to_thread.run_sync(self.trace.save, self.ns.size_of)
 
     def close_files(self) -> None:
         """Release descriptors and the index (after :meth:`close`, off the loop is fine)."""
@@ -378,71 +251,25 @@ class Engine:
             if h.fd >= 0:
                 os.close(h.fd)
         self.handles.clear()
-        if self.shares is not None:  # after the last commit: the exact bytes left
-            self.shares.leave()
         self.logs.close()
         self.index.close()
-
-    @property
-    def control(self) -> ControlState | None:
-        """The mount's control state (:class:`~dlcachefs.clairvoyance.control.ControlState`),
-        once the session attached it to :attr:`losses` (None before)."""
-        return self.losses.control
-
-    def peer_expiry(self, ino: int) -> int:
-        """The memcached expiry (s, 0: never) of ``ino``'s value in the peer tier: its last
-        planned use over the streams that know their order (a distributed sampler's over
-        every rank), plus a margin (:mod:`dlcachefs.peers.expiry`). Trio loop;
-        O(streams)."""
-        from dlcachefs.peers.expiry import expiry_s, planned_use  # noqa: PLC0415 - --peers only
-        uses = []
-        for s in self.streams.streams.values():
-            if not s.order or s.samples is None:
-                continue
-            if s.cluster is not None:  # every rank's use: the cluster's last one
-                cur, nxt = s.cluster.steps(ino)
-                if cur is not None and cur < s.position:
-                    cur = None  # read by the cluster already in this epoch
-            else:
-                cur = s.positions.next(ino)
-                nxt = s.next_first.next(ino) if s.next_first is not None else None
-            u = planned_use(s.position, cur, len(s.order), nxt, s.pace.seconds_per_sample())
-            if u is not None:
-                uses.append(u)
-        return expiry_s(uses)
-
-    def stats(self) -> dict:
-        """The ``.dlcache/stats`` document (:func:`dlcachefs.cache.stats.stats_document`)."""
-        return stats_document(self)
 
     # ----- open / read / release -----------------------------------------------------
 
     async def open(self, ino: int, pid: int = 0) -> OpenResult:
         """Open a file for reading; ``pid`` attributes the read to a stream."""
-        stream = self.streams.stream_of(pid) if pid else None
+        stream = self.readers.stream_of(pid) if pid else None
         t0 = time.monotonic()
         e = await self.ns.fresh_file(ino)
         seen = self.ns.changes  # a change noticed from here on may be newer than e
         first_open = self._opened.add(ino)
         if not is_file(e):
             raise InvalidArgument("not a regular file")
-        if stream is not None:
-            self.streams.note_open(stream, ino)
-            self.plans.poke(stream)
-            if self.trace is not None:
-                # the epoch announced, not the one configured: an open that comes while
-                # the new epoch's order is computed is the new epoch's (recorded under the
-                # old one, it was dropped there as a repeat)
-                ep = stream.epoch if stream.target_epoch is None else stream.target_epoch
-                self.trace.opened(stream.dataset, stream.samples, ep, ino)
-        if pid and (stream is None or stream.order_unknowable):
-            # no known order covers this open: maybe an epoch's scan of a tree
-            group = stream.key if stream is not None else self.streams.group_of(pid)
-            if group is not None:
-                self.scan.note_open(group, ino, e.parent)
+        ev = OpenEvent(ino, pid, e.parent, t0, stream)
+        self.observers.opened(ev)
         if e.size > self.cfg.max_cached_file:
             return await self._open_read_through(e, seen)
-        self.future.tick += 1
+        self.clock.tick += 1
         self.policy.on_request(ino)
         if stream is not None and self.cfg.substitute:
             sub = await self.substitution.serve(e, stream)
@@ -458,19 +285,12 @@ class Engine:
                 lazy.stream = stream
                 lazy.keep_partial = stream.current_log is None
                 lazy.cache_refetch = not stream.memory_prefetch
-                self._note_served(stream, ino, pid, t0, True)
+                self.observers.served(ev, Served(None, lazy.ident, True))
             return OpenResult(self._new_fh(lazy), keep_cache=True, direct_io=False, entry=e)
         data, cached, waited, joined, got = await self._load(
             e, cache=stream is None or not stream.memory_prefetch, stream=stream)
-        for nl in self.streams.next_logs():  # (every stream's: see next_logs)
-            # the version of the bytes (a fetch joined may have read an older one)
-            nl.consumed(ino, data, identity(got))
-        if stream is not None:
-            self._note_served(stream, ino, pid, t0, cached)
-        if stream is not None and waited:
-            stream.stall_seconds += time.monotonic() - t0
-            if not cached and not joined:
-                stream.bytes_from_source += len(data)
+        # the version of the bytes (a fetch joined may have read an older one)
+        self.observers.served(ev, Served(data, identity(got), cached, waited, joined))
         # keep_cache only for bytes we know are this version and when the kernel cannot
         # hold pages of an older one (the file did not change during this mount); the
         # mount layer may give a first open's pages to the kernel and keep them
@@ -510,15 +330,7 @@ class Engine:
             del self.ns.changed[ino]
         return True
 
-    @staticmethod
-    def _note_served(stream: Stream, ino: int, pid: int, t0: float, cached: bool) -> None:
-        """An open of ``stream`` from ``t0`` served now: the loader's t_fetch."""
-        stream.used.add(ino)
-        t1 = time.monotonic()
-        stream.note_latency(cached, t1 - t0)
-        stream.pace.note(pid, t0, t1, stream.target_epoch)
-
-    def _lazy_open(self, e: Entry, stream: Stream | None, seen: int) -> Handle | None:
+    def _lazy_open(self, e: Entry, stream: ReaderStream | None, seen: int) -> Handle | None:
         """A handle that loads the cached file at its first READ, or None to load it now.
 
         With ``keep_cache`` the kernel serves a file whose pages it still holds without
@@ -540,8 +352,8 @@ class Engine:
         ino = e.ino
         if ino in self.ns.changed or ino in self.readahead:
             return None
-        if any(nl.wants(ino) for nl in self.streams.next_logs()):
-            return None  # (a slot of any stream's next log: see StreamManager.next_logs)
+        if self.readers.wanted_by_next_log(ino):
+            return None  # (a slot of any stream's next log)
         if stream is not None:
             if stream.next_log is not None and stream.current_log is not None:
                 # (an epoch read from its own laid-out log loads at open: its chunks are
@@ -594,7 +406,7 @@ class Engine:
         h.cached = False  # its READs count as bytes from the source (the fetch did)
         return memoryview(data)
 
-    async def _load(self, e: Entry, cache: bool = True, stream: Stream | None = None
+    async def _load(self, e: Entry, cache: bool = True, stream: ReaderStream | None = None
                     ) -> tuple[bytes | memoryview, bool, bool, bool, Entry]:
         """Bytes of the current version of ``e``, whether they came from the cache,
         whether the open had to wait for the source, whether it waited for a fetch
@@ -783,6 +595,7 @@ class Engine:
             # policy (recency, LCache's release after use), as a loaded record's does
             self.counters.hits += 1
             self.reader.after_use(h.rec.chunk_id, h.ino)
+        self.observers.released(h.ino, h.was_read)
 
     def _new_fh(self, h: Handle) -> int:
         fh = self._next_fh

@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Callable
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import trio

@@ -12,10 +12,14 @@ after every seal in tests.
 
 from __future__ import annotations
 
+import logging
+
 from dlcachefs.cache.writer import ChunkWriter
 from dlcachefs.store import schema as S
 from dlcachefs.store.index import Index
 from dlcachefs.store.logs import LogStore
+
+log = logging.getLogger(__name__)
 
 
 def check_cache(writer: ChunkWriter, index: Index, logs: LogStore, cap: int) -> list[str]:
@@ -62,3 +66,13 @@ def check_cache(writer: ChunkWriter, index: Index, logs: LogStore, cap: int) -> 
             out.append(f"doomed chunks not in the index: {sorted(missing)[:5]}")
         out.extend(index.check_invariants())
     return out
+
+
+def check_after_commit(writer: ChunkWriter) -> None:
+    """``--debug-invariants``: the writer's ``after_commit``. A violation is an ERROR
+    (and counted in ``invariant_violations``), never the end of the mount."""
+    problems = check_cache(writer, writer.index, writer.logs, writer.limit)
+    if problems:
+        writer.counters.invariant_violations += len(problems)
+        for p in problems[:10]:
+            log.error("invariant violated: %s", p)

@@ -189,7 +189,10 @@ class Namespace:
     """Lookups and listings from the snapshot; refreshes from the source under the rule above."""
 
     def __init__(self, index: Index, calls: SourceCalls, *, revalidate: float = 3600.0,
-                 use_src_ino: bool = True) -> None:
+                 use_src_ino: bool = True,
+                 on_removed: Callable[[list[int]], None] | None = None) -> None:
+        """``on_removed(inos)`` hears of files found gone from the source (the read
+        path's observers: :meth:`dlcachefs.cache.readers.OpenObserver.gone`)."""
         self.index = index
         self.calls = calls  # every source call of a revalidation goes through it
         self.source: Source = calls.source
@@ -199,9 +202,9 @@ class Namespace:
         # inodes found gone from the source during this mount, most recent last (bounded:
         # MAX_GONE): an inode is never handed out again, so a stream whose epoch order
         # holds one never sees it opened (its open fails at LOOKUP) and passes it by
-        # (StreamManager.note_gone, told through on_removed)
+        # (the streams hear of it through on_removed)
         self.gone: OrderedDict[int, None] = OrderedDict()
-        self.on_removed: Callable[[list[int]], None] | None = None
+        self.on_removed = on_removed
         # inodes of which the kernel may still hold attributes or pages of another
         # version than the current one (a change seen on the source during this mount,
         # or an older open's attributes answered): every open of them bypasses the

@@ -65,15 +65,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import trio
 
+from dlcachefs.cache.readers import Observer, OpenEvent
 from dlcachefs.errors import FormatError
 from dlcachefs.store.chunkfmt import checksum
 from dlcachefs.store.schema import Record
 
 if TYPE_CHECKING:
+    from dlcachefs.cache.buffers import ReadAhead
     from dlcachefs.cache.memtier import MemoryTier
     from dlcachefs.cache.reader import LogReader
     from dlcachefs.cache.stats import Counters
@@ -194,31 +196,32 @@ class _Ready:
     pos: int
 
 
-class PlanEngine(Protocol):
-    """What the read plans use of the engine (:class:`~dlcachefs.cache.engine.Engine`
-    provides it): ``versions.servable`` (which records to read), the logs and the disk
+class ReadPlanner(Observer):
+    """Mount-wide: the read plans of all streams and their shared memory budget. It
+    hears every open (:class:`~dlcachefs.cache.readers.OpenObserver`): a stream's reader
+    moved.
+
+    What it uses: ``versions.servable`` (which records to read), the logs and the disk
     limiter (the reads), ``writer.pin``/``unpin`` (no eviction under a read), the memory
     tier's ``reserve``/``unreserve`` (the budget), ``index.get_record`` (is a failed
     record still the indexed one), ``reader.bad`` (drop a record that failed its
-    checksum) and the counters."""
+    checksum), the read-ahead set (files held for their opens are not read again) and
+    the counters."""
 
-    index: Index
-    logs: LogStore
-    writer: ChunkWriter
-    memtier: MemoryTier
-    counters: Counters
-    disk_limiter: trio.CapacityLimiter
-    reader: LogReader
-    versions: Versions
-
-
-class ReadPlanner:
-    """Engine-wide: the read plans of all streams and their shared memory budget (see
-    :class:`PlanEngine` for what it uses of the engine)."""
-
-    def __init__(self, engine: PlanEngine, budget: int, lead: int = 1024,
+    def __init__(self, *, index: Index, logs: LogStore, writer: ChunkWriter,
+                 memtier: MemoryTier, counters: Counters,
+                 disk_limiter: trio.CapacityLimiter, reader: LogReader, versions: Versions,
+                 readahead: ReadAhead, budget: int, lead: int = 1024,
                  max_batch: int = 4 << 20, idle: float = IDLE) -> None:
-        self.engine = engine
+        self.index = index
+        self.logs = logs
+        self.writer = writer
+        self.memtier = memtier
+        self.counters = counters
+        self.disk_limiter = disk_limiter
+        self.reader = reader
+        self.versions = versions
+        self.readahead = readahead
         self.idle = idle
         self.budget = max(budget, 1)
         self.lead = lead
@@ -256,6 +259,11 @@ class ReadPlanner:
             return self.wanted(stream) and self._begun.get(stream.key) is not stream.order
         nl = stream.next_log
         return nl is None or nl.epoch != stream.target_epoch
+
+    def opened(self, ev: OpenEvent) -> None:
+        """An open of a stream's reader: its plan may have room or positions to plan."""
+        if ev.stream is not None:
+            self.poke(ev.stream)
 
     def poke(self, stream) -> None:
         """The stream's reader moved: its plan may have room or positions to plan."""
@@ -333,11 +341,11 @@ class ReadPlanner:
 
     def _reserve(self, n: int) -> None:
         self.held += n
-        self.engine.memtier.reserve(n)
+        self.memtier.reserve(n)
 
     def _unreserve(self, n: int) -> None:
         self.held -= n
-        self.engine.memtier.unreserve(n)
+        self.memtier.unreserve(n)
 
     def stats(self) -> dict:
         return {k: p.stats() for k, p in self.plans.items()}
@@ -492,7 +500,6 @@ class ReadPlan:
         """The next positions to read: within the lead, within the free budget."""
         pl = self.planner
         s = self.stream
-        eng = pl.engine
         if s.order is not self.order:
             self.close()
             return []
@@ -515,11 +522,11 @@ class ReadPlan:
             p = self.next
             ino = self.inos[self.order[p]]
             if (not ino or self.consumed[p] or ino in self.ready or ino in self.inflight
-                    or ino in seen or ino in eng.readahead):
+                    or ino in seen or ino in pl.readahead):
                 # (held in memory already: fetched ahead, its open takes those bytes)
                 self.next += 1
                 continue
-            rec = eng.versions.servable(ino)  # any version: take() compares records
+            rec = pl.versions.servable(ino)  # any version: take() compares records
             if rec is None or rec.size > pl.budget * MIN_USEFUL:
                 self.next += 1  # not cached (yet), or too large to hold: the open's job
                 continue
@@ -534,11 +541,10 @@ class ReadPlan:
 
     async def _read(self, batch: list[tuple[int, Want]]) -> None:
         pl = self.planner
-        eng = pl.engine
         pos = {w.ino: p for p, w in batch}
         runs = []
         for r in group_reads(w for _, w in batch):
-            if eng.writer.pin(r.chunk_id):  # False: being evicted right now
+            if pl.writer.pin(r.chunk_id):  # False: being evicted right now
                 runs.append(r)
         if not runs:
             return
@@ -550,9 +556,9 @@ class ReadPlan:
                 self.inflight[w.ino] = ev
         kept = 0
         try:
-            results = await trio.to_thread.run_sync(read_runs, eng.logs, runs,
-                                                    limiter=eng.disk_limiter)
-            c = eng.counters
+            results = await trio.to_thread.run_sync(read_runs, pl.logs, runs,
+                                                    limiter=pl.disk_limiter)
+            c = pl.counters
             for r, (data, oks) in zip(runs, results, strict=True):
                 if data is None:
                     continue
@@ -562,8 +568,8 @@ class ReadPlan:
                 buf = _Buf(r.length, 0)
                 for w, ok in zip(r.wants, oks, strict=True):
                     if not ok:
-                        if eng.index.get_record(w.ino) == w.rec:  # pinned: real damage
-                            eng.reader.bad(w.ino, w.rec.chunk_id)
+                        if pl.index.get_record(w.ino) == w.rec:  # pinned: real damage
+                            pl.reader.bad(w.ino, w.rec.chunk_id)
                         continue
                     a = w.rec.offset - r.offset
                     if not self.closed:
@@ -575,7 +581,7 @@ class ReadPlan:
                     kept += r.length
         finally:
             for r in runs:
-                eng.writer.unpin(r.chunk_id)
+                pl.writer.unpin(r.chunk_id)
                 for w in r.wants:
                     if self.inflight.get(w.ino) is ev:
                         del self.inflight[w.ino]

@@ -28,8 +28,8 @@ paused while the tree's readers are idle for ``IDLE_S``, ended after ``END_IDLE_
 most ``MAX_TREES`` trees and ``MAX_FILES`` files listed per tree; a tree whose fetches the
 policy does not keep (``MAX_UNKEPT`` in a row) stops.
 
-Concurrency: all state on the trio loop (``note_open`` is called from the engine's
-``open``); listing the tree and checking what is cached run in threads.
+Concurrency: all state on the trio loop (:meth:`ScanAhead.opened` hears every open of
+the mount, at the open); listing the tree and checking what is cached run in threads.
 """
 
 from __future__ import annotations
@@ -39,13 +39,15 @@ import os
 import stat
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 import trio
 
 from dlcachefs.cache.namespace import ROOT_INO
+from dlcachefs.cache.readers import Observer, OpenEvent
 from dlcachefs.errors import DlcError
 
 if TYPE_CHECKING:
@@ -139,28 +141,26 @@ class _Tree:
                 "files": self.files, "bytes": self.bytes}
 
 
-class ScanEngine(Protocol):
-    """What :class:`ScanAhead` uses of the engine (:class:`~dlcachefs.cache.engine.Engine`
-    provides it): the index (listings, entries, which files have records), the
+class ScanAhead(Observer):
+    """Watches opens not covered by a known order and scans trees ahead of them.
+
+    What it uses: the index (listings, entries, which files have records), the
     namespace's paths, ``writer.room()`` and ``writer.short_of_disk()``, the readers'
-    demand on the source link
-    (``fetcher.demand_fetches`` / ``fetcher.demand_idle``) and
-    ``prefetcher.scan_one(ino) -> (fetched bytes, kept)``."""
+    demand on the source link (``fetcher.demand_fetches`` / ``fetcher.demand_idle``),
+    ``prefetcher.scan_one(ino) -> (fetched bytes, kept)``, and ``group_of(pid)``: the
+    group of readers (a process tree) an open of no stream belongs to."""
 
-    cfg: Config
-    index: Index
-    ns: Namespace
-    writer: ChunkWriter
-    fetcher: Fetcher
-    prefetcher: Prefetcher
-
-
-class ScanAhead:
-    """Watches opens not covered by a known order and scans trees ahead of them."""
-
-    def __init__(self, engine: ScanEngine) -> None:
-        self.engine = engine
-        self.concurrency = engine.cfg.scan_ahead
+    def __init__(self, cfg: Config, *, index: Index, ns: Namespace, writer: ChunkWriter,
+                 fetcher: Fetcher, prefetcher: Prefetcher,
+                 group_of: Callable[[int], str | None]) -> None:
+        self.cfg = cfg
+        self.index = index
+        self.ns = ns
+        self.writer = writer
+        self.fetcher = fetcher
+        self.prefetcher = prefetcher
+        self.group_of = group_of
+        self.concurrency = cfg.scan_ahead
         self.groups: OrderedDict[str, _Group] = OrderedDict()
         self.trees: OrderedDict[int, _Tree] = OrderedDict()
         self._chains: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # dir -> ancestors
@@ -180,6 +180,15 @@ class ScanAhead:
             self._nursery = None
 
     # ----- watching opens (trio loop, called for every open: cheap) -------------------
+
+    def opened(self, ev: OpenEvent) -> None:
+        """An open no known order covers (no stream, or one whose order is unknowable)
+        is noted for its group of readers: maybe an epoch's scan of a tree."""
+        s = ev.stream
+        if ev.pid and (s is None or s.order_unknowable):
+            group = s.key if s is not None else self.group_of(ev.pid)
+            if group is not None:
+                self.note_open(group, ev.ino, ev.parent)
 
     def note_open(self, group_key: str, ino: int, parent: int) -> None:
         """A file ``ino`` (in directory ``parent``) was opened by ``group_key``'s readers."""
@@ -234,7 +243,7 @@ class ScanAhead:
                 return None
             del self.trees[old]
         try:
-            rel = os.fsdecode(self.engine.ns.path_of(self.engine.ns.get(g.root))) or "."
+            rel = os.fsdecode(self.ns.path_of(self.ns.get(g.root))) or "."
         except DlcError:
             return None
         t = self.trees[g.root] = _Tree(g.root, rel)
@@ -256,7 +265,7 @@ class ScanAhead:
             out.append(cur)
             if cur == ROOT_INO:
                 break
-            e = self.engine.index.get_entry(cur)
+            e = self.index.get_entry(cur)
             if e is None:
                 break
             cur = e.parent
@@ -294,9 +303,8 @@ class ScanAhead:
             t.pending_opens = []
 
     async def _scan_tree(self, t: _Tree) -> None:
-        eng = self.engine
         inos, sizes = await trio.to_thread.run_sync(
-            list_tree, eng.index, t.root, eng.cfg.max_cached_file, MAX_FILES)
+            list_tree, self.index, t.root, self.cfg.max_cached_file, MAX_FILES)
         t.sizes, t.sorted_pos = sizes, np.argsort(inos, kind="stable")
         t.inos, t.done, t.listed = inos, bytearray(len(inos)), len(inos)
         for ino in t.pending_opens:
@@ -304,7 +312,7 @@ class ScanAhead:
         t.pending_opens = []
         t.state = "scanning"
         n = len(inos)
-        margin = eng.writer.limit // 8  # --cache-size, or a shared root's share
+        margin = self.writer.limit // 8  # --cache-size, or a shared root's share
         slots = trio.Semaphore(self.concurrency)
         cursor = (t.last_pos + 1) % n if n else 0
         left_before = 0  # left_out when the last file was fetched
@@ -321,7 +329,7 @@ class ScanAhead:
                 # which of the next candidates are already cached (one thread hop)
                 batch = [q for q in range(p, min(n, p + CHECK_BATCH)) if not t.done[q]]
                 cached = await trio.to_thread.run_sync(  # any version: it is a guess
-                    eng.index.with_records, [int(inos[q]) for q in batch])
+                    self.index.with_records, [int(inos[q]) for q in batch])
                 for q in batch:
                     if int(inos[q]) in cached:
                         t.done[q] = 1
@@ -342,14 +350,14 @@ class ScanAhead:
                     await slots.acquire()
                     # a reader waiting for the source gets the link: one guess at a time
                     # then (a guess shares the link with it; it is only a guess)
-                    while eng.fetcher.demand_fetches and t.active >= 1:
+                    while self.fetcher.demand_fetches and t.active >= 1:
                         with trio.move_on_after(DEMAND_POLL_S):
-                            await eng.fetcher.demand_idle.wait()
+                            await self.fetcher.demand_idle.wait()
                     if t.done[q]:
                         slots.release()
                         continue
                     # the room now, less what is in flight (charged only once submitted)
-                    free = eng.writer.room() - t.active_bytes - margin
+                    free = self.writer.room() - t.active_bytes - margin
                     if free <= 0:
                         slots.release()
                         t.state, t.reason = "full", "free cache room used up"
@@ -369,7 +377,7 @@ class ScanAhead:
                     nursery.start_soon(self._one, t, int(inos[q]), int(sizes[q]), slots)
                     if t.unkept >= MAX_UNKEPT:
                         t.state = "unkept"
-                        t.reason = (self.engine.writer.short_of_disk()
+                        t.reason = (self.writer.short_of_disk()
                                     or "the cache policy does not keep them")
                         return
                 if t.left_out - left_before >= MAX_LEFT_OUT:
@@ -382,7 +390,7 @@ class ScanAhead:
 
     async def _one(self, t: _Tree, ino: int, size: int, slots: trio.Semaphore) -> None:
         try:
-            nbytes, kept = await self.engine.prefetcher.scan_one(ino)
+            nbytes, kept = await self.prefetcher.scan_one(ino)
             if nbytes:
                 t.files += 1
                 t.bytes += nbytes

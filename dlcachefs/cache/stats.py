@@ -1,20 +1,12 @@
-"""Counters since mount, and the ``.dlcache/stats`` document built from every part.
+"""Counters since mount: the mount-wide numbers of the ``.dlcache/stats`` document
+(which :meth:`dlcachefs.session.Session.stats` builds from every part).
 
-Counters are updated on the trio loop only; :func:`stats_document` runs on the loop too
-(LMDB read transactions, and the zero-copy readers' small counter files).
+Counters are updated on the trio loop only.
 """
 
 from __future__ import annotations
 
-import os
-import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
-
-from dlcachefs import __version__
-
-if TYPE_CHECKING:
-    from dlcachefs.cache.engine import Engine
 
 
 @dataclass(slots=True)
@@ -71,84 +63,3 @@ class Counters:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
-
-
-def stats_document(eng: Engine) -> dict:
-    """The ``.dlcache/stats`` document (counters since mount; cache state cumulative).
-    It reads every part of the engine: the one place that does."""
-    snap = eng.index.snapshot()
-    out = {
-        "version": __version__,
-        "pid": os.getpid(),
-        "source": os.fsdecode(eng.source.root),
-        "mountpoint": eng.cfg.mountpoint,
-        "cache_dir": eng.cfg.data_dir,
-        "uptime_s": round(time.time() - eng.started, 3),
-        "files": snap["files"],
-        "bytes_total": snap["bytes_total"],
-        "cached_files": snap["records"],
-        "cached_bytes": snap["cached_bytes"],
-        "chunks": snap["chunks"],
-        "chunk_bytes": snap["chunk_bytes"],
-        # --cache-size, or with --shared-cache this dataset's share of it now
-        "cache_limit_bytes": eng.writer.limit,
-        # the disk under the cache: free space, --min-free, a pause after a failed write
-        "cache_disk": eng.writer.disk_state(),
-        "max_cached_file": eng.cfg.max_cached_file,  # larger files are read through
-        "memory_bytes": eng.memtier.bytes,
-        "memory_limit_bytes": eng.memtier.limit,
-        # the daemon's memory cgroup limit found at start (None: none); --memory and the
-        # buffers were sized to fit it (dlcachefs.cache.memlimit)
-        "cgroup_memory_limit": eng.memory.cgroup_limit,
-        "readahead_limit_bytes": eng.readahead.limit,
-        "backlog_limit_bytes": eng.backlog.limit,
-        # fetched, not yet in a sealed chunk (waiting for the writer's room included)
-        "pending_bytes": eng.writer.open_bytes + eng.writer.sealing_bytes
-        + eng.backlog.bytes,
-        # the --cache-size account: chunk_bytes - evicting_bytes + reserved_bytes
-        # <= cache_limit_bytes (see dlcachefs.cache.writer)
-        "reserved_bytes": eng.writer.pending_bytes,
-        "evicting_bytes": eng.writer.doomed_bytes,
-        # the account itself as the writer keeps it (its "used" follows the index once
-        # a commit's bookkeeping is done: chunk_bytes may be ahead meanwhile)
-        "cache_account_bytes": eng.writer.account(),
-        "open_files": len(eng.handles),
-        "revalidate_s": eng.cfg.revalidate,
-        # torch loaded (from a training's first contact on, in the background): announced samplers replay
-        "sampler_replay_ready": eng.streams.replay_ready,
-        "losses_waiting": eng.losses.waiting,
-        # trees fetched ahead of readers whose order is unknown (dlcachefs.cache.scanahead)
-        "scan_ahead": eng.scan.stats(),
-    }
-    out.update(eng.counters.as_dict())
-    out["cache_disk_bytes_read"] = eng.logs.bytes_read  # every pread of the logs (serving, and background fills)
-    # reordered logs' chunks read back (just written) to checksum them before a seal
-    out["cache_disk_bytes_read_back"] = eng.logs.bytes_read_back
-    out["read_plans"] = eng.plans.stats()
-    out["source_latency"] = eng.calls.latency.as_dict()  # seconds per attempt, by call
-    # samples training processes read from the cache directly, and their fallbacks.
-    # Blocking on the loop on purpose, as the LMDB reads: a listing and two small opens
-    # of a local file per reading process (tens of microseconds each), only when stats
-    # are read
-    out["zerocopy"] = eng.zerocopy.collect()
-    out["streams"] = eng.streams.stats()
-    for key, rel in eng.scan.tree_of_groups().items():
-        if key in out["streams"]:
-            out["streams"][key]["scan_ahead"] = rel
-    # --shared-cache: the root's budget, this dataset's share, the ledger's entries
-    out["shared"] = None if eng.shares is None else eng.shares.stats()
-    # --shared-cache dedup: files served from the root's other datasets (bytes_from_datasets)
-    out["dedup"] = None if eng.dedup is None else eng.dedup.stats()
-    out["policy"] = {"name": eng.cfg.policy, **eng.policy.stats()}
-    # the cluster's shared tier (--peers): per server and lease counts
-    out["peers"] = None if eng.peers is None else eng.peers.stats()
-    if eng.owner_prefetch is not None:  # --peer-self: fetched ahead for the cluster
-        out["peers"]["owner_prefetch"] = eng.owner_prefetch.stats()
-    out["packer"] = None if eng.packer is None else eng.packer.as_dict()
-    t = eng.importance.table
-    out["importance"] = None if t is None else {
-        "dataset": eng.importance.dataset, "samples": t.n, "version": t.version(),
-        "h_samples": None if t.high is None else sum(t.high),
-        "jobs": {k: {"reported": j.reported, "benefit": j.benefit}
-                 for k, j in t.jobs.items()}}
-    return out

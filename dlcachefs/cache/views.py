@@ -43,13 +43,27 @@ class IndexCacheView:
         return c.length if c is not None else 0
 
 
+class PolicyClock:
+    """The policy's logical clock: one tick per open of a cached-size file (the engine
+    ticks it), read by the future view and the streams (an epoch's first tick)."""
+
+    __slots__ = ("tick",)
+
+    def __init__(self) -> None:
+        self.tick = 0
+
+
 class StreamFuture:
     """Next uses from every stream that knows its order (the nearest wins)."""
 
-    def __init__(self, streams) -> None:
+    def __init__(self, streams, clock: PolicyClock) -> None:
         self.streams = streams  # StreamManager
-        self.tick = 0
+        self.clock = clock
         self._active_at: tuple[int, list] = (-1, [])
+
+    @property
+    def tick(self) -> int:
+        return self.clock.tick
 
     def _active(self):
         # asked once per member of a unit per decision: listed once per tick

@@ -153,18 +153,37 @@ class _Result:
     dead: list[int] = field(default_factory=list)  # chunks left holding no record
 
 
+class AccountLimit:
+    """The limit of the ``--cache-size`` account, read by the chunk writer (which keeps
+    the account within it) and by the policy's view of the cache (``capacity()``, see
+    :class:`~dlcachefs.cache.views.IndexCacheView`): one number, moved at run time only
+    through :meth:`ChunkWriter.set_limit` (a shared root's share). Calling it reads it."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __call__(self) -> int:
+        return self.value
+
+
 class ChunkWriter:
     """Packs fetched records into chunks (the policy's units), seals and indexes them, and
     keeps the ``--cache-size`` account (see the module docstring)."""
 
     def __init__(self, cfg: Config, index: Index, logs: LogStore, policy, memtier: MemoryTier,
-                 counters: Counters, unit_basis: int | None = None) -> None:
-        """``unit_basis``: the cache size units are cut for (default ``--cache-size``;
-        with ``--shared-cache`` the smallest share a dataset may get)."""
+                 counters: Counters, *, limit: AccountLimit | None = None,
+                 unit_basis: int | None = None, keeper: LastCopyKeeper | None = None,
+                 content_keys: bool = False,
+                 after_commit: Callable[[ChunkWriter], None] | None = None) -> None:
+        """``limit``: the account's limit, shared with the policy's view of the cache
+        (default: ``--cache-size``, alone). ``unit_basis``: the cache size units are cut
+        for (default ``--cache-size``; with ``--shared-cache`` the smallest share a
+        dataset may get). ``keeper``, ``content_keys``, ``after_commit``: see their
+        attributes."""
         self.cfg = cfg
-        #: the limit of the account (rule A): ``--cache-size``, or this dataset's share
-        #: of a shared root's budget, changed at run time by :meth:`set_limit` only
-        self.limit = cfg.cache_size
+        self._limit = limit if limit is not None else AccountLimit(cfg.cache_size)
         self.index = index
         self.logs = logs
         self.policy = policy
@@ -199,16 +218,17 @@ class ChunkWriter:
         #: 4K, at most max_unit): evicting one chunk should not empty half the cache
         self.chunk_target = min(cfg.chunk_size, self.max_unit, max(basis // 8, 4096))
         self.commits = 0  # commits in flight (index counters may be ahead of the mirror)
-        #: called on the loop after every commit, under the limiter (--debug-invariants)
-        self.after_commit: Callable[[], None] | None = None
+        #: called with this writer on the loop after every commit, under the limiter
+        #: (--debug-invariants: :func:`dlcachefs.cache.invariants.check_after_commit`)
+        self.after_commit = after_commit
         #: keeps victims' records in the cluster (``--peers``; the module docstring)
-        self.keeper: LastCopyKeeper | None = None
+        self.keeper = keeper
         self.backoff_until = 0.0
         self.backoff_reason: str | None = None  # why caching pauses until backoff_until
         #: index every record with its SHA-256 and offer it to the other datasets of a
         #: shared root (``--shared-cache`` dedup, :mod:`dlcachefs.cache.dedup`); hashed in
         #: the commit's thread unless the fetch hashed it already
-        self.content_keys = False
+        self.content_keys = content_keys
         self.disk_free = _free_bytes(cfg.cache_dir)
         self._limiter = trio.CapacityLimiter(1)
         self._wake = trio.Event()
@@ -229,6 +249,17 @@ class ChunkWriter:
         self._next_log = max(1, _meta_u64(index, S.K_NEXT_LOG), max(logs.log_ids(), default=0) + 1)
 
     # ----- called from the read path (trio loop) -------------------------------------
+
+
+    @property
+    def limit(self) -> int:
+        """The limit of the account (rule A): ``--cache-size``, or this dataset's share
+        of a shared root's budget, changed at run time by :meth:`set_limit` only."""
+        return self._limit.value
+
+    @limit.setter
+    def limit(self, value: int) -> None:
+        self._limit.value = value
 
     def submit(self, ino: int, key: bytes, ident: Identity, data: bytes,
                sha256: bytes | None = None) -> bool:
@@ -517,7 +548,7 @@ class ChunkWriter:
             self.reserved -= nbytes
             self.used += nbytes
             if self.after_commit is not None:
-                self.after_commit()
+                self.after_commit(self)
             return out
 
     async def _drop_doomed_locked(self) -> None:
@@ -729,7 +760,7 @@ class ChunkWriter:
         self._space.set()
         self._space = trio.Event()
         if self.after_commit is not None:
-            self.after_commit()
+            self.after_commit(self)
 
     def _indexed(self, r: Pending) -> bool:
         """Whether the index already holds ``r``'s version (then it is pending no more)."""

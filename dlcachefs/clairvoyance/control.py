@@ -364,6 +364,33 @@ class _ChunkReplay:
         return None
 
 
+class ErrorLog:
+    """The control file's error log (``.dlcache/errors``): the last :data:`MAX_ERRORS`
+    refused writes with their reasons, and input that was accepted but could not be used
+    later (noted by the part that found out, e.g. the losses). Shared by the control
+    state and those parts; trio loop."""
+
+    def __init__(self) -> None:
+        self.lines: deque[str] = deque(maxlen=MAX_ERRORS)
+
+    def __len__(self) -> int:
+        return len(self.lines)
+
+    def refused(self, pid: int, reason: str) -> None:
+        """A write of process ``pid`` refused, for ``reason``."""
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.lines.append(f"{stamp} pid={pid} refused: {_one_line(reason)}")
+
+    def note(self, reason: str) -> None:
+        """Input that was accepted but could not be used (e.g. loss indices out of range
+        once the dataset's size became known)."""
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.lines.append(f"{stamp} dropped: {_one_line(reason)}")
+
+    def text(self) -> bytes:
+        return ("\n".join(self.lines) + ("\n" if self.lines else "")).encode()
+
+
 class ControlState:
     """Accepted control state of all jobs and streams, and the log of refused writes.
 
@@ -380,10 +407,15 @@ class ControlState:
       writer's, or None for a stream the write changed that is not the writer's (another
       rank's, when a ``dataset`` line changed its job's dataset): the writer is not its
       process. A ``dataset`` line that repeats the job's dataset changes nothing.
-    * ``on_loss(job_name, indices, values)``: once per job that got ``loss`` pairs in the
-      write, with all of them in write order (``list[int]``, ``list[float]``); an index may
-      repeat: apply them in order, the later value wins. The indices refer to the job's
-      current dataset (``jobs[job_name].dataset``).
+    * ``on_loss(job, indices, values)``: once per job that got ``loss`` pairs in the
+      write (``job``: its :class:`JobState`), with all of them in write order
+      (``list[int]``, ``list[float]``); an index may repeat: apply them in order, the
+      later value wins. The indices refer to the job's current dataset (``job.dataset``).
+
+    ``on_job_dropped(name)`` hears of a job forgotten to make room for a new one (its
+    streams go too); ``job_reading(name)`` says whether a job's streams read lately (such
+    a job is never forgotten). ``errors``: the error log, shared with the parts that note
+    input they could not use (a new one by default).
 
     ``loss_room() -> int`` says how many loss pairs of datasets whose size is not known
     yet the receiver can still keep until it is (they are never dropped); a write with
@@ -400,10 +432,13 @@ class ControlState:
                  on_stream: Callable[[StreamState, JobState, int | None], None] | None = None,
                  *,
                  dataset_size: Callable[[str], int | None] | None = None,
-                 on_loss: Callable[[str, list[int], list[float]], None] | None = None,
+                 on_loss: Callable[[JobState, list[int], list[float]], None] | None = None,
                  on_order: Callable[[StreamState, JobState, int, Sequence[int], int], None]
                  | None = None,
-                 loss_room: Callable[[], int] | None = None) -> None:
+                 loss_room: Callable[[], int] | None = None,
+                 on_job_dropped: Callable[[str], None] | None = None,
+                 job_reading: Callable[[str], bool] | None = None,
+                 errors: ErrorLog | None = None) -> None:
         self._resolve_dir = resolve_dir
         self.on_stream = on_stream
         self.dataset_size = dataset_size
@@ -411,14 +446,14 @@ class ControlState:
         self.on_order = on_order
         self.loss_room = loss_room
         #: a job forgotten to make room for a new one (its streams go too)
-        self.on_job_dropped: Callable[[str], None] | None = None
+        self.on_job_dropped = on_job_dropped
         #: whether a job's streams read lately (a job that did is never forgotten)
-        self.job_reading: Callable[[str], bool] | None = None
+        self.job_reading = job_reading
         self._forget_next: list[str] = []  # set by _check, forgotten by apply
         self.jobs: dict[str, JobState] = {}
         self.streams: dict[tuple[str, int], StreamState] = {}
         self._pid_job: OrderedDict[int, tuple[str, int]] = OrderedDict()
-        self.errors: deque[str] = deque(maxlen=MAX_ERRORS)
+        self.errors = errors if errors is not None else ErrorLog()
         self.accepted_writes = 0
         self.refused_writes = 0
         self.order_indices = 0  # held in all streams' orders, completed and in progress
@@ -521,7 +556,7 @@ class ControlState:
                 self.on_stream(st, self.jobs[st.job], pid if own else None)
         if self.on_loss is not None:
             for name, (idx, vals) in losses.items():
-                self.on_loss(name, idx, vals)
+                self.on_loss(self.jobs[name], idx, vals)
         return len(data)
 
     def _apply_list_or_view(self, op: _Op, pid: int) -> None:
@@ -936,17 +971,15 @@ class ControlState:
 
     def _refuse(self, pid: int, reason: str) -> None:
         self.refused_writes += 1
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        self.errors.append(f"{stamp} pid={pid} refused: {_one_line(reason)}")
+        self.errors.refused(pid, reason)
 
     def note(self, reason: str) -> None:
         """Log, next to the refused writes, input that was accepted but could not be used
-        (e.g. loss indices out of range once the dataset's size became known)."""
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        self.errors.append(f"{stamp} dropped: {_one_line(reason)}")
+        (:meth:`ErrorLog.note`)."""
+        self.errors.note(reason)
 
     def errors_text(self) -> bytes:
-        return ("\n".join(self.errors) + ("\n" if self.errors else "")).encode()
+        return self.errors.text()
 
     def state_text(self) -> bytes:
         jobs = {name: {"dataset": j.dataset, "losses": j.losses}

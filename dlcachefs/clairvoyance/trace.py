@@ -18,6 +18,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 
+from dlcachefs.cache.readers import Observer, OpenEvent
 from dlcachefs.clairvoyance.samplelist import SampleList
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,10 @@ def load_trace(path: str) -> Trace:
     return t
 
 
-class TraceRecorder:
+class TraceRecorder(Observer):
+    """Records the opens of streams (it hears every open of the mount) and the losses
+    the jobs report; :meth:`save` writes the trace."""
+
     def __init__(self, path: str) -> None:
         self.path = path
         self.samples: SampleList | None = None
@@ -79,8 +83,19 @@ class TraceRecorder:
             self._index = {ino: i for i, ino in enumerate(samples.inos) if ino}
         return self.dataset == dataset
 
-    def opened(self, dataset: str | None, samples: SampleList | None, epoch: int | None,
-               ino: int) -> None:
+    def opened(self, ev: OpenEvent) -> None:
+        """An open of the mount: recorded when a stream's."""
+        s = ev.stream
+        if s is not None:
+            # the epoch announced, not the one configured: an open that comes while the
+            # new epoch's order is computed is the new epoch's (recorded under the old
+            # one, it was dropped there as a repeat)
+            ep = s.epoch if s.target_epoch is None else s.target_epoch
+            self.note(s.dataset, s.samples, ep, ev.ino)
+
+    def note(self, dataset: str | None, samples: SampleList | None, epoch: int | None,
+             ino: int) -> None:
+        """Sample ``ino`` of ``dataset`` (listed as ``samples``) read in ``epoch``."""
         if dataset is None or samples is None or epoch is None or not self._bind(dataset, samples):
             return
         i = self._index.get(ino)

@@ -33,7 +33,7 @@ from dlcachefs.clairvoyance.trace import TraceRecorder
 from dlcachefs.importance.view import InodeImportance
 
 if TYPE_CHECKING:
-    from dlcachefs.clairvoyance.control import ControlState
+    from dlcachefs.clairvoyance.control import ErrorLog, JobState
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +46,15 @@ class Losses(TaskOwner):
 
     def __init__(self, importance: InodeImportance, streams: StreamManager,
                  counters: Counters, h_fraction: float,
-                 trace: TraceRecorder | None = None) -> None:
+                 trace: TraceRecorder | None = None, errors: ErrorLog | None = None) -> None:
+        """``errors``: the control file's error log, where losses that turn out invalid
+        later are noted (they were accepted)."""
         self.importance = importance
         self.streams = streams
         self.counters = counters
         self.h_fraction = h_fraction
         self.trace = trace
-        self.control: ControlState | None = None  # see attach_control
+        self.errors = errors
         self._switch_said = -60.0  # monotonic s of the last note of a dataset switch
         # losses waiting for their dataset's sample list: dataset -> [(job, idx, values)]
         self._early: dict[str, list[tuple[str, list[int], list[float]]]] = {}
@@ -60,11 +62,6 @@ class Losses(TaskOwner):
         self._rebuilding = False
         self._rebuild_due = False
         super().__init__()  # run() holds the importance table's rebuilds
-
-    def attach_control(self, control: ControlState) -> None:
-        """The mount's :class:`~dlcachefs.clairvoyance.control.ControlState`: jobs' datasets
-        for :meth:`on_loss`, and its error log for losses that turn out invalid later."""
-        self.control = control
 
     def room(self) -> int:
         """How many more loss pairs may wait for their dataset's sample list."""
@@ -140,10 +137,11 @@ class Losses(TaskOwner):
 
     # ----- losses -----------------------------------------------------------------------
 
-    def on_loss(self, job: str, indices: list[int], values: list[float]) -> None:
-        """Losses a job reported (``loss`` control lines): its IVs (module docstring)."""
-        js = self.control.jobs.get(job) if self.control is not None else None
-        dataset = dataset_key(js) if js is not None else self.streams.job_dataset(job)
+    def on_loss(self, js: JobState, indices: list[int], values: list[float]) -> None:
+        """Losses job ``js`` reported (``loss`` control lines): its IVs (module
+        docstring)."""
+        job = js.name
+        dataset = dataset_key(js)
         if dataset is None:  # control refuses losses of a job without a dataset
             self.counters.losses_ignored += len(indices)
             return
@@ -151,8 +149,7 @@ class Losses(TaskOwner):
         if sl is None or self._early.get(dataset):
             self._early.setdefault(dataset, []).append((job, indices, values))
             self.waiting += len(indices)
-            self.streams.list_soon(dataset, self._apply_early_losses,
-                                   js.view if js is not None else None)
+            self.streams.list_soon(dataset, self._apply_early_losses, js.view)
             return
         self._apply_losses(job, dataset, sl, indices, values)
 
@@ -172,8 +169,8 @@ class Losses(TaskOwner):
 
     def _note_invalid(self, msg: str) -> None:
         log.warning("%s", msg)
-        if self.control is not None:
-            self.control.note(msg)
+        if self.errors is not None:
+            self.errors.note(msg)
 
     def _apply_losses(self, job: str, dataset: str, sl, indices: list[int],
                       values: list[float]) -> None:

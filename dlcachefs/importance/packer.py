@@ -15,7 +15,7 @@ uses one up), and after every H-list change, when the L-samples missed meanwhile
 (substituted or not) are repacked first. So a substituted miss is still fetched, in the
 background, and the L-cache keeps turning over while substitution serves the reader.
 
-Concurrency: a task in the engine's nursery, on the trio loop like the policy and the
+Concurrency: a task in the session's nursery, on the trio loop like the policy and the
 writer (no locks). Whole files are read through the fetcher
 (:meth:`~dlcachefs.cache.fetch.Fetcher.read_whole`: the peer tier if any, else the one
 source wrapper with its worker threads, limiter, timeout, retries), at most ``READ_CONCURRENCY`` at a
@@ -27,8 +27,9 @@ substitution, an epoch start).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -41,9 +42,8 @@ if TYPE_CHECKING:
     from dlcachefs.cache.fetch import Fetcher
     from dlcachefs.cache.namespace import Namespace
     from dlcachefs.cache.policy import CachePolicy
-    from dlcachefs.cache.stats import Counters
     from dlcachefs.cache.writer import ChunkWriter
-    from dlcachefs.clairvoyance.streams import StreamManager
+    from dlcachefs.clairvoyance.samplelist import SampleList
     from dlcachefs.config import Config
     from dlcachefs.importance.view import InodeImportance
     from dlcachefs.store.index import Index
@@ -75,29 +75,26 @@ class PackerStats:
     last_plan: int = 0  # members of the last package planned
 
 
-class PackerEngine(Protocol):
-    """What the :class:`Packer` uses of the engine (:class:`~dlcachefs.cache.engine.Engine`
-    provides it): the policy's plans and drops, the index and namespace (sizes, paths),
-    whole files through ``fetcher.read_whole`` (the peer tier, else the source), the writer (``wait_room``,
-    ``submit_package``, ``pending``, ``sealed``), the importance table's dataset and
-    that dataset's sample list (``streams.sample_list``)."""
-
-    cfg: Config
-    index: Index
-    ns: Namespace
-    policy: CachePolicy
-    writer: ChunkWriter
-    counters: Counters
-    fetcher: Fetcher
-    importance: InodeImportance
-    streams: StreamManager
-
-
 class Packer:
-    """Builds the L-cache's packages in the background (one per policy plan)."""
+    """Builds the L-cache's packages in the background (one per policy plan).
 
-    def __init__(self, engine: PackerEngine) -> None:
-        self.engine = engine
+    What it uses: the policy's plans and drops, the index and namespace (sizes, paths),
+    whole files through ``fetcher.read_whole`` (the peer tier, else the source), the
+    writer (``wait_room``, ``submit_package``, ``pending``, ``sealed``), the importance
+    table's dataset and that dataset's sample list (``sample_list(dataset)``: the
+    streams')."""
+
+    def __init__(self, cfg: Config, *, index: Index, ns: Namespace, policy: CachePolicy,
+                 writer: ChunkWriter, fetcher: Fetcher, importance: InodeImportance,
+                 sample_list: Callable[[str], SampleList | None]) -> None:
+        self.cfg = cfg
+        self.index = index
+        self.ns = ns
+        self.policy = policy
+        self.writer = writer
+        self.fetcher = fetcher
+        self.importance = importance
+        self.sample_list = sample_list
         self.stats = PackerStats()
         self._wake = trio.Event()
         self._backoff = BACKOFF
@@ -128,24 +125,24 @@ class Packer:
         """The inodes of the dataset whose losses make the H-list (none listed yet: [];
         the policy is asked all the same, so that it packs from the start on: an L miss
         is never cached on its own once substitution is on)."""
-        imp = self.engine.importance
+        imp = self.importance
         if imp.table is None or imp.dataset is None:
             return []
-        sl = self.engine.streams.sample_list(imp.dataset)
+        sl = self.sample_list(imp.dataset)
         return [] if sl is None else sl.inos
 
     def _size_of(self, ino: int) -> int | None:
         """Bytes the file takes as a record of a unit (index lookup; None if not a file)."""
-        e = self.engine.index.get_entry(ino)
-        if e is None or not is_file(e) or e.size > self.engine.cfg.max_cached_file:
+        e = self.index.get_entry(ino)
+        if e is None or not is_file(e) or e.size > self.cfg.max_cached_file:
             return None
-        return RECORD_HEADER_SIZE + len(self.engine.ns.path_of(e)) + e.size
+        return RECORD_HEADER_SIZE + len(self.ns.path_of(e)) + e.size
 
     async def step(self) -> bool | None:
         """Plan one package and build it: True when one was handed to the writer (try
         the next one), False when there is nothing to pack now, None when a package was
         planned but could not be stored."""
-        plan = self.engine.policy.plan_package(self._pool(), self._size_of, CHUNK_HEADER_SIZE)
+        plan = self.policy.plan_package(self._pool(), self._size_of, CHUNK_HEADER_SIZE)
         if not plan:
             return False
         self.stats.last_plan = len(plan)
@@ -155,18 +152,17 @@ class Packer:
         """Read ``plan`` from the source (each file once, ``READ_CONCURRENCY`` at a time)
         and submit what was read as one unit. Members not read are dropped with the
         policy; True when the writer took the package."""
-        eng = self.engine
         got: dict[int, tuple[bytes, Identity, bytes]] = {}
-        slots = trio.Semaphore(max(1, min(READ_CONCURRENCY, eng.cfg.source_threads // 2)))
+        slots = trio.Semaphore(max(1, min(READ_CONCURRENCY, self.cfg.source_threads // 2)))
 
         async def read_one(ino: int) -> None:
             async with slots:
                 try:
-                    e = eng.index.get_entry(ino)
+                    e = self.index.get_entry(ino)
                     if e is None or not is_file(e):
                         return
-                    rel = eng.ns.path_of(e)
-                    data, ident = await eng.fetcher.read_whole(e, rel)
+                    rel = self.ns.path_of(e)
+                    data, ident = await self.fetcher.read_whole(e, rel)
                 except DlcError as exc:
                     log.debug("packer: %d not read: %s", ino, exc)
                     return
@@ -182,25 +178,25 @@ class Packer:
         for ino in plan:
             if ino not in got:
                 self.stats.read_failures += 1
-                eng.policy.on_dropped(ino)
+                self.policy.on_dropped(ino)
         if not recs:
             return False
         nbytes = sum(len(r[3]) for r in recs)  # counted by read_whole (source or peers)
-        await eng.writer.wait_room(nbytes)
+        await self.writer.wait_room(nbytes)
         # the writer reserves its room in --cache-size (dooming the policy's victims:
         # used-up packages, or the side over its share); one that cannot get room is not
         # cached
-        if not eng.writer.submit_package(recs):
+        if not self.writer.submit_package(recs):
             self.stats.refused += 1
             for r in recs:
-                eng.policy.on_dropped(r[0])
+                self.policy.on_dropped(r[0])
             return False
         # wait for its seal: a seal that cannot make room (chunks pinned by reads) skips
         # its records, and then the next package should not be read right away
         with trio.move_on_after(SEAL_WAIT):
-            while any(eng.writer.pending.get(r[0]) is not None for r in recs):
-                await eng.writer.sealed()
-        if not any(eng.index.get_record(r[0]) is not None for r in recs):
+            while any(self.writer.pending.get(r[0]) is not None for r in recs):
+                await self.writer.sealed()
+        if not any(self.index.get_record(r[0]) is not None for r in recs):
             self.stats.skipped += 1
             return False
         self.stats.packages += 1

@@ -88,3 +88,25 @@ def planned_use(position: int, current: int | None, epoch_samples: int,
     else:
         return None
     return PlannedUse(max(0, ahead), seconds_per_sample, epoch_samples)
+
+
+def expiry_of_streams(streams, ino: int) -> int:
+    """The memcached expiry (s, 0: never) of ``ino``'s value: its last planned use over
+    the streams that know their order (a distributed sampler's over every rank), plus
+    the margin (:func:`expiry_s`). ``streams``: the mount's
+    :class:`~dlcachefs.clairvoyance.streams.StreamManager`. Trio loop; O(streams)."""
+    uses = []
+    for s in streams.streams.values():
+        if not s.order or s.samples is None:
+            continue
+        if s.cluster is not None:  # every rank's use: the cluster's last one
+            cur, nxt = s.cluster.steps(ino)
+            if cur is not None and cur < s.position:
+                cur = None  # read by the cluster already in this epoch
+        else:
+            cur = s.positions.next(ino)
+            nxt = s.next_first.next(ino) if s.next_first is not None else None
+        u = planned_use(s.position, cur, len(s.order), nxt, s.pace.seconds_per_sample())
+        if u is not None:
+            uses.append(u)
+    return expiry_s(uses)

@@ -47,8 +47,8 @@ fetched) and a touch is all it costs; the push matters when the tier lost the va
 (a server restarted, memcached evicted or expired it) and this node's copy is the last.
 
 Expiry at the last planned use: a value stored or kept gets the expiry
-:attr:`PeerTier.expiry_of` gives for its inode (the engine computes it from the announced
-orders and the loaders' pace, :mod:`dlcachefs.peers.expiry`); 0 (never) when no order
+:attr:`PeerTier.expiry_of` gives for its inode (computed from the announced orders and
+the loaders' pace, :mod:`dlcachefs.peers.expiry`); 0 (never) when no order
 or pace is known. Counted in ``expiries_set``.
 
 Concurrency rules: the tier's state (which servers are down, the store queue, the
@@ -170,7 +170,10 @@ class Lookup:
 class PeerTier:
     """The cluster's shared tier, as one mount uses it (see the module docstring)."""
 
-    def __init__(self, cfg: Config, source_root: bytes) -> None:
+    def __init__(self, cfg: Config, source_root: bytes,
+                 expiry_of: Callable[[int], int] | None = None) -> None:
+        """``expiry_of(ino)``: the memcached expiry (s, 0: never) of a file's value (its
+        last planned use: :func:`dlcachefs.peers.expiry.expiry_of_streams`)."""
         assert cfg.peers is not None
         self.cfg = cfg
         self.namespace = (cfg.peer_namespace.encode() if cfg.peer_namespace
@@ -201,8 +204,8 @@ class PeerTier:
         # (owner, key, data or None, holds the lease, expiry s, a kept evicted record)
         # waiting for a store worker
         self._queue: deque[tuple[str, ContentKey, bytes | None, bool, int, bool]] = deque()
-        #: inode -> the memcached expiry (s) of its value, 0: never (set by the engine)
-        self.expiry_of: Callable[[int], int] | None = None
+        #: inode -> the memcached expiry (s) of its value, 0: never
+        self.expiry_of = expiry_of
         self.queue_bytes = 0
         self._storing = 0
         self._queued = trio.Event()  # set when the queue gets an item
@@ -418,7 +421,7 @@ class PeerTier:
         """Whether the file's owner holds a value under its key now (a ``touch``: its
         expiry is renewed, nothing is sent; the value is checked only when read). False
         when the owner is down or the call fails. For the owner's prefetch
-        (:mod:`dlcachefs.cache.ownerfetch`), which needs no bytes it already has."""
+        (:mod:`dlcachefs.peers.ownerfetch`), which needs no bytes it already has."""
         ck = self.key_of(rel, ident)
         owner = self.owner(ck)
         if owner is None:

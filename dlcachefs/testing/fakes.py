@@ -21,7 +21,7 @@ from dlcachefs.cache.engine import Engine
 from dlcachefs.cache.source import Identity, LocalSource
 from dlcachefs.config import Config
 from dlcachefs.errors import NotFound, SourceError
-from dlcachefs.session import build
+from dlcachefs.session import Session, build
 
 # ----- sources -------------------------------------------------------------------------
 
@@ -246,25 +246,32 @@ async def read_all(engine: Engine, rel: bytes, step: int = 100_000) -> bytes:
         engine.release(r.fh)
 
 
-def run_engine(cfg: Config, body: Callable[[Engine], Awaitable[Any]], source=None,
-               check_invariants: bool = True) -> tuple[Any, Engine]:
-    """Build the core as a mount does (:func:`dlcachefs.session.build`: the policy of
-    ``cfg.policy``, the engine, the control state attached as ``engine.control``), start
-    it (blocking start-up, as the daemon does), run ``body(engine)`` inside trio with the
-    engine's background tasks running, close it, and check the cache's invariants
-    (:meth:`Engine.check_invariants`: the --cache-size account and the index) and that no
-    check after a commit found a violation (``invariant_violations``).
+def run_session(cfg: Config, body: Callable[[Session], Awaitable[Any]], source=None,
+                check_invariants: bool = True) -> tuple[Any, Session]:
+    """Build the core as a mount does (:func:`dlcachefs.session.build`: every part, the
+    policy of ``cfg.policy``, the control state), start it (blocking start-up, as the
+    daemon does), run ``body(session)`` inside trio with the background tasks running,
+    close it, and check the cache's invariants (:meth:`Engine.check_invariants`: the
+    --cache-size account and the index) and that no check after a commit found a
+    violation (``invariant_violations``).
 
-    Returns (body's result, engine); the engine's files are closed by then (counters stay).
-    """
+    Returns (body's result, session); its files are closed by then (counters stay)."""
     problems: list[str] = []
     with build(cfg, source) as sess:
         eng = sess.engine
-        result = sess.run(lambda s: body(s.engine))
+        result = sess.run(body)
         if check_invariants:
             problems = eng.check_invariants()
             if eng.counters.invariant_violations:
                 problems.append(f"{eng.counters.invariant_violations} invariant violations "
                                 "after commits (see the ERROR log lines)")
     assert problems == [], problems
-    return result, eng
+    return result, sess
+
+
+def run_engine(cfg: Config, body: Callable[[Engine], Awaitable[Any]], source=None,
+               check_invariants: bool = True) -> tuple[Any, Engine]:
+    """:func:`run_session` for a body that needs the read path only: ``body(engine)``;
+    returns (body's result, engine)."""
+    result, sess = run_session(cfg, lambda s: body(s.engine), source, check_invariants)
+    return result, sess.engine

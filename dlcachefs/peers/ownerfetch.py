@@ -22,7 +22,7 @@ streams' prefetch lead per rank; the ranks step together, so this node's positio
 cluster's), at most :data:`PARALLEL` fetches at once, and only while no reader of this
 node waits for the source (``Fetcher.demand_fetches``), as scan-ahead yields to readers.
 
-Concurrency: one task on the trio loop (:meth:`OwnerPrefetch.run`, in the engine's
+Concurrency: one task on the trio loop (:meth:`OwnerPrefetch.run`, in the session's
 nursery) and its fetch tasks; no threads of its own (the fetch's source read and the
 tier's calls run in theirs).
 """
@@ -39,7 +39,12 @@ from dlcachefs.cache.namespace import identity, is_file
 from dlcachefs.errors import DlcError
 
 if TYPE_CHECKING:
-    from dlcachefs.cache.engine import Engine
+    from dlcachefs.cache.fetch import Fetcher
+    from dlcachefs.cache.namespace import Namespace
+    from dlcachefs.clairvoyance.streams import StreamManager
+    from dlcachefs.config import Config
+    from dlcachefs.peers.tier import PeerTier
+    from dlcachefs.store.index import Index
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +61,14 @@ class OwnerPrefetch:
     """Walks each distributed stream's global order and fetches the files this node owns
     (see the module doc)."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, cfg: Config, *, index: Index, ns: Namespace, fetcher: Fetcher,
+                 peers: PeerTier, streams: StreamManager) -> None:
+        self.cfg = cfg
+        self.index = index
+        self.ns = ns
+        self.fetcher = fetcher
+        self.peers = peers
+        self.streams = streams  # the distributed streams' global orders, and their lead
         self.counts: Counter[str] = Counter()
         # job -> (the ClusterUse walked, the next global position to look at)
         self._cursor: dict[str, tuple[object, int]] = {}
@@ -89,13 +100,10 @@ class OwnerPrefetch:
         """The next inode to fetch for the cluster; 0 when this call's budget of
         :data:`STEP_POSITIONS` positions is spent (more to walk: call again after
         yielding); None when there is nothing to do now."""
-        eng = self.engine
-        fetcher = eng.fetcher
+        fetcher = self.fetcher
         if fetcher.demand_fetches:  # a reader waits for the source: leave it the link
             return None
-        peers = eng.peers
-        if peers is None:
-            return None
+        peers = self.peers
         budget = STEP_POSITIONS
         for s in self._walkers():
             cu = s.cluster
@@ -104,7 +112,7 @@ class OwnerPrefetch:
             if walked is not cu:
                 g = 0  # a new epoch (or order): walk it from the cluster's position
             g = max(g, s.position * cu.world)
-            end = min(len(cu.inos), (s.position + eng.streams.lead) * cu.world)
+            end = min(len(cu.inos), (s.position + self.streams.lead) * cu.world)
             while g < end:
                 if budget <= 0:
                     self._cursor[s.job] = (cu, g)
@@ -114,12 +122,12 @@ class OwnerPrefetch:
                 g += 1
                 if ino == 0 or fetcher.in_flight(ino):
                     continue
-                e = eng.index.get_entry(ino)
-                if e is None or not is_file(e) or e.size > eng.cfg.max_cached_file:
+                e = self.index.get_entry(ino)
+                if e is None or not is_file(e) or e.size > self.cfg.max_cached_file:
                     continue
-                if eng.index.get_record(ino) is not None:
+                if self.index.get_record(ino) is not None:
                     continue  # held here: stored at its owner when it was fetched
-                rel = eng.ns.path_of(e)
+                rel = self.ns.path_of(e)
                 ident = identity(e)
                 # a file larger than an item never enters the tier: nothing to fetch
                 if not peers.mine(rel, ident) or not peers.fits(rel, ident):
@@ -133,7 +141,7 @@ class OwnerPrefetch:
         """One stream per job (the lowest rank of this node): the ranks of one job walk
         the same global order, once is enough (its position is the cluster's)."""
         by_job: dict[str, object] = {}
-        for s in list(self.engine.streams.streams.values()):
+        for s in list(self.streams.streams.values()):
             cu = s.cluster
             if cu is None or cu.inos is None or not s.order:
                 continue
@@ -144,16 +152,15 @@ class OwnerPrefetch:
 
     async def _fetch(self, ino: int, token: object) -> None:
         try:
-            e = self.engine.index.get_entry(ino)
+            e = self.index.get_entry(ino)
             if e is None:
                 return
-            rel = self.engine.ns.path_of(e)
-            peers = self.engine.peers
-            assert peers is not None
+            rel = self.ns.path_of(e)
+            peers = self.peers
             if await peers.held(rel, identity(e), ino):  # no bytes sent: a touch
                 self.counts["held"] += 1
                 return
-            data, _ = await self.engine.fetcher.read_whole(e, rel)
+            data, _ = await self.fetcher.read_whole(e, rel)
             self.counts["files"] += 1
             self.counts["bytes"] += len(data)
         except DlcError as e:  # the file's own problem: its readers will see it
