@@ -30,7 +30,7 @@ import trio
 
 from dlcachefs.cache.engine import Engine
 from dlcachefs.cache.namespace import is_dir
-from dlcachefs.cache.policy import CachePolicy, PolicyContext
+from dlcachefs.cache.policy import CachingPolicy, PolicyContext
 from dlcachefs.cache.source import Source
 from dlcachefs.clairvoyance.control import ControlState
 from dlcachefs.config import Config
@@ -40,10 +40,10 @@ from dlcachefs.policies import make_policy, registry
 T = TypeVar("T")
 
 #: what the engine takes: its policy, made from the engine's read-only views
-PolicyFactory = Callable[[PolicyContext], CachePolicy]
+PolicyFactory = Callable[[PolicyContext], CachingPolicy]
 
 
-def policies() -> dict[str, type[CachePolicy]]:
+def policies() -> dict[str, type[CachingPolicy]]:
     """Every registered policy by name (built-in and entry points; see
     :func:`dlcachefs.policies.registry`)."""
     return registry()
@@ -54,7 +54,7 @@ def policy_factory(spec: str) -> PolicyFactory:
     (an unknown name, option or value raises ValueError before anything is opened)."""
     make_policy(spec)  # a throwaway instance: policies are cheap to make and do no I/O
 
-    def make(ctx: PolicyContext) -> CachePolicy:
+    def make(ctx: PolicyContext) -> CachingPolicy:
         return make_policy(spec, ctx)
 
     return make
@@ -68,7 +68,7 @@ class Session:
     control: ControlState
 
     @property
-    def policy(self) -> CachePolicy:
+    def policy(self) -> CachingPolicy:
         """The engine's caching policy (made by :func:`build` from ``cfg.policy``)."""
         return self.engine.policy
 

@@ -55,7 +55,7 @@ from dlcachefs.cache.memlimit import cgroup_limit, current_rss, fit
 from dlcachefs.cache.memtier import MemoryTier
 from dlcachefs.cache.namespace import Namespace, identity, is_file
 from dlcachefs.cache.ownerfetch import OwnerPrefetch
-from dlcachefs.cache.policy import CachePolicy, PolicyContext
+from dlcachefs.cache.policy import CachingPolicy, PolicyContext, plans_packages
 from dlcachefs.cache.prefetch import Prefetcher
 from dlcachefs.cache.reader import LogReader
 from dlcachefs.cache.readplan import ReadPlanner
@@ -159,7 +159,7 @@ class Engine:
     """Opens, reads and releases mirrored files; owns and wires the cache's parts."""
 
     def __init__(self, cfg: Config, source: Source | None = None, *,
-                 policy: Callable[[PolicyContext], CachePolicy]) -> None:
+                 policy: Callable[[PolicyContext], CachingPolicy]) -> None:
         """``policy`` makes the caching policy from the engine's views (a policy class, or
         :func:`dlcachefs.session.policy_factory` of ``cfg.policy``); the engine never looks
         policies up by name (the composition root, :mod:`dlcachefs.session`, does)."""
@@ -201,7 +201,7 @@ class Engine:
             self.writer.after_commit = self._after_commit
         # iCACHE's dynamic packaging fills the L-cache when substitution is on (and the
         # policy plans packages at all)
-        plans = type(self.policy).plan_package is not CachePolicy.plan_package
+        plans = plans_packages(self.policy)
         self.packer = Packer(self) if cfg.substitute and plans else None
         self.trace = TraceRecorder(cfg.trace) if cfg.trace else None
         # zero-copy readers' counts (dlcachefs.data): their files' counts at start are the base

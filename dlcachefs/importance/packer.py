@@ -2,7 +2,7 @@
 
 With ``--substitute``, the L-cache is filled the iCACHE way rather than by the misses of
 the read path: once an H-list exists, this task asks the policy for the next package
-(:meth:`~dlcachefs.cache.policy.CachePolicy.plan_package`: which L-samples, how many
+(:meth:`~dlcachefs.cache.policy.SupportsPackagePlanning.plan_package`: which L-samples, how many
 bytes), reads its members from the source in one batch (each file once, several at a
 time), and hands them to the chunk writer as ONE unit (:meth:`ChunkWriter.submit_package`).
 The paper's two threads are one task here: its *packaging thread* chooses the members
@@ -40,7 +40,7 @@ from dlcachefs.store.chunkfmt import CHUNK_HEADER_SIZE, RECORD_HEADER_SIZE
 if TYPE_CHECKING:
     from dlcachefs.cache.fetch import Fetcher
     from dlcachefs.cache.namespace import Namespace
-    from dlcachefs.cache.policy import CachePolicy
+    from dlcachefs.cache.policy import CachingPolicy
     from dlcachefs.cache.stats import Counters
     from dlcachefs.cache.views import InodeImportance
     from dlcachefs.cache.writer import ChunkWriter
@@ -85,7 +85,7 @@ class PackerEngine(Protocol):
     cfg: Config
     index: Index
     ns: Namespace
-    policy: CachePolicy
+    policy: CachingPolicy  # and SupportsPackagePlanning: the engine makes a Packer only then
     writer: ChunkWriter
     counters: Counters
     fetcher: Fetcher
