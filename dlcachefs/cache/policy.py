@@ -17,8 +17,10 @@ simulation); so are units.
 * :meth:`~CachingPolicy.maintain`: a bounded step of background work, and
   :meth:`~CachingPolicy.stats`: numbers for ``.dlcache/stats``.
 
-Only the four unit hooks and ``victims`` must be written; the others have defaults that
-do nothing (admit everything, no background work, no numbers).
+Only ``on_insert``, ``on_access``, ``on_remove`` and ``victims`` must be written; the
+others have defaults that do nothing (admit everything, no background work, no numbers).
+The core is a base class rather than a Protocol because it also carries what the registry
+needs of a policy: its ``name``, its ``options`` and their check in ``__init__``.
 
 **Capabilities** are what only some policies do, each a small contract of its own that a
 policy *declares* by deriving from it:
