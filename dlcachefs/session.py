@@ -56,7 +56,7 @@ from dlcachefs.cache.invariants import check_after_commit
 from dlcachefs.cache.memlimit import MemoryBudget, cgroup_limit, current_rss, fit
 from dlcachefs.cache.memtier import MemoryTier
 from dlcachefs.cache.namespace import Namespace, is_dir
-from dlcachefs.cache.policy import CachePolicy, PolicyContext
+from dlcachefs.cache.policy import CachingPolicy, PolicyContext, plans_packages
 from dlcachefs.cache.prefetch import Prefetcher
 from dlcachefs.cache.reader import LogReader
 from dlcachefs.cache.readers import Observers
@@ -90,10 +90,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: what the engine's parts take: the policy, made from its read-only views
-PolicyFactory = Callable[[PolicyContext], CachePolicy]
+PolicyFactory = Callable[[PolicyContext], CachingPolicy]
 
 
-def policies() -> dict[str, type[CachePolicy]]:
+def policies() -> dict[str, type[CachingPolicy]]:
     """Every registered policy by name (built-in and entry points; see
     :func:`dlcachefs.policies.registry`)."""
     return registry()
@@ -104,7 +104,7 @@ def policy_factory(spec: str) -> PolicyFactory:
     (an unknown name, option or value raises ValueError before anything is opened)."""
     make_policy(spec)  # a throwaway instance: policies are cheap to make and do no I/O
 
-    def make(ctx: PolicyContext) -> CachePolicy:
+    def make(ctx: PolicyContext) -> CachingPolicy:
         return make_policy(spec, ctx)
 
     return make
@@ -126,7 +126,7 @@ class _StreamParts:
     readahead: ReadAhead | None = None
     memtier: MemoryTier | None = None
     writer: ChunkWriter | None = None
-    policy: CachePolicy | None = None
+    policy: CachingPolicy | None = None
     future: StreamFuture | None = None
     plans: ReadPlanner | None = None
     prefetcher: Prefetcher | None = None
@@ -159,7 +159,7 @@ class Session:
     started: float = 0.0
 
     @property
-    def policy(self) -> CachePolicy:
+    def policy(self) -> CachingPolicy:
         """The caching policy (made by :func:`build` from ``cfg.policy``)."""
         return self.engine.policy
 
@@ -423,7 +423,7 @@ def build(cfg: Config, source: Source | None = None) -> Session:
 
     # iCACHE's dynamic packaging fills the L-cache when substitution is on (and the
     # policy plans packages at all)
-    packs = type(policy).plan_package is not CachePolicy.plan_package
+    packs = plans_packages(policy)
     packer = (Packer(cfg, index=index, ns=ns, policy=policy, writer=writer, fetcher=fetcher,
                      importance=importance, sample_list=streams.sample_list)
               if cfg.substitute and packs else None)

@@ -1,9 +1,28 @@
 """Caching policies, registered by name.
 
 Built-in policies are listed here; third-party ones register through the entry-point
-group ``dlcachefs.policies`` (an entry point names a class derived from
-:class:`CachePolicy`). Duplicate names are refused. A policy is chosen with
-``--policy NAME[:key=value,...]``; the options a policy takes are its ``options``.
+group ``dlcachefs.policies``: an entry point names a class derived from
+:class:`CachingPolicy` (the contract, :mod:`dlcachefs.cache.policy`), e.g. in the
+plugin's ``pyproject.toml``::
+
+    [project.entry-points."dlcachefs.policies"]
+    mine = "my_package.policy:MyPolicy"
+
+Duplicate names are refused. A policy is chosen with ``--policy NAME[:key=value,...]``;
+the options a policy takes are its ``options``, passed to its ``__init__`` by keyword.
+
+A policy implements the core hooks of :class:`CachingPolicy` and declares what else it
+does by also deriving from capabilities: :class:`SupportsPacking` (unit sizes),
+:class:`SupportsPackagePlanning` (packages built by a background packer),
+:class:`SupportsSubstitution` (a miss served with another sample) and
+:class:`SupportsReleaseAfterUse` (a unit given up once used); a runner does its default
+for a capability a policy lacks (chunk-sized units, no packer, no substitution, a unit
+goes only as a victim). The built-in ones: ``lru`` (core only), ``reuse-distance`` and
+``lcache`` (release after use), ``icache`` (all four).
+
+A class derived from :class:`CachePolicy` (or :data:`EvictionPolicy`), the contract
+before capabilities, still registers and runs as before: it supports each capability one
+of whose hooks it overrides.
 """
 
 from __future__ import annotations
@@ -21,28 +40,33 @@ from dlcachefs.cache.policy import (
     PACK_CHUNK,
     CachePolicy,
     CacheView,
+    CachingPolicy,
     EvictionPolicy,
     FutureView,
     ImportanceView,
     PolicyContext,
+    SupportsPackagePlanning,
+    SupportsPacking,
+    SupportsReleaseAfterUse,
+    SupportsSubstitution,
     parse_policy_spec,
 )
 
 ENTRY_POINT_GROUP = "dlcachefs.policies"
 
-_BUILTIN: dict[str, type[CachePolicy]] = {
+_BUILTIN: dict[str, type[CachingPolicy]] = {
     cls.name: cls for cls in (LRUPolicy, ReuseDistancePolicy, LCachePolicy, ICachePolicy)}
 
 
-def registry() -> dict[str, type[CachePolicy]]:
+def registry() -> dict[str, type[CachingPolicy]]:
     """All policies by name: the built-in ones and those installed through entry points."""
     out = dict(_BUILTIN)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name in out:
             raise ValueError(f"policy name {ep.name!r} is registered twice")
         cls = ep.load()
-        if not (isinstance(cls, type) and issubclass(cls, CachePolicy)):
-            raise TypeError(f"entry point {ep.name!r} is not a CachePolicy class")
+        if not (isinstance(cls, type) and issubclass(cls, CachingPolicy)):
+            raise TypeError(f"entry point {ep.name!r} is not a CachingPolicy class")
         out[ep.name] = cls
     return out
 
@@ -64,7 +88,7 @@ def _convert(policy: str, key: str, typ: type, text: str) -> object:
                          f"{typ.__name__}") from None
 
 
-def make_policy(spec: str, ctx: PolicyContext | None = None) -> CachePolicy:
+def make_policy(spec: str, ctx: PolicyContext | None = None) -> CachingPolicy:
     """Build a policy from ``NAME[:key=value,...]`` with the given context."""
     name, raw = parse_policy_spec(spec)
     reg = registry()
@@ -79,7 +103,8 @@ def make_policy(spec: str, ctx: PolicyContext | None = None) -> CachePolicy:
     return cls(ctx, **opts)
 
 
-__all__ = ["NEVER", "PACK_ALONE", "PACK_CHUNK", "CachePolicy", "CacheView", "EvictionPolicy",
-           "FutureView", "ICachePolicy", "ImportanceView", "LCachePolicy", "LRUPolicy",
-           "PolicyContext", "ReuseDistancePolicy", "make_policy", "parse_policy_spec",
-           "registry"]
+__all__ = ["NEVER", "PACK_ALONE", "PACK_CHUNK", "CachePolicy", "CacheView", "CachingPolicy",
+           "EvictionPolicy", "FutureView", "ICachePolicy", "ImportanceView", "LCachePolicy",
+           "LRUPolicy", "PolicyContext", "ReuseDistancePolicy", "SupportsPackagePlanning",
+           "SupportsPacking", "SupportsReleaseAfterUse", "SupportsSubstitution", "make_policy",
+           "parse_policy_spec", "registry"]

@@ -57,7 +57,14 @@ import math
 import random
 from collections.abc import Callable, Collection, Sequence
 
-from dlcachefs.cache.policy import PACK_ALONE, CachePolicy
+from dlcachefs.cache.policy import (
+    PACK_ALONE,
+    CachingPolicy,
+    SupportsPackagePlanning,
+    SupportsPacking,
+    SupportsReleaseAfterUse,
+    SupportsSubstitution,
+)
 
 #: heap entries re-keyed per :meth:`ICachePolicy.maintain` call
 REBUILD_STEP = 4096
@@ -68,7 +75,8 @@ MIN_REQUESTS = 256
 PLAN_STEP = 16384
 
 
-class ICachePolicy(CachePolicy):
+class ICachePolicy(CachingPolicy, SupportsPacking, SupportsPackagePlanning,
+                   SupportsSubstitution, SupportsReleaseAfterUse):
     """H-cache by importance min-heap + L-cache of packages + substitution decisions."""
 
     name = "icache"

@@ -15,8 +15,10 @@ from collections.abc import Sequence
 
 from dlcachefs.policies.lru import LRUPolicy
 
+from dlcachefs.cache.policy import SupportsReleaseAfterUse
 
-class LCachePolicy(LRUPolicy):
+
+class LCachePolicy(LRUPolicy, SupportsReleaseAfterUse):
     """LRU + release of fully consumed units under pressure."""
 
     name = "lcache"

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
-from dlcachefs.cache.policy import CachePolicy
+from dlcachefs.cache.policy import CachingPolicy
 
 
-class LRUPolicy(CachePolicy):
+class LRUPolicy(CachingPolicy):
     """Evict the unit whose last served sample is the oldest."""
 
     name = "lru"

@@ -24,10 +24,10 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection, Sequence
 
-from dlcachefs.cache.policy import NEVER, CachePolicy
+from dlcachefs.cache.policy import NEVER, CachingPolicy, SupportsReleaseAfterUse
 
 
-class ReuseDistancePolicy(CachePolicy):
+class ReuseDistancePolicy(CachingPolicy, SupportsReleaseAfterUse):
     """Farthest-next-use eviction + Lobster's release rules; LRU without a known future."""
 
     name = "reuse-distance"

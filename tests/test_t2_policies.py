@@ -10,7 +10,7 @@ import pytest
 from dlcachefs.policies import (
     NEVER,
     PACK_ALONE,
-    CachePolicy,
+    CachingPolicy,
     PolicyContext,
     make_policy,
     parse_policy_spec,
@@ -19,6 +19,7 @@ from dlcachefs.policies import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dlcachefs.cache.policy import releases_after_use, unit_target
 from dlcachefs.importance.scores import Importance, percentile_ranks, select_epoch
 from dlcachefs.sim.simulate import Trace, belady, run_policy, simulate
 
@@ -89,8 +90,8 @@ class Imp:
 @pytest.mark.parametrize("name", ALL)
 def test_registered_policy_is_a_cache_policy(name):
     cls = registry()[name]
-    assert issubclass(cls, CachePolicy) and cls.name == name
-    assert isinstance(make_policy(name), CachePolicy)
+    assert issubclass(cls, CachingPolicy) and cls.name == name
+    assert isinstance(make_policy(name), CachingPolicy)
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -109,14 +110,14 @@ def test_policy_contract(name, ops, seed):
     live: dict[int, int] = {}
     for op, unit, size in ops:
         if op == "insert" and unit not in live:
-            members = (unit, unit + 32) if pol.pack(unit, size) != PACK_ALONE else (unit,)
+            members = (unit, unit + 32) if unit_target(pol, unit, size) != PACK_ALONE else (unit,)
             pol.on_insert(unit, members, size)
             live[unit] = size
             cache.units[unit] = (members, size)
             cache.bytes += size
         elif op == "access" and unit in live:
             pol.on_access(unit, unit)
-            if pol.release_after_use(unit, unit):
+            if releases_after_use(pol, unit, unit):
                 pass  # allowed at any time; the runner removes it
         elif op == "remove" and unit in live:
             pol.on_remove(unit)
@@ -359,7 +360,7 @@ def test_icache_pending_bytes_follow_admissions_inserts_and_drops():
     assert (pol._pending_h, pol._pending_l) == (0, 0)
 
 
-def _two_packages() -> tuple[CachePolicy, Imp]:
+def _two_packages() -> tuple[CachingPolicy, Imp]:
     """iCACHE holding two packages of L-samples: chunk 1 = (10, 11), then 2 = (20, 21)."""
     imp = Imp({}, high=set())
     pol = make_policy("icache:package=100", PolicyContext(Cache(10_000), Future({}), imp))

@@ -47,7 +47,7 @@ from dlcachefs.cache.fetch import Fetcher, SourceCalls
 from dlcachefs.cache.invariants import check_cache
 from dlcachefs.cache.memtier import MemoryTier
 from dlcachefs.cache.namespace import Namespace, identity, is_file
-from dlcachefs.cache.policy import CachePolicy
+from dlcachefs.cache.policy import CachingPolicy
 from dlcachefs.cache.reader import LogReader
 from dlcachefs.cache.readers import OpenEvent, OpenObserver, Readers, ReaderStream, Served
 from dlcachefs.cache.readplan import ReadPlanner
@@ -143,7 +143,7 @@ class Engine:
     the composition root (:func:`dlcachefs.session.build`) makes and hands it."""
 
     def __init__(self, cfg: Config, *, source: Source, index: Index, logs: LogStore,
-                 counters: Counters, calls: SourceCalls, ns: Namespace, policy: CachePolicy,
+                 counters: Counters, calls: SourceCalls, ns: Namespace, policy: CachingPolicy,
                  clock: PolicyClock, memtier: MemoryTier, writer: ChunkWriter,
                  backlog: Backlog, readahead: ReadAhead, versions: Versions,
                  reader: LogReader, fetcher: Fetcher, substitution: Substitution,

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from dlcachefs.cache.buffers import Backlog
     from dlcachefs.cache.dedup import ContentStore
     from dlcachefs.cache.namespace import Namespace
-    from dlcachefs.cache.policy import CachePolicy
+    from dlcachefs.cache.policy import CachingPolicy
     from dlcachefs.cache.versions import Versions
     from dlcachefs.cache.writer import ChunkWriter
 
@@ -214,7 +214,7 @@ class Fetcher(TaskOwner):
     """
 
     def __init__(self, cfg: Config, calls: SourceCalls, ns: Namespace, writer: ChunkWriter,
-                 policy: CachePolicy, versions: Versions, backlog: Backlog,
+                 policy: CachingPolicy, versions: Versions, backlog: Backlog,
                  counters: Counters, peers: PeerReads | None = None,
                  dedup: ContentStore | None = None) -> None:
         self.cfg = cfg

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dlcachefs.cache.buffers import Backlog, ReadAhead
 from dlcachefs.cache.fetch import Fetcher
 from dlcachefs.cache.namespace import Namespace, identity
-from dlcachefs.cache.policy import CachePolicy
+from dlcachefs.cache.policy import CachingPolicy, may_substitute
 from dlcachefs.cache.reader import LogReader
 from dlcachefs.cache.readplan import ReadPlanner
 from dlcachefs.cache.source import Identity
@@ -42,7 +42,7 @@ class Prefetcher:
     """Fetches ahead of readers for streams, scan-ahead and the reorderer."""
 
     def __init__(self, cfg: Config, *, ns: Namespace, versions: Versions, fetcher: Fetcher,
-                 reader: LogReader, writer: ChunkWriter, policy: CachePolicy,
+                 reader: LogReader, writer: ChunkWriter, policy: CachingPolicy,
                  backlog: Backlog, readahead: ReadAhead, plans: ReadPlanner,
                  counters: Counters) -> None:
         self.cfg = cfg
@@ -59,7 +59,7 @@ class Prefetcher:
 
     def _left_to_open(self, ino: int) -> bool:
         """An L-sample under --substitute: its open may be served by substitution."""
-        return self.cfg.substitute and self.policy.substitutable(ino)
+        return self.cfg.substitute and may_substitute(self.policy, ino)
 
     async def prefetch_one(self, ino: int, stream) -> bool:
         """Make sure the current version of ``ino`` is in the cache (and its chunk in the

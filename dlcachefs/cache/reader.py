@@ -34,7 +34,7 @@ import trio
 
 from dlcachefs.cache.buffers import ReadAhead
 from dlcachefs.cache.memtier import ChunkBuf, MemoryTier
-from dlcachefs.cache.policy import CachePolicy
+from dlcachefs.cache.policy import CachingPolicy, releases_after_use
 from dlcachefs.cache.stats import Counters
 from dlcachefs.cache.versions import record_identity
 from dlcachefs.cache.writer import ChunkWriter
@@ -51,7 +51,7 @@ class LogReader:
     """Records from the memory tier or the logs (see the module docstring)."""
 
     def __init__(self, index: Index, logs: LogStore, memtier: MemoryTier, writer: ChunkWriter,
-                 policy: CachePolicy, counters: Counters,
+                 policy: CachingPolicy, counters: Counters,
                  disk_limiter: trio.CapacityLimiter, readahead: ReadAhead) -> None:
         self.index = index
         self.logs = logs
@@ -176,7 +176,7 @@ class LogReader:
     def after_use(self, chunk_id: int, ino: int) -> None:
         """A record of the chunk was served: tell the policy; release if it says so."""
         self.policy.on_access(chunk_id, ino)
-        if self.policy.release_after_use(chunk_id, ino):
+        if releases_after_use(self.policy, chunk_id, ino):
             self.counters.released_after_use += 1
             self.writer.retire_chunk(chunk_id)
 

@@ -21,7 +21,7 @@ import trio
 from dlcachefs.cache.buffers import ReadAhead
 from dlcachefs.cache.fetch import Fetcher
 from dlcachefs.cache.namespace import Namespace, identity, is_file
-from dlcachefs.cache.policy import CachePolicy
+from dlcachefs.cache.policy import CachingPolicy, may_substitute, substitute_for
 from dlcachefs.cache.reader import LogReader
 from dlcachefs.cache.stats import Counters
 from dlcachefs.cache.versions import Versions
@@ -38,7 +38,7 @@ class Substitution:
     """Chooses and reads the substitute of a missed L-sample (module docstring)."""
 
     def __init__(self, cfg: Config, *, index: Index, ns: Namespace, versions: Versions,
-                 fetcher: Fetcher, reader: LogReader, readahead: ReadAhead, policy: CachePolicy,
+                 fetcher: Fetcher, reader: LogReader, readahead: ReadAhead, policy: CachingPolicy,
                  packer, counters: Counters) -> None:
         self.cfg = cfg
         self.index = index
@@ -58,14 +58,14 @@ class Substitution:
         if (self.versions.is_cached(e.ino, identity(e)) or e.ino in self.readahead
                 or self.fetcher.in_flight(e.ino)):
             return None
-        if not self.policy.substitutable(e.ino):
+        if not may_substitute(self.policy, e.ino):
             return None
         files = await self._files_in(e.parent)
         cands = [i for i in files if i != e.ino and i not in stream.used]
         if self.packer is not None:
             self.packer.wake()  # a miss is recorded and a cached L-sample used up
         while True:
-            pick = self.policy.choose_substitute(e.ino, cands)
+            pick = substitute_for(self.policy, e.ino, cands)
             if pick is None:
                 return None
             cands.remove(pick)

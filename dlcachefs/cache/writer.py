@@ -74,7 +74,7 @@ from typing import Protocol, TypeVar
 import trio
 
 from dlcachefs.cache.memtier import MemoryTier
-from dlcachefs.cache.policy import PACK_CHUNK
+from dlcachefs.cache.policy import PACK_CHUNK, unit_target
 from dlcachefs.cache.source import Identity
 from dlcachefs.cache.stats import Counters
 from dlcachefs.cache.versions import record_is_current
@@ -279,7 +279,7 @@ class ChunkWriter:
         if self._closing or time.monotonic() < self.backoff_until:
             self.counters.cache_skipped += 1
             return False
-        target = self.policy.pack(ino, len(data))
+        target = unit_target(self.policy, ino, len(data))
         target = self.chunk_target if target == PACK_CHUNK else min(target, self.max_unit)
         rec = Pending(ino, key, ident, data, target, sha256=sha256)
         # bounded memory: one chunk filling, one being sealed, and a little slack

@@ -73,7 +73,7 @@ from dlcachefs.store.schema import Chunk, Record
 from dlcachefs.store.seal import NewChunk, NewRecord, seal_chunks
 
 if TYPE_CHECKING:
-    from dlcachefs.cache.policy import CachePolicy
+    from dlcachefs.cache.policy import CachingPolicy
     from dlcachefs.cache.prefetch import Prefetcher
     from dlcachefs.cache.stats import Counters
     from dlcachefs.cache.writer import ChunkWriter
@@ -183,7 +183,7 @@ class ReorderEngine(Protocol):
     index: Index
     logs: LogStore
     writer: ChunkWriter
-    policy: CachePolicy
+    policy: CachingPolicy
     counters: Counters
     disk_limiter: trio.CapacityLimiter
     prefetcher: Prefetcher

@@ -2,7 +2,7 @@
 
 With ``--substitute``, the L-cache is filled the iCACHE way rather than by the misses of
 the read path: once an H-list exists, this task asks the policy for the next package
-(:meth:`~dlcachefs.cache.policy.CachePolicy.plan_package`: which L-samples, how many
+(:meth:`~dlcachefs.cache.policy.SupportsPackagePlanning.plan_package`: which L-samples, how many
 bytes), reads its members from the source in one batch (each file once, several at a
 time), and hands them to the chunk writer as ONE unit (:meth:`ChunkWriter.submit_package`).
 The paper's two threads are one task here: its *packaging thread* chooses the members
@@ -41,7 +41,7 @@ from dlcachefs.store.chunkfmt import CHUNK_HEADER_SIZE, RECORD_HEADER_SIZE
 if TYPE_CHECKING:
     from dlcachefs.cache.fetch import Fetcher
     from dlcachefs.cache.namespace import Namespace
-    from dlcachefs.cache.policy import CachePolicy
+    from dlcachefs.cache.policy import CachingPolicy
     from dlcachefs.cache.writer import ChunkWriter
     from dlcachefs.clairvoyance.samplelist import SampleList
     from dlcachefs.config import Config
@@ -84,7 +84,7 @@ class Packer:
     table's dataset and that dataset's sample list (``sample_list(dataset)``: the
     streams')."""
 
-    def __init__(self, cfg: Config, *, index: Index, ns: Namespace, policy: CachePolicy,
+    def __init__(self, cfg: Config, *, index: Index, ns: Namespace, policy: CachingPolicy,
                  writer: ChunkWriter, fetcher: Fetcher, importance: InodeImportance,
                  sample_list: Callable[[str], SampleList | None]) -> None:
         self.cfg = cfg

@@ -7,7 +7,7 @@ It comes from a file (JSON, :mod:`dlcachefs.clairvoyance.trace`: what a mount's
 torch's RandomSampler / DistributedSampler orders, or iCACHE's importance sampling over
 synthetic losses).
 
-The runner drives the same :class:`~dlcachefs.cache.policy.CachePolicy` objects a mount uses,
+The runner drives the same :class:`~dlcachefs.cache.policy.CachingPolicy` objects a mount uses,
 through the same calls in the same order as the chunk writer and the engine (request,
 hit / miss, substitution, admission, packing into units, eviction, release after use),
 with a future view that knows the current and the next epoch (what an announced seeded
@@ -27,7 +27,15 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dlcachefs.cache.policy import PACK_CHUNK, PolicyContext
+from dlcachefs.cache.policy import (
+    PACK_CHUNK,
+    PolicyContext,
+    SupportsPackagePlanning,
+    may_substitute,
+    releases_after_use,
+    substitute_for,
+    unit_target,
+)
 from dlcachefs.clairvoyance.trace import Trace
 from dlcachefs.importance.scores import Importance, select_epoch
 
@@ -191,6 +199,8 @@ def run_policy(trace: Trace, spec: str, capacity: int, *, chunk_size: int = 0,
     imp = Importance(trace.n, h_fraction)
     iview = _Importance(imp)
     pol = make_policy(spec, PolicyContext(cache, fut, iview))
+    # a packer only for a policy that plans packages
+    planner = pol if isinstance(pol, SupportsPackagePlanning) else None
     res = Result(spec, capacity)
     unit_of: dict[int, int] = {}  # sample -> unit (sealed or open)
     open_units: dict[int, list[int]] = {}  # pack target -> samples waiting
@@ -235,16 +245,16 @@ def run_policy(trace: Trace, spec: str, capacity: int, *, chunk_size: int = 0,
     def serve_from(unit: int, sample: int) -> None:
         if unit in cache.units:
             pol.on_access(unit, sample)
-            if pol.release_after_use(unit, sample):
+            if releases_after_use(pol, unit, sample):
                 remove(unit)
 
     rng = random.Random(0)
     pool = list(range(trace.n))
 
-    def package() -> None:
+    def package(planner: SupportsPackagePlanning) -> None:
         """iCACHE III-C, as the mount's packer: the policy's next package, read from the
         source (counted) and inserted as one unit, at once."""
-        plan = pol.plan_package(pool, trace.sizes.__getitem__, 0)
+        plan = planner.plan_package(pool, trace.sizes.__getitem__, 0)
         if plan:
             key = -next_unit[0]  # a group of its own (targets are >= 0)
             open_units[key] = list(plan)
@@ -261,8 +271,8 @@ def run_policy(trace: Trace, spec: str, capacity: int, *, chunk_size: int = 0,
         for s in order:
             fut.advance(t, e)
             t += 1
-            if substitute:
-                package()
+            if substitute and planner is not None:
+                package(planner)
             res.accesses += 1
             pol.on_request(s)
             served.add(s)
@@ -273,11 +283,11 @@ def run_policy(trace: Trace, spec: str, capacity: int, *, chunk_size: int = 0,
                 serve_from(u, s)
             else:
                 sub = None
-                if substitute and pol.substitutable(s):
+                if substitute and may_substitute(pol, s):
                     pool = [c for c in by_class.get(trace.classes[s], ()) if c not in served]
                     if len(pool) > 256:
                         pool = rng.sample(pool, 256)
-                    sub = pol.choose_substitute(s, pool)
+                    sub = substitute_for(pol, s, pool)
                 if sub is not None and sub in unit_of:
                     res.substituted += 1
                     served.add(sub)
@@ -286,7 +296,7 @@ def run_policy(trace: Trace, spec: str, capacity: int, *, chunk_size: int = 0,
                     res.misses += 1
                     res.bytes_from_source += size
                     if size <= capacity and pol.admit(s, size):
-                        target = pol.pack(s, size)
+                        target = unit_target(pol, s, size)
                         if target == PACK_CHUNK:
                             target = chunk_size
                         open_units.setdefault(target, []).append(s)
