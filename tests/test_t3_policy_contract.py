@@ -38,7 +38,7 @@ from dlcachefs.cache.policy import (
     unit_target,
 )
 from dlcachefs.sim.simulate import Trace, run_policy
-from dlcachefs.testing.fakes import make_config, run_engine, write_tree
+from dlcachefs.testing.fakes import make_config, run_session, write_tree
 
 
 def caps(obj: object) -> set[str]:
@@ -352,18 +352,19 @@ def test_a_legacy_planner_gets_the_engines_packer_and_substitutes(legacy_registe
     n = len(files)
     losses = [float((i * 7) % n) for i in range(n)]  # a permutation: H and L mixed
 
-    async def body(eng):
-        sl = await eng.streams.ensure_sample_list("")
-        eng.importance.bind("", sl.inos, eng.cfg.h_fraction)
-        eng.importance.table.update("j", list(range(len(sl.inos))), losses)
-        eng.importance.table.rebuild()
-        while await eng.packer.step():
+    async def body(sess):
+        eng = sess.engine
+        sl = await sess.streams.ensure_sample_list("")
+        sess.importance.bind("", sl.inos, eng.cfg.h_fraction)
+        sess.importance.table.update("j", list(range(len(sl.inos))), losses)
+        sess.importance.table.rebuild()
+        while await sess.packer.step():
             pass
         await eng.flush()
         from dlcachefs.clairvoyance.streams import Stream
 
         s = Stream("j", 0)
-        eng.streams.stream_of = lambda pid: s  # every open is this stream's
+        sess.streams.stream_of = lambda pid: s  # every open is this stream's
         served = {}
         for rel in sorted(files):
             r = await eng.open(eng.ns.resolve(rel).ino, pid=1)
@@ -375,9 +376,10 @@ def test_a_legacy_planner_gets_the_engines_packer_and_substitutes(legacy_registe
 
     cfg = make_config(tmp_path / "src", tmp_path / "cache", cache_size=150_000,
                       policy="legacy-icache:package=30000", substitute=True)
-    served, eng = run_engine(cfg, body)
-    assert isinstance(eng.policy, LegacyICache) and eng.packer is not None
-    assert eng.packer.stats.packages >= 1
+    served, sess = run_session(cfg, body)
+    eng = sess.engine
+    assert isinstance(eng.policy, LegacyICache) and sess.packer is not None
+    assert sess.packer.stats.packages >= 1
     subs = sum(1 for rel, got in served.items() if got != files[rel])
     assert subs > 0 and eng.counters.substitutions == subs
 
@@ -391,6 +393,7 @@ def test_a_legacy_planner_gets_the_engines_packer_and_substitutes(legacy_registe
 
     cfg = make_config(tmp_path / "src", tmp_path / "cache2", cache_size=150_000,
                       policy="legacy-lru", substitute=True)
-    _, eng = run_engine(cfg, read_all)
-    assert isinstance(eng.policy, LegacyLRU) and eng.packer is None
+    _, sess = run_session(cfg, lambda s: read_all(s.engine))
+    eng = sess.engine
+    assert isinstance(eng.policy, LegacyLRU) and sess.packer is None
     assert eng.counters.substitutions == 0
