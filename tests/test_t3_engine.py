@@ -1306,7 +1306,6 @@ def test_random_workload_reads_source_bytes(seed, n_files, chunk_size, memory, c
 def test_reorder_backfill_of_a_vanished_file_does_not_end_the_engine(tmp_path, policy):
     """Regression (review): a source error while filling a next-epoch log is that log's
     problem, never the daemon's."""
-    from dlcachefs.clairvoyance.reorder import NextEpochLog
 
     src, cache = tmp_path / "src", tmp_path / "cache"
     files = {f"train/c0/img{i}.jpg".encode(): os.urandom(3000) for i in range(4)}
@@ -1315,7 +1314,7 @@ def test_reorder_backfill_of_a_vanished_file_does_not_end_the_engine(tmp_path, p
 
     async def body(eng):
         inos.extend(eng.ns.resolve(r).ino for r in files)
-        nl = NextEpochLog(eng, "default/0", 1)
+        nl = eng.streams.planner.new_log("default/0", 1)
         await nl.plan(inos)
         os.unlink(src / "train/c0/img0.jpg")  # not cached, and gone from the source
         backfilled = trio.Event()
@@ -1346,7 +1345,6 @@ def test_a_sample_changed_or_gone_since_its_log_was_planned_leaves_a_filler(tmp_
     sealed and indexed with the other samples only, checksums holding, and the changed
     file is served in its new version, the deleted one not at all."""
     from dlcachefs.cache.namespace import identity
-    from dlcachefs.clairvoyance.reorder import NextEpochLog
     from dlcachefs.errors import NotFound
     from dlcachefs.store.chunkfmt import verify_chunk
 
@@ -1358,7 +1356,7 @@ def test_a_sample_changed_or_gone_since_its_log_was_planned_leaves_a_filler(tmp_
     async def body(eng):
         inos = [eng.ns.resolve(r).ino for r in files]
         planned = [identity(eng.index.get_entry(i)) for i in inos]
-        nl = NextEpochLog(eng, "default/0", 1)
+        nl = eng.streams.planner.new_log("default/0", 1)
         await nl.plan(inos)
         assert len(nl.chunks) == 1 and len(nl.chunks[0].slots) == 5
         eng.streams._nursery.start_soon(nl.run)
@@ -1407,7 +1405,6 @@ def test_invariants_are_checked_after_every_reorder_seal(tmp_path, policy):
     """--debug-invariants covers both seal paths: the reorderer's chunks are indexed
     through ChunkWriter.commit_external, which runs the engine's check after each one,
     as the writer's own seals do."""
-    from dlcachefs.clairvoyance.reorder import NextEpochLog
 
     src, cache = tmp_path / "src", tmp_path / "cache"
     files = {f"train/c0/img{i:02d}.jpg".encode(): os.urandom(5000) for i in range(24)}
@@ -1423,7 +1420,7 @@ def test_invariants_are_checked_after_every_reorder_seal(tmp_path, policy):
             check()
 
         eng.writer.after_commit = after_commit
-        nl = NextEpochLog(eng, "default/0", 1)
+        nl = eng.streams.planner.new_log("default/0", 1)
         await nl.plan([eng.ns.resolve(r).ino for r in files])
         seal_thread = nl._seal_thread
 

@@ -21,7 +21,7 @@ def dataset(classes: int = 4, per_class: int = 40, seed: int = 0) -> dict[bytes,
 async def with_h_list(eng, losses) -> list[int]:
     """The dataset listed and an H-list from ``losses`` (by dataset index), as a stream's
     epoch start does; the inodes of the samples."""
-    sl = await eng.streams.ensure_sample_list("")
+    sl = await eng.streams.lists.ensure_sample_list("")
     eng.importance.bind("", sl.inos, eng.cfg.h_fraction)
     eng.importance.table.update("j", list(range(len(sl.inos))), losses)
     eng.importance.table.rebuild()

@@ -21,7 +21,7 @@ def two_samples(tmp_path) -> tuple[dict, object]:
 async def planned(eng, files: dict) -> tuple[NextEpochLog, list[int]]:
     """Epoch 1's log of the samples, in their order: one chunk, one slot each."""
     inos = [eng.ns.resolve(r).ino for r in files]
-    nl = NextEpochLog(eng, "default/0", 1)
+    nl = eng.streams.planner.new_log("default/0", 1)
     await nl.plan(inos)
     assert len(nl.chunks) == 1 and len(nl.chunks[0].slots) == 2
     return nl, inos

@@ -22,10 +22,11 @@ orders) and :mod:`dlcachefs.clairvoyance.reorder` (the next epoch's log); start-
 :mod:`dlcachefs.cache.recovery`; losses in :mod:`dlcachefs.importance.losses`; the stats
 document in :mod:`dlcachefs.cache.stats`.
 
-The background parts (streams, the reorderer, scan-ahead, the packer, read plans) are
-given this engine and use only the members their module declares in a Protocol
-(``StreamEngine``, ``ReorderEngine``, ``ScanEngine``, ``PackerEngine``, ``PlanEngine``):
-all of them public attributes listed in :meth:`Engine.__init__`.
+The background parts scan-ahead, the packer and read plans are given this engine and use
+only the members their module declares in a Protocol (``ScanEngine``, ``PackerEngine``,
+``PlanEngine``): all of them public attributes listed in :meth:`Engine.__init__`. The
+streams (:mod:`dlcachefs.clairvoyance.streams`) and their next-epoch logs are given
+their collaborators in their constructors.
 
 Concurrency rules: all engine state lives on the trio loop and is touched only there.
 Source calls run in worker threads under the source limiter (``--source-threads``,
@@ -44,6 +45,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import trio
 
@@ -73,9 +75,16 @@ from dlcachefs.cache.source import (
 from dlcachefs.cache.stats import Counters, stats_document
 from dlcachefs.cache.substitute import Substitution
 from dlcachefs.cache.versions import Versions
-from dlcachefs.cache.views import IndexCacheView, InodeImportance, StreamFuture
+from dlcachefs.cache.views import IndexCacheView, InodeImportance, PolicyClock
 from dlcachefs.cache.writer import ChunkWriter
+from dlcachefs.clairvoyance.attribution import Attribution
 from dlcachefs.clairvoyance.control import ControlState
+from dlcachefs.clairvoyance.future import StreamFuture
+from dlcachefs.clairvoyance.listings import SampleLists
+from dlcachefs.clairvoyance.nextepoch import NextEpochPlanner
+from dlcachefs.clairvoyance.prefetchloop import LEAD, PrefetchLoop, stream_lead_bytes
+from dlcachefs.clairvoyance.reorder import NextEpochLog
+from dlcachefs.clairvoyance.stream import StreamTable
 from dlcachefs.clairvoyance.streams import Stream, StreamManager
 from dlcachefs.config import Config
 from dlcachefs.errors import InvalidArgument, SourceChanged
@@ -179,13 +188,12 @@ class Engine:
         self.disk_limiter = trio.CapacityLimiter(4)
         self.ns = Namespace(self.index, self.calls, revalidate=cfg.revalidate,
                             use_src_ino=cfg.use_source_inode)
-        self.streams = StreamManager(self)
-        self.ns.on_removed = self.streams.note_gone
-        if not self.memory.replay_worker:
-            log.warning("%s", self.memory.replay_reason)
-            self.streams.replay.disable(self.memory.replay_reason)
+        # the streams of readers by (job, rank): the stream manager's, read by the
+        # policy's future, counted in ticks of the policy's clock (one per open)
+        stream_table = StreamTable()
+        self.clock = PolicyClock()
         # what the policy sees: chunks from the index, the streams' future, the losses
-        self.future = StreamFuture(self.streams)
+        self.future = StreamFuture(stream_table, self.clock)
         self.importance = InodeImportance()
         # the policy sees the writer's limit (a shared root's share moves at run time)
         self.policy = policy(PolicyContext(
@@ -226,9 +234,8 @@ class Engine:
         self.owner_prefetch = (OwnerPrefetch(self) if self.peers is not None
                                and cfg.peer_self is not None else None)
         # planned reads of known orders (issue 9): half of --memory, taken from the tier
-        self.plans = ReadPlanner(self, min(self.memory.memory // 2, self.streams.lead_bytes),
-                                 lead=self.streams.lead,
-                                 max_batch=max(4 << 20, 2 * cfg.chunk_size))
+        self.plans = ReadPlanner(self, min(self.memory.memory // 2, stream_lead_bytes(cfg)),
+                                 lead=LEAD, max_batch=max(4 << 20, 2 * cfg.chunk_size))
         self.prefetcher = Prefetcher(
             cfg, ns=self.ns, versions=self.versions, fetcher=self.fetcher,
             reader=self.reader, writer=self.writer, policy=self.policy, backlog=self.backlog,
@@ -237,6 +244,27 @@ class Engine:
             cfg, index=self.index, ns=self.ns, versions=self.versions, fetcher=self.fetcher,
             reader=self.reader, readahead=self.readahead, policy=self.policy,
             packer=self.packer, counters=self.counters)
+        next_log = partial(NextEpochLog, cfg=cfg, index=self.index, logs=self.logs,
+                           writer=self.writer, policy=self.policy, counters=self.counters,
+                           disk_limiter=self.disk_limiter, versions=self.versions,
+                           prefetcher=self.prefetcher)
+        self.streams = StreamManager(
+            cfg, stream_table, attribution=Attribution(stream_table),
+            lists=SampleLists(self.ns, self.index, stream_table),
+            planner=NextEpochPlanner(cfg, stream_table, self.ns, self.writer, self.memtier,
+                                     self.zerocopy, next_log),
+            prefetch=PrefetchLoop(self.ns, self.readahead, self.memtier, self.prefetcher,
+                                  lead_bytes=stream_lead_bytes(cfg),
+                                  concurrency=cfg.source_threads),
+            plans=self.plans, readahead=self.readahead, ns=self.ns, clock=self.clock,
+            # the losses hear of epochs and dropped jobs, and ask the streams for sample
+            # lists: built after the streams, reached at call time
+            on_epoch=lambda s, samples: self.losses.epoch_started(s, samples),
+            on_job_dropped=lambda job: self.losses.forget_job(job))
+        self.ns.on_removed = self.streams.note_gone
+        if not self.memory.replay_worker:
+            log.warning("%s", self.memory.replay_reason)
+            self.streams.replay.disable(self.memory.replay_reason)
         self.losses = Losses(self.importance, self.streams, self.counters, cfg.h_fraction,
                              self.trace)
         self.scan = ScanAhead(self)
@@ -441,7 +469,7 @@ class Engine:
                 self.scan.note_open(group, ino, e.parent)
         if e.size > self.cfg.max_cached_file:
             return await self._open_read_through(e, seen)
-        self.future.tick += 1
+        self.clock.tick += 1
         self.policy.on_request(ino)
         if stream is not None and self.cfg.substitute:
             sub = await self.substitution.serve(e, stream)
