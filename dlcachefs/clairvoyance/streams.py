@@ -87,7 +87,7 @@ from dlcachefs.config import Config
 from dlcachefs.errors import DlcError
 from dlcachefs.store.schema import Entry
 
-__all__ = ["EpochStarted", "Stream", "StreamManager", "StreamTable", "dataset_key"]
+__all__ = ["EpochStarted", "JobDropped", "Stream", "StreamManager", "StreamTable", "dataset_key"]
 
 log = logging.getLogger(__name__)
 
