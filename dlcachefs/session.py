@@ -43,6 +43,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 import trio
@@ -68,10 +69,17 @@ from dlcachefs.cache.source import DirDescriptors, LocalSource, Source
 from dlcachefs.cache.stats import Counters
 from dlcachefs.cache.substitute import Substitution
 from dlcachefs.cache.versions import Versions
-from dlcachefs.cache.views import IndexCacheView, PolicyClock, StreamFuture
+from dlcachefs.cache.views import IndexCacheView, PolicyClock
 from dlcachefs.cache.writer import AccountLimit, ChunkWriter
+from dlcachefs.clairvoyance.attribution import Attribution
 from dlcachefs.clairvoyance.control import ControlState, ErrorLog
 from dlcachefs.clairvoyance.events import StreamEvents
+from dlcachefs.clairvoyance.future import StreamFuture
+from dlcachefs.clairvoyance.listings import SampleLists
+from dlcachefs.clairvoyance.nextepoch import NextEpochPlanner
+from dlcachefs.clairvoyance.prefetchloop import LEAD, PrefetchLoop, stream_lead_bytes
+from dlcachefs.clairvoyance.reorder import NextEpochLog
+from dlcachefs.clairvoyance.stream import StreamTable
 from dlcachefs.clairvoyance.streams import StreamManager
 from dlcachefs.clairvoyance.trace import TraceRecorder
 from dlcachefs.config import Config
@@ -108,29 +116,6 @@ def policy_factory(spec: str) -> PolicyFactory:
         return make_policy(spec, ctx)
 
     return make
-
-
-@dataclass
-class _StreamParts:
-    """What the streams and their next-epoch logs use (the ``StreamEngine`` and
-    ``ReorderEngine`` Protocols of :mod:`dlcachefs.clairvoyance`), gathered as
-    :func:`build` makes the parts; complete before anything runs."""
-
-    cfg: Config
-    ns: Namespace
-    index: Index
-    logs: LogStore
-    counters: Counters
-    disk_limiter: trio.CapacityLimiter
-    zerocopy: TallyReader
-    readahead: ReadAhead | None = None
-    memtier: MemoryTier | None = None
-    writer: ChunkWriter | None = None
-    policy: CachingPolicy | None = None
-    future: StreamFuture | None = None
-    plans: ReadPlanner | None = None
-    prefetcher: Prefetcher | None = None
-    losses: Losses | None = None
 
 
 @dataclass
@@ -360,101 +345,151 @@ def build(cfg: Config, source: Source | None = None) -> Session:
     if memory.reason:
         log.warning("%s", memory.reason)
     calls = SourceCalls(source, cfg, counters)  # every call on the source goes through it
-    disk_limiter = trio.CapacityLimiter(4)
-    observers = Observers()  # the read path's events, fanned out (added below)
+    observers = Observers()  # the read path's events, fanned out (added in _background)
     ns = Namespace(index, calls, revalidate=cfg.revalidate, use_src_ino=cfg.use_source_inode,
                    on_removed=observers.gone)
-    zerocopy = TallyReader(os.path.join(cfg.data_dir, TALLY_DIR))  # zero-copy readers' counts
-
-    # the streams first: the policy's future is a view of them
-    parts = _StreamParts(cfg, ns, index, logs, counters, disk_limiter, zerocopy)
-    streams = StreamManager(parts)  # type: ignore[arg-type]  # complete below
-    if not memory.replay_worker:
-        log.warning("%s", memory.replay_reason)
-        streams.replay.disable(memory.replay_reason)
-    clock = PolicyClock()
-    future = StreamFuture(streams, clock)
+    # the policy sees the cache (chunks from the index, within the account's limit, which
+    # a shared root's share moves at run time), the streams' future and the losses
+    table = StreamTable()  # the streams of readers by (job, rank), filled by the manager
+    clock = PolicyClock()  # one tick per open
+    future = StreamFuture(table, clock)
     importance = InodeImportance()
-    # the account's limit, read by the policy's view and kept by the writer (a shared
-    # root's share moves it at run time)
     limit = AccountLimit(cfg.cache_size)
     policy = factory(PolicyContext(IndexCacheView(index, limit), future, importance))
-    memtier = MemoryTier(memory.memory)
-
     # the cluster's shared tier (--peers): pymemcache is imported only then
     peers = None
     if cfg.peers is not None:
         from dlcachefs.peers.tier import PeerTier  # noqa: PLC0415 - optional dependency
 
-        # (its expiry of a value reads the streams' orders: the last planned use)
-        peers = PeerTier(cfg, source.root, expiry_of=lambda ino: expiry_of_streams(streams, ino))
+        # a value expires after its last planned use in the streams' orders
+        peers = PeerTier(cfg, source.root, expiry_of=partial(expiry_of_streams, table))
     # --shared-cache dedup: identical bytes held once in the root (dlcachefs.cache.dedup)
     dedup = ContentStore(cfg, index, calls) if cfg.shared_cache and cfg.dedup else None
+    rp = _read_path(cfg, source, index, logs, counters, calls, ns, policy, limit, memory,
+                    peers, dedup)
+    return _background(cfg, rp, observers, table, clock, future, importance, memory, peers,
+                       dedup)
+
+
+@dataclass
+class _ReadPath:
+    """The read path's parts, as :func:`_read_path` made them (the engine takes them)."""
+
+    source: Source
+    index: Index
+    logs: LogStore
+    counters: Counters
+    calls: SourceCalls
+    ns: Namespace
+    policy: CachingPolicy
+    memtier: MemoryTier
+    writer: ChunkWriter
+    backlog: Backlog
+    readahead: ReadAhead
+    versions: Versions
+    reader: LogReader
+    fetcher: Fetcher
+    disk_limiter: trio.CapacityLimiter
+
+
+def _read_path(cfg: Config, source: Source, index: Index, logs: LogStore,
+               counters: Counters, calls: SourceCalls, ns: Namespace, policy: CachingPolicy,
+               limit: AccountLimit, memory: MemoryBudget, peers: object | None,
+               dedup: ContentStore | None) -> _ReadPath:
+    """The chunk writer, the buffers, the version check, the reader and the fetcher."""
+    memtier = MemoryTier(memory.memory)
     # --shared-cache: units cut for the smallest share a dataset may get (a 32nd of the
     # budget when the floor is smaller: units of a few KiB would cost more)
     basis = (max(int(cfg.cache_size * cfg.share_floor), cfg.cache_size // 32, 4096)
              if cfg.shared_cache else None)
     writer = ChunkWriter(
         cfg, index, logs, policy, memtier, counters, limit=limit, unit_basis=basis,
-        keeper=peers if peers is not None and cfg.peer_keep else None,  # Lobster 4.4
+        keeper=peers if peers is not None and cfg.peer_keep else None,  # type: ignore[arg-type]
         content_keys=dedup is not None,
         after_commit=check_after_commit if cfg.debug_invariants else None)
     backlog = Backlog(memory.backlog)  # fetched bytes waiting for the writer's room
     readahead = ReadAhead(memory.readahead)  # bytes fetched or loaded ahead of their opens
     versions = Versions(index, writer, backlog)
+    disk_limiter = trio.CapacityLimiter(4)
     reader = LogReader(index, logs, memtier, writer, policy, counters, disk_limiter,
                        readahead)
-    fetcher = Fetcher(cfg, calls, ns, writer, policy, versions, backlog, counters, peers,
-                      dedup)
+    fetcher = Fetcher(cfg, calls, ns, writer, policy, versions, backlog, counters,
+                      peers, dedup)  # type: ignore[arg-type]
+    return _ReadPath(source, index, logs, counters, calls, ns, policy, memtier, writer,
+                     backlog, readahead, versions, reader, fetcher, disk_limiter)
+
+
+def _background(cfg: Config, rp: _ReadPath, observers: Observers, table: StreamTable,
+                clock: PolicyClock, future: StreamFuture, importance: InodeImportance,
+                memory: MemoryBudget, peers: object | None,
+                dedup: ContentStore | None) -> Session:
+    """The parts that work for readers in the background, the engine over the read path
+    (told of opens through ``observers``), and the control state."""
+    index, ns, writer, policy = rp.index, rp.ns, rp.writer, rp.policy
+    zerocopy = TallyReader(os.path.join(cfg.data_dir, TALLY_DIR))  # zero-copy readers' counts
     # planned reads of known orders: half of --memory, taken from the tier
-    plans = ReadPlanner(index=index, logs=logs, writer=writer, memtier=memtier,
-                        counters=counters, disk_limiter=disk_limiter, reader=reader,
-                        versions=versions, readahead=readahead,
-                        budget=min(memory.memory // 2, streams.lead_bytes), lead=streams.lead,
+    plans = ReadPlanner(index=index, logs=rp.logs, writer=writer, memtier=rp.memtier,
+                        counters=rp.counters, disk_limiter=rp.disk_limiter, reader=rp.reader,
+                        versions=rp.versions, readahead=rp.readahead,
+                        budget=min(memory.memory // 2, stream_lead_bytes(cfg)), lead=LEAD,
                         max_batch=max(4 << 20, 2 * cfg.chunk_size))
     prefetcher = Prefetcher(
-        cfg, ns=ns, versions=versions, fetcher=fetcher, reader=reader, writer=writer,
-        policy=policy, backlog=backlog, readahead=readahead, plans=plans, counters=counters)
+        cfg, ns=ns, versions=rp.versions, fetcher=rp.fetcher, reader=rp.reader, writer=writer,
+        policy=policy, backlog=rp.backlog, readahead=rp.readahead, plans=plans,
+        counters=rp.counters)
+    next_log = partial(NextEpochLog, cfg=cfg, index=index, logs=rp.logs, writer=writer,
+                       policy=policy, counters=rp.counters, disk_limiter=rp.disk_limiter,
+                       versions=rp.versions, prefetcher=prefetcher)
+    losses: Losses | None = None  # (made below: it asks the streams for sample lists)
+    streams = StreamManager(
+        cfg, table, attribution=Attribution(table), lists=SampleLists(ns, index, table),
+        planner=NextEpochPlanner(cfg, table, ns, writer, rp.memtier, zerocopy, next_log),
+        prefetch=PrefetchLoop(ns, rp.readahead, rp.memtier, prefetcher,
+                              lead_bytes=stream_lead_bytes(cfg),
+                              concurrency=cfg.source_threads),
+        plans=plans, readahead=rp.readahead, ns=ns, clock=clock,
+        # the importance hears of epochs and dropped jobs (the losses, made next)
+        on_epoch=lambda s, samples: losses.epoch_started(s, samples),  # type: ignore[union-attr]
+        on_job_dropped=lambda job: losses.forget_job(job))  # type: ignore[union-attr]
+    if not memory.replay_worker:
+        log.warning("%s", memory.replay_reason)
+        streams.replay.disable(memory.replay_reason)
     trace = TraceRecorder(cfg.trace) if cfg.trace else None
     errors = ErrorLog()  # the control file's, shared with the losses
-    losses = Losses(importance, streams, counters, cfg.h_fraction, trace, errors)
-    parts.readahead, parts.memtier, parts.writer, parts.policy = readahead, memtier, writer, policy
-    parts.future, parts.plans, parts.prefetcher, parts.losses = future, plans, prefetcher, losses
-
+    losses = Losses(importance, streams, rp.counters, cfg.h_fraction, trace, errors)
     # iCACHE's dynamic packaging fills the L-cache when substitution is on (and the
     # policy plans packages at all)
-    packs = plans_packages(policy)
-    packer = (Packer(cfg, index=index, ns=ns, policy=policy, writer=writer, fetcher=fetcher,
-                     importance=importance, sample_list=streams.sample_list)
-              if cfg.substitute and packs else None)
+    packer = (Packer(cfg, index=index, ns=ns, policy=policy, writer=writer,
+                     fetcher=rp.fetcher, importance=importance,
+                     sample_list=streams.sample_list)
+              if cfg.substitute and plans_packages(policy) else None)
     substitution = Substitution(
-        cfg, index=index, ns=ns, versions=versions, fetcher=fetcher, reader=reader,
-        readahead=readahead, policy=policy, packer=packer, counters=counters)
-    scan = ScanAhead(cfg, index=index, ns=ns, writer=writer, fetcher=fetcher,
+        cfg, index=index, ns=ns, versions=rp.versions, fetcher=rp.fetcher, reader=rp.reader,
+        readahead=rp.readahead, policy=policy, packer=packer, counters=rp.counters)
+    scan = ScanAhead(cfg, index=index, ns=ns, writer=writer, fetcher=rp.fetcher,
                      prefetcher=prefetcher, group_of=streams.group_of)
     stream_events = StreamEvents(streams)
     # who hears each open, in this order: the streams (positions), the read plans, the
     # trace, scan-ahead
-    observers.add(stream_events)
-    observers.add(plans)
-    if trace is not None:
-        observers.add(trace)
-    observers.add(scan)
+    for o in (stream_events, plans, trace, scan):
+        if o is not None:
+            observers.add(o)
     engine = Engine(
-        cfg, source=source, index=index, logs=logs, counters=counters, calls=calls, ns=ns,
-        policy=policy, clock=clock, memtier=memtier, writer=writer, backlog=backlog,
-        readahead=readahead, versions=versions, reader=reader, fetcher=fetcher,
-        substitution=substitution, plans=plans, readers=stream_events, observers=observers)
-
+        cfg, source=rp.source, index=index, logs=rp.logs, counters=rp.counters,
+        calls=rp.calls, ns=ns, policy=policy, clock=clock, memtier=rp.memtier, writer=writer,
+        backlog=rp.backlog, readahead=rp.readahead, versions=rp.versions, reader=rp.reader,
+        fetcher=rp.fetcher, substitution=substitution, plans=plans, readers=stream_events,
+        observers=observers)
     # --shared-cache: this dataset's share of the root's budget (dlcachefs.cache.shares)
-    shares = ShareKeeper(cfg, index, writer, counters, calls) if cfg.shared_cache else None
+    shares = (ShareKeeper(cfg, index, writer, rp.counters, rp.calls)
+              if cfg.shared_cache else None)
     # --peer-self: this node fetches ahead the files it owns in the cluster's order
     owner_prefetch = None
     if peers is not None and cfg.peer_self is not None:
         from dlcachefs.peers.ownerfetch import OwnerPrefetch  # noqa: PLC0415 - --peers only
 
-        owner_prefetch = OwnerPrefetch(cfg, index=index, ns=ns, fetcher=fetcher, peers=peers,
-                                       streams=streams)
+        owner_prefetch = OwnerPrefetch(cfg, index=index, ns=ns, fetcher=rp.fetcher,
+                                       peers=peers, streams=streams)  # type: ignore[arg-type]
 
     def resolve_dir(rel: str) -> int:
         e = ns.resolve(os.fsencode(rel))

@@ -11,7 +11,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlcachefs.clairvoyance.streams import Positions
+from dlcachefs.clairvoyance.positions import Positions
 from dlcachefs.peers.expiry import (
     MAX_RELATIVE_S,
     MIN_MARGIN_S,
@@ -107,8 +107,8 @@ def test_a_distributed_samplers_expiry_is_the_clusters_last_use(n, world, step, 
     the step at which ANY rank reads the sample last, in this epoch or the next, plus two
     epochs (at least 300 s): never before another rank's read, nor before its read in
     the epoch after the next (within two epochs of the next one's)."""
+    from dlcachefs.clairvoyance.positions import ClusterUse  # noqa: PLC0415
     from dlcachefs.clairvoyance.replay import SamplerSpec, distributed_epoch  # noqa: PLC0415
-    from dlcachefs.clairvoyance.streams import ClusterUse  # noqa: PLC0415
 
     spec = SamplerSpec(kind="distributed", world=world, rank=0, shuffle=False)
     inos = list(range(1, n + 1))  # sample i is inode i + 1

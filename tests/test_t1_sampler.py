@@ -254,7 +254,7 @@ def test_validate_accepts(spec, n):
 def test_positions_match_a_plain_model(order_inos, pops):
     """Positions (the stream's inode -> not yet consumed positions) against a dict of
     lists: smallest pending position first, inode 0 never listed, repeats in order."""
-    from dlcachefs.clairvoyance.streams import Positions
+    from dlcachefs.clairvoyance.positions import Positions
 
     pos = Positions(list(order_inos))
     model: dict[int, list[int]] = {}
@@ -275,8 +275,13 @@ def test_an_order_naming_samples_outside_the_list_is_a_reason_not_a_crash():
     (an empty class directory, in 100,000 fuzzed writes to a live mount) make the
     stream's order unknown with a reason (ValueError, as every other replay failure), not
     an IndexError out of the prefetch task."""
+    from dlcachefs.clairvoyance.positions import (  # noqa: PLC0415
+        epoch_positions as _positions,
+    )
+    from dlcachefs.clairvoyance.positions import (  # noqa: PLC0415
+        first_positions as _first_positions,
+    )
     from dlcachefs.clairvoyance.samplelist import SampleList  # noqa: PLC0415
-    from dlcachefs.clairvoyance.streams import _first_positions, _positions  # noqa: PLC0415
 
     empty = SampleList("d", [], [], [], [])
     three = SampleList("d", ["a"], [5, 6, 7], [0, 0, 0], ["x", "y", "z"])

@@ -529,7 +529,7 @@ def test_learned_order_similarity(n, seed, jitter):
     is not."""
     import random
 
-    from dlcachefs.clairvoyance.streams import _similar
+    from dlcachefs.clairvoyance.learned import similar as _similar
 
     rnd = random.Random(seed)
     base = rnd.sample(range(10**6), n)

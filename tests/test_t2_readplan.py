@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from dlcachefs.cache.readplan import MIN_USEFUL, Want, group_reads, read_runs
 from dlcachefs.clairvoyance.samplelist import SampleList
-from dlcachefs.clairvoyance.streams import Stream, same_dataset
+from dlcachefs.clairvoyance.stream import Stream, same_dataset
 from dlcachefs.store.chunkfmt import RecordIn, encode_chunk
 from dlcachefs.store.logs import LogStore
 from dlcachefs.store.schema import Record
@@ -199,11 +199,11 @@ def test_an_epoch_is_page_served_when_its_cached_opens_came_without_reads(opens,
     """Whether the next epoch is read ahead from the logs (no plan when the kernel's
     page cache served the last one: Stream.pages_served)."""
     s = Stream("j", 0)
-    s.cached_opens, s.cached_reads = opens, reads
-    s.end_page_count()
+    s.pages.cached_opens, s.pages.cached_reads = opens, reads
+    s.pages.end_epoch()
     assert s.pages_served is served
-    assert s.cached_opens == s.cached_reads == 0  # the next epoch counts anew
-    s.end_page_count()
+    assert s.pages.cached_opens == s.pages.cached_reads == 0  # the next epoch counts anew
+    s.pages.end_epoch()
     assert s.pages_served is False  # an epoch with no opens of cached files tells nothing
 
 
@@ -224,7 +224,7 @@ def test_reads_that_stop_coming_make_an_epoch_page_served_at_once():
     pauses); 2 or 3 READs in 32 change nothing either way (hysteresis: a kernel holding
     most pages does not turn the verdict at every window)."""
     s = Stream("j", 0)
-    s.end_page_count()
+    s.pages.end_epoch()
     assert not s.pages_served and not s.pages_judged
     opens(s, 31, 0)
     assert not s.pages_served and not s.pages_judged  # a window is 32 outcomes
@@ -238,7 +238,7 @@ def test_reads_that_stop_coming_make_an_epoch_page_served_at_once():
     assert not s.pages_served
     opens(s, 32, 1)
     assert s.pages_served and not s.pages_lost.is_set()  # renewed for the next loss
-    s.end_page_count()
+    s.pages.end_epoch()
     assert not s.pages_judged
 
 
@@ -246,7 +246,7 @@ def test_an_open_counts_once_its_outcome_is_known():
     """Opens answered before their READs come (a loader with many threads) are not taken
     for page-served: a window counts outcomes (a READ, or a release without one)."""
     s = Stream("j", 0)
-    s.end_page_count()
+    s.pages.end_epoch()
     counts = [s.note_cached_open() for _ in range(64)]  # 64 opens in flight, no outcome yet
     assert not s.pages_served and not s.pages_judged
     for c in counts[:32]:
@@ -260,16 +260,16 @@ def test_an_open_counted_before_the_epoch_switch_is_not_the_next_epochs():
     showed more READs than cached opens (588 of 585). Their outcomes now count in the
     epoch they were opened in, which has ended: nowhere."""
     s = Stream("j", 0)
-    s.end_page_count()
+    s.pages.end_epoch()
     late = [s.note_cached_open() for _ in range(5)]  # answered, READs not come yet
-    s.end_page_count()  # the switch
+    s.pages.end_epoch()  # the switch
     opens(s, 3, 3)
     for c in late:
         s.note_cached_read(c)
-    assert (s.cached_opens, s.cached_reads) == (3, 3)
-    assert s.recent_opens == 3  # their outcomes are not in the new epoch's window
+    assert (s.pages.cached_opens, s.pages.cached_reads) == (3, 3)
+    assert s.pages.recent_opens == 3  # their outcomes are not in the new epoch's window
     s.note_unread(late[0])
-    assert s.recent_opens == 3
+    assert s.pages.recent_opens == 3
 
 
 def test_reads_coming_back_end_a_page_served_epoch_at_once():
@@ -277,15 +277,15 @@ def test_reads_coming_back_end_a_page_served_epoch_at_once():
     come back for more than one open in ten, the epoch is no longer taken as page-served,
     and its plan is woken (pages_lost) instead of waiting for the next epoch."""
     s = Stream("j", 0)
-    s.cached_opens = 100
-    s.end_page_count()
+    s.pages.cached_opens = 100
+    s.pages.end_epoch()
     assert s.pages_served and not s.pages_lost.is_set()
     opens(s, 32, 3)  # 32 opens, 3 of them READ: still served by the pages
     assert s.pages_served and not s.pages_lost.is_set()
     opens(s, 32, 4)  # then 4 of 32 READ
     assert not s.pages_served and s.pages_lost.is_set()
-    s.cached_opens = 100
-    s.end_page_count(same_dataset=False)  # another dataset: nothing known of its pages
+    s.pages.cached_opens = 100
+    s.pages.end_epoch(same_dataset=False)  # another dataset: nothing known of its pages
     assert not s.pages_served and not s.pages_lost.is_set()
 
 
@@ -305,7 +305,7 @@ def test_chunks_ahead_of_two_streams_share_the_memory_tier():
     overflowed it); a chunk whose positions come in two runs is wanted and counted once
     until the reader passes both."""
     from dlcachefs.cache.memtier import MemoryTier
-    from dlcachefs.clairvoyance.streams import _ChunksAhead
+    from dlcachefs.clairvoyance.prefetchloop import ChunksAhead as _ChunksAhead
     from dlcachefs.store.schema import Chunk
 
     def chunk(cid: int) -> Chunk:

@@ -15,20 +15,15 @@ data = pytest.importorskip("torch.utils.data")
 
 from dlcachefs.clairvoyance import protocol as P  # noqa: E402
 from dlcachefs.clairvoyance.control import ControlState  # noqa: E402
-from dlcachefs.clairvoyance.streams import StreamManager  # noqa: E402
+from dlcachefs.clairvoyance.listings import SampleLists  # noqa: E402
+from dlcachefs.clairvoyance.stream import StreamTable  # noqa: E402
 from dlcachefs.client import wrappers as w  # noqa: E402
 
 
-class _Mgr:
-    """The part of a StreamManager that lists views (no trio, no prefetch)."""
-
-    def __init__(self, eng) -> None:
-        self.engine = eng
-        self._roots: dict = {}
-        self._samplelists: dict = {}
-
-    def view_samples(self, key, view):
-        return StreamManager._view_samples(self, key, view)  # type: ignore[arg-type]
+def _lists(eng) -> SampleLists:
+    """The mount's sample lists, which list views (no trio: view_samples is called as
+    its thread would)."""
+    return SampleLists(eng.ns, eng.index, StreamTable())
 
 
 def announce_view(eng, src: Path, ds) -> tuple[ControlState, str]:
@@ -56,7 +51,7 @@ def test_composite_list_matches_torch(tmp_path):
     ds = data.Subset(data.ConcatDataset([tr, data.Subset(va, [1, 0])]), [5, 0, 4, 2, 2])
     with scanned(src, tmp_path / "cache") as eng:
         cs, vid = announce_view(eng, src, ds)
-        sl = _Mgr(eng).view_samples("k", cs.views[vid])
+        sl = _lists(eng).view_samples("k", cs.views[vid])
         assert len(sl) == len(ds)
         for i in range(len(ds)):
             path, _label = ds[i]
@@ -72,10 +67,10 @@ def test_custom_is_valid_file_mismatch_is_refused(tmp_path):
                                is_valid_file=lambda p: not p.endswith("2.jpg"))
     with scanned(src, tmp_path / "cache") as eng:
         cs, vid = announce_view(eng, src, ok)  # accepts every file: the listing agrees
-        assert len(_Mgr(eng).view_samples("k", cs.views[vid])) == 4
+        assert len(_lists(eng).view_samples("k", cs.views[vid])) == 4
         cs, vid = announce_view(eng, src, odd)
         with pytest.raises(ValueError, match="sample list mismatch.*3.*is_valid_file"):
-            _Mgr(eng).view_samples("k", cs.views[vid])
+            _lists(eng).view_samples("k", cs.views[vid])
 
 
 def test_a_root_rebuilt_after_files_were_added_is_listed_anew(tmp_path):
@@ -88,13 +83,13 @@ def test_a_root_rebuilt_after_files_were_added_is_listed_anew(tmp_path):
     touch(src, "a/1.jpg", "a/2.jpg", "b/3.jpg", "b/4.jpg")
     mgr = None
     with scanned(src, tmp_path / "cache1") as eng:
-        mgr = _Mgr(eng)
+        mgr = _lists(eng)
         first = folder.ImageFolder(str(src), loader=lambda p: p)
         cs, vid = announce_view(eng, src, data.Subset(first, [3, 2, 1, 0]))
         assert len(mgr.view_samples("k1", cs.views[vid])) == 4
     touch(src, "a/0.jpg", "b/5.jpg")  # added on the source; the training lists again
     with scanned(src, tmp_path / "cache2") as eng:
-        mgr.engine = eng  # (the manager's cache of verified roots is kept)
+        mgr.ns, mgr.index = eng.ns, eng.index  # (its cache of verified roots is kept)
         again = folder.ImageFolder(str(src), loader=lambda p: p)
         ds = data.Subset(again, [5, 0, 3])
         cs, vid = announce_view(eng, src, ds)

@@ -1310,7 +1310,6 @@ def test_random_workload_reads_source_bytes(seed, n_files, chunk_size, memory, c
 def test_reorder_backfill_of_a_vanished_file_does_not_end_the_engine(tmp_path, policy):
     """Regression (review): a source error while filling a next-epoch log is that log's
     problem, never the daemon's."""
-    from dlcachefs.clairvoyance.reorder import NextEpochLog
 
     src, cache = tmp_path / "src", tmp_path / "cache"
     files = {f"train/c0/img{i}.jpg".encode(): os.urandom(3000) for i in range(4)}
@@ -1320,7 +1319,7 @@ def test_reorder_backfill_of_a_vanished_file_does_not_end_the_engine(tmp_path, p
     async def body(sess):
         eng = sess.engine
         inos.extend(eng.ns.resolve(r).ino for r in files)
-        nl = NextEpochLog(sess.streams.engine, "default/0", 1)
+        nl = sess.streams.planner.new_log("default/0", 1)
         await nl.plan(inos)
         os.unlink(src / "train/c0/img0.jpg")  # not cached, and gone from the source
         backfilled = trio.Event()
@@ -1351,7 +1350,6 @@ def test_a_sample_changed_or_gone_since_its_log_was_planned_leaves_a_filler(tmp_
     sealed and indexed with the other samples only, checksums holding, and the changed
     file is served in its new version, the deleted one not at all."""
     from dlcachefs.cache.namespace import identity
-    from dlcachefs.clairvoyance.reorder import NextEpochLog
     from dlcachefs.errors import NotFound
     from dlcachefs.store.chunkfmt import verify_chunk
 
@@ -1364,7 +1362,7 @@ def test_a_sample_changed_or_gone_since_its_log_was_planned_leaves_a_filler(tmp_
         eng = sess.engine
         inos = [eng.ns.resolve(r).ino for r in files]
         planned = [identity(eng.index.get_entry(i)) for i in inos]
-        nl = NextEpochLog(sess.streams.engine, "default/0", 1)
+        nl = sess.streams.planner.new_log("default/0", 1)
         await nl.plan(inos)
         assert len(nl.chunks) == 1 and len(nl.chunks[0].slots) == 5
         sess.streams._nursery.start_soon(nl.run)
@@ -1413,7 +1411,6 @@ def test_invariants_are_checked_after_every_reorder_seal(tmp_path, policy):
     """--debug-invariants covers both seal paths: the reorderer's chunks are indexed
     through ChunkWriter.commit_external, which runs the engine's check after each one,
     as the writer's own seals do."""
-    from dlcachefs.clairvoyance.reorder import NextEpochLog
 
     src, cache = tmp_path / "src", tmp_path / "cache"
     files = {f"train/c0/img{i:02d}.jpg".encode(): os.urandom(5000) for i in range(24)}
@@ -1430,7 +1427,7 @@ def test_invariants_are_checked_after_every_reorder_seal(tmp_path, policy):
             check(writer)
 
         eng.writer.after_commit = after_commit
-        nl = NextEpochLog(sess.streams.engine, "default/0", 1)
+        nl = sess.streams.planner.new_log("default/0", 1)
         await nl.plan([eng.ns.resolve(r).ino for r in files])
         seal_thread = nl._seal_thread
 

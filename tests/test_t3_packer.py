@@ -21,7 +21,7 @@ def dataset(classes: int = 4, per_class: int = 40, seed: int = 0) -> dict[bytes,
 async def with_h_list(sess, losses) -> list[int]:
     """The dataset listed and an H-list from ``losses`` (by dataset index), as a stream's
     epoch start does; the inodes of the samples."""
-    sl = await sess.streams.ensure_sample_list("")
+    sl = await sess.streams.lists.ensure_sample_list("")
     sess.importance.bind("", sl.inos, sess.cfg.h_fraction)
     sess.importance.table.update("j", list(range(len(sl.inos))), losses)
     sess.importance.table.rebuild()

@@ -21,7 +21,7 @@ def two_samples(tmp_path) -> tuple[dict, object]:
 async def planned(sess, files: dict) -> tuple[NextEpochLog, list[int]]:
     """Epoch 1's log of the samples, in their order: one chunk, one slot each."""
     inos = [sess.engine.ns.resolve(r).ino for r in files]
-    nl = NextEpochLog(sess.streams.engine, "default/0", 1)
+    nl = sess.streams.planner.new_log("default/0", 1)
     await nl.plan(inos)
     assert len(nl.chunks) == 1 and len(nl.chunks[0].slots) == 2
     return nl, inos

@@ -354,7 +354,7 @@ def test_cache_smaller_than_the_dataset(client, tmp_path, policy):
             assert eng.index.counter(S.K_CHUNK_BYTES) <= cap
         assert sum(hits[1:]) > 0, hits
         # a training that stops opening (ended, died mid-epoch) lets its logs go
-        from dlcachefs.clairvoyance.streams import IDLE_S
+        from dlcachefs.clairvoyance.stream import IDLE_S
 
         cur, nxt = s.current_log, s.next_log
         if s.memory_prefetch:

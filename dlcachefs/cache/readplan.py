@@ -90,7 +90,7 @@ log = logging.getLogger(__name__)
 MIN_USEFUL = 0.9
 
 #: an epoch's plan reads at most this many positions ahead until a window of its opens
-#: was judged (``Stream.pages_judged``, every ``streams.PAGED_MIN_OPENS`` opens of cached
+#: was judged (``Stream.pages_judged``, every ``pagecache.PAGED_MIN_OPENS`` opens of cached
 #: files), or its reader is this far: the kernel's page cache may serve the epoch
 FIRST_LEAD = 64
 

@@ -1,4 +1,5 @@
-"""How fast a stream's loader workers fetch, measured from their opens (DLCache's t_fetch).
+"""How fast a stream's loader workers fetch, measured from their opens (DLCache's t_fetch),
+and what the cache saves them (iCACHE's caching benefit, :class:`OpenLatency`).
 
 A PyTorch DataLoader worker (a process) takes a batch index, then loads the batch's
 samples one after the other: for a map-style dataset over files (ImageFolder), one
@@ -119,3 +120,39 @@ class Pace:
                 "prefetch_factor": self.prefetch_factor, "training": training,
                 "current": None if self.cur is None else self.cur.as_dict(),
                 "previous": None if self.prev is None else self.prev.as_dict()}
+
+
+class OpenLatency:
+    """A stream's open latencies this epoch, hits and misses apart: the job's measured
+    caching benefit (iCACHE III-D, :meth:`benefit`). Restarted at each epoch switch."""
+
+    __slots__ = ("hit_s", "hit_n", "miss_s", "miss_n", "t0")
+
+    def __init__(self) -> None:
+        self.restart(0.0)
+
+    def restart(self, t0: float) -> None:
+        """An epoch begins at ``t0`` (monotonic s): nothing measured yet."""
+        self.hit_s = self.miss_s = 0.0
+        self.hit_n = self.miss_n = 0
+        self.t0 = t0
+
+    def note(self, cached: bool, seconds: float) -> None:
+        """An open served from the cache (``cached``) or not, in ``seconds``."""
+        if cached:
+            self.hit_s += seconds
+            self.hit_n += 1
+        else:
+            self.miss_s += seconds
+            self.miss_n += 1
+
+    def benefit(self, now: float) -> float | None:
+        """Estimated T_cacheless / T_cache of the epoch so far: its wall time per sample,
+        and what it would be if its cache hits had waited like its misses (reads are
+        sequential per loader worker). None until both were measured."""
+        n = self.hit_n + self.miss_n
+        if self.hit_n < 20 or self.miss_n < 20 or now <= self.t0:
+            return None
+        per = (now - self.t0) / n
+        extra = self.hit_n / n * max(0.0, self.miss_s / self.miss_n - self.hit_s / self.hit_n)
+        return (per + extra) / per

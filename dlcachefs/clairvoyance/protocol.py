@@ -32,7 +32,7 @@ from urllib.parse import quote
 
 #: set by ``dlcachefs run`` in the training's environment: the daemon tells a training
 #: that lost the launcher's hook on the way (a wrapper replaced PYTHONPATH) from one
-#: that was never launched by it (``streams._unannounced_reason``)
+#: that was never launched by it (``attribution._unannounced_reason``)
 ENV_LAUNCHED = "DLCACHEFS_RUN"
 MAX_WRITE = 64 * 1024  # bytes of one write(); a write is applied whole or refused whole
 MAX_LINE = 4096  # characters of one line, except a sampler line

@@ -51,7 +51,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -76,6 +76,7 @@ if TYPE_CHECKING:
     from dlcachefs.cache.policy import CachingPolicy
     from dlcachefs.cache.prefetch import Prefetcher
     from dlcachefs.cache.stats import Counters
+    from dlcachefs.cache.versions import Versions
     from dlcachefs.cache.writer import ChunkWriter
     from dlcachefs.config import Config
     from dlcachefs.store.index import Index
@@ -171,29 +172,30 @@ def plan_layout(index, inos: list[int], chunk_size: int, max_file: int, start_of
     return chunks, slots
 
 
-class ReorderEngine(Protocol):
-    """What a :class:`NextEpochLog` uses of the engine (:class:`~dlcachefs.cache.engine.Engine`
-    provides it): the writer's ``--cache-size`` account, ids and retirement
-    (``chunk_target``, ``reserve_chunk_ids``, ``reserve_log_id``, ``protected``,
-    ``try_reserve``, ``unreserve``, ``commit_external``, ``retire_chunk``), the logs'
-    file operations, index write transactions (in threads), the policy's ``on_insert``,
-    and :meth:`Prefetcher.bytes_for` to fill slots the reader did not fill."""
-
-    cfg: Config
-    index: Index
-    logs: LogStore
-    writer: ChunkWriter
-    policy: CachingPolicy
-    counters: Counters
-    disk_limiter: trio.CapacityLimiter
-    prefetcher: Prefetcher
-
-
 class NextEpochLog:
     """The reordered log of one stream's next epoch."""
 
-    def __init__(self, engine: ReorderEngine, stream_key: str, epoch: int) -> None:
-        self.engine = engine
+    def __init__(self, stream_key: str, epoch: int, *, cfg: Config, index: Index,
+                 logs: LogStore, writer: ChunkWriter, policy: CachingPolicy,
+                 counters: Counters, disk_limiter: trio.CapacityLimiter,
+                 versions: Versions, prefetcher: Prefetcher) -> None:
+        """The log of stream ``stream_key``'s ``epoch``. Its collaborators: the writer's
+        ``--cache-size`` account, ids and retirement (``chunk_target``,
+        ``reserve_chunk_ids``, ``reserve_log_id``, ``protected``, ``try_reserve``,
+        ``unreserve``, ``commit_external``, ``retire_chunk``), the logs' file operations,
+        index write transactions (in threads) under ``disk_limiter`` for slot writes, the
+        policy's ``on_insert``, the counters, ``versions.listed_entry`` (is a planned
+        version still the listed one) and :meth:`Prefetcher.bytes_for` (the bytes of
+        slots the reader did not fill)."""
+        self.cfg = cfg
+        self.index = index
+        self.logs = logs
+        self.writer = writer
+        self.policy = policy
+        self.counters = counters
+        self.disk_limiter = disk_limiter
+        self.versions = versions
+        self.prefetcher = prefetcher
         self.key = stream_key
         self.epoch = epoch
         #: the order (dataset indices) the log is laid out for, when its planner says:
@@ -220,28 +222,27 @@ class NextEpochLog:
                    ranks: int = 1) -> None:
         """Lay out the log of ``order_inos`` (the next epoch's order); ``ranks``: the
         streams laying out their next epochs (they share the cache)."""
-        eng = self.engine
-        cfg = eng.cfg
+        cfg = self.cfg
         # never more than the cache holds beside a unit or two of the current epoch, shared
         # by the streams (ranks) laying out their next epochs (each log holds its own
         # samples); the reservations keep the limit whatever this estimate says
-        w = eng.writer
+        w = self.writer
         ranks = max(1, ranks)
         cap = max((w.limit - 2 * w.chunk_target) // ranks, w.chunk_target)  # limit: the share
         max_bytes = cap if max_bytes is None else min(max_bytes, cap)
         self.chunks, self.slots = await trio.to_thread.run_sync(
-            plan_layout, eng.index, order_inos, w.chunk_target, cfg.max_cached_file,
+            plan_layout, self.index, order_inos, w.chunk_target, cfg.max_cached_file,
             LOG_HEADER_SIZE, max_bytes)
-        first = eng.writer.reserve_chunk_ids(len(self.chunks))
+        first = self.writer.reserve_chunk_ids(len(self.chunks))
         for i, c in enumerate(self.chunks):
             c.chunk_id = first + i
         # until its epoch starts (and with a cache too small for the dataset, until each
         # chunk is read in that epoch: release), this log's chunks are not the LRU's
-        eng.writer.protected.update(c.chunk_id for c in self.chunks)
-        self.log_id = eng.writer.reserve_log_id()
+        self.writer.protected.update(c.chunk_id for c in self.chunks)
+        self.log_id = self.writer.reserve_log_id()
         end = self.chunks[-1].offset + self.chunks[-1].length if self.chunks else LOG_HEADER_SIZE
-        eng.logs.filling.add(self.log_id)
-        await trio.to_thread.run_sync(eng.logs.create_sized, self.log_id, end)
+        self.logs.filling.add(self.log_id)
+        await trio.to_thread.run_sync(self.logs.create_sized, self.log_id, end)
         await trio.to_thread.run_sync(self._record_plan)
         log.info("stream %s: planned epoch %d's log %d: %d samples in %d chunks", self.key,
                  self.epoch, self.log_id, len(self.slots), len(self.chunks))
@@ -265,7 +266,7 @@ class NextEpochLog:
             # so the slot gets a filler record and its chunk can still be sealed (the new
             # version is cached on its own). (The bytes served may also be an older
             # version than planned, from a fetch joined: then the fill decides.)
-            if self.engine.prefetcher.versions.listed_entry(ino, slot.ident) is None:
+            if self.versions.listed_entry(ino, slot.ident) is None:
                 self._claim_filler(slot)
             return
         if len(data) != slot.ident.size:
@@ -303,7 +304,7 @@ class NextEpochLog:
         Called once per slot, just before it is claimed (``written``)."""
         c = self.chunks[slot.chunk]
         need = slot.rlen + (CHUNK_HEADER_SIZE if c.held == 0 else 0)
-        if not self.engine.writer.try_reserve(need):
+        if not self.writer.try_reserve(need):
             return False
         c.held += need
         return True
@@ -328,12 +329,12 @@ class NextEpochLog:
         return c.chunk_id if c.unread == 0 and c.sealed else None
 
     def unprotect(self) -> None:
-        self.engine.writer.protected.difference_update(c.chunk_id for c in self.chunks)
+        self.writer.protected.difference_update(c.chunk_id for c in self.chunks)
 
     def protect(self) -> None:
         """Protect its chunks again (after :meth:`unprotect`), those still to be sealed or
         indexed and not on their way out (a doomed chunk must never be protected)."""
-        w, ix = self.engine.writer, self.engine.index
+        w, ix = self.writer, self.index
         for c in self.chunks:
             if c.chunk_id in w.doomed or c.chunk_id in w.evicting:
                 continue
@@ -344,9 +345,9 @@ class NextEpochLog:
     def release(self, chunk_id: int) -> None:
         """LCache's release after use: every record of the chunk was read in this log's
         epoch; it is no longer protected, and evicted at the next seal."""
-        self.engine.writer.protected.discard(chunk_id)
-        self.engine.counters.released_after_use += 1
-        self.engine.writer.retire_chunk(chunk_id)
+        self.writer.protected.discard(chunk_id)
+        self.counters.released_after_use += 1
+        self.writer.retire_chunk(chunk_id)
 
     def request_finish(self) -> None:
         """Epoch e+1 has started: fill what is missing and seal the rest (see :meth:`run`)."""
@@ -380,14 +381,14 @@ class NextEpochLog:
             self.failed = True
             log.exception("stream %s: reordering epoch %d failed", self.key, self.epoch)
         finally:
-            self.engine.logs.filling.discard(self.log_id)
+            self.logs.filling.discard(self.log_id)
             given_up = [c for c in self.chunks if c.held and not c.sealed]
             for c in given_up:  # their bytes will never be indexed
-                self.engine.writer.unreserve(c.held)
+                self.writer.unreserve(c.held)
                 c.held = 0
             with trio.CancelScope(shield=True):
                 if self.sealed == 0:
-                    await trio.to_thread.run_sync(self.engine.logs.discard_log, self.log_id)
+                    await trio.to_thread.run_sync(self.logs.discard_log, self.log_id)
                 elif given_up:
                     await trio.to_thread.run_sync(self._punch, given_up)
             log.info("stream %s: epoch %d's log %d: %d of %d chunks sealed", self.key,
@@ -398,7 +399,7 @@ class NextEpochLog:
         while self.queue:
             batch, self.queue, self.queued_bytes = self.queue, [], 0
             await trio.to_thread.run_sync(self._write_slots, batch,
-                                          limiter=self.engine.disk_limiter)
+                                          limiter=self.disk_limiter)
             ready = []
             for slot, _ in batch:
                 c = self.chunks[slot.chunk]
@@ -469,7 +470,7 @@ class NextEpochLog:
         None when that version is gone for good (the file deleted or changed). Other
         source errors (a timeout, EIO, a lapsed mount) raise: nothing is known then."""
         try:
-            return await self.engine.prefetcher.bytes_for(slot.ino, slot.ident)
+            return await self.prefetcher.bytes_for(slot.ino, slot.ident)
         except (NotFound, SourceChanged):
             return None
 
@@ -477,9 +478,7 @@ class NextEpochLog:
         """Thread: the epoch's chunk list in the index (the per-sample locations follow as
         chunks are sealed). Older epochs' lists of this stream are dropped."""
         import json  # noqa: PLC0415
-
-        eng = self.engine
-        with eng.index.write() as w:
+        with self.index.write() as w:
             prefix = S.epoch_log_prefix(self.key)
             for k in w.meta_keys(prefix):
                 if int(k[len(prefix):]) < self.epoch - 1:
@@ -491,7 +490,7 @@ class NextEpochLog:
     # ----- threads --------------------------------------------------------------------
 
     def _write_slots(self, batch: list[tuple[Slot, bytes]]) -> None:
-        logs = self.engine.logs
+        logs = self.logs
         for slot, data in batch:
             if slot.filler:
                 rec = filler_record(slot.rlen)
@@ -501,36 +500,34 @@ class NextEpochLog:
             logs.pwrite(self.log_id, rec, slot.offset)
 
     async def _seal(self, c: PlannedChunk) -> None:
-        eng = self.engine
         if c.held != c.length or not all(sl.written for sl in c.slots):
             # a slot claimed twice, or one never written: its range would hold zeros, and
             # a checksum over them; such a chunk is never indexed (the log fails)
             raise DlcError(f"chunk {c.chunk_id}: {c.held} of {c.length} bytes reserved, "
                            f"{sum(not sl.written for sl in c.slots)} slots unwritten")
-        dead = await eng.writer.commit_external(c.length, self._seal_thread, c)
+        dead = await self.writer.commit_external(c.length, self._seal_thread, c)
         c.sealed = True
         c.held = 0  # the reservations are chunk bytes now
         self.sealed += 1
-        eng.policy.on_insert(c.chunk_id, c.members(), c.length)
-        eng.counters.reorder_chunks += 1
+        self.policy.on_insert(c.chunk_id, c.members(), c.length)
+        self.counters.reorder_chunks += 1
         for old in dead:
-            eng.writer.retire_chunk(old, empty=True)
+            self.writer.retire_chunk(old, empty=True)
         if self.release_after_use and c.unread == 0:
             self.release(c.chunk_id)  # read whole before it was sealed (the boundary fill)
 
     def _punch(self, chunks: list[PlannedChunk]) -> None:
         """Thread: free the written slots of chunks that will never be indexed."""
         for c in chunks:
-            self.engine.logs.punch(self.log_id, c.offset, c.length)
+            self.logs.punch(self.log_id, c.offset, c.length)
 
     def _seal_thread(self, c: PlannedChunk) -> list[int]:
-        eng = self.engine
         payload_len = c.length - CHUNK_HEADER_SIZE
-        payload = eng.logs.read(self.log_id, c.offset + CHUNK_HEADER_SIZE, payload_len,
+        payload = self.logs.read(self.log_id, c.offset + CHUNK_HEADER_SIZE, payload_len,
                                 read_back=True)
         head = encode_chunk_header(c.chunk_id, len(c.slots), payload_len, checksum(payload))
-        eng.logs.pwrite(self.log_id, head, c.offset)
-        eng.logs.datasync(self.log_id)
+        self.logs.pwrite(self.log_id, head, c.offset)
+        self.logs.datasync(self.log_id)
         mv = memoryview(payload)
         recs = []
         for slot in c.slots:
@@ -546,7 +543,7 @@ class NextEpochLog:
                       c.members())
         # keep_indexed=False: moving each record into the next epoch's order is the point;
         # the chunks left without records are the caller's to retire (LCache line 16)
-        sealed = seal_chunks(eng.index, [NewChunk(chunk, recs)], keep_indexed=False,
+        sealed = seal_chunks(self.index, [NewChunk(chunk, recs)], keep_indexed=False,
                              new_log=self.log_id)
-        eng.logs.add_live(self.log_id, c.length)
+        self.logs.add_live(self.log_id, c.length)
         return sealed.dead

@@ -29,7 +29,7 @@ no expiry when stored; the touch that keeps a file at eviction sets it later.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 #: the least margin past the last planned use (s)
@@ -90,13 +90,13 @@ def planned_use(position: int, current: int | None, epoch_samples: int,
     return PlannedUse(max(0, ahead), seconds_per_sample, epoch_samples)
 
 
-def expiry_of_streams(streams, ino: int) -> int:
+def expiry_of_streams(streams: Mapping, ino: int) -> int:
     """The memcached expiry (s, 0: never) of ``ino``'s value: its last planned use over
     the streams that know their order (a distributed sampler's over every rank), plus
-    the margin (:func:`expiry_s`). ``streams``: the mount's
-    :class:`~dlcachefs.clairvoyance.streams.StreamManager`. Trio loop; O(streams)."""
+    the margin (:func:`expiry_s`). ``streams``: the mount's streams by (job, rank)
+    (:class:`~dlcachefs.clairvoyance.stream.StreamTable`). Trio loop; O(streams)."""
     uses = []
-    for s in streams.streams.values():
+    for s in streams.values():
         if not s.order or s.samples is None:
             continue
         if s.cluster is not None:  # every rank's use: the cluster's last one
