@@ -354,7 +354,7 @@ def test_a_legacy_planner_gets_the_engines_packer_and_substitutes(legacy_registe
 
     async def body(sess):
         eng = sess.engine
-        sl = await sess.streams.ensure_sample_list("")
+        sl = await sess.streams.lists.ensure_sample_list("")
         sess.importance.bind("", sl.inos, eng.cfg.h_fraction)
         sess.importance.table.update("j", list(range(len(sl.inos))), losses)
         sess.importance.table.rebuild()

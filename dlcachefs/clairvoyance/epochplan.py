@@ -141,7 +141,7 @@ def _cluster_use(rep: RemoteReplayer, world: int, epoch: int, samples: SampleLis
                  key: str) -> ClusterUse | None:
     """Thread: a distributed sampler's every rank's order (this epoch's and the next
     one's when known): when each sample is used cluster-wide, for the peer tier's expiry
-    (:meth:`Engine.peer_expiry`). None when it cannot be computed (the expiry then falls
+    (:func:`dlcachefs.peers.expiry.expiry_of_streams`). None when it cannot be computed (the expiry then falls
     back to this node's ranks and a margin)."""
     try:
         cur = rep.cluster_order(epoch)
