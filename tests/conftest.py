@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
@@ -9,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from dlcachefs.testing.mounting import DaemonOracle, Mount  # noqa: E402
+from dlcachefs.testing.mounting import DaemonOracle, Mount, record_problems  # noqa: E402
 
 
 def _fuse_available() -> bool:
@@ -22,8 +23,9 @@ requires_fuse = pytest.mark.skipif(not _fuse_available(), reason="needs /dev/fus
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "daemon_log_allows(*regexes): problems (WARNING/ERROR records, tracebacks) "
-        "the test's daemons may log; each regex is searched in one problem (see "
-        "mounting.log_problems). Keep them narrow and say why.")
+        "the test's daemons, and the core it runs in this process, may log; each regex is "
+        "searched in one problem (see mounting.log_problems and mounting.record_problems). "
+        "Keep them narrow and say why.")
     config.addinivalue_line(
         "markers", "verify_allows(*regexes): what 'dlcachefs verify' may report on the test's "
         "caches after it (a test that damages a cache on purpose; see mounting.verify_problems)")
@@ -31,6 +33,36 @@ def pytest_configure(config):
 
 def _allows(request, marker: str) -> list[str]:
     return [a for m in request.node.iter_markers(marker) for a in m.args]
+
+
+class _Records(logging.Handler):
+    """Keeps the records of WARNING and above logged under ``dlcachefs`` in this process."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture(autouse=True)
+def log_oracle(request):
+    """Every tier: the test fails when the core, run in this process, logs a WARNING, an
+    ERROR or a traceback under ``dlcachefs`` that the test's ``daemon_log_allows``
+    regexes (the mounted tests' vocabulary) do not allow (mounting.record_problems). A
+    handler of its own on the ``dlcachefs`` logger: ``caplog`` stays the tests' own."""
+    handler = _Records()
+    logger = logging.getLogger("dlcachefs")
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+    problems = record_problems(handler.records, _allows(request, "daemon_log_allows"))
+    assert not problems, ("the core logged problems the test does not expect (allow them "
+                          "with daemon_log_allows if they are the point of the test):\n"
+                          + "\n".join(problems[:30]))
 
 
 @pytest.fixture

@@ -34,6 +34,8 @@ def test_a_good_index_passes_from_any_working_directory(index_dir, monkeypatch):
     ("print('{\"problems\": [\"inode 3: 9 bytes\"]}')", True),
     ("print('{\"problems\": []}')", False),
 ])
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs\.store\.integrity: index .*(could not be checked|gave no report|was killed).*; kept unchecked")
 def test_only_what_reading_the_index_does_counts_as_damage(index_dir, monkeypatch, caplog,
                                                            child, damaged):
     monkeypatch.setattr(integrity, "_CHILD", child)
@@ -44,6 +46,8 @@ def test_only_what_reading_the_index_does_counts_as_damage(index_dir, monkeypatc
         assert "kept unchecked" in caplog.text  # said, not silent
 
 
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs\.store\.integrity: index .* could not be checked \(cannot run the check")
 def test_the_real_child_reports_a_failure_to_run_as_unchecked(index_dir, monkeypatch, caplog):
     """The check's own import failing (an old install, a broken path) keeps the index."""
     monkeypatch.setattr(integrity, "_CHILD",
@@ -55,6 +59,8 @@ def test_the_real_child_reports_a_failure_to_run_as_unchecked(index_dir, monkeyp
     assert os.path.exists(os.path.join(index_dir, "data.mdb"))
 
 
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs\.store\.integrity: index .* the check did not finish in \d+ s; kept unchecked")
 def test_a_timeout_keeps_the_index_and_says_so(index_dir, monkeypatch, caplog):
     monkeypatch.setattr(integrity, "_CHILD", "import time; time.sleep(30)")
     with caplog.at_level(logging.WARNING, logger=integrity.__name__):
@@ -62,6 +68,8 @@ def test_a_timeout_keeps_the_index_and_says_so(index_dir, monkeypatch, caplog):
     assert "did not finish" in caplog.text
 
 
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs\.store\.integrity: the index may be damaged \(error: unpack_from")
 def test_a_value_unpacked_short_is_damage_not_an_unexpected_error(monkeypatch):
     """An index value of the wrong length (struct.error while serving; the chaos suite's
     injections into a mapped index found one) is the damage an LMDB page error is: noted

@@ -396,6 +396,8 @@ async def _open_then(eng, rel, between):
         eng.release(r.fh)
 
 
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs\.cache\.reader: cached copy of .* is damaged or unreadable")
 def test_a_cached_file_lost_between_open_and_read_is_fetched(tree, policy):
     """The record an open saw is gone by its first READ (its log lost, as an eviction
     would): the opened version is fetched from the source, counted."""
@@ -415,6 +417,8 @@ def test_a_cached_file_lost_between_open_and_read_is_fetched(tree, policy):
     run_engine(make_config(src, cache, policy=policy, memory=4096), body, source)
 
 
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs\.cache\.reader: cached copy of .* is damaged or unreadable")
 def test_a_file_changed_and_lost_between_open_and_read_is_an_error(tree, policy):
     """Lost and changed on the source between open and READ: the opened version exists
     nowhere, so the READ fails (ESTALE); never the new version's bytes under the old
@@ -652,6 +656,8 @@ def record_location(cache: Path, src: Path, rel: bytes, policy: str):
 
 
 @pytest.mark.parametrize("memory", [64 << 20, 4096])  # whole-chunk reads, single-record reads
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs\.cache\.reader: cached copy of .* is damaged or unreadable")
 def test_corrupt_record_is_refetched(tree, memory, policy):
     src, cache, files = tree
     rel = b"train/cls0/img04.jpg"
@@ -683,6 +689,8 @@ def test_corrupt_record_is_refetched(tree, memory, policy):
     run_engine(make_config(src, cache, policy=policy), again)
 
 
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs\.cache\.reader: cached copy of .* is damaged or unreadable")
 def test_record_being_dropped_is_not_read_again(tree, policy):
     """Regression: while the commit that drops a bad record is in flight, later opens must
     not read (and count, and drop again) that record; the late second drop used to delete
@@ -737,6 +745,8 @@ def test_corrupt_chunk_header_records_still_verified(tree, policy):
     run_engine(make_config(src, cache, policy=policy), body)
 
 
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs\.cache\.reader: cached copy of .* is damaged or unreadable")
 def test_every_record_byte_of_a_chunk_corrupted(tree, policy):
     """Damage spread over a whole chunk: every damaged record is refetched, none served."""
     src, cache, files = tree
@@ -755,6 +765,9 @@ def test_every_record_byte_of_a_chunk_corrupted(tree, policy):
     run_engine(make_config(src, cache, policy=policy), body, source)
 
 
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs\.cache\.reader: cached copy of .* is damaged or unreadable",
+    r"WARNING dlcachefs\.cache\.reader: chunk \d+ unreadable \(log \d+ is shorter than its index says\)")
 def test_truncated_log_is_refetched(tree, policy):
     """A log shorter than the index says (lost tail): those records are refetched."""
     src, cache, files = tree
@@ -770,6 +783,8 @@ def test_truncated_log_is_refetched(tree, policy):
     run_engine(make_config(src, cache, policy=policy), body)
 
 
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs\.cache\.recovery: \d+ chunks point at missing log files; dropping them")
 def test_missing_log_drops_its_chunks(tree, policy):
     src, cache, files = tree
     cold_read(src, cache, files, policy)
@@ -1043,6 +1058,8 @@ def test_slow_source_within_timeout(tree, policy):
 # ----- the cache disk fails ------------------------------------------------------------
 
 
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs\.cache\.writer: cache write failed \(\[Errno 28\] No space left on device\)")
 def test_disk_full_serves_from_source_and_recovers(tree, monkeypatch, policy):
     """ENOSPC on a log append: the half-written chunk is cut off, nothing is indexed, every
     file is still served (from the source), and caching resumes after the back-off."""

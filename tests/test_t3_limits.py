@@ -263,6 +263,8 @@ def test_a_chunk_retired_again_after_its_eviction_is_not_doomed(tmp_path):
     run_engine(make_config(src, cache, cache_size=40_000, chunk_size=4096), body)
 
 
+@pytest.mark.daemon_log_allows(
+    r"ERROR dlcachefs\.cache\.invariants: invariant violated: account used \d+ != index chunk_bytes \d+")
 def test_check_invariants_reports_a_broken_account(tmp_path, caplog):
     """The checks catch what they claim to: an account over the limit, a mirror that
     drifted from the index, a pinned chunk doomed; --debug-invariants logs each as an

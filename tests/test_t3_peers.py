@@ -81,6 +81,7 @@ def test_a_file_leaves_the_source_once_for_the_cluster(tmp_path, servers):
         assert st["leases"] == 0
 
 
+@pytest.mark.daemon_log_allows(r"WARNING dlcachefs\.peers\.tier: peer \S+: refused a value of ")
 def test_a_damaged_or_foreign_value_is_never_served(tmp_path, servers):
     files = _tree(12)
     write_tree(tmp_path / "src", files)
@@ -128,6 +129,8 @@ def test_a_damaged_or_foreign_value_is_never_served(tmp_path, servers):
     assert got == files and c.counters.bytes_from_source == 0
 
 
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs\.peers\.tier: peer \S+ marked down for \d+ s: no answer within ")
 def test_a_hung_server_costs_its_timeout_once(tmp_path, servers, caplog):
     files = _tree(30)
     write_tree(tmp_path / "src", files)
@@ -191,6 +194,8 @@ def test_the_content_key_names_one_version():
     assert len(a.key) < 250 and a.key.isascii() and " " not in a.key
 
 
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs\.peers\.tier: peer \S+ marked down for \d+ s: \S+: ConnectionRefusedError")
 def test_a_server_back_up_is_found_by_the_probe_and_owns_its_share_again(tmp_path, servers):
     """A killed server is marked down at its first failure; once it answers again the
     background probe (every --peer-dead-time) brings it back, and its keys return to it:
@@ -231,6 +236,8 @@ def test_a_server_back_up_is_found_by_the_probe_and_owns_its_share_again(tmp_pat
     assert st["stored"] > 0  # its share of the second half went to it
 
 
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs\.peers\.tier: peer \S+ marked down for \d+ s: (test: seen down|\S+: ConnectionRefusedError)")
 def test_a_server_back_from_down_is_refilled_from_the_next_one(tmp_path, servers):
     """Node a reads everything while one server is dead (its share is stored at the
     next server by rendezvous order); the server comes back empty; node b reads
@@ -318,6 +325,8 @@ def _read_concurrently(files, cfg, src):
     return run_engine(cfg, body, src)
 
 
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs\.peers\.tier: peer \S+ marked down for \d+ s: no answer within ")
 def test_many_lookups_at_a_hung_server_pay_its_timeout_once(tmp_path):
     """24 readers at once, every file owned by a server that accepts and never answers:
     the first admitted lookups time out and mark it down; the lookups queued for a slot
@@ -343,6 +352,8 @@ def test_many_lookups_at_a_hung_server_pay_its_timeout_once(tmp_path):
         hung.close()
 
 
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs\.peers\.servers: peer \S+: unexpected failure RuntimeError")
 def test_an_unexpected_failure_of_a_call_is_a_miss_and_never_ends_the_tier(tmp_path, servers):
     """pymemcache's pool raises RuntimeError('Too many objects') when it is full: on the
     read path it is a miss (the source serves, exact bytes), on the store path one
@@ -396,6 +407,8 @@ def _client(address: str):
     return Client((host, int(port)), default_noreply=False)
 
 
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs\.peers\.servers: peer \S+ refused a value as too large")
 def test_a_store_refused_as_too_large_releases_its_lease(tmp_path, caplog):
     """--peer-item-max (8M) above the server's -I (1m): the set of a 1.5 MB file is
     refused; its lease is deleted all the same (the other nodes do not wait --peer-lease
@@ -439,6 +452,8 @@ def _hold_lease(tmp_path, address: str, rel: bytes) -> None:
         mc.close()
 
 
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs\.peers\.tier: peer \S+ marked down for \d+ s: test: gone")
 def test_a_lease_wait_counts_one_miss_and_tells_an_owner_gone_from_a_timeout(tmp_path, servers):
     """A lookup that waits for another node's lease polls the owner many times: one miss
     is counted (per lookup). A wait that ends because --peer-lease passed is a

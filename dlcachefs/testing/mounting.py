@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -233,8 +234,36 @@ _TRACEBACK = "Traceback (most recent call last)"
 STALE_MOUNT = r"WARNING dlcachefs: mountpoint \S+ is a stale FUSE mount; unmounting it$"
 
 
+#: For every tier's log oracle: what a small memory cgroup makes the core warn of at
+#: start (the buffers fitted to the limit; no room for the sampler replay worker). A CI
+#: box in such a cgroup must not fail every test for it.
+SMALL_CGROUP = r"WARNING dlcachefs\.session: memory cgroup limit \d+ MiB "
+
+#: The format of a daemon's log records (mount/daemon.py), also used to show in-process
+#: records to the same ``allows`` regexes.
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_FORMATTER = logging.Formatter(LOG_FORMAT)
+
+
 def _allowed(text: str, allows: Iterable[str]) -> bool:
     return any(re.search(a, text) for a in allows)
+
+
+def record_problems(records: Iterable[logging.LogRecord],
+                    allows: Iterable[str] = ()) -> list[str]:
+    """:func:`log_problems` for records logged in this process (the core tiers): each
+    record at WARNING or above, formatted as a daemon log writes it (with its traceback,
+    if it carries one), that no ``allows`` regex (nor :data:`SMALL_CGROUP`) finds a match
+    in."""
+    allows = (*allows, SMALL_CGROUP)
+    out = []
+    for r in records:
+        if r.levelno < logging.WARNING:
+            continue
+        text = _FORMATTER.format(r)
+        if not _allowed(text, allows):
+            out.append(text)
+    return out
 
 
 def log_problems(log: Path, allows: Iterable[str] = ()) -> list[str]:
