@@ -1,7 +1,7 @@
 """Several datasets in one cache (--shared-cache): two daemons, one root, one budget.
 
 Mounted for real: a fast source (a local directory) and a slow one (the same kind of
-tree behind ``bench.passthrough --delay-ms``, so every open of a source file waits), each
+tree behind ``dlcachefs.testing.passthrough --delay-ms``, so every open of a source file waits), each
 mounted by its own daemon on one cache root with a budget smaller than either dataset.
 The ledger's lock is held while both daemons' chunk bytes are sampled: no limit can grow
 then (store.ledger), so the sum read is a sum at one instant.
@@ -60,7 +60,7 @@ def _read_all(mnt: Path, files: dict[str, bytes], wrong: list[str]) -> None:
 @requires_fuse
 def test_two_daemons_share_one_budget_and_the_slow_source_keeps_more(
         tmp_path, mount, daemon_oracle):
-    from bench.passthrough import passthrough_mount  # noqa: PLC0415 - bench's own daemon
+    from dlcachefs.testing.passthrough import passthrough_mount  # noqa: PLC0415 - FUSE
 
     fast_src, slow_real = tmp_path / "fast", tmp_path / "slow_real"
     fast_src.mkdir()

@@ -369,7 +369,7 @@ def fuzz_parser(n: int, seed: int = 0, dirs: tuple[str, ...] = ("train", "train/
             out["accepted"] += 1
         except ControlError as e:
             out["refused"] += 1
-            last = cs.errors[-1] if cs.errors else ""
+            last = cs.errors.lines[-1] if cs.errors else ""
             if not str(e) or str(e) not in last or f"pid={pid}" not in last:
                 out["refused_without_reason"] += 1
             if _control_snapshot(cs) != before:

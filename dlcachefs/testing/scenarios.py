@@ -49,7 +49,7 @@ EXPECTED_LOG = (
     r"WARNING dlcachefs\.cache\.(fetch|source|engine|reader|readplan|recovery): ",
     r"WARNING dlcachefs\.cache\.recovery: ",
     r"WARNING dlcachefs\.clairvoyance\.",
-    r"WARNING dlcachefs\.cache\.views: importance: ",
+    r"WARNING dlcachefs\.importance\.view: importance: ",
     r"WARNING dlcachefs\.importance\.losses: \d+ losses of job ",
     r"WARNING dlcachefs\.importance\.losses: importance now for dataset ",
     r"WARNING dlcachefs\.store\.integrity: the index may be damaged",
@@ -425,10 +425,10 @@ SOURCE_CASES: dict[str, tuple[str, ...]] = {
 def source_faults(work: Path, rounds: int, seed: int = 0, cases: tuple[str, ...] = tuple(SOURCE_CASES),
                   log: Log = _quiet) -> dict:
     """The source is a FUSE passthrough that fails or hangs on demand
-    (``bench.passthrough --faults``); files are changed, truncated, replaced and removed
+    (:mod:`dlcachefs.testing.passthrough` ``--faults``); files are changed, truncated, replaced and removed
     while the daemon's fetch of them hangs half read. Each read through the mount must be
     the old bytes, the new bytes, or the case's errno: never a mix (``mixed_reads``)."""
-    from bench.passthrough import passthrough_mount  # noqa: PLC0415 - bench's own daemon
+    from dlcachefs.testing.passthrough import passthrough_mount  # noqa: PLC0415 - FUSE
 
     rnd = random.Random(seed)
     real, pt, cache, mnt = work / "real", work / "pt", work / "cache", work / "mnt"
