@@ -5,7 +5,7 @@
 The daemon starts its replay worker (a process that imports torch, ~2-4 s here) when a
 training first reaches the mount: the hook opens ``.dlcache/control`` as the script's
 interpreter starts, so the worker imports torch while the script imports its own (see
-README, "Start-up of a stream"). This measures that race as a user meets it: a small
+docs/clairvoyance.md, "Start-up of a stream"). This measures that race as a user meets it: a small
 ImageFolder (4 x 100 JPEGs of ~8 KB, ``bench.make_dataset``) is mounted, ``--wait`` seconds pass (a mount made before the
 job), then ``dlcachefs run -- python train.py MNT`` runs an ordinary script (imports torch
 and torchvision, ``ImageFolder``, ``DataLoader(shuffle=True)``, one epoch). Meanwhile

@@ -1,8 +1,8 @@
 """The security matrix, mounted: other users (uid 65534 via ``setpriv``), the control
 file, symlinks that point out of the source (also swapped in after the scan), odd and
 long names, and what one job can see of another. :data:`MATRIX` is the table published
-in the README ("Security matrix"); ``test_readme_publishes_the_matrix`` checks that the
-README holds exactly these rows, and each row's test checks what it says."""
+in docs/permissions.md ("The security matrix"); ``test_docs_publish_the_matrix`` checks
+that the page holds exactly these rows, and each row's test checks what it says."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ pytestmark = [requires_fuse,
               pytest.mark.skipif(os.getuid() != 0 or shutil.which("setpriv") is None,
                                  reason="needs root and setpriv to act as another user")]
 
-#: case id -> (case, expected); the README's matrix lists these rows in this order
+#: case id -> (case, expected); docs/permissions.md lists these rows in this order
 MATRIX: dict[str, tuple[str, str]] = {
     "no-allow-other": ("another user, mount without --allow-other: ls, stat, cat, cat "
                        ".dlcache/stats, write .dlcache/control", "EACCES for each"),
@@ -268,8 +268,8 @@ def test_odd_and_long_names(tmp_path, mount):
 # ----- the published matrix -------------------------------------------------------------------
 
 
-def test_readme_publishes_the_matrix():
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+def test_docs_publish_the_matrix():
+    readme = (Path(__file__).parent.parent / "docs" / "permissions.md").read_text()
     body = readme.split("<!-- security-matrix -->", 2)[1]
     rows = [line for line in body.splitlines() if line.startswith("| ") and "---" not in line]
     want = [f"| {case} | {expected} | {OBSERVED} (`{cid}`) |"
