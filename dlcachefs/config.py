@@ -183,7 +183,7 @@ class Config:
         False, "--cache-dir is a cache root shared by several mounts of different sources: "
                "each keeps its own cache under <root>/datasets/<id>/, and --cache-size is "
                "the budget of the whole root, divided among the datasets mounted by "
-               "their re-fetch cost and use (see README, several datasets in one cache)")
+               "their re-fetch cost and use (see docs/shared-cache.md)")
     dataset: str | None = _opt(
         None, "with --shared-cache: this mount's dataset id under the root (default: the "
               "source's name and a hash of its real path)", metavar="NAME",

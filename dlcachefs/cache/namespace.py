@@ -5,7 +5,7 @@ so a remount of an unchanged source lists nothing, and ``ls``/``find``/``stat`` 
 without touching the source. Inode numbers are ours, stable across remounts (a path keeps
 its inode as long as it exists on the source).
 
-Freshness rule (``--revalidate SECONDS``, documented in the README):
+Freshness rule (``--revalidate SECONDS``, documented in docs/freshness.md):
 
 * A directory's listing, and the attributes of its children, are as fresh as the
   directory's ``checked_at``. When an ``opendir`` or an ``open`` of one of its files finds

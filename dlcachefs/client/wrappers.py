@@ -24,7 +24,7 @@ their paths relative to the root, one per line): the mount derives the list agai
 its own snapshot and replays an order only if the two agree (a custom ``is_valid_file``
 or ``find_classes`` cannot be replayed; the digest tells). The digest, the ids and the
 control lines that announce a view are the protocol's
-(:mod:`dlcachefs.clairvoyance.protocol`); see the README's "Clairvoyant epochs".
+(:mod:`dlcachefs.clairvoyance.protocol`); see docs/clairvoyance.md.
 
 Pure Python, no torch import (torchvision's classes are recognised only when the training
 imported them already).

@@ -71,7 +71,7 @@ class Losses(TaskOwner):
 
     def _dropping_for(self, dataset: str, why: str) -> None:
         """Before the importance moves to ``dataset``: one dataset's importance at a time
-        (README "Importance"), so the losses held for another are dropped; counted
+        (docs/importance.md), so the losses held for another are dropped; counted
         (``losses_dropped``) and said in .dlcache/errors, at most once a minute (two
         jobs reporting for two datasets switch it at every batch of losses)."""
         imp = self.importance

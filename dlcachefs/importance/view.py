@@ -26,7 +26,7 @@ class InodeImportance:
     def bind(self, dataset: str, inos: Sequence[int], h_fraction: float) -> None:
         if self.dataset == dataset and self.table is not None and self.table.n == len(inos):
             return
-        if self.table is not None:  # one dataset's importance at a time (see README)
+        if self.table is not None:  # one dataset's importance at a time (see docs/importance.md)
             # (the losses this drops are counted and warned of by the caller that knows
             # them: importance.losses)
             log.info("importance: now for dataset %r, no longer %r", dataset, self.dataset)

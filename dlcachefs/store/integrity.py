@@ -20,8 +20,7 @@ commit; removed at start, so a crash leaves none): whatever wrote to the file si
 crash, a damaging process, ``verify --repair``, makes the next start walk it. Damage
 that changes neither size nor mtime (a disk flipping bits under the filesystem) is
 caught by ``dlcachefs verify``, which always walks. Damage that appears while a daemon
-has the index open is not covered: LMDB is trusted while mapped (see README,
-"Faults").
+has the index open is not covered: LMDB is trusted while mapped (see docs/faults.md).
 """
 
 from __future__ import annotations
