@@ -29,7 +29,7 @@ import tempfile
 import time
 from collections import Counter
 
-from dlcachefs.client.hook import prepare_mounts
+from dlcachefs.data.hook import prepare_mounts
 
 from . import make_dataset as md
 from .dlcmount import DlcMount, dlcachefs_exe

@@ -28,7 +28,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from dlcachefs.client.hook import prepare_mounts
+from dlcachefs.data.hook import prepare_mounts
 
 from .dlcmount import DlcMount, dlcachefs_exe
 from .util import machine_info, proc_status_kb, write_json

@@ -334,7 +334,7 @@ def _daemonize(cfg: Config) -> int:
 # ----- run ------------------------------------------------------------------------------
 
 def cmd_run(command: list[str], job: str | None) -> int:
-    """exec ``command`` with ``dlcachefs/client/_boot`` (a sitecustomize) first on PYTHONPATH."""
+    """exec ``command`` with ``dlcachefs/data/_boot`` (a sitecustomize) first on PYTHONPATH."""
     if command and command[0] == "--":
         command = command[1:]
     if not command:
@@ -346,7 +346,7 @@ def cmd_run(command: list[str], job: str | None) -> int:
         print("dlcachefs run: warning: no dlcachefs mount is mounted here: the training "
               "runs as it would without the launcher (mount the dataset first: "
               "dlcachefs mount SOURCE MOUNTPOINT)", file=sys.stderr)
-    boot = os.path.join(os.path.dirname(os.path.abspath(__file__)), "client", "_boot")
+    boot = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "_boot")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (boot, env.get("PYTHONPATH")) if p)
     env[ENV_LAUNCHED] = "1"

@@ -139,7 +139,7 @@ def test_pace_splits_batches_per_worker():
 def test_hook_batch_hint():
     from types import SimpleNamespace
 
-    from dlcachefs.client.hook import _batch_hint
+    from dlcachefs.data.hook import _batch_hint
 
     assert _batch_hint(SimpleNamespace(batch_size=32, num_workers=4, prefetch_factor=2)) == [
         "batch 32 workers=4 prefetch_factor=2"]

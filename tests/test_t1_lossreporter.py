@@ -1,4 +1,4 @@
-"""Tier 1: dlcachefs.client.hook.LossReporter and with_index, against a fake mount (a directory
+"""Tier 1: dlcachefs.data.hook.LossReporter and with_index, against a fake mount (a directory
 holding ``.dlcache/control``) whose control writes are applied to a real ControlState."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 
-import dlcachefs.client.hook as dt
+import dlcachefs.data.hook as dt
 from dlcachefs.clairvoyance.control import MAX_LINE, MAX_WRITE, ControlState
 from dlcachefs.errors import ControlError, NotFound
 
@@ -260,7 +260,7 @@ def test_with_index():
 
 
 def test_importing_does_not_import_torch():
-    code = ("import sys, dlcachefs.client.hook as dt; dt.LossReporter('/'); "
+    code = ("import sys, dlcachefs.data.hook as dt; dt.LossReporter('/'); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-W", "ignore", "-c", code], check=True,
                    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

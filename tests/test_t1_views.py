@@ -1,4 +1,4 @@
-"""Tier 1: wrapped datasets as views (dlcachefs.client.wrappers), their control lines, and the
+"""Tier 1: wrapped datasets as views (dlcachefs.data.wrappers), their control lines, and the
 replay of samplers announced by their generator state (the torch hook, no mount)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from test_t1_sampler import IndexDataset
 from dlcachefs.clairvoyance import protocol as P
 from dlcachefs.clairvoyance.control import MAX_LINE, MAX_WRITE, ControlState
 from dlcachefs.clairvoyance.replay import OrderReplayer
-from dlcachefs.client import wrappers as w
+from dlcachefs.data import wrappers as w
 from dlcachefs.errors import ControlError, NotFound
 
 torch = pytest.importorskip("torch")
@@ -143,7 +143,7 @@ def test_resolve_reasons():
 def test_with_index_and_real_dataset_folder(tmp_path):
     """A torchvision DatasetFolder with its own loader and extensions; with_index."""
     folder = pytest.importorskip("torchvision.datasets.folder")
-    from dlcachefs.client.hook import with_index
+    from dlcachefs.data.hook import with_index
 
     for c in ("b", "a"):
         for name in ("x.TXT", "y.dat", "z.jpg"):
@@ -296,7 +296,7 @@ Idx = IndexDataset  # ds[i] == i (module level: DataLoader workers pickle it)
 def hooked(monkeypatch):
     """torch.utils.data patched by the hook, announcing into a list (no mount); the
     originals are restored afterwards."""
-    import dlcachefs.client.hook as hook
+    import dlcachefs.data.hook as hook
 
     classes = (data.RandomSampler, data.DistributedSampler, data.SubsetRandomSampler,
                data.DataLoader)
@@ -370,7 +370,7 @@ def test_hook_announces_replayable_orders_and_changes_nothing(hooked, case, n, s
     announced = [lines for lines in hooked]
     assert len(announced) == 3, announced
     # without the hook: the same orders and the same global RNG stream
-    import dlcachefs.client.hook as hook  # noqa: F401
+    import dlcachefs.data.hook as hook  # noqa: F401
 
     saved = {c: c.__dict__["__iter__"] for c in _ORIG}
     try:
@@ -412,7 +412,7 @@ def test_persistent_workers_draw_first_only(hooked):
 
 
 def test_custom_sampler_is_announced_unknown(hooked, monkeypatch):
-    import dlcachefs.client.hook as hook
+    import dlcachefs.data.hook as hook
 
     unknown: list[tuple[str, int]] = []
     monkeypatch.setattr(hook, "_unknown", lambda ds, reason, epoch, loader=None: unknown.append(
@@ -459,7 +459,7 @@ def test_client_view_writes_are_accepted(tmp_path, monkeypatch):
     several writes, announcement) is accepted; a new daemon gets the definition again."""
     import errno
 
-    import dlcachefs.client.hook as hook
+    import dlcachefs.data.hook as hook
 
     folder = pytest.importorskip("torchvision.datasets.folder")
     mnt = tmp_path / "m"
@@ -512,7 +512,7 @@ def test_client_view_writes_are_accepted(tmp_path, monkeypatch):
 def test_validation_loader_does_not_take_the_training_stream(monkeypatch):
     """A sequential (or unknown) loader announces only while no other dataset's loader
     owns the job's stream; a replayable one always does and takes it."""
-    import dlcachefs.client.hook as hook
+    import dlcachefs.data.hook as hook
 
     monkeypatch.setattr(hook, "_claims", {})
     assert hook._claim("j", "val", weak=True)  # a sanity validation before training
@@ -562,7 +562,7 @@ def test_pace_reports_stop_at_a_mount_that_refuses_them(monkeypatch):
     # (each would push a real error out of the mount's bounded .dlcache/errors)
     import errno
 
-    import dlcachefs.client.hook as hook
+    import dlcachefs.data.hook as hook
 
     calls: list[str] = []
 
@@ -590,7 +590,7 @@ def test_pace_reports_stop_at_a_mount_that_refuses_them(monkeypatch):
 def test_pace_restarts_with_a_persistent_iterator(hooked, monkeypatch):
     # persistent_workers: DataLoader.__iter__ returns the same iterator each epoch; after
     # an epoch left early, the time until the next epoch is not a training step
-    import dlcachefs.client.hook as hook
+    import dlcachefs.data.hook as hook
 
     monkeypatch.setattr(hook._PaceReport, "EVERY", float("inf"))  # no flush mid-test
     dl = data.DataLoader(Idx(12), batch_size=2, num_workers=1, persistent_workers=True)
@@ -613,7 +613,7 @@ def test_pace_restarts_with_a_persistent_iterator(hooked, monkeypatch):
 
 
 def test_loader_iter_never_raises_from_the_pace_report(hooked, monkeypatch):
-    import dlcachefs.client.hook as hook
+    import dlcachefs.data.hook as hook
 
     class Broken:
         def __init__(self, loader):
@@ -629,8 +629,8 @@ def test_loader_iter_never_raises_from_the_pace_report(hooked, monkeypatch):
 def test_batch_hint_stays_within_the_parsers_limits(monkeypatch):
     from types import SimpleNamespace as NS
 
-    import dlcachefs.client.hook as hook
-    from dlcachefs.client.hook import _batch_hint
+    import dlcachefs.data.hook as hook
+    from dlcachefs.data.hook import _batch_hint
 
     monkeypatch.setattr(hook, "_warned", set())
 
@@ -657,7 +657,7 @@ def test_batch_hint_stays_within_the_parsers_limits(monkeypatch):
 def test_batch_hint_is_always_accepted(size, workers, pf):
     from types import SimpleNamespace as NS
 
-    from dlcachefs.client.hook import _batch_hint
+    from dlcachefs.data.hook import _batch_hint
 
     for line in _batch_hint(NS(batch_size=size, num_workers=workers, prefetch_factor=pf)):
         cs = ControlState(resolve_dir)
@@ -666,7 +666,7 @@ def test_batch_hint_is_always_accepted(size, workers, pf):
 
 
 def test_send_never_raises(monkeypatch):
-    import dlcachefs.client.hook as hook
+    import dlcachefs.data.hook as hook
 
     monkeypatch.setattr(hook, "_warned", set())
 
@@ -685,7 +685,7 @@ def test_send_never_raises(monkeypatch):
 
 
 def test_the_mounts_a_training_names_are_prepared_else_all():
-    from dlcachefs.client.hook import mounts_to_prepare
+    from dlcachefs.data.hook import mounts_to_prepare
 
     mounts = ["/mnt/a", "/mnt/ab", "/data"]
     pick = mounts_to_prepare
@@ -705,7 +705,7 @@ def test_preparing_stats_only_the_named_mounts_when_one_is_the_users(tmp_path, m
     import os
     import sys
 
-    from dlcachefs.client import hook
+    from dlcachefs.data import hook
 
     mnts = []
     for name in ("a", "b", "c"):
@@ -742,7 +742,7 @@ def test_preparing_never_raises_where_the_working_directory_is_gone(tmp_path):
     (fake / ".dlcache" / "control").write_text("")
     gone = tmp_path / "gone"
     gone.mkdir()
-    code = ("import os, sys; from dlcachefs.client import hook;"
+    code = ("import os, sys; from dlcachefs.data import hook;"
             "hook.dlcachefs_mounts = lambda: [sys.argv[2]];"
             "os.chdir(sys.argv[1]); os.rmdir(sys.argv[1]);"
             "print(hook.prepare_mounts())")

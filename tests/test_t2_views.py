@@ -17,7 +17,7 @@ from dlcachefs.clairvoyance import protocol as P  # noqa: E402
 from dlcachefs.clairvoyance.control import ControlState  # noqa: E402
 from dlcachefs.clairvoyance.listings import SampleLists  # noqa: E402
 from dlcachefs.clairvoyance.stream import StreamTable  # noqa: E402
-from dlcachefs.client import wrappers as w  # noqa: E402
+from dlcachefs.data import wrappers as w  # noqa: E402
 
 
 def _lists(eng) -> SampleLists:

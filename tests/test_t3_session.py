@@ -2,7 +2,7 @@
 without FUSE, over every registered policy: control -> streams -> engine.
 
 The training side is real: torch's ``DistributedSampler`` patched by the torch hook
-(:mod:`dlcachefs.client.hook`) announces each epoch when it is iterated, and
+(:mod:`dlcachefs.data.hook`) announces each epoch when it is iterated, and
 ``LossReporter`` reports losses, over a torchvision ``ImageFolder``. They write to a
 directory standing in for the mount (its ``.dlcache/control``, and the dataset as a
 symlink to the source's, so the client lists the names the mount shows); each
@@ -30,7 +30,7 @@ from dlcachefs.testing.fakes import CountingSource, make_config, write_tree
 folder = pytest.importorskip("torchvision.datasets.folder")
 torch_data = pytest.importorskip("torch.utils.data")
 
-import dlcachefs.client.hook as hook  # noqa: E402 - after torch, as a training imports it
+import dlcachefs.data.hook as hook  # noqa: E402 - after torch, as a training imports it
 
 POLICIES = sorted(policies())
 SEED = 7

@@ -198,7 +198,7 @@ def test_importance_training_with_substitution_keeps_labels_right(tmp_path, moun
     """ImportanceSampler + LossReporter + a DataLoader with workers over a mount with
     icache and --substitute: every image a batch carries is the exact decoding of a
     source file of the class its label says, substitutes included."""
-    from dlcachefs.client.hook import ImportanceSampler, LossReporter, with_index
+    from dlcachefs.data.hook import ImportanceSampler, LossReporter, with_index
 
     src = tmp_path / "src"
     make_images(src, classes=3, per_class=40)

@@ -13,7 +13,7 @@ from conftest import requires_fuse
 from test_t5_torch import make_images
 
 from dlcachefs.admin.advise import algorithm2
-from dlcachefs.client.hook import prepare_mounts
+from dlcachefs.data.hook import prepare_mounts
 from dlcachefs.testing.mounting import DLCACHEFS
 
 pytest.importorskip("torchvision")

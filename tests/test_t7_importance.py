@@ -317,7 +317,7 @@ TRAIN_WITH_LOSSES = r'''
 import hashlib, json, os, sys
 import torch
 from torchvision import datasets
-from dlcachefs.client.hook import LossReporter, install, with_index
+from dlcachefs.data.hook import LossReporter, install, with_index
 
 install()  # the sampler hook: each shuffled epoch is announced to the mount
 root, mnt, out, epochs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])

@@ -160,7 +160,7 @@ def _unannounced_reason(pid: int) -> str:
     hooked = launched = False
     for var in env.split(b"\0"):
         if var.startswith(b"PYTHONPATH="):
-            hooked = b"dlcachefs/client/_boot" in var
+            hooked = b"dlcachefs/data/_boot" in var
         elif var.startswith(ENV_LAUNCHED.encode() + b"="):
             launched = True
     if hooked:

@@ -62,7 +62,7 @@ its streams' orders (their indices named samples of the old one).
 Paths (RELPATH, REL) are relative to the mount, percent-encoded (so that any name is one
 token: ``a%20b`` is ``a b``; ``%25`` is ``%``), ``.`` for the mount's root, without ``..``.
 
-Views (wrapped datasets, :mod:`dlcachefs.client.wrappers`): the dataset a DataLoader sees is
+Views (wrapped datasets, :mod:`dlcachefs.data.wrappers`): the dataset a DataLoader sees is
 the concatenation of the sample lists of one or more ImageFolder roots (``root`` lines;
 ``count``/``sha`` are the training's digest of each root's list, checked by the mount when
 it lists the root; ``ext`` the DatasetFolder's extensions, percent-encoded, ``any`` for a

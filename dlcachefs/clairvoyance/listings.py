@@ -4,7 +4,7 @@ A stream's order is a list of dataset indices; its sample list
 (:mod:`dlcachefs.clairvoyance.samplelist`) says which file each index names. Lists are
 made in a worker thread from the namespace snapshot, once however many callers wait
 (:meth:`SampleLists.ensure_sample_list`); a dataset that is a *view* (wrapped
-ImageFolders, :mod:`dlcachefs.client.wrappers`) is the concatenation of its roots'
+ImageFolders, :mod:`dlcachefs.data.wrappers`) is the concatenation of its roots'
 lists seen through its index list, each root's list checked against the training's
 digest first (:meth:`SampleLists.view_samples`). A training builds its ImageFolder
 before it announces: when a directory is opened right after its parent and the parent
@@ -49,7 +49,7 @@ LIST_RETRY_S = 30.0  # a dataset whose listing failed is not listed again before
 
 def dataset_key(js: JobState) -> str | None:
     """The key of a job's sample list: its ImageFolder root, or ``ROOT@VID`` for a view
-    (a wrapped dataset: several roots and/or an index list, see :mod:`dlcachefs.client.wrappers`)."""
+    (a wrapped dataset: several roots and/or an index list, see :mod:`dlcachefs.data.wrappers`)."""
     if js.dataset is None or js.view is None:
         return js.dataset
     return f"{js.dataset or '.'}@{js.view.vid}"

@@ -28,7 +28,7 @@ Modes (``mode`` and ``reason`` of each stream in stats):
 
 * ``replayed``: the order is the sampler's, replayed (:mod:`dlcachefs.clairvoyance.replay`) over the
   job's dataset; a dataset that is a *view* (wrapped ImageFolders,
-  :mod:`dlcachefs.client.wrappers`) is the concatenation of its roots' ImageFolder lists seen
+  :mod:`dlcachefs.data.wrappers`) is the concatenation of its roots' ImageFolder lists seen
   through its index list, each root's list checked against the training's digest first.
 * ``learned``: the training said its order cannot be replayed (``sampler unknown``); the
   stream is formed from the opens of the process tree, epoch by epoch (``epoch`` lines).
@@ -163,7 +163,7 @@ class StreamManager:
         hook) would pay that import during its first epoch (~3% of a first pass over a
         400 Mbit/s link here, ``bench.first_epoch``). It starts when a training process
         first reaches the control file: the hook opens it at interpreter start
-        (:func:`dlcachefs.client.hook.install`), while the script imports its own torch,
+        (:func:`dlcachefs.data.hook.install`), while the script imports its own torch,
         so the worker is ready about when the script announces; or at the first
         announcement. Trio loop."""
         if self._replay_started or self._nursery is None:

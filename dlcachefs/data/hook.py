@@ -5,7 +5,7 @@ and ``DataLoader.__iter__`` so that, at the start of every epoch, the sampler an
 are written into ``<mount>/.dlcache/control`` of the mount that holds the dataset. The
 dataset may be an ImageFolder (any torchvision ``DatasetFolder``) or wrap some:
 ``Subset``, ``ConcatDataset``, a user class holding one in an attribute (see
-:mod:`dlcachefs.client.wrappers`); it is announced as a *view* (``root``/``view``/``index`` lines,
+:mod:`dlcachefs.data.wrappers`); it is announced as a *view* (``root``/``view``/``index`` lines,
 sent once per process and mount, then named by its id). The training itself is
 unchanged, bit for bit:
 
@@ -57,7 +57,7 @@ from functools import lru_cache
 
 from dlcachefs import mountctl
 from dlcachefs.clairvoyance import protocol as _p
-from dlcachefs.client import wrappers as _w
+from dlcachefs.data import wrappers as _w
 
 ENV_JOB = "DLCACHEFS_JOB"
 _installed = False

@@ -4,7 +4,7 @@ start, a background thread opens the control file of the mounts the training wil
 so their sampler replay workers import torch meanwhile)."""
 
 try:
-    from dlcachefs.client.hook import install as _dlcachefs_install
+    from dlcachefs.data.hook import install as _dlcachefs_install
 
     _dlcachefs_install()
 except Exception as _e:  # noqa: BLE001 - a broken hook must never stop the program
