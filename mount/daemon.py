@@ -26,9 +26,10 @@ from dlcachefs.mount.ops import Operations
 
 from dlcachefs import mountctl
 from dlcachefs.cache.engine import Engine
+from dlcachefs.cache.filesystem import Filesystem
 from dlcachefs.config import DATASETS_DIR, Config
 from dlcachefs.errors import DlcError
-from dlcachefs.session import build
+from dlcachefs.session import Session, build
 from dlcachefs.store import integrity, ledger
 from dlcachefs.store.lock import CacheLock
 
@@ -128,6 +129,20 @@ def _keep_thread_names() -> None:
         cache.set_os_thread_name = None
 
 
+def make_filesystem(session: Session) -> Filesystem:
+    """The core's filesystem facade over ``session``, handed what it needs of the parts
+    outside ``cache/``: the one place it is built (its place is :func:`dlcachefs.session.build`,
+    the composition root)."""
+    engine = session.engine
+
+    async def statfs() -> os.statvfs_result:
+        return await engine.calls.call(engine.source.statvfs)
+
+    return Filesystem(engine, control=session.control, stats=engine.stats,
+                      on_opendir=engine.streams.note_opendir,
+                      on_control_open=engine.streams.start_replay, statfs=statfs)
+
+
 def run(cfg: Config, report: Reporter) -> int:
     """Run a mount until it is unmounted. ``report`` sends lines to the waiting parent:
     ``progress ...`` while scanning, ``ready`` once mounted, ``error ...`` on failure."""
@@ -159,7 +174,7 @@ def run(cfg: Config, report: Reporter) -> int:
                                f"{e.strerror}") from e
             log.info("metrics on http://%s:%d/metrics", *metrics.address)
 
-        ops = Operations(engine, session.control)
+        ops = Operations(make_filesystem(session))
         pyfuse3.init(ops, cfg.mountpoint, fuse_options(cfg))
     except (DlcError, OSError, RuntimeError, ValueError, ImportError) as e:
         report(f"error {e}")
