@@ -17,12 +17,20 @@ raising the size, invalidations dropping attributes, or attributes and pages). T
 * pages are given with an open only at the file's first open in the mount, when no other
   open of it is held, and never with ``direct_io``;
 * an open that reads through the page cache finds nothing there of another version;
+* an open that reads through the page cache has no open of another version beside it
+  (the pages and the attributes are the inode's, shared by all its opens);
 * while a file is open, LOOKUP, GETATTR and READDIRPLUS answer the version of one of its
-  opens, the same one for as long as that version is open;
+  opens, the same one for as long as that version is open; ``fstat`` of an open that is
+  the only version open gives its own size (the first open after a change drops the
+  kernel's attributes at once);
 * whenever the kernel may hold attributes or pages of a version older than the one the
   mount knows, the mount knows it is behind (the inode is in ``Namespace.changed``, so
   opens bypass the pages); when the last open of such a file closes, an invalidation of
-  the inode is queued.
+  the inode is queued; once the invalidations went through, a closed file has nothing
+  older in the kernel.
+
+The invalidation worker runs after every request in half of the runs, and only at the
+``kernel_told`` steps (lagging behind) in the others.
 
 Two windows: ``--revalidate 0`` (every lookup and open checks the source) and 60 s with a
 fake clock (the kernel's attributes and the snapshot expire together when it moves).
@@ -264,7 +272,8 @@ class CoherenceModel(RuleBasedStateMachine):
         if not hs:
             return
         versions = {h.version for h in hs}
-        assert e.mtime_ns in versions, "an open file answered with a version none of its opens reads"
+        assert e.mtime_ns in versions, (
+            "an open file answered with a version none of its opens reads")
         last = self.answered_open.get(e.ino)
         if last is not None and last in versions:
             assert e.mtime_ns == last, "an open file's attributes changed under its open version"
