@@ -42,7 +42,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar
 
@@ -53,6 +53,7 @@ from dlcachefs.cache.buffers import LATER_CHUNKS, Backlog, ReadAhead
 from dlcachefs.cache.dedup import ContentStore
 from dlcachefs.cache.engine import Engine
 from dlcachefs.cache.fetch import Fetcher, SourceCalls
+from dlcachefs.cache.filesystem import Filesystem
 from dlcachefs.cache.invariants import check_after_commit
 from dlcachefs.cache.memlimit import MemoryBudget, cgroup_limit, current_rss, fit
 from dlcachefs.cache.memtier import MemoryTier
@@ -142,6 +143,25 @@ class Session:
     shares: ShareKeeper | None = None
     dedup: ContentStore | None = None
     started: float = 0.0
+    _filesystem: Filesystem | None = field(default=None, repr=False)
+
+    def filesystem(self) -> Filesystem:
+        """The core's filesystem facade over this session, for a FUSE adapter
+        (:mod:`dlcachefs.mount.ops`): made at the first call, once, and only for a mount,
+        since its coherence rules register with the namespace as the kernel's
+        (:class:`~dlcachefs.cache.coherence.Coherence`: a file changed during the mount is
+        bypassed until the kernel was told); a core without a kernel has none."""
+        if self._filesystem is None:
+            eng = self.engine
+
+            async def statfs() -> os.statvfs_result:
+                return await eng.calls.call(eng.source.statvfs)
+
+            self._filesystem = Filesystem(
+                eng, control=self.control, stats=self.stats,
+                on_opendir=self.streams.note_opendir,
+                on_control_open=self.streams.start_replay, statfs=statfs)
+        return self._filesystem
 
     @property
     def policy(self) -> CachingPolicy:

@@ -158,7 +158,7 @@ def run(cfg: Config, report: Reporter) -> int:
                                f"{e.strerror}") from e
             log.info("metrics on http://%s:%d/metrics", *metrics.address)
 
-        ops = Operations(session)
+        ops = Operations(session.filesystem())
         pyfuse3.init(ops, cfg.mountpoint, fuse_options(cfg))
     except (DlcError, OSError, RuntimeError, ValueError, ImportError) as e:
         report(f"error {e}")

@@ -1,7 +1,8 @@
 """What the CLI reads of a running mount: its stats and its cache description.
 
-Both are files of the mount's virtual ``.dlcache/`` directory (``mount/virtual.py``); each
-read is a fresh snapshot the daemon builds on its event loop. Standard library only.
+Both are files of the mount's virtual ``.dlcache/`` directory
+(``dlcachefs/cache/virtual.py``); each read is a fresh snapshot the daemon builds on its
+event loop. Standard library only.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import errno
 import json
 import os
 
-VDIR = ".dlcache"  # the mount's own directory at its root (mount/virtual.py)
+VDIR = ".dlcache"  # the mount's own directory at its root (cache/virtual.py)
 
 
 class NotAMount(ValueError):
