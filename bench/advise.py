@@ -27,7 +27,7 @@ import sys
 import time
 
 from . import make_dataset as md
-from .dlcmount import DlcMount, dlcachefs_exe
+from .mounting import DlcMount, dlcachefs_exe
 
 OUT = os.path.join("bench", "out", "advise")
 

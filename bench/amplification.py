@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 
 from . import make_dataset as md
-from .dlcmount import DlcMount
 from .fidelity import core_from_rev
+from .mounting import DlcMount
 
 TRAIN = r'''
 import hashlib, json, os, sys, time, torch

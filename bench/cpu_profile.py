@@ -32,7 +32,7 @@ from collections import Counter
 from dlcachefs.data.hook import prepare_mounts
 
 from . import make_dataset as md
-from .dlcmount import DlcMount, dlcachefs_exe
+from .mounting import DlcMount, dlcachefs_exe
 from .readers import read_all
 from .util import proc_cpu_seconds, write_json
 

@@ -55,7 +55,7 @@ from collections.abc import Sequence
 
 from dlcachefs.mountctl import end_pid
 
-from .dlcmount import DlcMount, counter_delta, dlcachefs_exe
+from .mounting import DlcMount, counter_delta, dlcachefs_exe
 from .remote import slow_remote
 from .util import drop_page_cache, machine_info, net_rx, proc_cpu_seconds, write_json
 

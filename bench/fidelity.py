@@ -77,7 +77,7 @@ from pathlib import Path
 from dlcachefs.mountctl import is_mounted, unmount
 
 from .digits import write_digits
-from .dlcmount import DlcMount, MountError, counter_delta, dlcachefs_exe
+from .mounting import DlcMount, MountError, counter_delta, dlcachefs_exe
 from .passthrough import passthrough_mount
 from .util import machine_info, write_json
 

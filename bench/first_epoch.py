@@ -50,7 +50,7 @@ import sys
 import time
 
 from . import make_dataset as md
-from .dlcmount import DlcMount, counter_delta, dlcachefs_exe
+from .mounting import DlcMount, counter_delta, dlcachefs_exe
 from .readers import read_all
 from .remote import slow_remote
 from .run import BenchFailure, Verifier

@@ -165,7 +165,7 @@ def _read(path: str) -> bytes:
 
 def run(a: argparse.Namespace) -> dict:
     sys.path.insert(0, REPO)
-    from bench.dlcmount import DlcMount
+    from bench.mounting import DlcMount
 
     work = os.path.abspath(a.work)
     src, mnt, cache = (os.path.join(work, x) for x in ("src", "mnt", "cache"))

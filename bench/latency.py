@@ -19,8 +19,8 @@ import shutil
 import subprocess
 import sys
 
-from .dlcmount import DlcMount
 from .make_dataset import Spec, make_dataset
+from .mounting import DlcMount
 from .remote import NS_IP, slow_remote
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -31,7 +31,7 @@ import threading
 import time
 
 from . import make_dataset as md
-from .dlcmount import DlcMount
+from .mounting import DlcMount
 from .util import machine_info, write_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -31,7 +31,7 @@ import sys
 import time
 
 from . import make_dataset as md
-from .dlcmount import DlcMount, dlcachefs_exe
+from .mounting import DlcMount, dlcachefs_exe
 from .util import drop_page_cache, file_hash, machine_info, proc_status_kb, write_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

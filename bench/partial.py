@@ -20,8 +20,8 @@ import sys
 import tempfile
 
 from .belady import belady, lru
-from .dlcmount import DlcMount
 from .make_dataset import Spec, make_dataset
+from .mounting import DlcMount
 
 LOOP = r'''
 import json, os, sys, time, torch

@@ -44,7 +44,7 @@ import time
 import traceback
 
 from . import make_dataset as md
-from .dlcmount import DlcMount, dlcachefs_exe
+from .mounting import DlcMount, dlcachefs_exe
 from .passthrough import passthrough_mount
 from .readers import READERS, ReadResult, read_all
 from .util import (

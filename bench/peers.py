@@ -56,7 +56,7 @@ import time
 from dlcachefs.testing.memcached import cluster as memcached_cluster
 from dlcachefs.testing.memcached import memcached_available
 
-from .dlcmount import DlcMount
+from .mounting import DlcMount
 from .readers import read_all
 from .remote import ensure_random_files, log, reference_hashes
 from .util import machine_info, write_json

@@ -98,7 +98,7 @@ def run(a: argparse.Namespace) -> int:
     from torch.utils.data import DataLoader, DistributedSampler
     from torchvision import transforms
 
-    from .dlcmount import counter_delta
+    from .mounting import counter_delta
     from .util import proc_cpu_seconds, tree_digest
 
     torch.manual_seed(a.seed)

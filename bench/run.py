@@ -38,7 +38,7 @@ import traceback
 
 from . import make_dataset as md
 from .belady import belady, lru
-from .dlcmount import DlcMount, dlcachefs_exe
+from .mounting import DlcMount, dlcachefs_exe
 from .readers import read_all
 from .util import (
     drop_page_cache,

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from dlcachefs.data.hook import prepare_mounts
 
-from .dlcmount import DlcMount, dlcachefs_exe
+from .mounting import DlcMount, dlcachefs_exe
 from .util import machine_info, proc_status_kb, write_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -39,7 +39,7 @@ import time
 import urllib.request
 
 from . import make_dataset as md
-from .dlcmount import DlcMount, dlcachefs_exe
+from .mounting import DlcMount, dlcachefs_exe
 from .passthrough import passthrough_mount
 from .util import drop_page_cache, file_hash
 

@@ -57,7 +57,7 @@ from dlcachefs.data import CacheReader
 from dlcachefs.data.folder import CachedImageFolder
 
 from . import make_dataset as md
-from .dlcmount import DlcMount
+from .mounting import DlcMount
 from .passes import drop_mount_pages
 from .readers import read_all
 from .util import file_hash, machine_info, write_json

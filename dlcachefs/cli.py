@@ -367,11 +367,11 @@ def cmd_umount(mountpoint: str, timeout: float) -> int:
     if not mountctl.is_mounted(mountpoint):
         print(f"dlcachefs: {mountpoint} is not mounted", file=sys.stderr)
         return 1
-    from dlcachefs.admin import mountinfo  # noqa: PLC0415
+    from dlcachefs.admin import dlcachedir  # noqa: PLC0415
 
     try:
-        pid = mountinfo.stats(mountpoint).get("pid")
-    except mountinfo.NotAMount:  # a daemon killed: its stale mount is cleared all the same
+        pid = dlcachedir.stats(mountpoint).get("pid")
+    except dlcachedir.NotAMount:  # a daemon killed: its stale mount is cleared all the same
         pid = None
     # a plain unmount; lazily when files are open (their reads go on being served)
     u = mountctl.unmount(mountpoint, lazy="if_busy")
@@ -392,11 +392,11 @@ def cmd_umount(mountpoint: str, timeout: float) -> int:
 # ----- stats --------------------------------------------------------------------------
 
 def cmd_stats(mountpoint: str, as_json: bool) -> int:
-    from dlcachefs.admin import mountinfo  # noqa: PLC0415
+    from dlcachefs.admin import dlcachedir  # noqa: PLC0415
 
     try:
-        st = mountinfo.stats(mountpoint)
-    except mountinfo.NotAMount as e:  # exit 2, as top, advise and warmup
+        st = dlcachedir.stats(mountpoint)
+    except dlcachedir.NotAMount as e:  # exit 2, as top, advise and warmup
         print(f"dlcachefs stats: {e}", file=sys.stderr)
         return 2
     if as_json:

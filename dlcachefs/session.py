@@ -3,7 +3,7 @@ collaborators in its constructor.
 
 :func:`build` is how the daemon (:mod:`dlcachefs.mount.daemon`), the core tests
 (:func:`dlcachefs.testing.fakes.run_engine`) and the simulator's engine mode
-(:mod:`dlcachefs.sim.engine_replay`) make a mount's core, so that control -> streams ->
+(:mod:`dlcachefs.sim.modelcheck`) make a mount's core, so that control -> streams ->
 engine runs without FUSE exactly as it does mounted. What it makes, in the order the
 parts need each other:
 
@@ -139,7 +139,7 @@ class Session:
     packer: Packer | None = None
     trace: TraceRecorder | None = None
     peers: object | None = None  # dlcachefs.peers.tier.PeerTier, with --peers
-    owner_prefetch: object | None = None  # dlcachefs.peers.ownerfetch.OwnerPrefetch
+    owner_prefetch: object | None = None  # dlcachefs.peers.ownerprefetch.OwnerPrefetch
     shares: ShareKeeper | None = None
     dedup: ContentStore | None = None
     started: float = 0.0
@@ -506,7 +506,7 @@ def _background(cfg: Config, rp: _ReadPath, observers: Observers, table: StreamT
     # --peer-self: this node fetches ahead the files it owns in the cluster's order
     owner_prefetch = None
     if peers is not None and cfg.peer_self is not None:
-        from dlcachefs.peers.ownerfetch import OwnerPrefetch  # noqa: PLC0415 - --peers only
+        from dlcachefs.peers.ownerprefetch import OwnerPrefetch  # noqa: PLC0415 - --peers only
 
         owner_prefetch = OwnerPrefetch(cfg, index=index, ns=ns, fetcher=rp.fetcher,
                                        peers=peers, streams=streams)  # type: ignore[arg-type]

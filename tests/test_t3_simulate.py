@@ -2,9 +2,9 @@
 
 The same small trace is replayed by ``dlcachefs simulate``'s runner
 (:func:`dlcachefs.sim.simulate.run_policy`, a model of the writer and the engine) and
-through a real mount's core (:func:`dlcachefs.sim.engine_replay.run_session`, built by
+through a real mount's core (:func:`dlcachefs.sim.modelcheck.run_through_core`, built by
 :func:`dlcachefs.session.build`), with the same policy and ``--cache-size``. See
-:mod:`dlcachefs.sim.engine_replay` for what is held equal so that the counts can agree
+:mod:`dlcachefs.sim.modelcheck` for what is held equal so that the counts can agree
 exactly, and why the equality is asserted for ``lru`` and for ``icache`` on traces without
 losses only.
 """
@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from dlcachefs.sim.engine_replay import run_session, sample_key, unit_trace
+from dlcachefs.sim.modelcheck import run_through_core, sample_key, unit_trace
 from dlcachefs.sim.simulate import Trace, lru_counts, run_policy
 
 
@@ -47,7 +47,7 @@ def test_simulated_counts_equal_the_engines(tmp_path, seed, fraction, kind, poli
     units = unit_trace(trace)
     cap = int(sum(units.sizes) * fraction)
     sim = run_policy(units, policy, cap)
-    real = run_session(trace, policy, cap, tmp_path)
+    real = run_through_core(trace, policy, cap, tmp_path)
     assert (real.accesses, real.hits, real.misses) == (sim.accesses, sim.hits, sim.misses)
     # the simulator counts unit bytes; every key here has one length, so each miss
     # differs by the same overhead

@@ -101,7 +101,7 @@ def test_paths_with_brackets_are_shown_as_they_are(tmp_path, mount):
 
     from rich.console import Console
 
-    from dlcachefs.admin import mountinfo
+    from dlcachefs.admin import dlcachedir
 
     src = tmp_path / "[bold]x[/y]"
     (src / "[red]d").mkdir(parents=True)
@@ -112,7 +112,7 @@ def test_paths_with_brackets_are_shown_as_they_are(tmp_path, mount):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert f"<- {src}" in r.stdout
-    f = frame(mountinfo.stats(str(m.mnt)), None, 0.0, str(m.mnt))
+    f = frame(dlcachedir.stats(str(m.mnt)), None, 0.0, str(m.mnt))
     out = io.StringIO()
     Console(file=out, width=400, color_system=None).print(render_rich(f))
     assert f"<- {src} (pid" in out.getvalue()

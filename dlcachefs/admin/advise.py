@@ -50,7 +50,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 
-from dlcachefs.admin import mountinfo
+from dlcachefs.admin import dlcachedir
 from dlcachefs.units import format_size
 
 #: busy share of the workers above which the loader, not the training, sets the pace
@@ -283,7 +283,7 @@ def text(a: Advice) -> str:
 
 def main(mnt: str, cores: int | None, mem_limit: int | None, as_json: bool) -> int:
     """The ``dlcachefs advise`` command."""
-    st = mountinfo.stats(os.path.abspath(mnt))
+    st = dlcachedir.stats(os.path.abspath(mnt))
     out = advise(st, cores, mem_limit)
     if as_json:
         print(json.dumps([a.as_dict() for a in out], indent=2))

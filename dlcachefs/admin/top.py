@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from dlcachefs.admin import advise, mountinfo
+from dlcachefs.admin import advise, dlcachedir
 from dlcachefs.units import format_size
 
 
@@ -195,11 +195,11 @@ def main(mnt: str, interval: float, once: bool) -> int:
     mnt = os.path.abspath(mnt)
     if interval <= 0:
         raise ValueError("--interval must be > 0")
-    prev = mountinfo.stats(mnt)
+    prev = dlcachedir.stats(mnt)
     t_prev = time.monotonic()
     if once:
         time.sleep(interval)
-        cur = mountinfo.stats(mnt)
+        cur = dlcachedir.stats(mnt)
         sys.stdout.write(render_text(frame(cur, prev, time.monotonic() - t_prev, mnt)))
         return 0
     try:
@@ -213,7 +213,7 @@ def main(mnt: str, interval: float, once: bool) -> int:
         if Live is None or not tty:
             while True:
                 time.sleep(interval)
-                cur, now = mountinfo.stats(mnt), time.monotonic()
+                cur, now = dlcachedir.stats(mnt), time.monotonic()
                 text = render_text(frame(cur, prev, now - t_prev, mnt))
                 sys.stdout.write(("\x1b[H\x1b[2J" if tty else "\n") + text)
                 sys.stdout.flush()
@@ -222,11 +222,11 @@ def main(mnt: str, interval: float, once: bool) -> int:
                   screen=False) as live:
             while True:
                 time.sleep(interval)
-                cur, now = mountinfo.stats(mnt), time.monotonic()
+                cur, now = dlcachedir.stats(mnt), time.monotonic()
                 live.update(render_rich(frame(cur, prev, now - t_prev, mnt)))
                 prev, t_prev = cur, now
     except KeyboardInterrupt:
         return 0
-    except mountinfo.NotAMount as e:
+    except dlcachedir.NotAMount as e:
         print(f"dlcachefs top: {e}", file=sys.stderr)
         return 1

@@ -53,8 +53,8 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from dlcachefs.admin import mountinfo
-from dlcachefs.admin.mountinfo import VDIR
+from dlcachefs.admin import dlcachedir
+from dlcachefs.admin.dlcachedir import VDIR
 from dlcachefs.store.chunkfmt import CHUNK_HEADER_SIZE, record_len
 from dlcachefs.units import format_size
 
@@ -209,7 +209,7 @@ class CachedCheck:
         self.reader = None
         self.why: str | None = None
         try:
-            info = mountinfo.cache_info(mnt)
+            info = dlcachedir.cache_info(mnt)
             # lmdb, only for this command
             from dlcachefs.store.readonly import IndexReader, Located  # noqa: PLC0415
 
@@ -420,9 +420,9 @@ def wait_settled(mnt: str, timeout: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            if not mountinfo.stats(mnt).get("pending_bytes"):
+            if not dlcachedir.stats(mnt).get("pending_bytes"):
                 return True
-        except mountinfo.NotAMount:
+        except dlcachedir.NotAMount:
             return False
         if time.monotonic() > deadline:
             return False
@@ -478,7 +478,7 @@ def main(mnt: str, paths: list[str], order_file: str | None, dry_run: bool, jobs
          as_json: bool = False, wait: bool = True) -> int:
     """The ``dlcachefs warmup`` command; its exit status."""
     mnt = os.path.abspath(mnt)
-    st = mountinfo.stats(mnt)  # NotAMount (a ValueError) when it is not a mount
+    st = dlcachedir.stats(mnt)  # NotAMount (a ValueError) when it is not a mount
     if jobs < 1:
         raise ValueError("--jobs must be >= 1")
     order = read_order(order_file) if order_file else None

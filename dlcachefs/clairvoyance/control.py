@@ -298,7 +298,7 @@ def _kv(n: int, args: list[str], allowed: set[str]) -> dict[str, str]:
 
 def _receive(pending: dict, complete: dict, key: Hashable, done_key: Hashable,
              extra: tuple, keep: int) -> tuple[int, array | None]:
-    """Applies one ``index`` or ``order`` line (validated by :class:`_ChunkReplay`) to a
+    """Applies one ``index`` or ``order`` line (validated by :class:`_ChunkDryRun`) to a
     list received in chunks. ``pending[key]`` holds what came so far: a chunk at 0 starts
     it again (at most ``keep`` lists in progress; the oldest is dropped), ``end`` moves it
     to ``complete[done_key]`` (at most ``keep`` kept, the oldest dropped). Returns the change
@@ -327,8 +327,8 @@ def _receive(pending: dict, complete: dict, key: Hashable, done_key: Hashable,
     return delta, done
 
 
-class _ChunkReplay:
-    """Replays ``index`` or ``order`` lines on the lists in progress as :func:`_receive`
+class _ChunkDryRun:
+    """Tries ``index`` or ``order`` lines on the lists in progress as :func:`_receive`
     will apply them, and refuses a line it would not accept (for
     :meth:`ControlState._check`: a write is checked whole before any of it is applied).
     Keeps references to the received arrays and to this write's chunks, never copies."""
@@ -339,7 +339,7 @@ class _ChunkReplay:
         self.parts: dict[Hashable, list[Sequence[int]]] = {k: [a] for k, a in received.items()}
 
     def line(self, op: _Op, key: Hashable, what: str) -> list[Sequence[int]] | None:
-        """Replays one line on list ``key`` (``what`` names it in messages); returns the
+        """Tries one line on list ``key`` (``what`` names it in messages); returns the
         list's parts when the line completes it."""
         parts = self.parts.get(key, [])
         have = sum(len(x) for x in parts)
@@ -624,16 +624,16 @@ class ControlState:
 
     def _check(self, ops: list[_Op], pid: int) -> None:
         """What parsing alone cannot check: bounds, and the lines that depend on the state
-        (the job's dataset, where an order continues). Replays the write on copies."""
+        (the job's dataset, where an order continues). Tries the write on copies."""
         job, rank = self.binding_of(pid)
         new_jobs, new_streams = set(), set()
         datasets: dict[str, str | None] = {}  # job -> its dataset at this point
         loss_ds: dict[str, str] = {}  # job -> the dataset its losses of this write refer to
         sizes: dict[str, int | None] = {}
-        orders: dict[tuple[str, int], _ChunkReplay] = {}  # stream -> its orders in progress
+        orders: dict[tuple[str, int], _ChunkDryRun] = {}  # stream -> its orders in progress
         added = 0
         unsized_losses = 0  # loss pairs of datasets whose size is not known yet
-        lists = _ListReplay(self, pid)
+        lists = _ListDryRun(self, pid)
         dviews: dict[str, str | None] = {}  # job -> the view of its dataset at this point
         for op in ops:
             if op.verb == "index":
@@ -674,7 +674,7 @@ class ControlState:
                             f"line {op.line}: dataset of job {job!r} changes after its loss "
                             f"lines in the same write; send them in separate writes")
                     for key in [k for k in (*self.streams, *orders) if k[0] == job]:
-                        orders[key] = _ChunkReplay({}, MAX_ORDER_EPOCHS)  # dropped
+                        orders[key] = _ChunkDryRun({}, MAX_ORDER_EPOCHS)  # dropped
                 datasets[job] = rel
                 dviews[job] = vid
             if op.verb not in ("loss", "order"):
@@ -732,11 +732,11 @@ class ControlState:
                                f"{added} in this write")
 
     def _check_order(self, op: _Op, key: tuple[str, int],
-                     orders: dict[tuple[str, int], _ChunkReplay]) -> None:
-        """Replays one ``order`` line on stream ``key``'s orders in progress."""
+                     orders: dict[tuple[str, int], _ChunkDryRun]) -> None:
+        """Tries one ``order`` line on stream ``key``'s orders in progress."""
         if key not in orders:
             st = self.streams.get(key)
-            orders[key] = _ChunkReplay(st.pending_orders if st is not None else {},
+            orders[key] = _ChunkDryRun(st.pending_orders if st is not None else {},
                                        MAX_ORDER_EPOCHS)
         orders[key].line(op, op.arg, f"order for epoch {op.arg}")
 
@@ -1041,14 +1041,14 @@ def _fold_roots(ops: list[_Op]) -> list[_Op]:
     return out
 
 
-class _ListReplay:
-    """Replays a write's ``index`` and ``view`` lines on what was received (for
+class _ListDryRun:
+    """Tries a write's ``index`` and ``view`` lines on what was received (for
     :meth:`ControlState._check`), as :meth:`ControlState._apply_list_or_view` applies them."""
 
     def __init__(self, cs: ControlState, pid: int) -> None:
         self.cs = cs
         self.pid = pid  # lists in transit are per writing process ("PID/LID")
-        self.chunks = _ChunkReplay(cs.pending_lists, MAX_LISTS)
+        self.chunks = _ChunkDryRun(cs.pending_lists, MAX_LISTS)
         self.done: dict[str, tuple[int, int]] = {}  # lid -> (count, max + 1) completed here
         self.views: dict[str, int] = {}  # vid -> length, defined here
         self.added = 0

@@ -421,7 +421,7 @@ class PeerTier:
         """Whether the file's owner holds a value under its key now (a ``touch``: its
         expiry is renewed, nothing is sent; the value is checked only when read). False
         when the owner is down or the call fails. For the owner's prefetch
-        (:mod:`dlcachefs.peers.ownerfetch`), which needs no bytes it already has."""
+        (:mod:`dlcachefs.peers.ownerprefetch`), which needs no bytes it already has."""
         ck = self.key_of(rel, ident)
         owner = self.owner(ck)
         if owner is None:

@@ -1,7 +1,7 @@
 """The simulator's check: a trace replayed through a real mount's core, counted alike.
 
 :func:`dlcachefs.sim.simulate.run_policy` drives the policies with a model of the chunk
-writer and the engine; its tables are worth what that model is worth. :func:`run_session`
+writer and the engine; its tables are worth what that model is worth. :func:`run_through_core`
 replays a (small) trace through the real core instead: it writes the trace's samples as
 files of their sizes into a source directory (one directory per class), builds the core
 as a mount does (:func:`dlcachefs.session.build`: the registry's policy, the engine, the
@@ -102,7 +102,7 @@ def session_config(source: str | os.PathLike, cache_dir: str | os.PathLike, spec
                   scan_ahead=0, reorder=False, policy=spec)
 
 
-def run_session(trace: Trace, spec: str, capacity: int, workdir: str | os.PathLike
+def run_through_core(trace: Trace, spec: str, capacity: int, workdir: str | os.PathLike
                 ) -> Result:
     """Replay ``trace`` through a real session with ``--policy spec`` and a cache of
     ``capacity`` bytes, under ``workdir`` (its ``src`` and ``cache``, made here). Every

@@ -1,4 +1,5 @@
-"""What the CLI reads of a running mount: its stats and its cache description.
+"""A running mount's ``.dlcache/`` directory, read from outside (the CLI's ``stats``,
+``top``, ``advise``, ``warmup``, ``umount``): its stats and its cache description.
 
 Both are files of the mount's virtual ``.dlcache/`` directory
 (``dlcachefs/cache/virtual.py``); each read is a fresh snapshot the daemon builds on its
