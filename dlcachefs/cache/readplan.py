@@ -4,8 +4,8 @@ A stream whose order is known (``sampler`` announced, :mod:`dlcachefs.clairvoyan
 log was not laid out for this epoch (a ``RandomSampler`` without a generator: each epoch's
 seed is drawn at its start, so the next order is never known and LCache cannot reorder)
 reads its samples from chunks in a shuffled order. Whole-chunk reads then mostly serve
-one or two records each before the chunk leaves the memory tier (issue 9: 9x read
-amplification). Instead, a :class:`ReadPlan` walks the epoch's order ahead of the
+one or two records each before the chunk leaves the memory tier: the disk reads several
+times the bytes served. Instead, a :class:`ReadPlan` walks the epoch's order ahead of the
 reader, inside a bounded window, and reads exactly the records it will ask for:
 
 * **Window**: positions ``[reader position, reader position + lead)`` (the prefetcher's
