@@ -44,214 +44,221 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+import pyfuse3
+import trio
+
 from dlcachefs.mountctl import MountError, is_mounted, stop_daemon, wait_mounted
 
 TIMEOUT = 86400.0  # entry / attribute timeout, seconds
 
 
-# ----- the daemon (imports pyfuse3 and trio only when run) ---------------------------------
+# ----- the daemon ---------------------------------------------------------------------------
 
-def _make_ops(src: str, direct_io: bool, keep_cache: bool, delay_ms: float = 0.0,
-              faults: str | None = None):
-    import pyfuse3
-    import trio
+class Faults:
+    """``--faults FILE``: the fault spec of each file by basename, read again whenever the
+    file changes (the module docstring)."""
 
-    delay_s = max(0.0, delay_ms) / 1000.0
-    timeout = 0.0 if faults else TIMEOUT
-    fault_state: dict = {"mtime": None, "specs": {}}
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.mtime: int | None = None
+        self.specs: dict = {}
 
-    def fault_of(path: bytes) -> dict | None:
+    def of(self, path: bytes) -> dict | None:
         """The fault spec for ``path``'s basename, from the faults file as it is now."""
-        if not faults:
-            return None
         try:
-            mt = os.stat(faults).st_mtime_ns
-            if mt != fault_state["mtime"]:
-                with open(faults, "rb") as f:
-                    fault_state["specs"] = json.loads(f.read() or b"{}")
-                fault_state["mtime"] = mt
+            mt = os.stat(self.path).st_mtime_ns
+            if mt != self.mtime:
+                with open(self.path, "rb") as f:
+                    self.specs = json.loads(f.read() or b"{}")
+                self.mtime = mt
         except (OSError, ValueError):
-            fault_state["specs"] = {}
-        return fault_state["specs"].get(os.fsdecode(os.path.basename(path)))
+            self.specs = {}
+        return self.specs.get(os.fsdecode(os.path.basename(path)))
 
-    async def hang(path: bytes) -> None:
-        with open(faults + ".hit", "a") as f:
+    async def hang(self, path: bytes) -> None:
+        """Hold the caller while ``path`` has a hang in the file (300 s at most); note it
+        in ``FILE.hit``."""
+        with open(self.path + ".hit", "a") as f:
             f.write(os.fsdecode(os.path.basename(path)) + "\n")
-        for _ in range(6000):  # 300 s at most
-            spec = fault_of(path)
+        for _ in range(6000):
+            spec = self.of(path)
             if not spec or "hang" not in spec:
                 return
             await trio.sleep(0.05)
 
-    class Passthrough(pyfuse3.Operations):
-        supports_dot_lookup = False
-        enable_writeback_cache = False
 
-        def __init__(self) -> None:
-            super().__init__()
-            self.paths: dict[int, bytes] = {pyfuse3.ROOT_INODE: os.fsencode(src)}
-            self.inodes: dict[bytes, int] = {os.fsencode(src): pyfuse3.ROOT_INODE}
-            self.next_inode = pyfuse3.ROOT_INODE + 1
-            self.listings: dict[int, list[tuple[bytes, bytes]]] = {}
-            self.next_dh = 1
-            self.fh_paths: dict[int, bytes] = {}  # with faults: open fd -> its path
+class Passthrough(pyfuse3.Operations):
+    """The read-only passthrough over ``src`` (the module docstring)."""
 
-        def _inode(self, path: bytes) -> int:
-            ino = self.inodes.get(path)
-            if ino is None:
-                ino = self.next_inode
-                self.next_inode += 1
-                self.inodes[path] = ino
-                self.paths[ino] = path
-            return ino
+    supports_dot_lookup = False
+    enable_writeback_cache = False
 
-        def _attrs(self, st: os.stat_result, ino: int) -> pyfuse3.EntryAttributes:
-            a = pyfuse3.EntryAttributes()
-            a.st_ino = ino
-            a.generation = 0
-            a.entry_timeout = timeout
-            a.attr_timeout = timeout
-            a.st_mode = st.st_mode
-            a.st_nlink = st.st_nlink
-            a.st_uid = st.st_uid
-            a.st_gid = st.st_gid
-            a.st_rdev = st.st_rdev
-            a.st_size = st.st_size
-            a.st_blksize = st.st_blksize
-            a.st_blocks = st.st_blocks
-            a.st_atime_ns = st.st_atime_ns
-            a.st_mtime_ns = st.st_mtime_ns
-            a.st_ctime_ns = st.st_ctime_ns
-            return a
+    def __init__(self, src: str, direct_io: bool, keep_cache: bool, delay_ms: float = 0.0,
+                 faults: str | None = None) -> None:
+        super().__init__()
+        self.src = src
+        self.direct_io, self.keep_cache = direct_io, keep_cache
+        self.delay_s = max(0.0, delay_ms) / 1000.0
+        self.timeout = 0.0 if faults else TIMEOUT
+        self.faults = Faults(faults) if faults else None
+        self.paths: dict[int, bytes] = {pyfuse3.ROOT_INODE: os.fsencode(src)}
+        self.inodes: dict[bytes, int] = {os.fsencode(src): pyfuse3.ROOT_INODE}
+        self.next_inode = pyfuse3.ROOT_INODE + 1
+        self.listings: dict[int, list[tuple[bytes, bytes]]] = {}
+        self.next_dh = 1
+        self.fh_paths: dict[int, bytes] = {}  # with faults: open fd -> its path
 
-        def _stat(self, path: bytes) -> os.stat_result:
-            try:
-                return os.lstat(path)
-            except OSError as e:
-                raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+    def _inode(self, path: bytes) -> int:
+        ino = self.inodes.get(path)
+        if ino is None:
+            ino = self.next_inode
+            self.next_inode += 1
+            self.inodes[path] = ino
+            self.paths[ino] = path
+        return ino
 
-        async def lookup(self, parent_inode, name, ctx=None):
-            parent = self.paths.get(parent_inode)
-            if parent is None:
-                raise pyfuse3.FUSEError(errno.ENOENT)
-            if name == b".":
-                path = parent
-            elif name == b"..":
-                path = os.path.dirname(parent) if parent_inode != pyfuse3.ROOT_INODE else parent
-            else:
-                path = os.path.join(parent, name)
+    def _attrs(self, st: os.stat_result, ino: int) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = ino
+        a.generation = 0
+        a.entry_timeout = self.timeout
+        a.attr_timeout = self.timeout
+        a.st_mode = st.st_mode
+        a.st_nlink = st.st_nlink
+        a.st_uid = st.st_uid
+        a.st_gid = st.st_gid
+        a.st_rdev = st.st_rdev
+        a.st_size = st.st_size
+        a.st_blksize = st.st_blksize
+        a.st_blocks = st.st_blocks
+        a.st_atime_ns = st.st_atime_ns
+        a.st_mtime_ns = st.st_mtime_ns
+        a.st_ctime_ns = st.st_ctime_ns
+        return a
+
+    def _stat(self, path: bytes) -> os.stat_result:
+        try:
+            return os.lstat(path)
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+
+    async def lookup(self, parent_inode, name, ctx=None):
+        parent = self.paths.get(parent_inode)
+        if parent is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        if name == b".":
+            path = parent
+        elif name == b"..":
+            path = os.path.dirname(parent) if parent_inode != pyfuse3.ROOT_INODE else parent
+        else:
+            path = os.path.join(parent, name)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            neg = pyfuse3.EntryAttributes()  # st_ino 0: a cached negative entry
+            neg.st_ino = 0
+            neg.entry_timeout = self.timeout
+            return neg
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        return self._attrs(st, self._inode(path))
+
+    async def getattr(self, inode, ctx=None):
+        path = self.paths.get(inode)
+        if path is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return self._attrs(self._stat(path), inode)
+
+    async def forget(self, inode_list):
+        return  # inodes are kept for the daemon's life
+
+    async def opendir(self, inode, ctx):
+        path = self.paths.get(inode)
+        if path is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        try:
+            names = sorted(os.listdir(path))
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        dh = self.next_dh
+        self.next_dh += 1
+        self.listings[dh] = [(n, os.path.join(path, n)) for n in names]
+        return dh
+
+    async def readdir(self, fh, start_id, token):
+        entries = self.listings.get(fh, [])
+        for i in range(start_id, len(entries)):
+            name, path = entries[i]
             try:
                 st = os.lstat(path)
-            except FileNotFoundError:
-                neg = pyfuse3.EntryAttributes()  # st_ino 0: a cached negative entry
-                neg.st_ino = 0
-                neg.entry_timeout = timeout
-                return neg
-            except OSError as e:
-                raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
-            return self._attrs(st, self._inode(path))
+            except OSError:
+                continue
+            if not pyfuse3.readdir_reply(token, name, self._attrs(st, self._inode(path)),
+                                         i + 1):
+                return
 
-        async def getattr(self, inode, ctx=None):
-            path = self.paths.get(inode)
-            if path is None:
-                raise pyfuse3.FUSEError(errno.ENOENT)
-            return self._attrs(self._stat(path), inode)
+    async def releasedir(self, fh):
+        self.listings.pop(fh, None)
 
-        async def forget(self, inode_list):
-            return  # inodes are kept for the daemon's life
+    async def open(self, inode, flags, ctx):
+        path = self.paths.get(inode)
+        if path is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
+            raise pyfuse3.FUSEError(errno.EROFS)
+        if self.delay_s:
+            await trio.sleep(self.delay_s)
+        spec = self.faults.of(path) if self.faults else None
+        if spec and "errno" in spec:
+            raise pyfuse3.FUSEError(int(spec["errno"]))
+        if spec and spec.get("hang") == "open":
+            await self.faults.hang(path)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        if self.faults:
+            self.fh_paths[fd] = path
+        return pyfuse3.FileInfo(fh=fd, direct_io=self.direct_io or bool(self.faults),
+                                keep_cache=self.keep_cache)
 
-        async def opendir(self, inode, ctx):
-            path = self.paths.get(inode)
-            if path is None:
-                raise pyfuse3.FUSEError(errno.ENOENT)
-            try:
-                names = sorted(os.listdir(path))
-            except OSError as e:
-                raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
-            dh = self.next_dh
-            self.next_dh += 1
-            self.listings[dh] = [(n, os.path.join(path, n)) for n in names]
-            return dh
+    async def read(self, fh, off, size):
+        if self.faults and off > 0:
+            spec = self.faults.of(self.fh_paths.get(fh, b""))
+            if spec and spec.get("hang") == "read2":
+                await self.faults.hang(self.fh_paths[fh])
+        try:
+            return os.pread(fh, size, off)
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
 
-        async def readdir(self, fh, start_id, token):
-            entries = self.listings.get(fh, [])
-            for i in range(start_id, len(entries)):
-                name, path = entries[i]
-                try:
-                    st = os.lstat(path)
-                except OSError:
-                    continue
-                if not pyfuse3.readdir_reply(token, name, self._attrs(st, self._inode(path)),
-                                             i + 1):
-                    return
+    async def flush(self, fh):
+        raise pyfuse3.FUSEError(errno.ENOSYS)  # the kernel stops sending FLUSH
 
-        async def releasedir(self, fh):
-            self.listings.pop(fh, None)
+    async def release(self, fh):
+        self.fh_paths.pop(fh, None)
+        with contextlib.suppress(OSError):
+            os.close(fh)
 
-        async def open(self, inode, flags, ctx):
-            path = self.paths.get(inode)
-            if path is None:
-                raise pyfuse3.FUSEError(errno.ENOENT)
-            if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
-                raise pyfuse3.FUSEError(errno.EROFS)
-            if delay_s:
-                await trio.sleep(delay_s)
-            spec = fault_of(path)
-            if spec and "errno" in spec:
-                raise pyfuse3.FUSEError(int(spec["errno"]))
-            if spec and spec.get("hang") == "open":
-                await hang(path)
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-            except OSError as e:
-                raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
-            if faults:
-                self.fh_paths[fd] = path
-            return pyfuse3.FileInfo(fh=fd, direct_io=direct_io or bool(faults),
-                                    keep_cache=keep_cache)
-
-        async def read(self, fh, off, size):
-            if faults and off > 0:
-                spec = fault_of(self.fh_paths.get(fh, b""))
-                if spec and spec.get("hang") == "read2":
-                    await hang(self.fh_paths[fh])
-            try:
-                return os.pread(fh, size, off)
-            except OSError as e:
-                raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
-
-        async def flush(self, fh):
-            raise pyfuse3.FUSEError(errno.ENOSYS)  # the kernel stops sending FLUSH
-
-        async def release(self, fh):
-            self.fh_paths.pop(fh, None)
-            with contextlib.suppress(OSError):
-                os.close(fh)
-
-        async def statfs(self, ctx):
-            sv = os.statvfs(src)
-            out = pyfuse3.StatvfsData()
-            for k in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files",
-                      "f_ffree", "f_favail", "f_namemax"):
-                setattr(out, k, getattr(sv, k))
-            return out
-
-    return Passthrough()
+    async def statfs(self, ctx):
+        sv = os.statvfs(self.src)
+        out = pyfuse3.StatvfsData()
+        for k in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files",
+                  "f_ffree", "f_favail", "f_namemax"):
+            setattr(out, k, getattr(sv, k))
+        return out
 
 
 def serve(src: str, mnt: str, direct_io: bool = False, keep_cache: bool = False,
           delay_ms: float = 0.0, faults: str | None = None) -> int:
     """Mount and serve in the foreground until unmounted (or SIGTERM / SIGINT)."""
-    import pyfuse3
-    import trio
-
     src = os.path.realpath(src)
     mnt = os.path.abspath(mnt)
     if not os.path.isdir(src):
         print(f"passthrough: not a directory: {src}", file=sys.stderr)
         return 2
-    ops = _make_ops(src, direct_io, keep_cache, delay_ms,
-                    os.path.abspath(faults) if faults else None)
+    ops = Passthrough(src, direct_io, keep_cache, delay_ms,
+                      os.path.abspath(faults) if faults else None)
     opts = set(pyfuse3.default_options)
     opts |= {"ro", "fsname=dlcbench-passthrough", "subtype=dlcbench-passthrough"}
     pyfuse3.init(ops, mnt, opts)
