@@ -263,13 +263,12 @@ class Session:
 
     # ----- the stats document ----------------------------------------------------------
 
-    def stats(self) -> dict:
-        """The ``.dlcache/stats`` document (counters since mount; cache state
-        cumulative): the one place that reads every part. Trio loop."""
+    def _state(self) -> dict:
+        """The stats document's first part: what is mounted, and the cache's state."""
         eng = self.engine
         cfg = self.cfg
         snap = eng.index.snapshot()
-        out = {
+        return {
             "version": __version__,
             "pid": os.getpid(),
             "source": os.fsdecode(eng.source.root),
@@ -306,13 +305,22 @@ class Session:
             "cache_account_bytes": eng.writer.account(),
             "open_files": len(eng.handles),
             "revalidate_s": cfg.revalidate,
+        }
+
+    def stats(self) -> dict:
+        """The ``.dlcache/stats`` document (counters since mount; cache state
+        cumulative): the one place that reads every part. Trio loop."""
+        eng = self.engine
+        cfg = self.cfg
+        out = self._state()
+        out.update({
             # torch loaded (from a training's first contact on, in the background):
             # announced samplers replay
             "sampler_replay_ready": self.streams.replay_ready,
             "losses_waiting": self.losses.waiting,
             # trees fetched ahead of readers whose order is unknown (cache.scanahead)
             "scan_ahead": self.scan.stats(),
-        }
+        })
         out.update(eng.counters.as_dict())
         # every pread of the logs (serving, and background fills)
         out["cache_disk_bytes_read"] = eng.logs.bytes_read
@@ -439,24 +447,13 @@ def _read_path(cfg: Config, source: Source, index: Index, logs: LogStore,
                      backlog, readahead, versions, reader, fetcher, disk_limiter)
 
 
-def _background(cfg: Config, rp: _ReadPath, observers: Observers, table: StreamTable,
-                clock: PolicyClock, future: StreamFuture, importance: InodeImportance,
-                memory: MemoryBudget, peers: object | None,
-                dedup: ContentStore | None) -> Session:
-    """The parts that work for readers in the background, the engine over the read path
-    (told of opens through ``observers``), and the control state."""
+def _streams(cfg: Config, rp: _ReadPath, table: StreamTable, clock: PolicyClock,
+             importance: InodeImportance, memory: MemoryBudget, plans: ReadPlanner,
+             prefetcher: Prefetcher, zerocopy: TallyReader
+             ) -> tuple[StreamManager, Losses, TraceRecorder | None, ErrorLog]:
+    """The stream manager and its parts, the losses it tells of epochs, the trace and
+    the control file's error log (shared with the losses)."""
     index, ns, writer, policy = rp.index, rp.ns, rp.writer, rp.policy
-    zerocopy = TallyReader(os.path.join(cfg.data_dir, TALLY_DIR))  # zero-copy readers' counts
-    # planned reads of known orders: half of --memory, taken from the tier
-    plans = ReadPlanner(index=index, logs=rp.logs, writer=writer, memtier=rp.memtier,
-                        counters=rp.counters, disk_limiter=rp.disk_limiter, reader=rp.reader,
-                        versions=rp.versions, readahead=rp.readahead,
-                        budget=min(memory.memory // 2, stream_lead_bytes(cfg)), lead=LEAD,
-                        max_batch=max(4 << 20, 2 * cfg.chunk_size))
-    prefetcher = Prefetcher(
-        cfg, ns=ns, versions=rp.versions, fetcher=rp.fetcher, reader=rp.reader, writer=writer,
-        policy=policy, backlog=rp.backlog, readahead=rp.readahead, plans=plans,
-        counters=rp.counters)
     next_log = partial(NextEpochLog, cfg=cfg, index=index, logs=rp.logs, writer=writer,
                        policy=policy, counters=rp.counters, disk_limiter=rp.disk_limiter,
                        versions=rp.versions, prefetcher=prefetcher)
@@ -477,6 +474,29 @@ def _background(cfg: Config, rp: _ReadPath, observers: Observers, table: StreamT
     trace = TraceRecorder(cfg.trace) if cfg.trace else None
     errors = ErrorLog()  # the control file's, shared with the losses
     losses = Losses(importance, streams, rp.counters, cfg.h_fraction, trace, errors)
+    return streams, losses, trace, errors
+
+
+def _background(cfg: Config, rp: _ReadPath, observers: Observers, table: StreamTable,
+                clock: PolicyClock, future: StreamFuture, importance: InodeImportance,
+                memory: MemoryBudget, peers: object | None,
+                dedup: ContentStore | None) -> Session:
+    """The parts that work for readers in the background, the engine over the read path
+    (told of opens through ``observers``), and the control state."""
+    index, ns, writer, policy = rp.index, rp.ns, rp.writer, rp.policy
+    zerocopy = TallyReader(os.path.join(cfg.data_dir, TALLY_DIR))  # zero-copy readers' counts
+    # planned reads of known orders: half of --memory, taken from the tier
+    plans = ReadPlanner(index=index, logs=rp.logs, writer=writer, memtier=rp.memtier,
+                        counters=rp.counters, disk_limiter=rp.disk_limiter, reader=rp.reader,
+                        versions=rp.versions, readahead=rp.readahead,
+                        budget=min(memory.memory // 2, stream_lead_bytes(cfg)), lead=LEAD,
+                        max_batch=max(4 << 20, 2 * cfg.chunk_size))
+    prefetcher = Prefetcher(
+        cfg, ns=ns, versions=rp.versions, fetcher=rp.fetcher, reader=rp.reader, writer=writer,
+        policy=policy, backlog=rp.backlog, readahead=rp.readahead, plans=plans,
+        counters=rp.counters)
+    streams, losses, trace, errors = _streams(cfg, rp, table, clock, importance, memory,
+                                              plans, prefetcher, zerocopy)
     # iCACHE's dynamic packaging fills the L-cache when substitution is on (and the
     # policy plans packages at all)
     packer = (Packer(cfg, index=index, ns=ns, policy=policy, writer=writer,
