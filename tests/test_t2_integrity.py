@@ -60,7 +60,7 @@ def test_the_real_child_reports_a_failure_to_run_as_unchecked(index_dir, monkeyp
 
 
 @pytest.mark.daemon_log_allows(
-    r"WARNING dlcachefs\.store\.integrity: index .* the check did not finish in \d+ s; kept unchecked")
+    r"WARNING dlcachefs\.store\.integrity: index .* the check did not finish in [\d.]+ s; kept unchecked")
 def test_a_timeout_keeps_the_index_and_says_so(index_dir, monkeypatch, caplog):
     monkeypatch.setattr(integrity, "_CHILD", "import time; time.sleep(30)")
     with caplog.at_level(logging.WARNING, logger=integrity.__name__):

@@ -265,7 +265,7 @@ def check_index(path: str, timeout: float = 600.0, other: bool = False) -> str |
                            capture_output=True,
                            text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=env)
     except subprocess.TimeoutExpired:
-        return _unchecked(path, f"the check did not finish in {timeout:.0f} s", other)
+        return _unchecked(path, f"the check did not finish in {timeout:g} s", other)
     if r.returncode < 0:
         name = _signame(-r.returncode)
         if name in _DAMAGE_SIGNALS:
