@@ -75,3 +75,9 @@ class CacheLocked(DlcError):
 class SourceMismatch(DlcError):
     """A cache directory (or a shared root's dataset) that holds the cache of another
     source: mounting it over this one would serve the other source's tree and bytes."""
+
+
+class IndexDamaged(DlcError):
+    """The cache index disagrees with itself in a way recovery cannot recount (found at
+    start-up, ``--debug-invariants``): the daemon sets the index aside and starts with
+    an empty cache rather than refuse the mount."""

@@ -170,12 +170,13 @@ class Session:
 
     # ----- life cycle ------------------------------------------------------------------
 
-    def start(self, progress: Callable[[int, int, float], None] | None = None) -> dict:
+    def start(self, progress: Callable[[int, int, float], None] | None = None,
+              recount_all: bool = True) -> dict:
         """Blocking start-up before the filesystem is served: a cache of another source is
         refused; with ``--shared-cache``, this dataset's entry in the root's ledger first
         (its limit is the one recovery shrinks to) and dedup's manifest; then crash
         recovery and the namespace scan when there is no snapshot yet or ``--rescan`` was
-        given (:mod:`dlcachefs.cache.recovery`)."""
+        given (:mod:`dlcachefs.cache.recovery`; ``recount_all`` as it takes it)."""
         eng = self.engine
         check_source(self.cfg, eng.index, eng.source.root)
         if self.shares is not None:
@@ -183,7 +184,7 @@ class Session:
         if self.dedup is not None:
             self.dedup.load_manifest()
         return recover(self.cfg, eng.index, eng.logs, eng.ns, eng.writer, eng.policy,
-                       progress)
+                       progress, recount_all=recount_all)
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Every part's background tasks, until cancelled (each part owns its own

@@ -26,7 +26,7 @@ from dlcachefs.mount.ops import Operations
 
 from dlcachefs import mountctl
 from dlcachefs.config import DATASETS_DIR, Config
-from dlcachefs.errors import DlcError
+from dlcachefs.errors import DlcError, IndexDamaged
 from dlcachefs.session import Session, build
 from dlcachefs.store import integrity, ledger
 from dlcachefs.store.lock import CacheLock
@@ -99,21 +99,49 @@ def fuse_options(cfg: Config) -> set[str]:
     return opts
 
 
-def check_index_or_quarantine(index_dir: str) -> None:
+def check_index_or_quarantine(index_dir: str) -> bool:
     """Before the daemon maps its index: check it in a child process, and move it aside
     if it is damaged (reading a damaged LMDB file can kill the reader with SIGBUS or
-    SIGABRT; see :mod:`dlcachefs.store.integrity`). The cache then starts empty."""
+    SIGABRT; see :mod:`dlcachefs.store.integrity`). The cache then starts empty. Whether
+    the index was walked (False: as its last clean stop left it)."""
     if integrity.unchanged_since_clean_stop(index_dir):
         log.info("index unchanged since its last clean stop: not walked")
-        return
+        return False
     t0 = time.monotonic()
     why = integrity.check_index(index_dir)
     if why is None:
         log.info("index checked in %.2f s", time.monotonic() - t0)
-        return
+        return True
+    _set_aside(index_dir, why)
+    return True
+
+
+def _set_aside(index_dir: str, why: str) -> None:
     dest = integrity.quarantine(index_dir)
     log.warning("cache index %s is damaged (%s); moved to %s, starting with an empty cache",
                 index_dir, why, dest)
+
+
+def _build_and_start(cfg: Config, walked: bool,
+                     progress: Callable[[int, int, float], None]) -> tuple[Session, dict]:
+    """The session, started. An index that recovery finds damaged beyond a recount
+    (:class:`IndexDamaged`) is set aside like one the walk refused, and the session built
+    again over an empty one: damage costs the cache, never the mount."""
+    session = build(cfg)
+    try:
+        return session, session.start(progress=progress, recount_all=walked)
+    except IndexDamaged as e:
+        session.close_files()
+        _set_aside(cfg.index_dir, str(e))
+    except BaseException:
+        session.close_files()
+        raise
+    session = build(cfg)
+    try:
+        return session, session.start(progress=progress)
+    except BaseException:
+        session.close_files()
+        raise
 
 
 def _keep_thread_names() -> None:
@@ -139,13 +167,12 @@ def run(cfg: Config, report: Reporter) -> int:
         mountctl.check_apart(cfg.source, cfg.mountpoint, cfg.cache_dir)
         ledger.check_root(cfg.cache_dir, cfg.shared_cache, DATASETS_DIR)
         lock.acquire(cfg.mountpoint)
-        check_index_or_quarantine(cfg.index_dir)
-        session = build(cfg)
+        walked = check_index_or_quarantine(cfg.index_dir)
 
         def progress(entries: int, dirs: int, elapsed: float) -> None:
             report(f"progress {entries} {dirs} {elapsed:.1f}")
 
-        info = session.start(progress=progress)
+        session, info = _build_and_start(cfg, walked, progress)
         log.info("started: %s", info)
         if cfg.metrics_port:
             # bound before the mount: a port in use fails the mount with the reason

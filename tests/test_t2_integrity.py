@@ -84,3 +84,88 @@ def test_a_value_unpacked_short_is_damage_not_an_unexpected_error(monkeypatch):
     except struct.error as e:
         assert integrity.note_error(e)
     assert integrity.damage_seen()
+
+
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs\.store\.integrity: the index may be damaged \(CorruptedError",
+    r"WARNING tests: a loop failed \(the index may be damaged: CorruptedError: ")
+def test_one_damage_path_classifies_lmdb_errors(monkeypatch, caplog):
+    """Which LMDB errors mean damage: a page error does; a full map or disk does not; a
+    BadTxnError (LMDB refusing a transaction after an error in it) is damage only after
+    damage. A loop that degrades (:func:`integrity.log_failure`) logs damage as a
+    WARNING without a traceback, anything else with its traceback."""
+    import lmdb
+
+    monkeypatch.setattr(integrity, "_run_errors", [])
+    monkeypatch.setattr(integrity, "_last_lmdb_error", [])
+    assert not integrity.note_error(lmdb.BadTxnError("misuse"))  # nothing before it
+    assert not integrity.note_error(lmdb.MapFullError("full"))
+    assert not integrity.note_error(lmdb.BadTxnError("after a full map"))
+    assert not integrity.damage_seen()
+    assert integrity.note_error(lmdb.CorruptedError("page"))
+    assert integrity.note_error(lmdb.BadTxnError("after damage"))
+    assert integrity.note_error(lmdb.PageNotFoundError("gone"))
+    assert integrity.damage_seen()
+    log = logging.getLogger("tests")
+    caplog.set_level(logging.INFO)
+    for exc in (lmdb.CorruptedError("page again"), ValueError("a bug")):
+        try:
+            raise exc
+        except Exception:  # noqa: BLE001
+            integrity.log_failure(log, "a loop failed")
+    mine = [r for r in caplog.records if r.name == "tests"]
+    assert [(r.levelname, bool(r.exc_info)) for r in mine] == [("WARNING", False),
+                                                               ("ERROR", True)]
+    caplog.clear()  # the ERROR was the point (tests is not the dlcachefs logger anyway)
+
+
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs\.store\.integrity: the index may be damaged \(invariant violated: x\)")
+def test_note_damage_keeps_the_stop_from_blessing_the_index(monkeypatch, caplog):
+    monkeypatch.setattr(integrity, "_run_errors", [])
+    with caplog.at_level(logging.WARNING):
+        integrity.note_damage("invariant violated: x")
+        integrity.note_damage("invariant violated: y")
+    assert integrity.damage_seen()
+    warned = [r for r in caplog.records if "may be damaged" in r.getMessage()]
+    assert len(warned) == 1 and "invariant violated: x" in warned[0].getMessage()
+    caplog.clear()
+
+
+def test_recount_sets_every_derived_value_to_what_the_entries_say(tmp_path):
+    """Counters and sequences damaged while every entry is sound: ``recount`` puts them
+    right and says which; without ``full`` the statistics counters are left alone."""
+    from dlcachefs.store import schema as S
+    from dlcachefs.store.schema import Chunk, Entry, Record
+
+    ix = Index(str(tmp_path / "meta.lmdb"))
+    try:
+        with ix.write() as w:
+            w.put_entry(Entry(1, 0, b"", 0o40755, 2, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0.0))
+            for ino, size in ((20, 10), (21, 30)):
+                w.put_entry(Entry(ino, 1, b"f%d" % ino, 0o100644, 1, 0, 0, size, 1, 0, 0, 0,
+                                  0, ino, 0.0))
+            w.put_chunk(Chunk(7, 3, 0, 100, 0, (20, 21)))
+            w.put_record(20, Record(7, 3, 10, 10, 1, 0, 20))
+            w.put_record(21, Record(7, 3, 20, 30, 2, 0, 21))
+        # entries put by hand, the sequences not moved past them: recount moves them
+        assert set(ix.recount(full=True)) == {"next_ino", "next_chunk", "next_log"}
+        assert ix.recount(full=True) == {}  # consistent: nothing to say
+        right = ix.snapshot()
+        with ix.write() as w:
+            w._add(S.K_CHUNK_BYTES, -(1 << 32))
+            w._add(S.K_CACHED_BYTES, 1 << 40)
+            w._add(S.K_FILES, 5)
+            w.set_meta(S.K_NEXT_INO, (3).to_bytes(8, "little"))
+            w.set_meta(S.K_NEXT_CHUNK, (2).to_bytes(8, "little"))
+        fixed = ix.recount(full=False)
+        assert set(fixed) == {"chunk_bytes", "next_ino", "next_chunk"}, fixed
+        assert fixed["next_ino"] == (3, 22) and fixed["next_chunk"] == (2, 8)
+        assert fixed["chunk_bytes"] == (100 - (1 << 32), 100)
+        assert ix.counter(S.K_CACHED_BYTES) == right["cached_bytes"] + (1 << 40)
+        assert set(ix.recount(full=True)) == {"cached_bytes", "n_files"}
+        assert ix.snapshot() == right and ix.check_invariants() == []
+        with ix.write() as w:
+            assert w.alloc(S.K_NEXT_INO) == 22  # a new file never takes an inode in use
+    finally:
+        ix.close()

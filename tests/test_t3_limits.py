@@ -264,11 +264,16 @@ def test_a_chunk_retired_again_after_its_eviction_is_not_doomed(tmp_path):
 
 
 @pytest.mark.daemon_log_allows(
-    r"ERROR dlcachefs\.cache\.invariants: invariant violated: account used \d+ != index chunk_bytes \d+")
-def test_check_invariants_reports_a_broken_account(tmp_path, caplog):
+    r"ERROR dlcachefs\.cache\.invariants: invariant violated: account used \d+ != index chunk_bytes \d+",
+    r"WARNING dlcachefs\.store\.integrity: the index may be damaged \(invariant violated: ")
+def test_check_invariants_reports_a_broken_account(tmp_path, caplog, monkeypatch):
     """The checks catch what they claim to: an account over the limit, a mirror that
     drifted from the index, a pinned chunk doomed; --debug-invariants logs each as an
-    ERROR after the next commit and counts it."""
+    ERROR after the next commit and counts it, and notes it as possible damage (the stop
+    will not mark the index clean: the next start walks it and recounts)."""
+    from dlcachefs.store import integrity
+
+    monkeypatch.setattr(integrity, "_run_errors", [])
     files, src, cache = tree(tmp_path, 3)
 
     async def body(eng):
@@ -299,6 +304,7 @@ def test_check_invariants_reports_a_broken_account(tmp_path, caplog):
     run_engine(make_config(src, cache, cache_size=60_000, chunk_size=8192), body)
     assert any("invariant violated" in r.getMessage() and r.levelname == "ERROR"
                for r in caplog.records)
+    assert integrity.damage_seen()
 
 
 def test_the_first_rank_to_plan_its_next_log_leaves_the_others_their_share(tmp_path):

@@ -88,7 +88,7 @@ from dlcachefs.config import DATASETS_DIR, Config
 from dlcachefs.errors import DlcError, InvalidArgument
 from dlcachefs.store.chunkfmt import checksum
 from dlcachefs.store.index import Index
-from dlcachefs.store.integrity import check_index
+from dlcachefs.store.integrity import check_index, log_failure
 from dlcachefs.store.readonly import IndexReader, LogFiles
 from dlcachefs.store.schema import ContentKey, Entry
 
@@ -338,7 +338,7 @@ class ContentStore:
         try:
             self._siblings = await trio.to_thread.run_sync(self._rescan, self._siblings)
         except Exception:  # noqa: BLE001 - dedup is an optimisation: never the mount's end
-            log.exception("reading the shared root's datasets failed")
+            log_failure(log, "reading the shared root's datasets failed")
 
     def _rescan(self, old: dict[str, _Sibling]) -> dict[str, _Sibling]:
         """Thread: the datasets to read from now; the others of ``old`` are retired."""

@@ -67,6 +67,7 @@ from dlcachefs.cache.writer import ChunkWriter
 from dlcachefs.config import Config
 from dlcachefs.errors import InvalidArgument, SourceChanged
 from dlcachefs.store.index import Index
+from dlcachefs.store.integrity import log_failure
 from dlcachefs.store.logs import LogStore
 from dlcachefs.store.schema import Entry, Record
 
@@ -203,7 +204,7 @@ class Engine:
                 while self.policy.maintain():
                     await trio.sleep(0)
             except Exception:  # noqa: BLE001 - third-party policies run here too
-                log.exception("policy %s: background step failed", self.cfg.policy)
+                log_failure(log, "policy %s: background step failed", self.cfg.policy)
                 await trio.sleep(10)
             await trio.sleep(0.2)
 

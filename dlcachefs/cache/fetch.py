@@ -37,6 +37,7 @@ from dlcachefs.cache.stats import Counters
 from dlcachefs.cache.tasks import TaskOwner
 from dlcachefs.config import Config
 from dlcachefs.errors import NotFound, SourceChanged, SourceError, SourceTimeout
+from dlcachefs.store.integrity import log_failure
 from dlcachefs.store.schema import Entry
 
 if TYPE_CHECKING:
@@ -360,6 +361,6 @@ class Fetcher(TaskOwner):
             elif not self.writer.submit(ino, rel, ident, data, sha):
                 self.policy.on_dropped(ino)
         except Exception:  # noqa: BLE001 - a policy's failure must not end the mount
-            log.exception("caching a fetched file failed")
+            log_failure(log, "caching a fetched file failed")
         finally:
             self.backlog.release(ino, len(data))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 from dlcachefs.cache.writer import ChunkWriter
+from dlcachefs.store import integrity
 from dlcachefs.store import schema as S
 from dlcachefs.store.index import Index
 from dlcachefs.store.logs import LogStore
@@ -70,9 +71,13 @@ def check_cache(writer: ChunkWriter, index: Index, logs: LogStore, cap: int) -> 
 
 def check_after_commit(writer: ChunkWriter) -> None:
     """``--debug-invariants``: the writer's ``after_commit``. A violation is an ERROR
-    (and counted in ``invariant_violations``), never the end of the mount."""
+    (and counted in ``invariant_violations``), never the end of the mount; it is noted as
+    possible damage (:func:`~dlcachefs.store.integrity.note_damage`: a value read back
+    from a damaged page disagrees with the account), so that the stop does not mark the
+    index clean and the next start walks it and recounts what it derives."""
     problems = check_cache(writer, writer.index, writer.logs, writer.limit)
     if problems:
         writer.counters.invariant_violations += len(problems)
         for p in problems[:10]:
             log.error("invariant violated: %s", p)
+        integrity.note_damage(f"invariant violated: {problems[0]}")

@@ -72,6 +72,7 @@ import trio
 from dlcachefs.cache.readers import Observer, OpenEvent
 from dlcachefs.errors import FormatError
 from dlcachefs.store.chunkfmt import checksum
+from dlcachefs.store.integrity import log_failure
 from dlcachefs.store.schema import Record
 
 if TYPE_CHECKING:
@@ -330,7 +331,7 @@ class ReadPlanner(Observer):
             await plan.run()
             plan.close()  # done: the epoch's later opens read as if it had no plan
         except Exception:  # noqa: BLE001 - a background task must never end the daemon
-            log.exception("stream %s: read plan stopped", stream.key)
+            log_failure(log, "stream %s: read plan stopped", stream.key)
             plan.close()
         except BaseException:
             plan.close()

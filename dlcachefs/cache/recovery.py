@@ -11,7 +11,12 @@ LMDB write transactions included, are fine here):
 3. the policy is told about every chunk that survived, and the logs' live bytes are
    counted;
 4. the source tree is listed when there is no snapshot yet, or ``--rescan`` was given;
-5. the ``--cache-size`` account starts from what recovery left, and a cache over a
+5. the values derived from the index (the size counters, the next ids) are recounted
+   from its entries (:meth:`Index.recount`: damage can leave them wrong while every entry
+   is sound; a WARNING says which), and with ``--debug-invariants`` the index is checked:
+   what is still wrong raises :class:`~dlcachefs.errors.IndexDamaged` (the daemon then
+   sets the index aside and starts empty, never refuses the mount);
+6. the ``--cache-size`` account starts from what recovery left, and a cache over a
    smaller ``--cache-size`` than last time is shrunk by the writer's first commit.
 """
 
@@ -24,7 +29,7 @@ from collections.abc import Callable
 from dlcachefs.cache.namespace import Namespace
 from dlcachefs.cache.writer import ChunkWriter
 from dlcachefs.config import Config
-from dlcachefs.errors import SourceMismatch
+from dlcachefs.errors import IndexDamaged, SourceMismatch
 from dlcachefs.store import schema as S
 from dlcachefs.store.index import Index
 from dlcachefs.store.logs import LogStore
@@ -45,9 +50,12 @@ def check_source(cfg: Config, index: Index, root: bytes) -> None:
 
 
 def recover(cfg: Config, index: Index, logs: LogStore, ns: Namespace, writer: ChunkWriter,
-            policy, progress: Callable[[int, int, float], None] | None = None) -> dict:
+            policy, progress: Callable[[int, int, float], None] | None = None,
+            recount_all: bool = True) -> dict:
     """Recover the cache directory and list the source if needed (module docstring);
-    what was found, for the daemon's start-up log line."""
+    what was found, for the daemon's start-up log line. ``recount_all``: recount the
+    statistics counters too (the daemon passes False when the index is as its last clean
+    stop left it, so not walked: those counters are as trusted as the stop was)."""
     info: dict = {}
     chunks = sorted(index.iter_chunks(), key=lambda c: c.chunk_id)
     present = set(logs.log_ids())
@@ -69,10 +77,16 @@ def recover(cfg: Config, index: Index, logs: LogStore, ns: Namespace, writer: Ch
     if cfg.rescan or not ns.has_snapshot():
         entries, dirs = ns.scan(threads=cfg.source_threads, progress=progress)
         info.update(scanned_entries=entries, scanned_dirs=dirs)
+    fixed = index.recount(full=recount_all)
+    if fixed:
+        log.warning("the index's derived values disagreed with its entries (damage, or a "
+                    "crash of an older build); recounted: %s", ", ".join(
+                        f"{k} {was} -> {now}" for k, (was, now) in sorted(fixed.items())))
+        info["recounted"] = sorted(fixed)
     if cfg.debug_invariants:
         problems = index.check_invariants()
         if problems:
-            raise RuntimeError("index invariants violated: " + "; ".join(problems[:5]))
+            raise IndexDamaged("index invariants violated: " + "; ".join(problems[:5]))
     # the account starts from what recovery left; a cache over a smaller --cache-size
     # than last time is shrunk by the writer's first commit
     writer.used = index.counter(S.K_CHUNK_BYTES)

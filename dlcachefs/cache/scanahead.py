@@ -49,6 +49,7 @@ import trio
 from dlcachefs.cache.namespace import ROOT_INO
 from dlcachefs.cache.readers import Observer, OpenEvent
 from dlcachefs.errors import DlcError
+from dlcachefs.store.integrity import log_failure
 
 if TYPE_CHECKING:
     from dlcachefs.cache.fetch import Fetcher
@@ -398,7 +399,7 @@ class ScanAhead(Observer):
         except DlcError as e:
             log.debug("scan-ahead of inode %d failed: %s", ino, e)
         except Exception:  # noqa: BLE001 - a policy's or the index's failure: logged
-            log.exception("scan-ahead of inode %d failed", ino)
+            log_failure(log, "scan-ahead of inode %d failed", ino)
         finally:
             t.active -= 1
             t.active_bytes -= size

@@ -46,6 +46,7 @@ from dlcachefs.errors import DlcError
 from dlcachefs.store import ledger as L
 from dlcachefs.store import schema as S
 from dlcachefs.store.chunkfmt import CHUNK_HEADER_SIZE, RECORD_HEADER_SIZE
+from dlcachefs.store.integrity import log_failure
 
 if TYPE_CHECKING:
     from dlcachefs.cache.fetch import SourceCalls
@@ -245,7 +246,7 @@ class ShareKeeper:
                 log.warning("shared cache round failed: %s", e)
             except Exception:  # noqa: BLE001 - never the end of the mount; say where
                 self.errors += 1
-                log.exception("shared cache round failed")
+                log_failure(log, "shared cache round failed")
             await trio.sleep(self.cfg.share_interval)
 
     async def round(self) -> None:

@@ -31,6 +31,7 @@ from typing import Protocol
 from dlcachefs.cache.namespace import ROOT_INO
 from dlcachefs.config import Config
 from dlcachefs.errors import IsADirectory, NotFound, PermissionDenied, ReadOnly
+from dlcachefs.store.integrity import log_failure
 from dlcachefs.store.readonly import INFO_FORMAT
 from dlcachefs.store.schema import Entry
 from dlcachefs.store.tally import TALLY_DIR
@@ -188,7 +189,7 @@ class VirtualDir:
             try:
                 self._on_control_open()
             except Exception:  # noqa: BLE001 - never fail the open for it (unmounting)
-                log.exception("starting the sampler replay worker failed")
+                log_failure(log, "starting the sampler replay worker failed")
         if ino == STATS_INO:
             doc = self._stats()
             if not owner:

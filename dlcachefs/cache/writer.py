@@ -90,6 +90,7 @@ from dlcachefs.store.chunkfmt import (
     iter_records,
 )
 from dlcachefs.store.index import Index
+from dlcachefs.store.integrity import log_failure
 from dlcachefs.store.logs import LogStore
 from dlcachefs.store.schema import Chunk, Record
 from dlcachefs.store.seal import NewChunk, NewRecord, seal_chunks
@@ -628,7 +629,7 @@ class ChunkWriter:
                 try:
                     await self._seal()
                 except Exception:  # noqa: BLE001 - LMDB full, statvfs failing...: keep serving
-                    log.exception("sealing a chunk failed; serving from the source for %.0f s",
+                    log_failure(log, "sealing a chunk failed; serving from the source for %.0f s",
                                   WRITE_BACKOFF)
                     self.counters.write_errors += 1
                     self._pause("sealing a chunk failed (see the log)")

@@ -38,6 +38,7 @@ from dlcachefs.clairvoyance.samplelist import (
 from dlcachefs.clairvoyance.stream import StreamTable
 from dlcachefs.errors import DlcError
 from dlcachefs.store.index import Index
+from dlcachefs.store.integrity import log_failure
 from dlcachefs.store.schema import Entry
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class SampleLists(TaskOwner):
         try:
             self._guess(d)
         except Exception:  # noqa: BLE001 - a guess must never fail the opendir
-            log.exception("listing ahead of an announcement failed")
+            log_failure(log, "listing ahead of an announcement failed")
 
     def _guess(self, d: Entry) -> None:
         parent, self._last_opendir = self._last_opendir, d.ino
@@ -176,7 +177,7 @@ class SampleLists(TaskOwner):
             try:
                 then(dataset)
             except Exception:  # noqa: BLE001 - a background task must not end the mount
-                log.exception("dataset %r: applying what waited for its list failed",
+                log_failure(log, "dataset %r: applying what waited for its list failed",
                               dataset)
 
         if not self.spawn(task):

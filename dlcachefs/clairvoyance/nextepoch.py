@@ -32,6 +32,7 @@ from dlcachefs.clairvoyance.reorder import NextEpochLog
 from dlcachefs.clairvoyance.samplelist import SampleList
 from dlcachefs.clairvoyance.stream import GIVEN_UP, IDLE_S, Stream, StreamTable, same_dataset
 from dlcachefs.config import Config
+from dlcachefs.store.integrity import log_failure
 from dlcachefs.store.tally import TallyReader
 
 log = logging.getLogger(__name__)
@@ -226,7 +227,7 @@ class NextEpochPlanner:
         try:
             done = await trio.to_thread.run_sync(_served_inos, served)
         except Exception:  # noqa: BLE001 - a background task must never end the daemon
-            log.exception("stream %s: listing the samples served for epoch %d's log failed",
+            log_failure(log, "stream %s: listing the samples served for epoch %d's log failed",
                           nl.key, nl.epoch)
             return
         await nl.backfill(done)

@@ -69,6 +69,7 @@ from dlcachefs.store.chunkfmt import (
     encode_record,
     record_len,
 )
+from dlcachefs.store.integrity import log_failure
 from dlcachefs.store.schema import Chunk, Record
 from dlcachefs.store.seal import NewChunk, NewRecord, seal_chunks
 
@@ -379,7 +380,7 @@ class NextEpochLog:
             log.warning("stream %s: reordering epoch %d stopped: %s", self.key, self.epoch, e)
         except Exception:  # noqa: BLE001 - a background task must never end the daemon
             self.failed = True
-            log.exception("stream %s: reordering epoch %d failed", self.key, self.epoch)
+            log_failure(log, "stream %s: reordering epoch %d failed", self.key, self.epoch)
         finally:
             self.logs.filling.discard(self.log_id)
             given_up = [c for c in self.chunks if c.held and not c.sealed]
@@ -416,7 +417,7 @@ class NextEpochLog:
         try:
             await self._backfill(inos)
         except Exception:  # noqa: BLE001 - a background task must never end the daemon
-            log.exception("stream %s: backfill of epoch %d's log failed", self.key, self.epoch)
+            log_failure(log, "stream %s: backfill of epoch %d's log failed", self.key, self.epoch)
 
     async def _backfill(self, inos: list[int]) -> None:
         for ino in inos:

@@ -85,6 +85,7 @@ from dlcachefs.clairvoyance.samplelist import SampleList
 from dlcachefs.clairvoyance.stream import Stream, StreamTable, same_dataset
 from dlcachefs.config import Config
 from dlcachefs.errors import DlcError
+from dlcachefs.store.integrity import log_failure
 from dlcachefs.store.schema import Entry
 
 __all__ = ["EpochStarted", "JobDropped", "Stream", "StreamManager", "StreamTable", "dataset_key"]
@@ -258,7 +259,7 @@ class StreamManager:
                 s.restarting = False
                 s.error = f"{type(e).__name__}: {e}"
                 s.mode, s.reason = "none", f"prefetch stopped: {s.error}"
-                log.exception("stream %s: prefetch stopped", s.key)
+                log_failure(log, "stream %s: prefetch stopped", s.key)
 
     @staticmethod
     def _replaced(s: Stream, epoch: int) -> bool:

@@ -31,6 +31,7 @@ from dlcachefs.cache.tasks import TaskOwner
 from dlcachefs.clairvoyance.streams import Stream, StreamManager, dataset_key
 from dlcachefs.clairvoyance.trace import TraceRecorder
 from dlcachefs.importance.view import InodeImportance
+from dlcachefs.store.integrity import log_failure
 
 if TYPE_CHECKING:
     from dlcachefs.clairvoyance.control import ErrorLog, JobState
@@ -131,7 +132,7 @@ class Losses(TaskOwner):
                 try:
                     await trio.to_thread.run_sync(table.rebuild)
                 except Exception:  # noqa: BLE001 - the mount goes on with the old H-list
-                    log.exception("rebuilding the importance table failed")
+                    log_failure(log, "rebuilding the importance table failed")
         finally:
             self._rebuilding = False
 

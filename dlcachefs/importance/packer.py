@@ -37,6 +37,7 @@ from dlcachefs.cache.namespace import identity, is_file
 from dlcachefs.cache.source import Identity
 from dlcachefs.errors import DlcError
 from dlcachefs.store.chunkfmt import CHUNK_HEADER_SIZE, RECORD_HEADER_SIZE
+from dlcachefs.store.integrity import log_failure
 
 if TYPE_CHECKING:
     from dlcachefs.cache.fetch import Fetcher
@@ -118,7 +119,7 @@ class Packer:
                     await trio.sleep(self._backoff)
                     self._backoff = min(2 * self._backoff, BACKOFF_MAX)
             except Exception:  # noqa: BLE001 - third-party policies plan here too
-                log.exception("packer: building a package failed")
+                log_failure(log, "packer: building a package failed")
                 await trio.sleep(10)
 
     def _pool(self) -> list[int]:

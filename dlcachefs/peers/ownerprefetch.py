@@ -37,6 +37,7 @@ import trio
 
 from dlcachefs.cache.namespace import identity, is_file
 from dlcachefs.errors import DlcError
+from dlcachefs.store.integrity import log_failure
 
 if TYPE_CHECKING:
     from dlcachefs.cache.fetch import Fetcher
@@ -84,7 +85,7 @@ class OwnerPrefetch:
                 except Exception:  # noqa: BLE001 - a bug here must cost speed, never the mount
                     self.counts["errors"] += 1
                     if self.counts["errors"] == 1:
-                        log.exception("owner prefetch: the walk failed (it goes on)")
+                        log_failure(log, "owner prefetch: the walk failed (it goes on)")
                     ino = None
                 if ino is None:
                     await trio.sleep(IDLE_S)
@@ -169,7 +170,7 @@ class OwnerPrefetch:
         except Exception:  # noqa: BLE001 - a bug here must cost speed, never the mount
             self.counts["errors"] += 1
             if self.counts["errors"] == 1:
-                log.exception("owner prefetch failed (it goes on)")
+                log_failure(log, "owner prefetch failed (it goes on)")
         finally:
             self._limiter.release_on_behalf_of(token)
 

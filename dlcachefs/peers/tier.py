@@ -81,6 +81,7 @@ from dlcachefs.cache.source import Identity
 from dlcachefs.config import Config, peer_list
 from dlcachefs.peers.servers import ServerDown, ServerError, Servers
 from dlcachefs.peers.valuefmt import ContentKey, content_key, fits, value_size
+from dlcachefs.store.integrity import log_failure
 
 log = logging.getLogger(__name__)
 
@@ -332,7 +333,7 @@ class PeerTier:
         except Exception:  # noqa: BLE001 - a bug here must cost speed, never a read
             self.counters.lookup_failures += 1
             if self.counters.lookup_failures == 1:
-                log.exception("peer tier: a lookup failed (read from the source)")
+                log_failure(log, "peer tier: a lookup failed (read from the source)")
             return Lookup(None)
 
     async def _lookup(self, rel: bytes, ident: Identity,
@@ -547,7 +548,7 @@ class PeerTier:
             except Exception:  # noqa: BLE001 - one item's failure must not end the tier
                 self.counters.store_failures += 1
                 if self.counters.store_failures == 1:
-                    log.exception("peer tier: a store to %s failed", owner)
+                    log_failure(log, "peer tier: a store to %s failed", owner)
             finally:
                 self._storing -= 1
                 if data is not None:

@@ -184,6 +184,59 @@ class Index:
         with self.env.begin(write=True) as txn:
             yield IndexTxn(self, txn)
 
+    def recount(self, full: bool) -> dict[str, tuple[int, int]]:
+        """Set the values derived from the index to what its entries say, and return the
+        ones that disagreed (name: (stored, counted)). A damaged page can leave a counter
+        or a sequence wrong while every entry is sound (a flipped size subtracted on a
+        drop, a flipped counter): the start-up trusts none of them.
+
+        Always (cheap: a walk of the chunks, which recovery makes anyway, and the last
+        keys): ``chunk_bytes`` (the ``--cache-size`` account starts from it) and the
+        sequences ``next_ino``, ``next_chunk``, ``next_log``, which must lie beyond every
+        id in use (a lower one would give a new file an inode that names another's bytes).
+        With ``full`` (after the start-up walked the index; a second or so per million
+        files): ``cached_bytes``, ``n_files`` and ``bytes_total`` too (statistics only).
+        One write transaction, worker thread or start-up only."""
+        counted: dict[bytes, int] = {}
+        floors: dict[bytes, int] = {}
+        with self.env.begin(write=True) as txn:
+            size_of = S.Record._S.unpack_from
+            chunk_bytes = 0
+            last_log = 0
+            for _, v in txn.cursor(db=self.chunk):
+                c_log, _off, length = struct.unpack_from("<QQQ", v, 0)
+                chunk_bytes += length
+                last_log = max(last_log, c_log)
+            counted[S.K_CHUNK_BYTES] = chunk_bytes
+            for key, db in ((S.K_NEXT_INO, self.inode), (S.K_NEXT_CHUNK, self.chunk)):
+                cur = txn.cursor(db=db)
+                floors[key] = unkey(cur.key()) + 1 if cur.last() else 0
+            floors[S.K_NEXT_LOG] = last_log + 1 if last_log else 0
+            if full:
+                counted[S.K_CACHED_BYTES] = sum(
+                    size_of(v)[3] for v in txn.cursor(db=self.record).iternext(keys=False))
+                files = total = 0
+                mode_size = S.Entry.MODE_SIZE
+                for v in txn.cursor(db=self.inode).iternext(keys=False):
+                    mode, size = mode_size(v)
+                    if _is_file(mode):
+                        files += 1
+                        total += size
+                counted[S.K_FILES], counted[S.K_BYTES_TOTAL] = files, total
+            fixed: dict[str, tuple[int, int]] = {}
+            for key, n in counted.items():
+                was = _counter_in(txn, self.meta, key)
+                if was != n:
+                    txn.put(key, _q.pack(n), db=self.meta)
+                    fixed[key.decode()] = (was, n)
+            for key, floor in floors.items():
+                v = txn.get(key, db=self.meta)
+                was = _Q.unpack(v)[0] if v is not None and len(v) == 8 else 0
+                if floor and was < floor:
+                    txn.put(key, _Q.pack(floor), db=self.meta)
+                    fixed[key.decode()] = (was, floor)
+        return fixed
+
     def check_invariants(self) -> list[str]:
         """Return a list of violated invariants (empty when the index is consistent)."""
         problems: list[str] = []

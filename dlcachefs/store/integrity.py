@@ -55,7 +55,7 @@ def probe(path: str, readonly: bool = False) -> list[str]:
     Checks: every page of every sub-database (all keys and values are read), the key and
     value lengths the schema gives, each record against its chunk (it exists, lists the
     record's inode, same log, the record inside it) and its namespace entry (it exists),
-    each directory entry against the inode it names, the size counters against the sums, and one write transaction
+    each directory entry against the inode it names, and one write transaction
     (put and delete a key: LMDB's free list is read only when a transaction allocates
     pages, and a damaged one fails the daemon's next commit). The record checks are
     vectorized (numpy)."""
@@ -172,15 +172,10 @@ def _check_items(items: dict[bytes, tuple[list[bytes], list[bytes]]]) -> list[st
                        if ino not in members.get(c, ()))
         if unlisted:
             problems.append(f"{unlisted} records not listed by their chunks")
+    # the size counters and next ids are not checked: the start after a walk recounts
+    # them from the entries (:meth:`~dlcachefs.store.index.Index.recount`), so a counter
+    # damaged alone costs a WARNING, not the whole cache
     problems += _check_names(items)
-    counters = {k: struct.unpack("<q", meta[k])[0] if len(meta.get(k, b"")) == 8 else 0
-                for k in (S.K_CACHED_BYTES, S.K_CHUNK_BYTES)}
-    cached = sum(int(x) for x in rec["size"]) if len(rec) < 1000 else int(
-        rec["size"].astype(object).sum())
-    if counters[S.K_CACHED_BYTES] != cached:
-        problems.append(f"cached_bytes counter {counters[S.K_CACHED_BYTES]} != {cached}")
-    if counters[S.K_CHUNK_BYTES] != sum(chunk_len):
-        problems.append(f"chunk_bytes counter {counters[S.K_CHUNK_BYTES]} != {sum(chunk_len)}")
     return problems
 
 
@@ -313,38 +308,74 @@ def _stamp(path: str) -> str | None:
     return f"{st.st_size} {st.st_mtime_ns} {st.st_ino}"
 
 
-#: errors of the index set aside by the daemon this run (:func:`note_error`); a stop after
-#: one does not mark the index clean, so the next start walks it (and sets it aside)
+#: signs of a damaged index seen by the daemon this run (:func:`note_error`,
+#: :func:`note_damage`); a stop after one does not mark the index clean, so the next start
+#: walks it (and recounts or sets it aside)
 _run_errors: list[str] = []
+#: the class of the last LMDB error :func:`note_error` saw: a ``BadTxnError`` (a
+#: transaction LMDB refuses to go on with) is damage only when the error before it was
+_last_lmdb_error: list[type] = []
 
 
-def note_error(exc: BaseException) -> bool:
-    """An unexpected error while serving: an LMDB error that is not about resources
-    (``MDB_CORRUPTED``, ``MDB_CURSOR_FULL``, ``MDB_PAGE_NOTFOUND``... from a data page
-    damaged while mapped) means the index may be damaged. Remembered for the stop: the
-    stop then leaves no clean marker. Returns whether ``exc`` is such an error (logged here,
-    once, without a traceback). Any thread (a list append)."""
+def _is_damage(exc: BaseException) -> bool:
     import lmdb  # noqa: PLC0415 - the daemon has it loaded already
 
     not_damage = (lmdb.MapFullError, lmdb.DiskError, lmdb.LockError, lmdb.ReadersFullError,
-                  lmdb.ReadonlyError, lmdb.TlsFullError)
+                  lmdb.ReadonlyError, lmdb.TlsFullError, MemoryError)
     # a value of the wrong length unpacked from the index (struct.error: the only structs
     # unpacked while serving are the index's records, entries and chunks; chunk and
     # record headers raise FormatError) is the same damage, found in a value not a page
     if isinstance(exc, struct.error):
-        pass
-    elif not isinstance(exc, lmdb.Error) or isinstance(exc, not_damage):
+        return True
+    if not isinstance(exc, lmdb.Error) or isinstance(exc, not_damage):
+        if isinstance(exc, lmdb.Error):
+            _last_lmdb_error[:] = [type(exc)]
         return False
-    if not _run_errors:
-        log.warning("the index may be damaged (%s: %s): answering EIO; the next start "
-                    "checks it", type(exc).__name__, exc)
-    _run_errors.append(f"{type(exc).__name__}: {exc}"[:200])
-    del _run_errors[1:]  # the first is enough
+    if isinstance(exc, lmdb.BadTxnError):
+        # MDB_BAD_TXN follows an error inside the same transaction: damage after damage
+        # (a page read wrong), a full map or disk after those (not damage), or a misuse
+        return bool(_last_lmdb_error) and not issubclass(_last_lmdb_error[0], not_damage)
+    _last_lmdb_error[:] = [type(exc)]
     return True
 
 
+def note_error(exc: BaseException) -> bool:
+    """The one damage path for an error met while serving: an LMDB error that is not
+    about resources (``MDB_CORRUPTED``, ``MDB_CURSOR_FULL``, ``MDB_PAGE_NOTFOUND``... from
+    a data page damaged while mapped; a ``BadTxnError`` after one of those) or a value of
+    the wrong length means the index may be damaged. Remembered for the stop, which then
+    leaves no clean marker. Returns whether ``exc`` is such an error (a WARNING, once per
+    run, without a traceback). Any thread (list updates under the GIL)."""
+    if not _is_damage(exc):
+        return False
+    note_damage(f"{type(exc).__name__}: {exc}")
+    return True
+
+
+def note_damage(why: str) -> None:
+    """A sign of damage found some other way (the cache's invariants violated while
+    running): the stop leaves no clean marker, so the next start walks the index and
+    recounts what it derives from it, or sets it aside. A WARNING, once per run."""
+    if not _run_errors:
+        log.warning("the index may be damaged (%s); the next start checks it", why[:300])
+    _run_errors.append(why[:200])
+    del _run_errors[1:]  # the first is enough
+
+
+def log_failure(logger: logging.Logger, msg: str, *args: object) -> None:
+    """Log the exception being handled by a loop that degrades instead of crashing
+    (``except Exception:``): damage (:func:`note_error`) is a WARNING without a traceback,
+    anything else an ERROR with one. Call it only inside an ``except`` block."""
+    exc = sys.exc_info()[1]
+    if exc is not None and note_error(exc):
+        logger.warning(msg + " (the index may be damaged: %s: %s)", *args,
+                       type(exc).__name__, str(exc)[:200])
+    else:
+        logger.exception(msg, *args)
+
+
 def damage_seen() -> bool:
-    """Whether :func:`note_error` saw a sign of a damaged index this run."""
+    """Whether :func:`note_error` or :func:`note_damage` saw damage this run."""
     return bool(_run_errors)
 
 

@@ -3,7 +3,8 @@
 Reads every indexed chunk once, checks its header and payload checksum, checks every
 record the index points into it against the record's own checksum, and checks the index
 invariants. With ``--repair``, damaged records (and chunks whose header is unreadable)
-are dropped from the index, so that they are fetched from the source again. Needs the
+are dropped from the index, so that they are fetched from the source again, and the
+counters and next ids the index derives are recounted from its entries. Needs the
 cache lock: a mounted cache is refused.
 """
 
@@ -68,6 +69,11 @@ def verify(cache_dir: str, repair: bool) -> dict:
                     w.drop_chunk(b["chunk"])
                 for b in report["bad_records"]:
                     w.drop_record(b["inode"])
+            report["repaired"] = True
+        if repair and report["invariant_problems"]:
+            # counters and next ids are derived: set to what the entries say (the rest of
+            # what the check finds the walk has refused already, or the drops above fixed)
+            report["recounted"] = ix.recount(full=True)
             report["repaired"] = True
     finally:
         logs.close()
