@@ -6,6 +6,7 @@ scenarios are :mod:`dlcachefs.testing.scenarios` (the test suite runs them short
 
     sudo .venv/bin/python -m bench.chaos                       # every scenario, full size
     sudo .venv/bin/python -m bench.chaos --scenario kill,fuzz --cycles 100 --fuzz 100000
+    sudo .venv/bin/python -m bench.chaos --scenario corrupt --injections 150 --seeds 1001-1020
 
 Full size (the defaults): 1,000 kill cycles, 1,000 damage injections, 200 source faults
 per case, 120 s of a filling disk and of a memory limit, a 30-minute soak, 10^5 fuzzed
@@ -61,6 +62,53 @@ def verdict(r: dict) -> list[str]:
     return bad
 
 
+def parse_seeds(text: str) -> list[int]:
+    """``A-B`` (inclusive) or ``A,B,C``."""
+    if "-" in text:
+        lo, hi = (int(x) for x in text.split("-", 1))
+        return list(range(lo, hi + 1))
+    return [int(x) for x in text.split(",")]
+
+
+#: the columns of a per-seed table, by scenario: (heading, how to read it off a result)
+COLUMNS = {
+    "corrupt": (("injections", lambda r: r.get("injections", 0)),
+                ("detected", lambda r: r.get("detected", 0) + r.get("detected_as_errors", 0)),
+                ("harmless", lambda r: r.get("harmless_or_latent", 0)),
+                ("mount failures", lambda r: r.get("mount_failures", 0)),
+                ("tracebacks", lambda r: r.get("tracebacks", 0)),
+                ("wrong bytes", lambda r: r.get("wrong_bytes_reads", 0))),
+    "kill": (("cycles", lambda r: r.get("cycles", 0)),
+             ("reads", lambda r: sum(r.get(k, {}).get("reads_ok", 0)
+                                     + sum(r.get(k, {}).get("errors_by_errno", {}).values())
+                                     for k in ("reads", "verify_reads"))),
+             ("wrong reads", lambda r: r.get("wrong_bytes_reads", 0)),
+             ("lost records", lambda r: r.get("lost_committed_records", 0)),
+             ("mount failures", lambda r: r.get("mount_failures", 0)),
+             ("tracebacks", lambda r: r.get("tracebacks", 0)),
+             ("verify problems", lambda r: r.get("verify_problems", 0))),
+}
+
+
+def table(scenarios: dict[str, dict]) -> str:
+    """A markdown table per scenario of a ``--seeds`` run: one row per seed, the verdict
+    last."""
+    out = []
+    for name, cols in COLUMNS.items():
+        rows = [r for r in scenarios.values() if r.get("scenario") == name]
+        if not rows:
+            continue
+        head = ["seed", *(c for c, _ in cols), "verdict"]
+        out += [f"{name}:", "| " + " | ".join(head) + " |",
+                "|" + "---|" * len(head)]
+        for r in rows:
+            v = r["verdict"] if r["verdict"] == "ok" else "; ".join(r["verdict"])
+            out.append("| " + " | ".join([str(r["seed"]), *(str(f(r)) for _, f in cols), v])
+                       + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
     p.add_argument("--scenario", default="all",
@@ -78,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fuzz-mount", type=int, default=10_000,
                    help="fuzzed writes to a live mount")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default=None,
+                   help="run each scenario once per seed (A-B or a comma list) and print a "
+                        "table of the runs (docs/faults.md publishes one)")
     p.add_argument("--work", default=None, help="work directory (default: a new temp dir)")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
@@ -103,15 +154,22 @@ def main(argv: list[str] | None = None) -> int:
                      "machine": {"cpus": os.cpu_count(), "kernel": os.uname().release},
                      "scenarios": {}}
     failed = False
-    for name in chosen:
-        log(f"--- {name}")
-        t0 = time.monotonic()
-        r = runs[name](S.fresh(base / name))
-        r["wall_s"] = round(time.monotonic() - t0, 1)
-        r["verdict"] = verdict(r) or "ok"
-        failed |= r["verdict"] != "ok"
-        results["scenarios"][name] = r
-        log(f"{name}: {r['verdict']} ({r['wall_s']} s)")
+    seeds = parse_seeds(a.seeds) if a.seeds else [a.seed]
+    for seed in seeds:
+        a.seed = seed
+        for name in chosen:
+            log(f"--- {name} seed {seed}")
+            t0 = time.monotonic()
+            r = runs[name](S.fresh(base / name))
+            r["seed"] = seed
+            r["wall_s"] = round(time.monotonic() - t0, 1)
+            r["verdict"] = verdict(r) or "ok"
+            failed |= r["verdict"] != "ok"
+            results["scenarios"][name if len(seeds) == 1 else f"{name}/{seed}"] = r
+            log(f"{name} seed {seed}: {r['verdict']} ({r['wall_s']} s)")
+    if len(seeds) > 1:
+        results["table"] = table(results["scenarios"])
+        print(results["table"], file=sys.stderr)
     OUT.mkdir(exist_ok=True)
     path = OUT / f"chaos-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     path.write_text(json.dumps(results, indent=1) + "\n")
