@@ -44,6 +44,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from dlcachefs.cache.stats import Counters
+from dlcachefs.store import integrity
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +227,7 @@ class StatsCollector(Collector):
         try:
             st = self.snapshot()
         except Exception as e:  # noqa: BLE001 - a scrape never takes the daemon down
+            integrity.note_error(e)  # the stats read the index: damage is noted as such
             log.debug("metrics: no stats: %s", e)
             down = GaugeMetricFamily(PREFIX + "up", "1 when the mount's stats could be read")
             down.add_metric([], 0)
