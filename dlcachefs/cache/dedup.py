@@ -88,7 +88,7 @@ from dlcachefs.config import DATASETS_DIR, Config
 from dlcachefs.errors import DlcError, InvalidArgument
 from dlcachefs.store.chunkfmt import checksum
 from dlcachefs.store.index import Index
-from dlcachefs.store.integrity import check_index, log_failure
+from dlcachefs.store.integrity import check_index, log_failure, note_error
 from dlcachefs.store.readonly import IndexReader, LogFiles
 from dlcachefs.store.schema import ContentKey, Entry
 
@@ -241,6 +241,7 @@ class ContentStore:
         try:
             await trio.to_thread.run_sync(self._persist, batch)
         except lmdb.Error as e:  # a full or damaged index: keys are only an optimisation
+            note_error(e)
             log.warning("content keys not saved (%s)", e)
             return
         # in the index now (key_of reads them there): memory holds only what is not yet,

@@ -67,7 +67,7 @@ from dlcachefs.cache.writer import ChunkWriter
 from dlcachefs.config import Config
 from dlcachefs.errors import InvalidArgument, SourceChanged
 from dlcachefs.store.index import Index
-from dlcachefs.store.integrity import log_failure
+from dlcachefs.store.integrity import log_failure, note_error
 from dlcachefs.store.logs import LogStore
 from dlcachefs.store.schema import Entry, Record
 
@@ -218,6 +218,7 @@ class Engine:
             try:
                 n = await trio.to_thread.run_sync(self.index.reap_readers)
             except Exception as e:  # noqa: BLE001 - an LMDB error here must not end the mount
+                note_error(e)
                 log.warning("freeing dead readers' LMDB slots failed: %s", e)
                 continue
             if n:

@@ -49,7 +49,7 @@ import trio
 from dlcachefs.cache.namespace import ROOT_INO
 from dlcachefs.cache.readers import Observer, OpenEvent
 from dlcachefs.errors import DlcError
-from dlcachefs.store.integrity import log_failure
+from dlcachefs.store.integrity import log_failure, note_error
 
 if TYPE_CHECKING:
     from dlcachefs.cache.fetch import Fetcher
@@ -293,6 +293,7 @@ class ScanAhead(Observer):
         try:
             await self._scan_tree(t)
         except Exception as e:  # noqa: BLE001 - a guess must never end the mount
+            note_error(e)
             t.state, t.reason = "failed", str(e)
             log.warning("scan-ahead of %r stopped: %s", t.rel, e)
         finally:
