@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,7 +65,7 @@ from dlcachefs.cache.source import Identity
 from dlcachefs.errors import SourceChanged
 from dlcachefs.session import Session, build
 from dlcachefs.store.schema import Entry
-from dlcachefs.testing.fakes import CountingSource, make_config, write_tree
+from dlcachefs.testing.fakes import Clock, CountingSource, make_config, write_tree
 
 PAGE = 4096
 FILES = (b"f0",)
@@ -95,21 +94,6 @@ class ChangingSource(CountingSource):
         if change is not None:
             change()
         return super().read_file(rel, use_src_ino)
-
-
-class Clock:
-    """``time`` as the namespace sees it: a wall clock the test moves."""
-
-    def __init__(self) -> None:
-        self.now = time.time()
-        self.monotonic = time.monotonic
-        self.perf_counter = time.perf_counter
-
-    def time(self) -> float:
-        return self.now
-
-    def time_ns(self) -> int:
-        return int(self.now * 1e9)
 
 
 class Core:

@@ -13,6 +13,7 @@ import trio
 
 from dlcachefs.cache import namespace as ns_mod
 from dlcachefs.testing.fakes import (
+    Clock,
     CountingSource,
     make_config,
     read_all,
@@ -20,21 +21,6 @@ from dlcachefs.testing.fakes import (
     run_session,
     write_tree,
 )
-
-
-class Clock:
-    """``time`` as the namespace sees it: a wall clock we move; monotonic stays real."""
-
-    def __init__(self) -> None:
-        self.now = time.time()
-        self.monotonic = time.monotonic
-        self.perf_counter = time.perf_counter
-
-    def time(self) -> float:
-        return self.now
-
-    def time_ns(self) -> int:
-        return int(self.now * 1e9)
 
 
 @pytest.fixture

@@ -275,3 +275,19 @@ def run_engine(cfg: Config, body: Callable[[Engine], Awaitable[Any]], source=Non
     returns (body's result, engine)."""
     result, sess = run_session(cfg, lambda s: body(s.engine), source, check_invariants)
     return result, sess.engine
+
+
+class Clock:
+    """``time`` as the namespace sees it (monkeypatched over its ``time`` module): a wall
+    clock the test moves by setting ``now``; monotonic and perf counters stay real."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+        self.monotonic = time.monotonic
+        self.perf_counter = time.perf_counter
+
+    def time(self) -> float:
+        return self.now
+
+    def time_ns(self) -> int:
+        return int(self.now * 1e9)
