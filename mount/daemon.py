@@ -124,21 +124,26 @@ def _set_aside(index_dir: str, why: str) -> None:
 
 def _build_and_start(cfg: Config, walked: bool,
                      progress: Callable[[int, int, float], None]) -> tuple[Session, dict]:
-    """The session, started. An index that recovery finds damaged beyond a recount
-    (:class:`IndexDamaged`) is set aside like one the walk refused, and the session built
-    again over an empty one: damage costs the cache, never the mount."""
-    session = build(cfg)
+    """The session, started. An index found damaged while it is opened or recovered (an
+    LMDB page error, :func:`integrity.is_damage`; or :class:`IndexDamaged`, what
+    recovery cannot recount) is set aside like one the walk refused, and the session built
+    again over an empty one: damage costs the cache, never the mount. (A start that skips
+    the walk after a clean stop meets such damage here: bits flipped under an unchanged
+    file.)"""
+    try:
+        return _start(build(cfg), progress, walked)
+    except Exception as e:
+        if not (isinstance(e, IndexDamaged) or integrity.is_damage(e)):
+            raise
+        _set_aside(cfg.index_dir, str(e) if isinstance(e, IndexDamaged)
+                   else f"opening it fails: {type(e).__name__}: {e}")
+    return _start(build(cfg), progress, True)
+
+
+def _start(session: Session, progress: Callable[[int, int, float], None],
+           walked: bool) -> tuple[Session, dict]:
     try:
         return session, session.start(progress=progress, recount_all=walked)
-    except IndexDamaged as e:
-        session.close_files()
-        _set_aside(cfg.index_dir, str(e))
-    except BaseException:
-        session.close_files()
-        raise
-    session = build(cfg)
-    try:
-        return session, session.start(progress=progress)
     except BaseException:
         session.close_files()
         raise

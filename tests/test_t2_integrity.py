@@ -87,21 +87,22 @@ def test_a_value_unpacked_short_is_damage_not_an_unexpected_error(monkeypatch):
 
 
 @pytest.mark.daemon_log_allows(
-    r"WARNING dlcachefs\.store\.integrity: the index may be damaged \(CorruptedError",
+    r"WARNING dlcachefs\.store\.integrity: the index may be damaged \(BadTxnError",
     r"WARNING tests: a loop failed \(the index may be damaged: CorruptedError: ")
 def test_one_damage_path_classifies_lmdb_errors(monkeypatch, caplog):
     """Which LMDB errors mean damage: a page error does; a full map or disk does not; a
-    BadTxnError (LMDB refusing a transaction after an error in it) is damage only after
-    damage. A loop that degrades (:func:`integrity.log_failure`) logs damage as a
+    BadTxnError (LMDB refusing a transaction after an error in it) is damage unless a
+    full map or disk came before it. A loop that degrades (:func:`integrity.log_failure`) logs damage as a
     WARNING without a traceback, anything else with its traceback."""
     import lmdb
 
     monkeypatch.setattr(integrity, "_run_errors", [])
     monkeypatch.setattr(integrity, "_last_lmdb_error", [])
-    assert not integrity.note_error(lmdb.BadTxnError("misuse"))  # nothing before it
     assert not integrity.note_error(lmdb.MapFullError("full"))
     assert not integrity.note_error(lmdb.BadTxnError("after a full map"))
     assert not integrity.damage_seen()
+    monkeypatch.setattr(integrity, "_last_lmdb_error", [])
+    assert integrity.note_error(lmdb.BadTxnError("a read over damaged pages"))  # none before
     assert integrity.note_error(lmdb.CorruptedError("page"))
     assert integrity.note_error(lmdb.BadTxnError("after damage"))
     assert integrity.note_error(lmdb.PageNotFoundError("gone"))

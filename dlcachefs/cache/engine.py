@@ -242,9 +242,15 @@ class Engine:
         await self.writer.flush()
 
     async def close(self) -> None:
-        """Seal and commit what is pending (for up to 10 s), and stop the writer."""
+        """Seal and commit what is pending (for up to 10 s), and stop the writer. A seal
+        that fails here (a full disk, a damaged index: :func:`log_failure` tells them
+        apart) costs only what was not committed yet, fetched again later; the stop goes
+        on (after damage it leaves no clean marker, see :mod:`dlcachefs.store.integrity`)."""
         with trio.move_on_after(10):  # what readers were served is worth keeping
-            await self.flush()
+            try:
+                await self.flush()
+            except Exception:  # noqa: BLE001 - the unmount must end, and cleanly
+                log_failure(log, "sealing at the stop failed; what it held is not cached")
         await self.writer.close()
 
     def close_files(self) -> None:

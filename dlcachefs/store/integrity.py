@@ -312,12 +312,15 @@ def _stamp(path: str) -> str | None:
 #: :func:`note_damage`); a stop after one does not mark the index clean, so the next start
 #: walks it (and recounts or sets it aside)
 _run_errors: list[str] = []
-#: the class of the last LMDB error :func:`note_error` saw: a ``BadTxnError`` (a
-#: transaction LMDB refuses to go on with) is damage only when the error before it was
+#: the class of the last LMDB error :func:`is_damage` saw: a ``BadTxnError`` (a
+#: transaction LMDB refuses to go on with) is damage unless the error before it was about
+#: resources
 _last_lmdb_error: list[type] = []
 
 
-def _is_damage(exc: BaseException) -> bool:
+def is_damage(exc: BaseException) -> bool:
+    """Whether ``exc`` is a sign of a damaged index (see :func:`note_error`), without
+    noting it."""
     import lmdb  # noqa: PLC0415 - the daemon has it loaded already
 
     not_damage = (lmdb.MapFullError, lmdb.DiskError, lmdb.LockError, lmdb.ReadersFullError,
@@ -332,9 +335,10 @@ def _is_damage(exc: BaseException) -> bool:
             _last_lmdb_error[:] = [type(exc)]
         return False
     if isinstance(exc, lmdb.BadTxnError):
-        # MDB_BAD_TXN follows an error inside the same transaction: damage after damage
-        # (a page read wrong), a full map or disk after those (not damage), or a misuse
-        return bool(_last_lmdb_error) and not issubclass(_last_lmdb_error[0], not_damage)
+        # MDB_BAD_TXN: LMDB flagged the transaction after an error in it: a full map or
+        # disk (not damage) or a page read wrong. The chaos suite saw it first in a read
+        # transaction over damaged pages, with no error before it in the process.
+        return not (_last_lmdb_error and issubclass(_last_lmdb_error[0], not_damage))
     _last_lmdb_error[:] = [type(exc)]
     return True
 
@@ -342,11 +346,12 @@ def _is_damage(exc: BaseException) -> bool:
 def note_error(exc: BaseException) -> bool:
     """The one damage path for an error met while serving: an LMDB error that is not
     about resources (``MDB_CORRUPTED``, ``MDB_CURSOR_FULL``, ``MDB_PAGE_NOTFOUND``... from
-    a data page damaged while mapped; a ``BadTxnError`` after one of those) or a value of
+    a data page damaged while mapped; a ``BadTxnError`` unless a full map or disk came
+    before it) or a value of
     the wrong length means the index may be damaged. Remembered for the stop, which then
     leaves no clean marker. Returns whether ``exc`` is such an error (a WARNING, once per
     run, without a traceback). Any thread (list updates under the GIL)."""
-    if not _is_damage(exc):
+    if not is_damage(exc):
         return False
     note_damage(f"{type(exc).__name__}: {exc}")
     return True
