@@ -155,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "verify":
             from dlcachefs.store.verify import cmd_verify  # noqa: PLC0415
 
+            # what --repair makes in the cache directory (a new index, the note of a
+            # damaged one set aside) is the owner's, as what the daemon makes there
+            os.umask(cache_modes.daemon_umask(False))
             return cmd_verify(a.cache_dir, a.repair, a.json,
                               is_mounted=lambda mp: mountctl.is_mounted(mp, fuse=True))
     except ValueError as e:
