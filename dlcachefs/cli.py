@@ -28,6 +28,7 @@ from dlcachefs.config import (
 )
 from dlcachefs.errors import DlcError
 from dlcachefs.store import ledger
+from dlcachefs.store import modes as cache_modes
 from dlcachefs.units import format_size, parse_size
 
 
@@ -127,6 +128,10 @@ def config_from_args(a: argparse.Namespace) -> Config:
     file = read_config_file(a.config) if a.config else None
     cfg = build_config(a.source, a.mountpoint, cli, file)
     make_policy(cfg.policy)
+    try:  # an unknown --reader-group: refused here, before the daemon forks
+        cache_modes.reader_group(cfg.reader_group)
+    except DlcError as e:
+        raise ValueError(str(e)) from None
     if cfg.peers is not None and importlib.util.find_spec("pymemcache") is None:
         raise ValueError("--peers needs pymemcache: pip install 'dlcachefs[peers]'")
     return cfg
@@ -150,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "verify":
             from dlcachefs.store.verify import cmd_verify  # noqa: PLC0415
 
+            # what --repair makes in the cache directory (a new index, the note of a
+            # damaged one set aside) is the owner's, as what the daemon makes there
+            os.umask(cache_modes.daemon_umask(False))
             return cmd_verify(a.cache_dir, a.repair, a.json,
                               is_mounted=lambda mp: mountctl.is_mounted(mp, fuse=True))
     except ValueError as e:
@@ -270,7 +278,7 @@ def cmd_mount(cfg: Config) -> int:
                 done()
                 print(f"dlcachefs: mounted {cfg.source} at {cfg.mountpoint}", file=sys.stderr)
 
-        daemon.setup_logging(cfg)
+        daemon.begin(cfg)
         return daemon.run(cfg, report)
     return _daemonize(cfg)
 
@@ -302,7 +310,7 @@ def _daemonize(cfg: Config) -> int:
         try:
             from dlcachefs.mount import daemon  # noqa: PLC0415
 
-            daemon.setup_logging(cfg)
+            daemon.begin(cfg)
             code = daemon.run(cfg, report)
         except BaseException as e:  # noqa: BLE001 - last resort: say why before dying
             report(f"error {type(e).__name__}: {e}")

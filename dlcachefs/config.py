@@ -220,6 +220,14 @@ class Config:
     foreground: bool = _opt(False, "do not daemonize", short="-f")
     allow_other: bool = _opt(
         False, "let other users use the mount (with default_permissions)")
+    reader_group: str | None = _opt(
+        None, "make the cache directory (a shared root too) readable by group NAME, for "
+              "its members' zero-copy readers: they can read every cached byte, whatever "
+              "the source's modes (docs/permissions.md); default: the owner's alone",
+        metavar="NAME", show_default=False)
+    keep_cache_modes: bool = _opt(
+        False, "leave the modes of an existing cache directory as they are, only warn "
+               "(by default what other users could read is tightened, with a warning)")
     metrics_port: int = _opt(
         0, "serve Prometheus metrics over HTTP on this port (/metrics); 0 = off",
         metavar="PORT")
@@ -256,6 +264,8 @@ class Config:
             raise ValueError("--flush-interval must be > 0")
         if self.scan_ahead < 0:
             raise ValueError("--scan-ahead must be >= 0")
+        if self.reader_group is not None and not self.reader_group.strip():
+            raise ValueError("--reader-group needs a group name")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError("--metrics-port must be within 0..65535")
         if not 0.0 < self.h_fraction <= 1.0:

@@ -92,6 +92,7 @@ from dlcachefs.peers.expiry import expiry_of_streams
 from dlcachefs.policies import make_policy, registry
 from dlcachefs.store.index import Index
 from dlcachefs.store.logs import LogStore
+from dlcachefs.store.modes import DIR_MODE
 from dlcachefs.store.tally import TALLY_DIR, TallyReader
 
 log = logging.getLogger(__name__)
@@ -364,7 +365,7 @@ def build(cfg: Config, source: Source | None = None) -> Session:
     and logs; nothing starts yet."""
     factory = policy_factory(cfg.policy)  # a bad --policy fails before the index opens
     source = source if source is not None else LocalSource(cfg.source)
-    os.makedirs(cfg.data_dir, exist_ok=True)
+    os.makedirs(cfg.data_dir, mode=DIR_MODE, exist_ok=True)  # owner-only (store.modes)
     index = Index(cfg.index_dir)
     logs = LogStore(cfg.logs_dir, cfg.log_size)
     counters = Counters()

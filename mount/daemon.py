@@ -1,9 +1,11 @@
 """Running a mount: lock the cache, start the engine, mount, serve, unmount, commit.
 
-Order at start: take the cache lock (a second daemon on the same cache refuses), open the
-index, recover the logs, scan the source if needed (with progress), mount, then report
-"ready" to the waiting parent. At stop (SIGINT/SIGTERM, or the kernel unmounting): stop
-serving, unmount, seal and commit what is pending, close the index, drop the lock.
+Order at start: a umask that keeps the cache directory the owner's (:func:`begin`), take
+the cache lock (a second daemon on the same cache refuses), open the index, set the cache
+directory's modes (:func:`set_cache_modes`), recover the logs, scan the source if needed
+(with progress), mount, then report "ready" to the waiting parent. At stop (SIGINT/SIGTERM,
+or the kernel unmounting): stop serving, unmount, seal and commit what is pending, close
+the index, drop the lock.
 
 The daemon never makes a call on its own mountpoint (it would deadlock).
 """
@@ -29,18 +31,29 @@ from dlcachefs.config import DATASETS_DIR, Config
 from dlcachefs.errors import DlcError, IndexDamaged
 from dlcachefs.session import Session, build
 from dlcachefs.store import integrity, ledger
+from dlcachefs.store import modes as cache_modes
 from dlcachefs.store.lock import CacheLock
+from dlcachefs.store.tally import TALLY_DIR
 
 log = logging.getLogger("dlcachefs")
 
 Reporter = Callable[[str], None]
 
 
+def begin(cfg: Config) -> None:
+    """The daemon's first step, before it creates anything: its umask, so that what it
+    makes in the cache directory is its owner's (or readable by ``--reader-group``)
+    whatever the umask it was started with (:mod:`dlcachefs.store.modes`); then its
+    logging."""
+    os.umask(cache_modes.daemon_umask(cfg.reader_group is not None))
+    setup_logging(cfg)
+
+
 def setup_logging(cfg: Config) -> None:
     root = logging.getLogger()
     root.setLevel(cfg.log_level.upper())
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    os.makedirs(cfg.data_dir, exist_ok=True)
+    os.makedirs(cfg.data_dir, mode=cache_modes.DIR_MODE, exist_ok=True)
     fh = logging.handlers.RotatingFileHandler(
         os.path.join(cfg.data_dir, "dlcachefs.log"), maxBytes=10 << 20, backupCount=3)
     fh.setFormatter(fmt)
@@ -149,6 +162,41 @@ def _start(session: Session, progress: Callable[[int, int, float], None],
         raise
 
 
+#: loose entries named in the warning (the count says how many there were)
+_SHOWN = 5
+
+
+def set_cache_modes(cfg: Config, modes: cache_modes.CacheModes) -> None:
+    """Give the cache directory (a shared root: the whole root) the modes of ``modes``
+    before anything is served, warning of what other users could read or write there
+    (tightened, or left with ``--keep-cache-modes``). Blocking; a few hundred entries."""
+    # the zero-copy readers' counters: made here with its modes, not by the first reader
+    os.makedirs(os.path.join(cfg.data_dir, TALLY_DIR), mode=cache_modes.DIR_MODE,
+                exist_ok=True)
+    found = cache_modes.enforce(cfg.cache_dir, modes, keep=cfg.keep_cache_modes)
+    if found.loose:
+        shown = ", ".join(f"{p} {cache_modes.mode_text(m)}" for p, m in found.loose[:_SHOWN])
+        more = ", ..." if len(found.loose) > _SHOWN else ""
+        done = ("left as they are (--keep-cache-modes)" if cfg.keep_cache_modes
+                else f"tightened to {modes.describe()}")
+        log.warning("cache directory %s: %d entries could be read or written by other users "
+                    "(%s%s); %s", cfg.cache_dir, len(found.loose), shown, more, done)
+    if found.failed:
+        shown = ", ".join(f"{p}: {why}" for p, why in found.failed[:_SHOWN])
+        log.warning("cache directory %s: could not check or set the modes of %d entries "
+                    "(%s)", cfg.cache_dir, len(found.failed), shown)
+    if found.foreign:
+        log.info("cache directory %s: %d entries of other users (or with other links) left "
+                 "as they are (%s)", cfg.cache_dir, len(found.foreign),
+                 ", ".join(found.foreign[:_SHOWN]))
+    if modes.gid is not None:
+        log.info("cache directory %s is %s", cfg.cache_dir, modes.describe())
+        blocked = cache_modes.unreachable(cfg.cache_dir, modes)
+        if blocked is not None:
+            log.warning("--reader-group %s: its members cannot reach the cache directory %s: "
+                        "%s does not let them search it", modes.group, cfg.cache_dir, blocked)
+
+
 def _keep_thread_names() -> None:
     """trio renames a worker's OS thread before and after each job (two ``prctl`` calls
     per ``to_thread.run_sync``, each a GIL hand-off in a busy daemon: 2 of the ~15
@@ -168,6 +216,7 @@ def run(cfg: Config, report: Reporter) -> int:
     session: Session | None = None
     metrics = None
     try:
+        modes = cache_modes.reader_group(cfg.reader_group)  # an unknown group: refused
         check_mountpoint(cfg.mountpoint)
         mountctl.check_apart(cfg.source, cfg.mountpoint, cfg.cache_dir)
         ledger.check_root(cfg.cache_dir, cfg.shared_cache, DATASETS_DIR)
@@ -178,6 +227,7 @@ def run(cfg: Config, report: Reporter) -> int:
             report(f"progress {entries} {dirs} {elapsed:.1f}")
 
         session, info = _build_and_start(cfg, walked, progress)
+        set_cache_modes(cfg, modes)  # the index and the logs' directory exist now
         log.info("started: %s", info)
         if cfg.metrics_port:
             # bound before the mount: a port in use fails the mount with the reason

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import grp
 import json
 import os
 import tempfile
@@ -241,6 +242,8 @@ def values(o):
         return st.just("h1:11211")
     if o.field == "content_xattr":
         return st.sampled_from(["user.sha256", "user.checksum.sha256"])
+    if o.field == "reader_group":  # a group this user is in (config_from_args checks it)
+        return st.sampled_from([grp.getgrgid(os.getegid()).gr_name, str(os.getegid())])
     if o.field == "metrics_addr":
         return st.sampled_from(["127.0.0.1", "0.0.0.0", "::1"])
     return st.sampled_from(o.choices)

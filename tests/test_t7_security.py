@@ -1,23 +1,29 @@
 """The security matrix, mounted: other users (uid 65534 via ``setpriv``), the control
 file, symlinks that point out of the source (also swapped in after the scan), odd and
-long names, and what one job can see of another. :data:`MATRIX` is the table published
+long names, what one job can see of another, and the cache directory's own modes (under
+any umask, over a loose directory, with a reader group made by ``groupadd``). :data:`MATRIX` is the table published
 in docs/permissions.md ("The security matrix"); ``test_docs_publish_the_matrix`` checks
 that the page holds exactly these rows, and each row's test checks what it says."""
 
 from __future__ import annotations
 
 import errno
+import grp
+import hashlib
 import json
 import os
 import shutil
+import stat
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 from conftest import requires_fuse
 
-from dlcachefs.testing.mounting import drop_page_cache
+from dlcachefs.data.reader import CacheReader
+from dlcachefs.testing.mounting import drop_page_cache, wait_until
 
 pytestmark = [requires_fuse,
               pytest.mark.skipif(os.getuid() != 0 or shutil.which("setpriv") is None,
@@ -50,6 +56,24 @@ MATRIX: dict[str, tuple[str, str]] = {
     "names": ("names with odd bytes (0xff, newline, %, backslash, spaces) and of 255 bytes",
               "listed with the same bytes, read exactly; a 'dataset' line names them "
               "percent-encoded"),
+    "umask": ("the daemon started under umask 022: its cache directory and a shared root, "
+              "after reads, zero-copy reads and the unmount",
+              "nothing readable by group or others: directories 0700, files 0600"),
+    "cache-files": ("another user, --allow-other, the cache directory's parent open to all: "
+                    "read meta.lmdb/data.mdb, dlcachefs.log, a log file; list the cache "
+                    "directory", "EACCES for each"),
+    "loose-cache": ("a mount over an existing cache directory made 0755/0644",
+                    "tightened to 0700/0600, with a WARNING naming the paths and their "
+                    "modes; --keep-cache-modes: left as they are, with the WARNING"),
+    "reader-group": ("--reader-group G, a member of G (not the owner): read "
+                     "meta.lmdb/data.mdb, a log file, dlcachefs.log; CacheReader over the "
+                     "mount", "readable; every sample read from the cache, the same bytes; "
+                     "the daemon counts them"),
+    "reader-outsider": ("--reader-group G, a user outside G: the same",
+                        "EACCES; CacheReader reads through the mount: the same bytes, one "
+                        "warning, no traceback"),
+    "unknown-group": ("--reader-group with a group that does not exist",
+                      "refused at start (exit 2, 'no such group'); nothing created"),
 }
 
 OBSERVED = "as expected"
@@ -263,6 +287,200 @@ def test_odd_and_long_names(tmp_path, mount):
     with pytest.raises(OSError) as ei:
         os.stat(os.path.join(md, b"y" * 256))
     assert ei.value.errno in (errno.ENAMETOOLONG, errno.ENOENT)
+
+
+# ----- the cache directory's own modes ---------------------------------------------------------
+
+#: the files of a source the zero-copy tests read (readable by every user on the source)
+ZC_FILES = ("img/c0/a.jpg", "img/c1/a.jpg", "open/pub.bin")
+
+#: a training process's zero-copy reads of ZC_FILES as another user: the digests and counts
+READER = r'''
+import hashlib, json, sys, warnings
+warnings.simplefilter("always")
+from dlcachefs.data.reader import CacheReader
+mnt, rels = sys.argv[1], sys.argv[2:]
+r = CacheReader.for_path(mnt)
+got = {rel: hashlib.sha256(r.read(f"{mnt}/{rel}")).hexdigest() for rel in rels}
+got.update({rel: hashlib.sha256(r.read(f"{mnt}/{rel}")).hexdigest() for rel in rels})
+print(json.dumps({"digests": got, "counts": r.counts()}))
+'''
+
+#: the daemon's warning of a cache directory other users could read (loose-cache)
+LOOSE = (r"WARNING dlcachefs: cache directory \S+: \d+ entries could be read or written by "
+         r"other users \(\S+ 0755, .*\); (tightened to owner-only|left as they are)")
+
+
+def _as(groups: list[str], argv: list[str]) -> subprocess.CompletedProcess:
+    """Run ``argv`` as uid/gid 65534 with the supplementary ``groups`` (none if empty)."""
+    g = [f"--groups={','.join(groups)}"] if groups else ["--clear-groups"]
+    return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", *g, *argv],
+                          capture_output=True, text=True, errors="replace", timeout=120)
+
+
+def _modes(top: Path) -> dict[str, int]:
+    """Relative path -> permission bits of ``top`` and everything under it."""
+    out = {".": stat.S_IMODE(os.lstat(top).st_mode)}
+    for dp, dirs, files in os.walk(top):
+        for n in dirs + files:
+            p = Path(dp) / n
+            out[str(p.relative_to(top))] = stat.S_IMODE(os.lstat(p).st_mode)
+    return out
+
+
+def _loosen(top: Path) -> None:
+    for p in [top, *top.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+
+
+def _cache_files(cache: Path) -> list[Path]:
+    """The index, a log file and the daemon's log of a cache directory."""
+    return [cache / "meta.lmdb" / "data.mdb", min((cache / "logs").glob("*.log")),
+            cache / "dlcachefs.log"]
+
+
+def _warm(m, tree: Path) -> None:
+    """Read ZC_FILES through the mount and wait until they are cached."""
+    for rel in ZC_FILES:
+        assert (m.mnt / rel).read_bytes() == (tree / rel).read_bytes()
+    m.wait_cached(len(ZC_FILES))
+
+
+@pytest.fixture
+def reader_group():
+    """A group made for the test (``groupadd``), removed afterwards: (name, gid)."""
+    if shutil.which("groupadd") is None:
+        pytest.skip("needs groupadd")
+    name = f"dlc-rd-{os.getpid()}"
+    subprocess.run(["groupadd", name], check=True, capture_output=True, timeout=60)
+    try:
+        yield name, grp.getgrnam(name).gr_gid
+    finally:
+        subprocess.run(["groupdel", name], capture_output=True, timeout=60)
+
+
+def test_a_daemon_under_umask_022_makes_nothing_others_can_read(tree, shared, mount):
+    """umask: a cache directory and a shared root, after reads (logs), zero-copy reads
+    (counter files), a ledger's rewrites and the unmount (the clean marker)."""
+    old = os.umask(0o022)
+    try:
+        plain = mount(tree, mnt=shared / "mnt", cache=shared / "cache")
+        root = mount(tree, "--shared-cache", "--dataset", "d1", "--share-interval", "0.2",
+                     mnt=shared / "mnt2", cache=shared / "root")
+    finally:
+        os.umask(old)
+    for m in (plain, root):
+        _warm(m, tree)
+        reader = CacheReader.for_path(m.mnt)
+        assert reader is not None and reader.read(m.mnt / ZC_FILES[0]) == (
+            tree / ZC_FILES[0]).read_bytes()
+        assert reader.counts()["hits"] == 1
+        reader.close()
+    wait_until(lambda: (shared / "root" / "ledger.json").exists(), "no ledger written")
+    plain.umount()
+    root.umount()
+    made = {"cache": ["dlcachefs.log", "lock", "meta.lmdb/data.mdb", "meta.lmdb/lock.mdb",
+                      "meta.lmdb.clean", "logs/00000001.log", "zerocopy"],
+            "root": ["ledger.json", "ledger.lock", "datasets/d1/meta.lmdb/data.mdb",
+                     "datasets/d1/dlcachefs.log", "datasets/d1/meta.lmdb.clean",
+                     "datasets/d1/logs/00000001.log", "datasets/d1/zerocopy"]}
+    for name, entries in made.items():
+        top = shared / name
+        modes = _modes(top)
+        assert set(entries) <= set(modes), modes
+        want = {k: 0o700 if (top / k).is_dir() else 0o600 for k in modes}
+        assert modes == want, top
+
+
+def test_another_user_cannot_read_the_cache_directory(tree, shared, mount):
+    """cache-files: only the cache directory's own modes stand between another user and
+    it here (its parent is open to all, and the mount lets other users in)."""
+    cache = shared / "cache"
+    m = mount(tree, "--allow-other", mnt=shared / "mnt", cache=cache)
+    _warm(m, tree)
+    assert _nobody_bytes(m.mnt / "open" / "pub.bin") == (0, b"public" * 100)  # the mount's
+    for f in _cache_files(cache):
+        rc, err = _nobody(f"cat {f}")
+        assert rc != 0 and DENIED in err, (f, err)
+    rc, err = _nobody(f"ls {cache}")
+    assert rc != 0 and DENIED in err
+
+
+@pytest.mark.daemon_log_allows(LOOSE)
+def test_a_loose_cache_directory_is_tightened_with_a_warning(tree, shared, mount):
+    """loose-cache: made 0755/0644 by hand (or another umask, or an older version)."""
+    cache = shared / "cache"
+    m = mount(tree, mnt=shared / "m1", cache=cache)
+    _warm(m, tree)
+    m.umount()
+    _loosen(cache)
+    loose = _modes(cache)
+    assert _nobody_bytes(cache / "meta.lmdb" / "data.mdb")[0] == 0  # readable by all now
+    m = mount(tree, "--keep-cache-modes", mnt=shared / "m2", cache=cache)
+    assert (m.mnt / ZC_FILES[0]).read_bytes() == (tree / ZC_FILES[0]).read_bytes()
+    m.umount()
+    # left (but the clean marker, which the stop wrote anew: owner-only)
+    del loose["meta.lmdb.clean"]
+    assert {k: v for k, v in _modes(cache).items() if k in loose} == loose
+    assert _modes(cache)["meta.lmdb.clean"] == 0o600
+    kept = m.log.read_text()
+    assert f"cache directory {cache}: " in kept and "left as they are (--keep-cache-modes)" in kept
+    m = mount(tree, mnt=shared / "m3", cache=cache)
+    log = m.log.read_text()
+    warned = next(line for line in log.splitlines() if "could be read or written" in line)
+    assert f"entries could be read or written by other users ({cache} 0755, " in warned
+    assert "tightened to owner-only (directories 0700, files 0600)" in warned
+    modes = _modes(cache)
+    assert modes == {k: 0o700 if (cache / k).is_dir() else 0o600 for k in modes}
+    rc, err = _nobody(f"cat {cache}/meta.lmdb/data.mdb")
+    assert rc != 0 and DENIED in err
+    assert (m.mnt / ZC_FILES[1]).read_bytes() == (tree / ZC_FILES[1]).read_bytes()
+
+
+def test_a_reader_group_member_reads_the_cache_an_outsider_does_not(tree, shared, mount,
+                                                                   reader_group):
+    """reader-group and reader-outsider: the same mount, a member of the group and a user
+    outside it (both uid 65534, not the owner)."""
+    name, gid = reader_group
+    cache = shared / "cache"
+    m = mount(tree, "--allow-other", "--reader-group", name, mnt=shared / "mnt", cache=cache)
+    _warm(m, tree)
+    want = {rel: hashlib.sha256((tree / rel).read_bytes()).hexdigest() for rel in ZC_FILES}
+    member, outsider = [str(gid)], []
+    assert (os.stat(cache).st_gid, stat.S_IMODE(os.stat(cache).st_mode)) == (gid, 0o2750)
+    for f in _cache_files(cache):
+        r = _as(member, ["cat", str(f)])
+        assert r.returncode == 0, (f, r.stderr)
+        r = _as(outsider, ["cat", str(f)])
+        assert r.returncode != 0 and DENIED in r.stderr, (f, r.stderr)
+    before = m.stats()["zerocopy"]["hits"]
+    r = _as(member, [sys.executable, "-c", READER, str(m.mnt), *ZC_FILES])
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["digests"] == want
+    assert doc["counts"]["hits"] == 2 * len(ZC_FILES) and doc["counts"]["errors"] == 0
+    # the daemon read the member's counter file (made in zerocopy/, the group's)
+    m.wait_stats(lambda s: s["zerocopy"]["hits"] == before + 2 * len(ZC_FILES),
+                 "the member's zero-copy reads were not counted by the daemon")
+    r = _as(outsider, [sys.executable, "-c", READER, str(m.mnt), *ZC_FILES])
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["digests"] == want  # through the mount
+    assert doc["counts"]["hits"] == 0 and doc["counts"]["errors"] == 2 * len(ZC_FILES)
+    warned = [line for line in r.stderr.splitlines() if "Warning" in line]
+    assert len(warned) == 1 and "may not read the cache directory" in warned[0], r.stderr
+
+
+def test_an_unknown_reader_group_is_refused_at_start(tree, shared):
+    """unknown-group: a config error, before anything is made."""
+    (shared / "mnt").mkdir()
+    r = subprocess.run([sys.executable, "-m", "dlcachefs.cli", "mount", str(tree),
+                        str(shared / "mnt"), "--cache-dir", str(shared / "cache"),
+                        "--reader-group", "no-such-group-dlc"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == "dlcachefs: --reader-group no-such-group-dlc: no such group\n"
+    assert not (shared / "cache").exists()
 
 
 # ----- the published matrix -------------------------------------------------------------------

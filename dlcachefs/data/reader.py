@@ -299,6 +299,8 @@ class _Process:
         self._lookup = threading.Lock()
         self._index: IndexReader | None = None
         self._failed_at: int | None = None
+        #: the cache directory was refused to this user (said once): its counts stay here
+        self._denied = False
         self._tally: TallyWriter | _NoTally | None = None
         self._reads = 0  # (under the lookup lock, as the next one and _failed_at)
         self._next_check = 0.0  # monotonic time of the next sweep, at the latest
@@ -359,12 +361,19 @@ class _Process:
                                     or self._reads - self._failed_at >= RETRY_EVERY):
             try:
                 self._index = IndexReader(self.info.index_dir)
-                self._failed_at = None
+                self._failed_at, self._denied = None, False
             except Exception as e:  # noqa: BLE001 - lmdb.Error, OSError: the mount answers
-                if self._failed_at is None:
+                # (lmdb says EACCES as ReadonlyError)
+                denied = isinstance(e, PermissionError | lmdb.ReadonlyError)
+                if self._failed_at is None and denied:
+                    _warn(f"this user (uid {os.geteuid()}) may not read the cache directory "
+                          f"{os.path.dirname(self.info.index_dir)} (only its owner and the "
+                          f"mount's --reader-group may); reading through the mount")
+                elif self._failed_at is None:
                     _warn(f"cannot open the cache index {self.info.index_dir} ({e}); "
                           f"reading through the mount")
                 self._failed_at = self._reads
+                self._denied = denied
         return self._index
 
     def count(self, field: int, n: int = 1) -> None:
@@ -375,8 +384,11 @@ class _Process:
                     try:
                         self._tally = TallyWriter(self.info.tally_dir)
                     except OSError as e:
-                        _warn(f"cannot count in {self.info.tally_dir} ({e}); the mount's "
-                              f"stats will not show this process's zero-copy reads")
+                        # a user refused the cache directory was told so once already
+                        if not (self._denied and isinstance(e, PermissionError)):
+                            _warn(f"cannot count in {self.info.tally_dir} ({e}); the "
+                                  f"mount's stats will not show this process's zero-copy "
+                                  f"reads")
                         self._tally = _NoTally()
                 t = self._tally
         t.add(field, n)  # (after close(), under a read past its lookup: dropped)

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import lmdb
 
 from dlcachefs.store import schema as S
+from dlcachefs.store.modes import DIR_MODE
 from dlcachefs.store.schema import Chunk, ContentKey, Entry, Record, dirent_key, ukey, unkey
 
 _Q = struct.Struct("<Q")
@@ -35,12 +36,14 @@ class Index:
     """Typed access to the LMDB sub-databases described in :mod:`dlcachefs.store.schema`."""
 
     def __init__(self, path: str, map_size: int = 1 << 36) -> None:
-        os.makedirs(path, exist_ok=True)
+        # owner-only whatever the umask (data.mdb and lock.mdb take LMDB's mode minus the
+        # x bits); a reader group's bits are given by the daemon (store.modes.enforce)
+        os.makedirs(path, mode=DIR_MODE, exist_ok=True)
         self.path = path
         # readahead=False: lookups are random; OS readahead only wastes page cache.
         self.env = lmdb.open(path, map_size=map_size, max_dbs=8, subdir=True,
                              readahead=False, metasync=True, sync=True,
-                             max_readers=S.MAX_READERS)
+                             max_readers=S.MAX_READERS, mode=DIR_MODE)
         self.reap_readers()  # slots of processes killed since the last mount
         self.meta = self.env.open_db(S.DB_META)
         self.inode = self.env.open_db(S.DB_INODE)

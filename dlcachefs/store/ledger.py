@@ -147,7 +147,7 @@ class Ledger:
     def locked(self) -> Iterator[None]:
         """The ledger's lock (exclusive, blocking). Tests hold it to read the daemons'
         chunk bytes while no limit can grow."""
-        os.makedirs(self.root, exist_ok=True)
+        os.makedirs(self.root, mode=0o700, exist_ok=True)  # owner-only (store.modes)
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -179,7 +179,8 @@ class Ledger:
     def _write(self, doc: dict[str, Any]) -> None:
         tmp = f"{self.path}.{os.getpid()}.tmp"
         data = json.dumps(doc, indent=1, sort_keys=True).encode()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        # the daemons' own file: 0600, with a reader group too (store.modes.PRIVATE)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             os.write(fd, data)
             os.fsync(fd)  # a crash must not leave an empty ledger (limits forgotten)

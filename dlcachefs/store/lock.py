@@ -16,6 +16,9 @@ from collections.abc import Callable
 
 from dlcachefs.errors import CacheLocked
 
+#: the lock file's name in the cache directory
+LOCK_NAME = "lock"
+
 
 class CacheLock:
     def __init__(self, cache_dir: str, dataset: str | None = None,
@@ -24,13 +27,13 @@ class CacheLock:
         the error message). ``is_mounted(path)``: whether a FUSE filesystem is mounted
         at ``path`` (:func:`dlcachefs.mountctl.is_mounted`), for a holder's mountpoint in
         the error message; without it the holder is taken to be mounted there."""
-        self.path = os.path.join(cache_dir, "lock")
+        self.path = os.path.join(cache_dir, LOCK_NAME)
         self.dataset = dataset
         self.is_mounted = is_mounted
         self.fd: int | None = None
 
     def acquire(self, mountpoint: str) -> None:
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)  # owner-only
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -23,6 +23,7 @@ from collections import OrderedDict
 
 from dlcachefs.errors import FormatError
 from dlcachefs.store.chunkfmt import LOG_HEADER_SIZE, decode_log_header, encode_log_header
+from dlcachefs.store.modes import DIR_MODE, file_mode_in
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class LogStore:
     (or whose number was reused for another file) under it."""
 
     def __init__(self, directory: str, log_size: int, max_open: int = MAX_OPEN_LOGS) -> None:
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(directory, mode=DIR_MODE, exist_ok=True)  # owner-only (store.modes)
         self.dir = directory
         self.log_size = log_size
         self.max_open = max(max_open, 2)
@@ -169,8 +170,11 @@ class LogStore:
     def _create(self, log_id: int, size: int) -> None:
         """A new log file with its header, ``size`` bytes long (sparse), durable on return."""
         p = self.path(log_id)
-        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        # 0600, or 0640 in a reader group's logs/ (store.modes), whatever the umask
+        mode = file_mode_in(self.dir)
+        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
         try:
+            os.fchmod(fd, mode)
             os.write(fd, encode_log_header(log_id, time.time_ns()))
             if size > LOG_HEADER_SIZE:
                 os.ftruncate(fd, size)

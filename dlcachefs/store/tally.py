@@ -65,16 +65,28 @@ SUFFIX = ".tally"
 TMP_GRACE_S = 60.0
 
 
+def counter_mode(directory: str) -> int:
+    """The mode of a counter file made in ``directory``: 0640 in a reader group's
+    ``zerocopy/`` (group-writable and setgid: the file is the group's, and the daemon,
+    a member or root, reads it), else 0600 (the owner's own readers)."""
+    try:
+        return 0o640 if os.stat(directory).st_mode & 0o020 else 0o600
+    except OSError:
+        return 0o600
+
+
 class TallyWriter:
     """The counter file of this process (made at the first count). Thread-safe."""
 
     def __init__(self, directory: str) -> None:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        os.makedirs(directory, mode=0o700, exist_ok=True)  # (the daemon makes it first)
+        mode = counter_mode(directory)
         token = os.urandom(6).hex()
         name = f"{os.getpid()}-{token}{SUFFIX}"
         tmp = os.path.join(directory, f".{name}.tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
         try:
+            os.fchmod(fd, mode)  # whatever this process's umask: the daemon reads it
             # locked at once: a daemon starting now removes unlocked temp files (it also
             # leaves young ones alone, for the instant between open and flock)
             fcntl.flock(fd, fcntl.LOCK_SH)  # before it is visible: see the module doc
