@@ -170,3 +170,25 @@ def test_recount_sets_every_derived_value_to_what_the_entries_say(tmp_path):
             assert w.alloc(S.K_NEXT_INO) == 22  # a new file never takes an inode in use
     finally:
         ix.close()
+
+
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs\.store\.logs: could not punch a hole in log \d+ at \d+\+\d+ "
+    r"\(File too large\): the chunk's index entry may be damaged")
+def test_a_hole_past_any_log_size_is_damage_said_without_a_traceback(tmp_path, caplog):
+    """``bench.chaos --scenario corrupt --seed 1008``: evicting a chunk whose index entry
+    had a flipped offset asked the kernel for a hole at 2^60 (EFBIG), logged with a
+    traceback. Such a range is a damaged entry: a WARNING says so, nothing else fails."""
+    from dlcachefs.store.logs import LogStore
+
+    logs = LogStore(str(tmp_path / "logs"), 1 << 20)
+    try:
+        logs.start_log(1)
+        log_id, off = logs.append(b"x" * 8192)
+        with caplog.at_level(logging.WARNING):
+            logs.punch(log_id, 1 << 62, 4096)
+        assert logs.read(log_id, off, 8192) == b"x" * 8192
+    finally:
+        logs.close()
+    warned = [r for r in caplog.records if r.name == "dlcachefs.store.logs"]
+    assert len(warned) == 1 and not warned[0].exc_info, warned

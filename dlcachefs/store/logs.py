@@ -311,8 +311,14 @@ class LogStore:
             # takes its live bytes to 0 deletes it while the other is on its way to punch.
             # A deleted log's space is free already: nothing to do, nothing to warn about.
             pass
-        except OSError:
-            log.warning("could not punch a hole in log %d", log_id, exc_info=True)
+        except OSError as e:
+            if e.errno in (errno.EFBIG, errno.EINVAL):
+                # a range no log file can have: the chunk's entry in the index was damaged
+                # (a flipped offset or length); nothing is freed, nothing else is wrong
+                log.warning("could not punch a hole in log %d at %d+%d (%s): the chunk's "
+                            "index entry may be damaged", log_id, offset, length, e.strerror)
+            else:
+                log.warning("could not punch a hole in log %d", log_id, exc_info=True)
 
     def check_header(self, log_id: int) -> None:
         decode_log_header(self.read(log_id, 0, LOG_HEADER_SIZE))
