@@ -410,3 +410,34 @@ def test_an_index_recovery_cannot_recount_is_set_aside_not_a_failed_mount(datase
     drop_page_cache()
     t = chaos.check_all(m2.mnt, files)
     assert (t.ok, t.wrong, dict(t.errors)) == (len(files), 0, {})
+
+
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs: index \S+ not marked clean \(dirent: 1 keys or values of a wrong "
+    r"length\): the next start walks it", DAMAGED_INDEX)
+def test_damage_written_under_the_map_is_found_at_the_stop(dataset, mount, tmp_path):
+    """``bench.chaos --scenario corrupt --injections 1000 --seed 2001``: damage written
+    into the index while the daemon mapped it, on pages it never read again, passed its
+    clean stop (its own commits move the file's times, so the marker matched), and the
+    next start, skipping its walk, was aborted by an LMDB assertion. The stop walks the
+    index now and marks it clean only when the walk passes."""
+    from dlcachefs.store.index import Index
+
+    src, files = dataset
+    m = mount(src)
+    chaos.check_all(m.mnt, files)
+    m.wait_cached(len(files))
+    ix = Index(str(tmp_path / "cache" / "meta.lmdb"))
+    try:  # another process's write under the daemon's map, on a page it does not read
+        with ix.write() as w:
+            w.txn.put(bytes(9), b"bad", db=ix.dirent)
+    finally:
+        ix.close()
+    m.umount()
+    assert not (tmp_path / "cache" / "meta.lmdb.clean").exists()
+    m2 = mount(src)
+    assert (tmp_path / "cache" / "meta.lmdb.damaged" / "QUARANTINED").exists()
+    assert "not marked clean" in m.log.read_text()
+    drop_page_cache()
+    t = chaos.check_all(m2.mnt, files)
+    assert (t.ok, t.wrong, dict(t.errors)) == (len(files), 0, {})

@@ -13,14 +13,16 @@ caller then moves it aside (:func:`quarantine`) and starts from an empty one: th
 is only a cache, and the daemon's recovery deletes the logs nothing indexes any more.
 
 The walk reads every page once (a cache of a million files: 250 MB, one to a few
-seconds depending on the page cache; the daemon's start-up log line says how long it
-took). The daemon skips it when the index file is exactly as its last clean stop left
-it (:func:`mark_clean`: size, mtime and inode of ``data.mdb``, written after the final
-commit; removed at start, so a crash leaves none): whatever wrote to the file since, a
-crash, a damaging process, ``verify --repair``, makes the next start walk it. Damage
-that changes neither size nor mtime (a disk flipping bits under the filesystem) is
-caught by ``dlcachefs verify``, which always walks. Damage that appears while a daemon
-has the index open is not covered: LMDB is trusted while mapped (see docs/faults.md).
+seconds depending on the page cache; the daemon's log line says how long it took). A
+clean stop walks the index too (:func:`check_at_stop`), after its final commit, and only
+when that walk passes marks it clean (:func:`mark_clean`: size, mtime and inode of
+``data.mdb``; removed at start, so a crash leaves none); a start then skips its walk when
+the file is exactly as marked. Whatever wrote to the file since, a crash, a damaging
+process, ``verify --repair``, makes the next start walk it; damage written under the map
+while the daemon ran is found by the walk at its stop. Damage that changes neither size
+nor mtime while no daemon runs (a disk flipping bits under the filesystem) is found by
+recovery's checks (``--debug-invariants``) or ``dlcachefs verify``, which always walks;
+while mapped, LMDB is trusted (see docs/faults.md).
 """
 
 from __future__ import annotations
@@ -249,33 +251,51 @@ def check_index(path: str, timeout: float = 600.0, other: bool = False) -> str |
     ``other``: the index of another daemon's dataset (content dedup reads it): opened
     read-only (no write probe, nothing of it changes), and a check that could not run is
     a reason too (``"not checked: ..."``: such an index is not read)."""
+    damaged, unchecked = _walk(path, timeout, readonly=other)
+    if unchecked is not None:
+        return _unchecked(path, unchecked, other)
+    return damaged
+
+
+def check_at_stop(path: str, timeout: float = 300.0) -> str | None:
+    """The walk of :func:`check_index`, at a clean stop before :func:`mark_clean`: why
+    the index must not be marked clean (damage found, or the walk could not run), or None.
+    Damage written into the file while the daemon mapped it, on pages the daemon did not
+    read again, changes nothing the clean marker compares (the daemon's own commits move
+    the file's times): without this walk the next start would skip its walk and map a
+    damaged file (an ``mdb_assert`` then aborts it, which no Python code can catch)."""
+    damaged, unchecked = _walk(path, timeout, readonly=False)
+    return damaged if unchecked is None else unchecked
+
+
+def _walk(path: str, timeout: float, readonly: bool) -> tuple[str | None, str | None]:
+    """(why the index is damaged, why the walk could not run): at most one is not None."""
     if not os.path.exists(os.path.join(path, "data.mdb")):
-        return None
+        return None, None
     # the same dlcachefs as ours, wherever the working directory is (a daemon is in /)
     pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (pkg_root, env.get("PYTHONPATH"))))
     try:
-        r = subprocess.run([sys.executable, "-c", _CHILD, path, *(["ro"] if other else [])],
+        r = subprocess.run([sys.executable, "-c", _CHILD, path, *(["ro"] if readonly else [])],
                            capture_output=True,
                            text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=env)
     except subprocess.TimeoutExpired:
-        return _unchecked(path, f"the check did not finish in {timeout:g} s", other)
+        return None, f"the check did not finish in {timeout:g} s"
     if r.returncode < 0:
         name = _signame(-r.returncode)
         if name in _DAMAGE_SIGNALS:
-            return f"reading it kills a process ({name})"
-        return _unchecked(path, f"the check was killed ({name})", other)
+            return f"reading it kills a process ({name})", None
+        return None, f"the check was killed ({name})"
     try:
         report = json.loads(r.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         last = (r.stderr.strip().splitlines() or ["?"])[-1]
-        return _unchecked(path, f"the check gave no report (exit {r.returncode}: "
-                                f"{last[:300]})", other)
+        return None, f"the check gave no report (exit {r.returncode}: {last[:300]})"
     if "unchecked" in report:
-        return _unchecked(path, f"could not be checked ({report['unchecked']})", other)
+        return None, f"could not be checked ({report['unchecked']})"
     problems = report.get("problems") or []
-    return "; ".join(problems[:5]) if problems else None
+    return ("; ".join(problems[:5]) if problems else None), None
 
 
 def _unchecked(path: str, why: str, other: bool) -> str | None:

@@ -44,6 +44,7 @@ Log = Callable[[str], None]
 EXPECTED_LOG = (
     STALE_MOUNT,
     r"WARNING dlcachefs: cache index \S+ is damaged",
+    r"WARNING dlcachefs: index \S+ not marked clean",
     r"WARNING dlcachefs\.cache\.\w+: (checksum|damaged|chunk|record|log|short|cache write)",
     r"WARNING dlcachefs\.cache\.writer: ",
     r"WARNING dlcachefs\.cache\.(fetch|source|engine|reader|readplan|recovery): ",
