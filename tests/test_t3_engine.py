@@ -108,6 +108,43 @@ def cold_read(src: Path, cache: Path, files, policy: str, **cfg_kw):
 @pytest.mark.daemon_log_allows(
     r"WARNING dlcachefs\.store\.integrity: the index may be damaged \(CorruptedError: ",
     r"WARNING dlcachefs\.cache\.writer: sealing a chunk failed; serving from the source for "
+    r"\d+ s \(the index may be damaged: CorruptedError: ",
+    r"WARNING dlcachefs\.cache\.engine: sealing at the stop failed")
+def test_a_seal_that_always_fails_ends_neither_in_a_storm_nor_a_stop_that_hangs(
+        tree, monkeypatch):
+    """``bench.chaos --scenario corrupt --seed 1005``: a damaged page failed every seal of
+    a queued drop; the writer retried every 50 ms (a WARNING each) and its stop never
+    ended. Retries now back off, and the stop gives up what it cannot commit."""
+    import lmdb
+
+    from dlcachefs.store import integrity
+
+    monkeypatch.setattr(integrity, "_run_errors", [])
+    src, cache, files = tree
+    cfg = make_config(src, cache)
+    names = sorted(files)
+    run_engine(cfg, lambda eng: read_everything(eng, files, flush=True))
+
+    def damaged(*args, **kwargs):
+        raise lmdb.CorruptedError("mdb_del: MDB_CORRUPTED: Located page was wrong type")
+
+    import dlcachefs.cache.writer as writer_mod
+
+    monkeypatch.setattr(writer_mod, "seal_chunks", damaged)
+
+    async def body(eng):
+        eng.writer.drop(next(i for i, _ in eng.index.iter_records()))  # a drop to commit
+        assert await read_all(eng, names[0]) == files[names[0]]
+        for _ in range(100):  # the loop's own seals: 5 s of them, at most ~5 attempts
+            await trio.sleep(0.05)
+        assert 1 <= eng.counters.write_errors <= 6, eng.counters.write_errors
+
+    run_engine(cfg, body, check_invariants=False)  # returns: the stop ended
+
+
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs\.store\.integrity: the index may be damaged \(CorruptedError: ",
+    r"WARNING dlcachefs\.cache\.writer: sealing a chunk failed; serving from the source for "
     r"\d+ s \(the index may be damaged: CorruptedError: ")
 def test_damage_met_while_sealing_is_damage_not_an_unexpected_error(tree, monkeypatch, caplog):
     """``bench.chaos --scenario corrupt --seed 77``: ``MDB_CORRUPTED`` raised while a seal

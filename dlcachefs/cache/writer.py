@@ -225,6 +225,9 @@ class ChunkWriter:
         #: keeps victims' records in the cluster (``--peers``; the module docstring)
         self.keeper = keeper
         self.backoff_until = 0.0
+        #: failed seals in a row, and when the loop may try again (:meth:`_loop`)
+        self._seal_failures = 0
+        self._seal_retry_at = 0.0
         self.backoff_reason: str | None = None  # why caching pauses until backoff_until
         #: index every record with its SHA-256 and offer it to the other datasets of a
         #: shared root (``--shared-cache`` dedup, :mod:`dlcachefs.cache.dedup`); hashed in
@@ -626,11 +629,14 @@ class ChunkWriter:
             aged = self.open and time.monotonic() - self.open_since >= self.cfg.flush_interval
             if (self._closing or self._full or aged or self.drops or self.retire
                     or self.doomed):
+                if not self._closing and time.monotonic() < self._seal_retry_at:
+                    continue  # after a failed seal: its drops wait, no retry storm
                 try:
                     await self._seal()
+                    self._seal_failures = 0
                 except Exception:  # noqa: BLE001 - LMDB full, statvfs failing...: keep serving
                     log_failure(log, "sealing a chunk failed; serving from the source for %.0f s",
-                                  WRITE_BACKOFF)
+                                WRITE_BACKOFF)
                     self.counters.write_errors += 1
                     self._pause("sealing a chunk failed (see the log)")
                     for r in self.open:
@@ -640,6 +646,17 @@ class ChunkWriter:
                     self.pending.clear()
                     self._space.set()
                     self._space = trio.Event()
+                    # drops, evictions and retired chunks stay queued: retried after 0.5 s,
+                    # doubling up to the pause (a damaged page fails every retry: seed 1005
+                    # of the damage scenario logged one every 50 ms, and its stop never ended)
+                    self._seal_failures += 1
+                    self._seal_retry_at = time.monotonic() + min(
+                        WRITE_BACKOFF, 0.5 * 2 ** (self._seal_failures - 1))
+                    if self._closing:
+                        # the stop must end: what was not committed stays as the index has
+                        # it (the next start recovers from that)
+                        self._idle.set()
+                        return
             if self._closing and not self.open and not self.drops:
                 self._idle.set()
                 return
