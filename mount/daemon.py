@@ -136,7 +136,10 @@ def mark_clean_if_sound(index_dir: str) -> None:
     mapping (which an LMDB assertion would abort). The walk's time moves from the next
     start to this stop."""
     t0 = time.monotonic()
-    why = integrity.check_at_stop(index_dir)
+    try:
+        why = integrity.check_at_stop(index_dir)
+    except OSError as e:  # the child could not even start: the next start walks instead
+        why = f"the walk could not run: {e}"
     if why is None:
         integrity.mark_clean(index_dir)
         log.info("index walked at the stop in %.2f s: marked clean", time.monotonic() - t0)

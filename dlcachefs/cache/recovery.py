@@ -77,7 +77,8 @@ def recover(cfg: Config, index: Index, logs: LogStore, ns: Namespace, writer: Ch
     if cfg.rescan or not ns.has_snapshot():
         entries, dirs = ns.scan(threads=cfg.source_threads, progress=progress)
         info.update(scanned_entries=entries, scanned_dirs=dirs)
-    fixed = index.recount(full=recount_all)
+    # under --debug-invariants the check below compares every counter: recount them all
+    fixed = index.recount(full=recount_all or cfg.debug_invariants)
     if fixed:
         log.warning("the index's derived values disagreed with its entries (damage, or a "
                     "crash of an older build); recounted: %s", ", ".join(

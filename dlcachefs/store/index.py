@@ -214,6 +214,8 @@ class Index:
             for key, db in ((S.K_NEXT_INO, self.inode), (S.K_NEXT_CHUNK, self.chunk)):
                 cur = txn.cursor(db=db)
                 floors[key] = unkey(cur.key()) + 1 if cur.last() else 0
+            # never an inode of the virtual .dlcache/ files (2..15)
+            floors[S.K_NEXT_INO] = max(floors[S.K_NEXT_INO], FIRST_INO)
             floors[S.K_NEXT_LOG] = last_log + 1 if last_log else 0
             if full:
                 counted[S.K_CACHED_BYTES] = sum(

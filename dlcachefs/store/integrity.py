@@ -344,7 +344,8 @@ def is_damage(exc: BaseException) -> bool:
     import lmdb  # noqa: PLC0415 - the daemon has it loaded already
 
     not_damage = (lmdb.MapFullError, lmdb.DiskError, lmdb.LockError, lmdb.ReadersFullError,
-                  lmdb.ReadonlyError, lmdb.TlsFullError, MemoryError)
+                  lmdb.ReadonlyError, lmdb.TlsFullError, lmdb.MemoryError, lmdb.TxnFullError,
+                  lmdb.MapResizedError, MemoryError)
     # a value of the wrong length unpacked from the index (struct.error: the only structs
     # unpacked while serving are the index's records, entries and chunks; chunk and
     # record headers raise FormatError) is the same damage, found in a value not a page

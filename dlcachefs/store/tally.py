@@ -33,6 +33,7 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 import struct
 import threading
 import time
@@ -143,11 +144,25 @@ class TallyWriter:
         self._fd = -1
 
 
+def _open_regular(path: str) -> int:
+    """A descriptor of ``path`` if it is a regular file (OSError otherwise): never a
+    link followed, never a wait on a FIFO a reader-group member put in the directory
+    (the daemon reads these files on its trio loop)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path}: not a regular file")
+    return fd
+
+
 def read_counts(path: str) -> list[int] | None:
     """The counts in a tally file; None when it is not one (or is gone)."""
     try:
-        with open(path, "rb") as f:
-            buf = f.read(SIZE)
+        fd = _open_regular(path)
+        try:
+            buf = os.pread(fd, SIZE, 0)
+        finally:
+            os.close(fd)
     except OSError:
         return None
     if len(buf) != SIZE or buf[: len(MAGIC)] != MAGIC:
@@ -158,7 +173,7 @@ def read_counts(path: str) -> list[int] | None:
 def owner_alive(path: str) -> bool:
     """True while the process that writes ``path`` lives (it holds a shared lock)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = _open_regular(path)
     except OSError:
         return False
     try:
