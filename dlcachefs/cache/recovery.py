@@ -10,10 +10,11 @@ LMDB write transactions included, are fine here):
    :mod:`dlcachefs.cache.writer` for the order of a seal);
 3. the policy is told about every chunk that survived, and the logs' live bytes are
    counted;
-4. the source tree is listed when there is no snapshot yet, or ``--rescan`` was given;
-5. the values derived from the index (the size counters, the next ids) are recounted
+4. the values derived from the index (the size counters, the next ids) are recounted
    from its entries (:meth:`Index.recount`: damage can leave them wrong while every entry
-   is sound; a WARNING says which), and with ``--debug-invariants`` the index is checked:
+   is sound; a WARNING says which), before a scan allocates inodes from them;
+5. the source tree is listed when there is no snapshot yet, or ``--rescan`` was given,
+   and with ``--debug-invariants`` the index is checked:
    what is still wrong raises :class:`~dlcachefs.errors.IndexDamaged` (the daemon then
    sets the index aside and starts empty, never refuses the mount);
 6. the ``--cache-size`` account starts from what recovery left, and a cache over a
@@ -74,9 +75,7 @@ def recover(cfg: Config, index: Index, logs: LogStore, ns: Namespace, writer: Ch
     info.update(logs.recover(ends))
     info["chunks"] = len(chunks)
     info["lost_chunks"] = len(lost)
-    if cfg.rescan or not ns.has_snapshot():
-        entries, dirs = ns.scan(threads=cfg.source_threads, progress=progress)
-        info.update(scanned_entries=entries, scanned_dirs=dirs)
+    # before the scan: a --rescan allocates inodes from next_ino
     # under --debug-invariants the check below compares every counter: recount them all
     fixed = index.recount(full=recount_all or cfg.debug_invariants)
     if fixed:
@@ -84,6 +83,9 @@ def recover(cfg: Config, index: Index, logs: LogStore, ns: Namespace, writer: Ch
                     "crash of an older build); recounted: %s", ", ".join(
                         f"{k} {was} -> {now}" for k, (was, now) in sorted(fixed.items())))
         info["recounted"] = sorted(fixed)
+    if cfg.rescan or not ns.has_snapshot():
+        entries, dirs = ns.scan(threads=cfg.source_threads, progress=progress)
+        info.update(scanned_entries=entries, scanned_dirs=dirs)
     if cfg.debug_invariants:
         problems = index.check_invariants()
         if problems:
