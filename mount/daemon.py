@@ -1,11 +1,12 @@
 """Running a mount: lock the cache, start the engine, mount, serve, unmount, commit.
 
 Order at start: a umask that keeps the cache directory the owner's (:func:`begin`), take
-the cache lock (a second daemon on the same cache refuses), open the index, set the cache
-directory's modes (:func:`set_cache_modes`), recover the logs, scan the source if needed
-(with progress), mount, then report "ready" to the waiting parent. At stop (SIGINT/SIGTERM,
-or the kernel unmounting): stop serving, unmount, seal and commit what is pending, close
-the index, drop the lock.
+the cache lock (a second daemon on the same cache refuses), walk the index unless its last
+clean stop marked it, open it, recover the logs, scan the source if needed (with
+progress), set the cache directory's modes (:func:`set_cache_modes`), mount, then report
+"ready" to the waiting parent. At stop (SIGINT/SIGTERM, or the kernel unmounting): stop
+serving, unmount, seal and commit what is pending, close the index, walk it and mark it
+clean if it is sound (:func:`mark_clean_if_sound`), drop the lock.
 
 The daemon never makes a call on its own mountpoint (it would deadlock).
 """
