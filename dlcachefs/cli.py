@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a training command with the sampler hook installed "
                                    "(no edit to the script)")
     r.add_argument("--job", help="job name announced to the mount (default: 'default')")
+    r.add_argument("--no-intercept", action="store_true",
+                   help="read every file through the mount (by default, read-only binary "
+                        "opens of cached files are served in the training's processes: "
+                        "docs/reading.md)")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
 
     sm = sub.add_parser("simulate", help="replay an access trace against every caching "
@@ -147,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "stats":
             return cmd_stats(a.mountpoint, a.json)
         if a.cmd == "run":
-            return cmd_run(a.command, a.job)
+            return cmd_run(a.command, a.job, intercept=not a.no_intercept)
         if a.cmd == "simulate":
             return cmd_simulate(a)
         if a.cmd in ADMIN_COMMANDS:
@@ -341,8 +345,9 @@ def _daemonize(cfg: Config) -> int:
 
 # ----- run ------------------------------------------------------------------------------
 
-def cmd_run(command: list[str], job: str | None) -> int:
-    """exec ``command`` with ``dlcachefs/data/_boot`` (a sitecustomize) first on PYTHONPATH."""
+def cmd_run(command: list[str], job: str | None, intercept: bool = True) -> int:
+    """exec ``command`` with ``dlcachefs/data/_boot`` (a sitecustomize) first on PYTHONPATH
+    (``intercept``: opens of cached files served in the process, :mod:`dlcachefs.data.intercept`)."""
     if command and command[0] == "--":
         command = command[1:]
     if not command:
@@ -358,6 +363,7 @@ def cmd_run(command: list[str], job: str | None) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (boot, env.get("PYTHONPATH")) if p)
     env[ENV_LAUNCHED] = "1"
+    env["DLCACHEFS_INTERCEPT"] = "1" if intercept else "0"
     if job:
         env["DLCACHEFS_JOB"] = job
     try:

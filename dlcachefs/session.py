@@ -38,6 +38,7 @@ module says what it runs in threads.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -54,6 +55,7 @@ from dlcachefs.cache.dedup import ContentStore
 from dlcachefs.cache.engine import Engine
 from dlcachefs.cache.fetch import Fetcher, SourceCalls
 from dlcachefs.cache.filesystem import Filesystem
+from dlcachefs.cache.inprocess import InProcessReads
 from dlcachefs.cache.invariants import check_after_commit
 from dlcachefs.cache.memlimit import MemoryBudget, cgroup_limit, current_rss, fit
 from dlcachefs.cache.memtier import MemoryTier
@@ -93,7 +95,7 @@ from dlcachefs.policies import make_policy, registry
 from dlcachefs.store.index import Index
 from dlcachefs.store.logs import LogStore
 from dlcachefs.store.modes import DIR_MODE
-from dlcachefs.store.tally import TALLY_DIR, TallyReader
+from dlcachefs.store.tally import TALLY_DIR, TallyEvents, TallyReader
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +145,8 @@ class Session:
     owner_prefetch: object | None = None  # dlcachefs.peers.ownerprefetch.OwnerPrefetch
     shares: ShareKeeper | None = None
     dedup: ContentStore | None = None
+    #: reads served in training processes, told to the observers (dlcachefs.cache.inprocess)
+    in_process: InProcessReads | None = None
     started: float = 0.0
     _filesystem: Filesystem | None = field(default=None, repr=False)
 
@@ -158,8 +162,10 @@ class Session:
             async def statfs() -> os.statvfs_result:
                 return await eng.calls.call(eng.source.statvfs)
 
+            control = self.control if self.in_process is None else \
+                _InProcessFirst(self.control, self.in_process)
             self._filesystem = Filesystem(
-                eng, control=self.control, stats=self.stats,
+                eng, control=control, stats=self.stats,
                 on_opendir=self.streams.note_opendir,
                 on_control_open=self.streams.start_replay, statfs=statfs)
         return self._filesystem
@@ -197,6 +203,8 @@ class Session:
             await nursery.start(self.losses.run)
             await nursery.start(self.streams.run)
             await nursery.start(self.scan.run)
+            if self.in_process is not None:
+                await nursery.start(self.in_process.run)
             nursery.start_soon(self._unprotect_idle_streams)
             if self.shares is not None:
                 await nursery.start(self.shares.run)
@@ -314,6 +322,11 @@ class Session:
         cumulative): the one place that reads every part. Trio loop."""
         eng = self.engine
         cfg = self.cfg
+        if self.in_process is not None:
+            # first: the streams' counts include them, and zerocopy.collect() removes the
+            # files of readers that ended, last events and all
+            with contextlib.suppress(Exception):  # the stats must answer (run() logs it)
+                self.in_process.drain(scan=True)
         out = self._state()
         out.update({
             # torch loaded (from a training's first contact on, in the background):
@@ -335,6 +348,8 @@ class Session:
         # opens of a local file per reading process (tens of microseconds each), only
         # when stats are read
         out["zerocopy"] = self.zerocopy.collect()
+        if self.in_process is not None:
+            out["zerocopy"].update(self.in_process.stats())
         out["streams"] = self.streams.stats()
         for key, rel in self.scan.tree_of_groups().items():
             if key in out["streams"]:
@@ -479,6 +494,30 @@ def _streams(cfg: Config, rp: _ReadPath, table: StreamTable, clock: PolicyClock,
     return streams, losses, trace, errors
 
 
+class _InProcessFirst:
+    """The control file, taking the reads served in training processes before each
+    write: a new epoch's announcement must not come before the last epoch's reads
+    (their events are drained every 50 ms; the opens through the mount come in order)."""
+
+    def __init__(self, control: ControlState, in_process: InProcessReads) -> None:
+        self.control = control
+        self.in_process = in_process
+
+    def apply(self, data: bytes, pid: int) -> int:
+        try:
+            self.in_process.drain(scan=True)
+        except Exception:  # noqa: BLE001 - the write is applied all the same (run() logs)
+            log.debug("draining in-process reads before a control write failed",
+                      exc_info=True)
+        return self.control.apply(data, pid)
+
+    def state_text(self) -> bytes:
+        return self.control.state_text()
+
+    def errors_text(self) -> bytes:
+        return self.control.errors_text()
+
+
 def _background(cfg: Config, rp: _ReadPath, observers: Observers, table: StreamTable,
                 clock: PolicyClock, future: StreamFuture, importance: InodeImportance,
                 memory: MemoryBudget, peers: object | None,
@@ -543,7 +582,11 @@ def _background(cfg: Config, rp: _ReadPath, observers: Observers, table: StreamT
         resolve_dir, streams.on_stream, dataset_size=streams.dataset_size,
         on_loss=losses.on_loss, on_order=streams.on_order, loss_room=losses.room,
         on_job_dropped=streams.drop_job, job_reading=streams.job_reading, errors=errors)
+    # reads served in training processes (dlcachefs run): their events, as opens
+    in_process = InProcessReads(TallyEvents(os.path.join(cfg.data_dir, TALLY_DIR)),
+                                index=index, readers=stream_events, observers=observers,
+                                policy=policy, clock=clock)
     return Session(cfg, engine, control, streams, losses, plans, prefetcher, scan, importance,
                    future, memory, zerocopy, packer=packer, trace=trace, peers=peers,
                    owner_prefetch=owner_prefetch, shares=shares, dedup=dedup,
-                   started=time.time())
+                   in_process=in_process, started=time.time())

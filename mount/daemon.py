@@ -34,7 +34,7 @@ from dlcachefs.session import Session, build
 from dlcachefs.store import integrity, ledger
 from dlcachefs.store import modes as cache_modes
 from dlcachefs.store.lock import CacheLock
-from dlcachefs.store.tally import TALLY_DIR
+from dlcachefs.store.tally import SOUND_FILE, TALLY_DIR
 
 log = logging.getLogger("dlcachefs")
 
@@ -47,6 +47,12 @@ def begin(cfg: Config) -> None:
     whatever the umask it was started with (:mod:`dlcachefs.store.modes`); then its
     logging."""
     os.umask(cache_modes.daemon_umask(cfg.reader_group is not None))
+    # a daemon started under `dlcachefs run` serves the mount: its opens (and those of
+    # its replay worker and checks, through the environment) are never served from the
+    # cache it writes
+    from dlcachefs.data import intercept  # noqa: PLC0415
+
+    intercept.uninstall()
     setup_logging(cfg)
 
 
@@ -248,6 +254,8 @@ def run(cfg: Config, report: Reporter) -> int:
 
         session, info = _build_and_start(cfg, walked, progress)
         set_cache_modes(cfg, modes)  # the index and the logs' directory exist now
+        # walked at this start, or as the last clean stop's walk left it
+        integrity.hold_sound(os.path.join(cfg.data_dir, TALLY_DIR, SOUND_FILE))
         log.info("started: %s", info)
         if cfg.metrics_port:
             # bound before the mount: a port in use fails the mount with the reason
@@ -267,6 +275,7 @@ def run(cfg: Config, report: Reporter) -> int:
         log.error("mount failed: %s", e)
         if metrics is not None:
             metrics.close()
+        integrity.drop_sound()
         if session is not None:
             session.close_files()
         lock.release()
@@ -285,6 +294,7 @@ def run(cfg: Config, report: Reporter) -> int:
     finally:
         if metrics is not None:
             metrics.close()  # before the index closes: no scrape reaches a closed engine
+        integrity.drop_sound()
         session.close_files()
         # the index as this stop leaves it: the next start need not walk it (unless an
         # LMDB error while serving hinted at damage, e.g. pages changed under the map)

@@ -26,7 +26,7 @@ no await: it starts tasks of its own for work that waits).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import trio
@@ -79,6 +79,9 @@ class ReaderStream(Protocol):
     substitutions: dict[int, int]
 
     samples: Samples | None
+    #: its opens by where they were served (stats)
+    reads: ReadCounts
+
     @property
     def order_unknowable(self) -> bool:
         """No order will cover this reader's opens now (scan-ahead may guess)."""
@@ -102,9 +105,17 @@ class Readers(Protocol):
     def stream_of(self, pid: int) -> ReaderStream | None:
         """The stream process ``pid`` reads for, if any."""
 
+    def stream_named(self, job: str, rank: int) -> ReaderStream | None:
+        """The stream of ``job``'s rank ``rank`` (rank -1: its only one), if any: how a
+        reading process that :meth:`stream_of` does not know is attributed."""
+
     def wanted_by_next_log(self, ino: int) -> bool:
         """Whether a next-epoch log still waits for ``ino``'s bytes from its open (its
         slot is written from the bytes the open is served)."""
+
+    def backfill(self, inos: Sequence[int]) -> None:
+        """These files were read without their bytes reaching the daemon (in a training
+        process): the next-epoch logs that wait for them read them from the cache."""
 
 
 class NoReaders:
@@ -113,8 +124,32 @@ class NoReaders:
     def stream_of(self, pid: int) -> ReaderStream | None:
         return None
 
+    def stream_named(self, job: str, rank: int) -> ReaderStream | None:
+        return None
+
     def wanted_by_next_log(self, ino: int) -> bool:
         return False
+
+    def backfill(self, inos: Sequence[int]) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class ReadCounts:
+    """A stream's opens by where they were served: through the mount, or in the training
+    process (:mod:`dlcachefs.data.intercept`: opens and bytes, and the opens its
+    processes sent through the mount, by reason: the names of
+    :data:`dlcachefs.store.tally.FALLBACKS`)."""
+
+    mount_opens: int = 0
+    in_process_opens: int = 0
+    in_process_bytes: int = 0
+    fallbacks: dict[str, int] = field(default_factory=dict)
+
+    def stats(self) -> dict:
+        return {"mount_opens": self.mount_opens, "in_process_opens": self.in_process_opens,
+                "in_process_bytes": self.in_process_bytes,
+                "in_process_fallbacks": dict(sorted(self.fallbacks.items()))}
 
 
 @dataclass(slots=True)
@@ -139,13 +174,16 @@ class Served:
     """How the mount served an open (after :meth:`OpenObserver.opened`): ``data`` the
     file's bytes when the open holds them (None for an open that loads at its first READ),
     ``version`` their version, ``cached`` from the cache, ``waited`` for the source (a
-    miss), ``joined`` a fetch already under way (its bytes counted where it began)."""
+    miss), ``joined`` a fetch already under way (its bytes counted where it began);
+    ``done`` when the bytes were there (``time.monotonic()``), for events that come late
+    (None: now)."""
 
     data: bytes | memoryview | None
     version: Identity | None
     cached: bool
     waited: bool = False
     joined: bool = False
+    done: float | None = None
 
 
 class OpenObserver(Protocol):

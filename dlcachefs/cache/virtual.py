@@ -34,7 +34,7 @@ from dlcachefs.errors import IsADirectory, NotFound, PermissionDenied, ReadOnly
 from dlcachefs.store.integrity import log_failure
 from dlcachefs.store.readonly import INFO_FORMAT
 from dlcachefs.store.schema import Entry
-from dlcachefs.store.tally import TALLY_DIR
+from dlcachefs.store.tally import SOUND_FILE, TALLY_DIR
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,10 @@ def zerocopy_info(cfg: Config) -> bytes:
         "logs_dir": cfg.logs_dir,
         "tally_dir": os.path.join(cfg.data_dir, TALLY_DIR),
         "revalidate_s": cfg.revalidate,
+        "sound": os.path.join(cfg.data_dir, TALLY_DIR, SOUND_FILE),
+        # substitution decides at open which file's bytes an open gets: opens stay the
+        # mount's then (dlcachefs.data.intercept)
+        "intercept": not cfg.substitute,
         "mountpoint": cfg.mountpoint,
         "pid": os.getpid(),
     }, indent=2) + "\n").encode()

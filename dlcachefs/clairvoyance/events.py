@@ -39,13 +39,21 @@ class StreamEvents(Observer):
     def stream_of(self, pid: int) -> Stream | None:
         return self.streams.stream_of(pid)
 
+    def stream_named(self, job: str, rank: int) -> Stream | None:
+        return self.streams.stream_named(job, rank)
+
     def wanted_by_next_log(self, ino: int) -> bool:
         return any(nl.wants(ino) for nl in self.streams.next_logs())
+
+    def backfill(self, inos: Sequence[int]) -> None:
+        self.streams.backfill(inos)
 
     # ----- OpenObserver -------------------------------------------------------------
 
     def opened(self, ev: OpenEvent) -> None:
         if ev.stream is not None:
+            if not ev.in_process:
+                ev.stream.reads.mount_opens += 1
             self.streams.note_open(ev.stream, ev.ino)  # type: ignore[arg-type]
 
     def served(self, ev: OpenEvent, how: Served) -> None:
@@ -57,7 +65,7 @@ class StreamEvents(Observer):
             return
         # the loader's t_fetch: from the open to its bytes
         s.used.add(ev.ino)
-        t1 = time.monotonic()
+        t1 = time.monotonic() if how.done is None else how.done
         s.note_latency(how.cached, t1 - ev.t)
         s.pace.note(ev.pid, ev.t, t1, s.target_epoch)
         if how.waited:

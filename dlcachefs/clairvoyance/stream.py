@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from dlcachefs.cache.readers import ReadCounts
 from dlcachefs.clairvoyance.learned import LearnedOpens
 from dlcachefs.clairvoyance.pace import OpenLatency, Pace
 from dlcachefs.clairvoyance.pagecache import PageVerdict
@@ -77,6 +78,7 @@ class Stream:
     stall_seconds: float = 0.0
     bytes_from_source: int = 0
     prefetched: int = 0
+    reads: ReadCounts = field(default_factory=ReadCounts)
     # ----- the announcement being configured -----
     cancel: trio.CancelScope | None = None
     pids: set[int] = field(default_factory=set)
@@ -232,7 +234,7 @@ class Stream:
                 "stall_seconds": round(self.stall_seconds, 3),
                 "bytes_from_source": self.bytes_from_source, "dataset": self.dataset,
                 "substitutions": {str(k): v for k, v in sorted(self.substitutions.items())},
-                "error": self.error, "loader": self.pace.stats(),
+                "error": self.error, "loader": self.pace.stats(), "reads": self.reads.stats(),
                 "page_cache": self.pages.stats(),
                 # --peers: every rank's order is known (the tier's expiry is the cluster's)
                 "cluster_ranks": None if self.cluster is None else self.cluster.world,

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Protocol
 
@@ -382,6 +382,24 @@ class StreamManager:
     def stream_of(self, pid: int) -> Stream | None:
         """The stream an open by ``pid`` belongs to (:meth:`Attribution.stream_of`)."""
         return self.attribution.stream_of(pid)
+
+    def stream_named(self, job: str, rank: int) -> Stream | None:
+        """The stream of ``job``'s rank ``rank``; with rank -1 (not known), the job's
+        only stream on this mount, if it has one only."""
+        if rank >= 0:
+            return self.streams.get((job, rank))
+        found = [s for (j, _r), s in self.streams.items() if j == job]
+        return found[0] if len(found) == 1 else None
+
+    def backfill(self, inos: Sequence[int]) -> None:
+        """Files read in training processes: each next-epoch log that waits for some
+        reads them from the cache (:meth:`NextEpochLog.backfill`), in the background."""
+        if self._nursery is None:
+            return
+        for nl in self.next_logs():
+            wanted = [i for i in inos if nl.wants(i)]
+            if wanted:
+                self._nursery.start_soon(nl.backfill, wanted)
 
     def group_of(self, pid: int) -> str | None:
         """The ``unannounced/PGID`` key of a reader (:meth:`Attribution.group_of`)."""

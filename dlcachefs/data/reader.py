@@ -85,6 +85,7 @@ from dataclasses import dataclass
 
 import lmdb
 
+from dlcachefs.data.intercept import real_open
 from dlcachefs.store.chunkfmt import checksum
 from dlcachefs.store.readonly import INFO_FORMAT, IndexReader, Located, LogFiles
 from dlcachefs.store.tally import FIELDS, TallyWriter
@@ -101,14 +102,21 @@ RETRY_EVERY = 1024
 _F = {name: i for i, name in enumerate(FIELDS)}
 HITS, HIT_BYTES, MISMATCH, MISSING_LOG, ERRORS = (
     _F["hits"], _F["hit_bytes"], _F["mismatch"], _F["missing_log"], _F["errors"])
-UNRESOLVED = _F["unresolved"]
+UNRESOLVED, TOO_LARGE, UNSOUND = _F["unresolved"], _F["too_large"], _F["unsound"]
 
 #: the root directory's inode number on every FUSE mount (the kernel's FUSE_ROOT_ID)
 FUSE_ROOT_INO = 1
 
 
+#: no warnings: set where the reads are a training's own opens served in the process
+#: (:mod:`dlcachefs.data.intercept`), which must see nothing the real ``open`` would not
+#: show; the fallbacks are counted all the same
+QUIET = False
+
+
 def _warn(msg: str) -> None:
-    warnings.warn(f"dlcachefs.data: {msg}", RuntimeWarning, stacklevel=4)
+    if not QUIET:
+        warnings.warn(f"dlcachefs.data: {msg}", RuntimeWarning, stacklevel=4)
 
 
 def find_mount(path: str | os.PathLike) -> str | None:
@@ -144,14 +152,21 @@ class CacheInfo:
     logs_dir: str
     tally_dir: str
     revalidate_s: float
+    #: a file that exists while the daemon holds its index sound (None: not said)
+    sound: str | None = None
+    #: whether opens may be served in the training process (:mod:`dlcachefs.data.intercept`;
+    #: not with ``--substitute``, which decides at open what a file's bytes are)
+    intercept: bool = True
 
     @classmethod
     def from_json(cls, doc: Mapping) -> CacheInfo:
         if doc.get("format") != INFO_FORMAT:
             raise ValueError(f"zero-copy description format {doc.get('format')!r}, this "
                              f"reader knows {INFO_FORMAT}")
+        sound = doc.get("sound")
         return cls(str(doc["index_dir"]), str(doc["logs_dir"]), str(doc["tally_dir"]),
-                   float(doc["revalidate_s"]))
+                   float(doc["revalidate_s"]), None if sound is None else str(sound),
+                   bool(doc.get("intercept", True)))
 
 
 class CacheReader:
@@ -174,7 +189,7 @@ class CacheReader:
         if root is None:
             return None
         try:
-            with open(os.path.join(root, *INFO), "rb") as f:
+            with real_open(os.path.join(root, *INFO), "rb") as f:
                 info = CacheInfo.from_json(json.loads(f.read()))
         except (OSError, ValueError, KeyError, TypeError) as e:
             _warn(f"{root} does not describe its cache ({e}); reading through the mount")
@@ -189,13 +204,26 @@ class CacheReader:
         mount (whose errors, e.g. FileNotFoundError, are raised as they are)."""
         data = self.read_cached(path)
         if data is None:
-            with open(path, "rb") as f:
+            # the real open: under `dlcachefs run` the intercepted one would look the
+            # file up again (and count its fallback twice)
+            with real_open(path, "rb") as f:
                 data = f.read()
         return data
 
     def read_cached(self, path: str | bytes | os.PathLike) -> bytes | None:
         """The bytes from the cache, checked against their checksum; None when they must
         be read through the mount (the reason is counted)."""
+        got = self.read_located(path)
+        return got[0] if got is not None else None
+
+    def read_located(self, path: str | bytes | os.PathLike, max_size: int | None = None,
+                     t0: float | None = None) -> tuple[bytes, Located] | None:
+        """:meth:`read_cached` with where the bytes were (their version: the record's size
+        and mtime); files above ``max_size`` bytes are not read (``too_large``). ``t0``:
+        when the caller's open began (``time.monotonic()``), for the event the daemon
+        gets (how long the read took)."""
+        if t0 is None:
+            t0 = time.monotonic()
         proc = _process(self.info)
         rel = self._rel(path)
         if rel is None:
@@ -207,6 +235,9 @@ class CacheReader:
             return None
         if not isinstance(got, Located):
             proc.count(_F[got])
+            return None
+        if max_size is not None and got.size > max_size:
+            proc.count(TOO_LARGE)
             return None
         try:
             data = proc.logs.pread(got.log_id, got.size, got.offset)
@@ -220,8 +251,13 @@ class CacheReader:
         if len(data) != got.size or checksum(data) != got.data_xxh:
             proc.count(MISMATCH)
             return None
-        proc.hit(got.size)
-        return data
+        proc.hit(got.ino, t0, got.size)
+        return data, got
+
+    def count(self, reason: str) -> None:
+        """Count a read sent through the mount for ``reason`` (a name of
+        :data:`dlcachefs.store.tally.FIELDS`)."""
+        _process(self.info).count(_F[reason])
 
     def counts(self) -> dict[str, int]:
         """What this process counted for this mount's cache (hits, fallbacks by reason)."""
@@ -262,10 +298,10 @@ class _NoTally:
         with self._lock:
             self._vals[field] += n
 
-    def add2(self, f1: int, n1: int, f2: int, n2: int) -> None:
+    def hit(self, ino: int, t: float, seconds: float, size: int) -> None:
         with self._lock:
-            self._vals[f1] += n1
-            self._vals[f2] += n2
+            self._vals[HITS] += 1
+            self._vals[HIT_BYTES] += size
 
     def values(self) -> dict[str, int]:
         with self._lock:
@@ -304,6 +340,8 @@ class _Process:
         self._tally: TallyWriter | _NoTally | None = None
         self._reads = 0  # (under the lookup lock, as the next one and _failed_at)
         self._next_check = 0.0  # monotonic time of the next sweep, at the latest
+        #: the daemon does not hold its index sound now: it is not mapped (lookup lock)
+        self.unsound = False
 
     def locate(self, rel: bytes, revalidate: float) -> Located | str | None:
         """One lookup (:meth:`IndexReader.locate_path`); None when the index cannot be
@@ -311,7 +349,7 @@ class _Process:
         with self._lookup:
             ix = self.index()
             if ix is None:
-                return None
+                return "unsound" if self.unsound else None
             try:
                 return ix.locate_path(rel, revalidate, time.time())
             except lmdb.ReadersFullError:
@@ -357,6 +395,15 @@ class _Process:
             if ix.replaced():
                 self._drop_index()
                 self.logs.sweep(everything=True)  # its logs are other files now
+        # A damaged index can kill the process that maps it (SIGBUS, an LMDB assert): it
+        # is mapped only while the daemon says it is sound (its walk found it so at start,
+        # and nothing since was a sign of damage: dlcachefs.store.integrity)
+        sound = self.info.sound is None or os.path.exists(self.info.sound)
+        self.unsound = not sound
+        if not sound:
+            self._drop_index()
+            self._next_check = now  # checked again at the next read
+            return None
         if self._index is None and (self._failed_at is None
                                     or self._reads - self._failed_at >= RETRY_EVERY):
             try:
@@ -393,14 +440,15 @@ class _Process:
                 t = self._tally
         t.add(field, n)  # (after close(), under a read past its lookup: dropped)
 
-    def hit(self, nbytes: int) -> None:
-        """Count a sample served from the cache (one count of both fields)."""
+    def hit(self, ino: int, t0: float, nbytes: int) -> None:
+        """Count a sample served from the cache (its count, bytes and event for the
+        daemon: :meth:`TallyWriter.hit`)."""
         t = self._tally
         if t is None:
-            self.count(HITS)
-            self.count(HIT_BYTES, nbytes)
-        else:
-            t.add2(HITS, 1, HIT_BYTES, nbytes)
+            self.count(HITS, 0)  # makes the counter file
+            t = self._tally
+            assert t is not None
+        t.hit(ino, t0, time.monotonic() - t0, nbytes)
 
     def counts(self) -> dict[str, int]:
         t = self._tally

@@ -27,6 +27,7 @@ while mapped, LMDB is trusted (see docs/faults.md).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -381,7 +382,9 @@ def note_error(exc: BaseException) -> bool:
 def note_damage(why: str) -> None:
     """A sign of damage found some other way (the cache's invariants violated while
     running): the stop leaves no clean marker, so the next start walks the index and
-    recounts what it derives from it, or sets it aside. A WARNING, once per run."""
+    recounts what it derives from it, or sets it aside; readers in other processes stop
+    mapping it (:func:`hold_sound`). A WARNING, once per run."""
+    drop_sound()
     if not _run_errors:
         log.warning("the index may be damaged (%s); the next start checks it", why[:300])
     _run_errors.append(why[:200])
@@ -398,6 +401,32 @@ def log_failure(logger: logging.Logger, msg: str, *args: object) -> None:
                        type(exc).__name__, str(exc)[:200])
     else:
         logger.exception(msg, *args)
+
+
+#: the flag files of :func:`hold_sound`
+_sound_flags: list[str] = []
+
+
+def hold_sound(flag: str) -> None:
+    """The daemon's index was found sound at this start (walked, or exactly as the walk of
+    its last clean stop left it): say so by the file ``flag`` until the first sign of
+    damage (:func:`note_damage`) or :func:`drop_sound`. Readers in training processes
+    (:mod:`dlcachefs.data`) map the index only while it exists: a damaged index mapped
+    kills the process that reads it, and theirs are trainings."""
+    if _run_errors:
+        return
+    os.makedirs(os.path.dirname(flag), exist_ok=True)
+    with open(flag, "w") as f:
+        f.write(f"{os.getpid()}\n")
+    _sound_flags.append(flag)
+
+
+def drop_sound() -> None:
+    """Take the flags of :func:`hold_sound` away (damage seen, or the daemon stops)."""
+    for flag in _sound_flags:
+        with contextlib.suppress(OSError):
+            os.unlink(flag)
+    _sound_flags.clear()
 
 
 def damage_seen() -> bool:

@@ -132,6 +132,9 @@ class Located(NamedTuple):
     offset: int
     size: int
     data_xxh: int
+    #: the version's modification time (with ``size``, what a descriptor opened on the
+    #: mount later is checked against: the same version or none)
+    mtime_ns: int = 0
 
 
 class IndexReader:
@@ -368,7 +371,7 @@ class IndexReader:
         _chunk, log_id, offset, rsize, data_xxh, rmtime, rsrc = Record._S.unpack(rb)
         if (rsize, rmtime, rsrc) != (size, mtime_ns, src_ino):
             return STALE
-        return Located(ino, log_id, offset, rsize, data_xxh), checked_at
+        return Located(ino, log_id, offset, rsize, data_xxh, rmtime), checked_at
 
     def close(self) -> None:
         self.env.close()
