@@ -152,6 +152,7 @@ class Probe:
             "daemon_cpu_ms_per_file_raw": round(1000 * (c1 - c0) / n, 4),
         }
         for k in ("index_reads", "index_memo_hits", "hits", "misses", "chunk_reads", "record_reads",
+                  "record_reads_in_memory",
                   "page_cache_opens", "bytes_from_source"):
             if k in s1 and isinstance(s1[k], (int, float)):
                 out[k + "_per_file"] = round((s1[k] - s0.get(k, 0)) / n, 3)
