@@ -2,7 +2,8 @@
 ``dlcachefs run`` (every open goes through the mount).
 
     .venv/bin/python -m bench.requests [--files 1500] [--threads 1] [--repeat 3]
-        [--mount-arg=--memory=16M] [--exe PATH] [--out bench/results/requests.json]
+        [--mount-arg=--memory=16M] [--core-rev REV | --exe PATH]
+        [--out bench/results/requests.json]
 
 Makes (or reuses) a tree of ``--files`` random files of 60-160 KB in ``bench/out/requests``,
 mounts it on an empty cache, reads every file once (fetched from the source), waits for
@@ -26,8 +27,8 @@ what it spends idle meanwhile. Medians over the repetitions. Every file's bytes 
 compared with the source's. Drops no page cache but the mount's and the cache
 directory's (safe beside other work); needs no root.
 
-``--exe`` runs another build's daemon (``/work/main/.venv/bin/dlcachefs`` for the
-checkout that is "before"). Prints a JSON document (and writes ``--out``).
+``--core-rev REV`` runs the daemon of a committed revision (the "before" side), ``--exe``
+another installed ``dlcachefs``. Prints a JSON document (and writes ``--out``).
 """
 
 from __future__ import annotations
@@ -183,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mount-arg", action="append", default=[],
                     help="an option for dlcachefs mount (repeatable)")
     ap.add_argument("--exe", default=None, help="the dlcachefs executable (default: the venv's)")
+    ap.add_argument("--core-rev", default=None, metavar="REV",
+                    help="run the daemon of this committed revision (git archive)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
@@ -197,7 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     order = list(rels)
     random.Random(a.seed).shuffle(order)
     exe = a.exe or dlcachefs_exe()
+    if a.core_rev:
+        from pathlib import Path  # noqa: PLC0415
+
+        from .fidelity import core_from_rev  # noqa: PLC0415
+
+        exe, _core = core_from_rev(a.core_rev, Path(a.work))
     doc: dict = {"benchmark": "requests", "argv": sys.argv[1:], "exe": exe,
+                 "core_rev": a.core_rev,
                  "machine": machine_info(REPO), "files": a.files, "threads": a.threads,
                  "mount_args": a.mount_arg}
     with DlcMount(root, mnt, cache, a.mount_arg, exe) as m:
