@@ -47,24 +47,43 @@ from dlcachefs.testing.mounting import wait_until
 
 from .mounting import DlcMount, dlcachefs_exe
 from .readers import read_all
-from .util import file_hash, machine_info, write_json
+from .util import file_hash, machine_info, proc_cpu_seconds, write_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_WORK = os.path.join(REPO, "bench", "out", "requests")
 
 
-def cpu_ns(pid: int) -> int:
-    """CPU time the process's threads have run, in nanoseconds (``/proc/PID/task/*/
-    schedstat``: user and system alike, exact, where ``/proc/PID/stat`` counts 10 ms
-    ticks). Threads that ended meanwhile are not counted (the daemon keeps its workers)."""
-    total = 0
+def cpu_ns(pid: int) -> tuple[int, frozenset[str]]:
+    """CPU time the process's live threads have run, in nanoseconds
+    (``/proc/PID/task/*/schedstat``: user and system alike, exact, where
+    ``/proc/PID/stat`` counts 10 ms ticks), and their ids: a thread that ends takes its
+    time with it (trio's idle worker threads end after 10 s), so a difference is good only
+    when no thread of the first reading has gone (:func:`cpu_between`)."""
+    total, tids = 0, []
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                 total += int(f.read().split()[0])
         except (OSError, ValueError, IndexError):
             continue
-    return total
+        tids.append(tid)
+    return total, frozenset(tids)
+
+
+class CpuMark:
+    """A reading of the daemon's CPU: exact (:func:`cpu_ns`) and in ticks."""
+
+    def __init__(self, pid: int) -> None:
+        self.ns, self.tids = cpu_ns(pid)
+        self.ticks_s = proc_cpu_seconds(pid) or 0.0
+
+
+def cpu_between(a: CpuMark, b: CpuMark) -> float:
+    """Seconds of CPU from ``a`` to ``b``: exact when every thread of ``a`` still ran at
+    ``b``, else from the ticks (which keep the time of threads that ended)."""
+    if a.tids <= b.tids:
+        return (b.ns - a.ns) / 1e9
+    return b.ticks_s - a.ticks_s
 
 
 def log(msg: str) -> None:
@@ -114,17 +133,17 @@ class Probe:
         self.pid = m.pid
         # what one read of the stats costs the daemon, and its CPU per second when idle
         n = 20
-        c0 = cpu_ns(self.pid)
+        c0 = CpuMark(self.pid)
         for _ in range(n):
             m.stats()
-        self.stats_cpu = (cpu_ns(self.pid) - c0) / 1e9 / n
-        c0, t0 = cpu_ns(self.pid), time.perf_counter()
+        self.stats_cpu = cpu_between(c0, CpuMark(self.pid)) / n
+        c0, t0 = CpuMark(self.pid), time.perf_counter()
         time.sleep(2.0)
-        self.idle_cpu_per_s = (cpu_ns(self.pid) - c0) / 1e9 / (time.perf_counter() - t0)
+        self.idle_cpu_per_s = cpu_between(c0, CpuMark(self.pid)) / (time.perf_counter() - t0)
 
     def run(self, paths: list[str], threads: int, expect: dict[str, str]) -> dict:
         s0 = self.m.stats()
-        c0, t0 = cpu_ns(self.pid) / 1e9, time.perf_counter()
+        c0, t0 = CpuMark(self.pid), time.perf_counter()
         res = read_all(paths, threads)
         polls = [0]
 
@@ -135,7 +154,7 @@ class Probe:
             return st if done else None
 
         s1 = wait_until(released, "the pass's releases", interval=0.05)
-        c1, t1 = cpu_ns(self.pid) / 1e9, time.perf_counter()
+        c1, t1 = CpuMark(self.pid), time.perf_counter()
         if res.errors:
             raise SystemExit(f"requests: {len(res.errors)} files failed: {res.errors[:3]}")
         bad = [p for p, h in zip(paths, res.hashes, strict=True) if expect[p] != h]
@@ -144,13 +163,15 @@ class Probe:
         n = len(paths)
         ops = {k: v - s0["fuse_ops"].get(k, 0) for k, v in s1["fuse_ops"].items()}
         ops.pop("dlcache", None)  # the stats reads themselves
-        cpu = (c1 - c0) - polls[0] * self.stats_cpu - self.idle_cpu_per_s * (t1 - t0)
+        raw = cpu_between(c0, c1)
+        cpu = raw - polls[0] * self.stats_cpu - self.idle_cpu_per_s * (t1 - t0)
         out = {
             "files_per_s": round(n / res.wall_s, 1),
             "requests_per_file": {k: round(v / n, 3) for k, v in sorted(ops.items()) if v},
             "requests_per_file_total": round(sum(ops.values()) / n, 3),
             "daemon_cpu_ms_per_file": round(1000 * cpu / n, 4),
-            "daemon_cpu_ms_per_file_raw": round(1000 * (c1 - c0) / n, 4),
+            "daemon_cpu_ms_per_file_raw": round(1000 * raw / n, 4),
+            "cpu_exact": c0.tids <= c1.tids,  # (else from 10 ms ticks)
         }
         for k in ("index_reads", "index_memo_hits", "hits", "misses", "chunk_reads", "record_reads",
                   "record_reads_in_memory",
