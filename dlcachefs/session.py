@@ -341,6 +341,10 @@ class Session:
         out["cache_disk_bytes_read"] = eng.logs.bytes_read
         # reordered logs' chunks read back (just written) to checksum them before a seal
         out["cache_disk_bytes_read_back"] = eng.logs.bytes_read_back
+        # entries and records read from LMDB (a read transaction each), and those the
+        # memo of the current snapshot answered (store.index)
+        out["index_reads"] = eng.index.reads
+        out["index_memo_hits"] = eng.index.memo_hits
         out["read_plans"] = self.plans.stats()
         out["source_latency"] = eng.calls.latency.as_dict()  # seconds per attempt, by call
         # samples training processes read from the cache directly, and their fallbacks.

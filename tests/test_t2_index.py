@@ -348,3 +348,70 @@ def test_invariants_hold_under_random_operations(tmp_path):
         assert ix.check_invariants() == []
     finally:
         ix.close()
+
+
+# ----- the memo of the current snapshot ------------------------------------------------
+
+
+def test_memo_answers_repeated_reads_without_a_transaction(ix):
+    build_tree(ix)
+    reads = ix.reads
+    first = (ix.get_entry(19), ix.get_record(19), ix.get_entry(99), ix.get_record(18))
+    assert ix.reads == reads + 4
+    hits = ix.memo_hits
+    assert (ix.get_entry(19), ix.get_record(19), ix.get_entry(99), ix.get_record(18)) == first
+    assert ix.reads == reads + 4 and ix.memo_hits == hits + 4  # absent keys remembered too
+
+
+def test_memo_never_answers_an_older_version_after_a_write(ix):
+    build_tree(ix)
+    assert ix.get_entry(17).size == 100 and ix.get_record(17).size == 100
+    assert ix.get_entry(23) is None
+    with ix.write() as w:
+        w.put_entry(entry(17, 16, b"f1", size=150, mtime_ns=9))
+        w.put_entry(entry(23, 16, b"new", size=5))
+        w.drop_record(17)
+    assert ix.get_entry(17).size == 150 and ix.get_record(17) is None
+    assert ix.get_entry(23).size == 5
+    with ix.write() as w:
+        w.delete_tree(16)
+    assert ix.get_entry(17) is None and ix.get_entry(23) is None
+
+
+def test_memo_keeps_nothing_read_while_a_write_is_under_way(ix):
+    """A read while another thread's write transaction is open sees the snapshot before
+    it (LMDB's rule), and is not kept: once the write has committed, the new value
+    answers."""
+    import threading  # noqa: PLC0415
+
+    build_tree(ix)
+    inside, release = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with ix.write() as w:
+            w.put_entry(entry(17, 16, b"f1", size=150, mtime_ns=9))
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        assert inside.wait(10)
+        assert ix.get_entry(17).size == 100  # the snapshot before the write
+        assert ix.get_entry(17).size == 100
+    finally:
+        release.set()
+        t.join()
+    assert ix.get_entry(17).size == 150
+
+
+def test_memo_is_bounded(ix, monkeypatch):
+    from dlcachefs.store import index as index_mod  # noqa: PLC0415
+
+    monkeypatch.setattr(index_mod, "MEMO_MAX", 3)
+    build_tree(ix)
+    for ino in (1, 16, 17, 18, 19, 20):
+        ix.get_entry(ino)
+    reads = ix.reads
+    assert ix.get_entry(20) == entry(20, 18, b"f3", size=300)
+    assert ix.reads == reads + 1  # not kept: the memo was full

@@ -773,6 +773,29 @@ def test_corrupt_record_is_refetched(tree, memory, policy):
 
 @pytest.mark.daemon_log_allows(
     r"WARNING dlcachefs\.cache\.reader: cached copy of .* is damaged or unreadable")
+def test_corrupt_record_copied_from_memory_is_refetched(tree, policy):
+    """A record whose log pages are in memory is copied on the loop, not read in a
+    thread (``record_reads_in_memory``), and checked all the same: a damaged one is
+    never served."""
+    src, cache, files = tree
+    rel = b"train/cls0/img04.jpg"
+    cold_read(src, cache, files, policy)
+    ino, rec, log_path, _ = record_location(cache, src, rel, policy)
+    flip_byte(log_path, rec.offset + rec.size // 2)  # (through the page cache)
+    other = next(r for r in files if r != rel)
+
+    async def body(eng):
+        assert await read_all(eng, other) == files[other]  # opens the log: the thread
+        in_memory = eng.counters.record_reads_in_memory
+        assert await read_all(eng, rel) == files[rel]
+        assert eng.counters.record_reads_in_memory == in_memory + 1
+        assert eng.counters.checksum_failures == 1 and eng.counters.misses == 1
+
+    run_engine(make_config(src, cache, policy=policy, memory=4096), body)
+
+
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs\.cache\.reader: cached copy of .* is damaged or unreadable")
 def test_record_being_dropped_is_not_read_again(tree, policy):
     """Regression: while the commit that drops a bad record is in flight, later opens must
     not read (and count, and drop again) that record; the late second drop used to delete

@@ -99,6 +99,71 @@ def test_warm_file_costs_an_open_and_a_release(src, mount, reader):
     assert _ops(m)["flush"] <= 1  # answered ENOSYS once; the kernel stops sending it
 
 
+def _drop_mount_pages(m, rels: list[str]) -> None:
+    """The mount's pages of these files only (``posix_fadvise`` through the mount: an OPEN
+    and a RELEASE each, nothing else on the machine dropped)."""
+    for rel in rels:
+        fd = os.open(m.mnt / rel, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def test_a_warm_open_reads_no_index(src, mount):
+    """A cached file's OPEN, GETATTR, READ and RELEASE take its entry and record from the
+    memo of the index's current snapshot, not from an LMDB read transaction each
+    (``index_reads``: three or four per file without it). Up to 5 passes of each kind: a
+    background commit (nothing is fetched here, but the writer's timers run) empties the
+    memo once, and the pass after it reads each key once more."""
+    m = mount(src)
+    rels = _files(src)
+    _pass(m, src, rels, _read_python)
+    m.wait_cached(len(rels))
+    nonempty = [r for r in rels if (src / r).stat().st_size]
+    for drop in (False, True):
+        tries = []
+        for _ in range(5):
+            if drop:
+                _drop_mount_pages(m, nonempty)
+            before = m.stats()
+            d = _pass(m, src, rels, _read_python)
+            after = m.stats()
+            tries.append((after["index_reads"] - before["index_reads"], d))
+            if tries[-1][0] == 0:
+                break
+        assert tries[-1][0] == 0, (drop, tries)
+        if drop:
+            assert tries[-1][1].get("read", 0) >= len(nonempty), tries  # the daemon served
+        assert after["index_memo_hits"] - before["index_memo_hits"] >= 2 * len(rels)
+
+
+def test_a_record_whose_log_pages_are_in_memory_is_read_without_a_thread(src, mount):
+    """Pages of the mount dropped, the logs' kept (they were just written): each READ's
+    record is copied from the page cache on the daemon's loop (``RWF_NOWAIT``), no hop to
+    a worker thread (``record_reads_in_memory``), and the bytes are the source's. A small
+    memory tier, so that records are read alone, not their whole chunks. Up to 5 passes:
+    anything on the machine that drops the page cache sends one pass's reads to the disk
+    (through the thread), which brings the pages back."""
+    m = mount(src, "--memory", "1M", "--chunk-size", "1M")
+    rels = [r for r in _files(src) if (src / r).stat().st_size]
+    _pass(m, src, rels, _read_python)
+    m.wait_cached(len(rels))
+    tries = []
+    for _ in range(5):
+        _drop_mount_pages(m, rels)
+        before = m.stats()
+        _pass(m, src, rels, _read_python)  # (checks every file's bytes)
+        after = m.stats()
+        got = {k: after[k] - before[k] for k in ("record_reads", "record_reads_in_memory",
+                                                 "chunk_reads", "checksum_failures")}
+        tries.append(got)
+        if got["record_reads_in_memory"] == got["record_reads"] == len(rels):
+            break
+    assert tries[-1] == {"record_reads": len(rels), "record_reads_in_memory": len(rels),
+                         "chunk_reads": 0, "checksum_failures": 0}, tries
+
+
 def test_dropped_pages_are_read_again_once(src, mount):
     m = mount(src)
     rels = _files(src)

@@ -547,7 +547,9 @@ class Namespace:
 
     def _merge(self, e: Entry, rel: bytes, listing: list[Listing]) -> MergeResult:
         with self.index.write() as w:
-            cur = w.get_entry(e.ino) or e
+            # (a copy of e: merge_listing sets its checked_at, and the index's memo may
+            # hand the same object to others)
+            cur = w.get_entry(e.ino) or dataclasses.replace(e)
             return merge_listing(w, cur, rel, listing, time.time(), self.use_src_ino)
 
     def _delete(self, e: Entry) -> list[int]:

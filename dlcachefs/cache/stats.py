@@ -31,6 +31,8 @@ class Counters:
     chunk_reads: int = 0           # whole-chunk reads from the logs
     sequential_chunk_reads: int = 0  # chunk reads asked for next to one (id +-1) of the last 64
     record_reads: int = 0          # single-record reads from the logs
+    record_reads_in_memory: int = 0  # of record_reads, those whose log pages were in memory:
+                                     # copied on the loop, no thread hop (LogStore.read_cached)
     checksum_failures: int = 0     # cached records that failed their checksum (then refetched)
     stale_refetches: int = 0       # cached records whose source changed (then refetched)
     lazy_refetches: int = 0        # opened as cached, evicted before their first READ

@@ -6,12 +6,22 @@ pages). A write transaction runs start to finish inside ONE call on a worker thr
 (``trio.to_thread.run_sync``), never on the trio loop, because commit fsyncs; LMDB
 serializes concurrent writers itself. Batch index updates: one write transaction per
 sealed chunk or per directory refresh, never one per read.
+
+Entries and records read outside a write transaction are kept in a memo of the current
+snapshot (:meth:`Index.get_entry`, :meth:`Index.get_record`): a warm open, its GETATTR
+and its release read the same few keys, and answer from a dict instead of a read
+transaction each. The memo is good only while no write transaction has begun since its
+values were read (:attr:`Index.generation` moves at every write's start and end; the
+daemon is the index's only writer, and every write goes through :meth:`Index.write`), so
+it never answers with an older version than LMDB would. Its objects are shared between
+callers: never change one (``dataclasses.replace`` makes a changed copy).
 """
 
 from __future__ import annotations
 
 import os
 import struct
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -31,6 +41,13 @@ def _counter_in(txn: lmdb.Transaction, db: lmdb._Database, key: bytes) -> int:
 
 FIRST_INO = 16  # 1 is the root; 2..15 are reserved for the virtual .dlcache/ files
 
+#: entries (and, apart, records) the memo of the current snapshot holds at most; emptied
+#: when full (about 20 MB of objects; a working set larger than this still answers a
+#: file's GETATTR and RELEASE from it, right after its open read it)
+MEMO_MAX = 1 << 16
+
+_ABSENT = object()  # not in the memo (None there: not in the index either)
+
 
 class Index:
     """Typed access to the LMDB sub-databases described in :mod:`dlcachefs.store.schema`."""
@@ -40,6 +57,16 @@ class Index:
         # x bits); a reader group's bits are given by the daemon (store.modes.enforce)
         os.makedirs(path, mode=DIR_MODE, exist_ok=True)
         self.path = path
+        # the memo of the current snapshot (see the module docstring): its generation, and
+        # per key (inode) the entry and the record, None for one the index does not hold
+        self.generation = 0  # +1 when a write transaction begins, +1 when it has ended
+        self._writers = 0  # write transactions under way (LMDB runs one at a time)
+        self._gen_lock = threading.Lock()  # (the two move together, from any thread)
+        self._memo: tuple[int, dict[int, Entry | None], dict[int, Record | None]] = (0, {}, {})
+        # reads of entries and records that needed a read transaction, and those the memo
+        # answered (stats: index_reads, index_memo_hits; on any thread, so approximate)
+        self.reads = 0
+        self.memo_hits = 0
         # readahead=False: lookups are random; OS readahead only wastes page cache.
         self.env = lmdb.open(path, map_size=map_size, max_dbs=8, subdir=True,
                              readahead=False, metasync=True, sync=True,
@@ -52,7 +79,7 @@ class Index:
         self.chunk = self.env.open_db(S.DB_CHUNK)
         self.ckey = self.env.open_db(S.DB_CKEY)
         self.content = self.env.open_db(S.DB_CONTENT)
-        with self.env.begin(write=True) as txn:
+        with self._writing(), self.env.begin(write=True) as txn:
             fmt = txn.get(S.K_FORMAT, db=self.meta)
             if fmt is None:
                 txn.put(S.K_FORMAT, _Q.pack(S.SCHEMA_VERSION), db=self.meta)
@@ -73,10 +100,35 @@ class Index:
 
     # ----- reads (any thread) -------------------------------------------------------
 
+    def _current_memo(self) -> tuple[int, dict[int, Entry | None], dict[int, Record | None]]:
+        """The memo of the snapshot at the current generation (a new, empty one after a
+        write began)."""
+        memo = self._memo
+        gen = self.generation
+        if memo[0] != gen:
+            memo = self._memo = (gen, {}, {})
+        return memo
+
+    def _may_keep(self, gen: int, memo: dict) -> bool:
+        """Whether a value read in a read transaction that began after generation ``gen``
+        was read may go into the memo: no write was under way then, none began since
+        (every write's start and end move the generation), and there is room."""
+        return self.generation == gen and not self._writers and len(memo) < MEMO_MAX
+
     def get_entry(self, ino: int) -> Entry | None:
+        """The entry of ``ino`` (None: not in the index). Shared: never change it."""
+        gen, entries, _records = self._current_memo()
+        e = entries.get(ino, _ABSENT)
+        if e is not _ABSENT:
+            self.memo_hits += 1
+            return e  # type: ignore[return-value]
+        self.reads += 1
         with self.env.begin(db=self.inode, buffers=False) as txn:
             v = txn.get(ukey(ino))
-        return Entry.unpack(ino, v) if v is not None else None
+        e = Entry.unpack(ino, v) if v is not None else None
+        if self._may_keep(gen, entries):
+            entries[ino] = e
+        return e
 
     def lookup(self, parent: int, name: bytes) -> int | None:
         with self.env.begin(db=self.dirent) as txn:
@@ -109,9 +161,20 @@ class Index:
             return _children(txn.cursor(), parent)
 
     def get_record(self, ino: int) -> Record | None:
+        """The record of ``ino`` (None: not cached), of whatever version: the caller
+        compares (:mod:`dlcachefs.cache.versions`)."""
+        gen, _entries, records = self._current_memo()
+        rec = records.get(ino, _ABSENT)
+        if rec is not _ABSENT:
+            self.memo_hits += 1
+            return rec  # type: ignore[return-value]
+        self.reads += 1
         with self.env.begin(db=self.record) as txn:
             v = txn.get(ukey(ino))
-        return Record.unpack(v) if v is not None else None
+        rec = Record.unpack(v) if v is not None else None
+        if self._may_keep(gen, records):
+            records[ino] = rec
+        return rec
 
     def get_key(self, ino: int) -> ContentKey | None:
         """The content key known for ``ino`` (of any version: the caller compares)."""
@@ -182,9 +245,23 @@ class Index:
     # ----- writes (worker thread only, one call = one transaction) ------------------
 
     @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Around a write transaction, its commit included: the memo's generation moves
+        at both ends, and nothing read meanwhile goes into it."""
+        with self._gen_lock:
+            self._writers += 1
+            self.generation += 1
+        try:
+            yield
+        finally:
+            with self._gen_lock:
+                self._writers -= 1
+                self.generation += 1
+
+    @contextmanager
     def write(self) -> Iterator[IndexTxn]:
         """A write transaction; commits on normal exit, aborts on exception."""
-        with self.env.begin(write=True) as txn:
+        with self._writing(), self.env.begin(write=True) as txn:
             yield IndexTxn(self, txn)
 
     def recount(self, full: bool) -> dict[str, tuple[int, int]]:
@@ -202,7 +279,7 @@ class Index:
         One write transaction, worker thread or start-up only."""
         counted: dict[bytes, int] = {}
         floors: dict[bytes, int] = {}
-        with self.env.begin(write=True) as txn:
+        with self._writing(), self.env.begin(write=True) as txn:
             size_of = S.Record._S.unpack_from
             chunk_bytes = 0
             last_log = 0

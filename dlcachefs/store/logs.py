@@ -1,7 +1,7 @@
 """Append-only log files holding sealed chunks (``<cache-dir>/logs/NNNNNNNN.log``).
 
-Every method here blocks on the local disk; the core calls them from worker threads.
-Appends come from a single thread at a time (the chunk writer holds a limiter of one);
+Every method here blocks on the local disk; the core calls them from worker threads,
+except :meth:`LogStore.read_cached`, which never waits for the disk. Appends come from a single thread at a time (the chunk writer holds a limiter of one);
 reads use ``os.pread`` on shared descriptors and may come from any thread.
 
 Space is reclaimed per chunk by punching a hole (``fallocate(PUNCH_HOLE)``) where the
@@ -48,6 +48,10 @@ def punch_hole(fd: int, offset: int, length: int) -> bool:
 
 #: open log descriptors kept (LRU); more are opened while in use, closed when released
 MAX_OPEN_LOGS = 64
+
+#: preadv's flag for a read that fails (EAGAIN) rather than wait for the disk; None when
+#: this Python or system has none (then read_cached always says no)
+_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
 
 
 class LogStore:
@@ -283,6 +287,44 @@ class LogStore:
         if len(data) != length:
             raise FormatError(f"log {log_id} is shorter than its index says")
         return data
+
+    def read_cached(self, log_id: int, offset: int, length: int) -> bytearray | None:
+        """:meth:`read`'s bytes when all of them are in the page cache now, read without
+        waiting for the disk (``preadv`` with ``RWF_NOWAIT``: a copy from memory, cheap
+        enough for the trio loop); None when some are not, when the log is not open
+        already (opening it is left to :meth:`read`), or for a range past the log's end:
+        the caller then reads with :meth:`read`, in a thread, which says what is wrong."""
+        global _NOWAIT
+        if _NOWAIT is None or offset < 0 or length <= 0:
+            return None
+        with self._lock:
+            fd = self._fds.get(log_id)
+            if fd is None:
+                return None
+            self._pins[fd] = self._pins.get(fd, 0) + 1
+        try:
+            if offset + length > os.fstat(fd).st_size:
+                return None
+            buf = bytearray(length)
+            try:
+                n = os.preadv(fd, [buf], offset, _NOWAIT)
+            except BlockingIOError:  # some page is not in memory
+                return None
+            except OSError as e:
+                if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # the filesystem cannot
+                    _NOWAIT = None
+                    log.info("the cache disk's filesystem does not read with RWF_NOWAIT: "
+                             "every log read goes through a thread")
+                    return None
+                raise
+        finally:
+            with self._lock:
+                self._unpin(fd)
+        if n != length:  # (a part in memory, the rest not)
+            return None
+        with self._lock:
+            self.bytes_read += n
+        return buf
 
     def release(self, log_id: int, offset: int, length: int) -> None:
         """Give back the space of an evicted chunk; delete the log when nothing in it lives."""
