@@ -341,6 +341,8 @@ class Session:
         out["cache_disk_bytes_read"] = eng.logs.bytes_read
         # reordered logs' chunks read back (just written) to checksum them before a seal
         out["cache_disk_bytes_read_back"] = eng.logs.bytes_read_back
+        # read ahead into the page cache for readers in training processes (readplan)
+        out["cache_disk_bytes_advised"] = eng.logs.bytes_advised
         # entries and records read from LMDB (a read transaction each), and those the
         # memo of the current snapshot answered (store.index)
         out["index_reads"] = eng.index.reads

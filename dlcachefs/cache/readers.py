@@ -81,6 +81,8 @@ class ReaderStream(Protocol):
     samples: Samples | None
     #: its opens by where they were served (stats)
     reads: ReadCounts
+    #: its last open was served in the training's process
+    in_process: bool
 
     @property
     def order_unknowable(self) -> bool:

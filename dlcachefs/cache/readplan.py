@@ -47,6 +47,13 @@ reader, inside a bounded window, and reads exactly the records it will ask for:
   and reads nothing more until the reader moves again; it then reads its window again
   from the reader's position. So a job that stops mid-epoch never keeps memory reserved.
 
+* **Readers in the training's processes** (``Stream.in_process``: the stream's reads are
+  served in its processes, :mod:`dlcachefs.data.intercept`): they read the logs
+  themselves, so nothing read into the daemon's memory would be taken. The plan walks
+  the same window and asks the kernel to read each run into the page cache
+  (:func:`advise_runs`, ``POSIX_FADV_WILLNEED``, in a thread): their ``pread`` calls then
+  find the bytes in memory, and the daemon copies nothing.
+
 Streams reading a log laid out for their epoch (LCache, ``current_log``) get no plan:
 they keep sequential whole-chunk reads. Opens not attributed to a stream with a plan
 work as before.
@@ -178,6 +185,19 @@ def read_runs(logs, runs: Sequence[Run]) -> list[tuple[bytes | None, list[bool]]
             oks.append(checksum(mv[a : a + w.rec.size]) == w.rec.data_xxh)
         out.append((data, oks))
     return out
+
+
+def advise_runs(logs, runs: Sequence[Run]) -> int:
+    """Thread: each run asked into the page cache (:meth:`LogStore.advise`); the bytes."""
+    n = 0
+    for run in runs:
+        try:
+            logs.advise(run.log_id, run.offset, run.length)
+        except OSError as e:
+            log.info("read-ahead advice for chunk %d failed: %s", run.chunk_id, e)
+            continue
+        n += run.length
+    return n
 
 
 @dataclass(slots=True)
@@ -542,6 +562,13 @@ class ReadPlan:
 
     async def _read(self, batch: list[tuple[int, Want]]) -> None:
         pl = self.planner
+        if self.stream.in_process:
+            # its reader reads the logs itself: into the page cache, not our memory
+            runs = group_reads(w for _, w in batch)
+            n = await trio.to_thread.run_sync(advise_runs, pl.logs, runs,
+                                              limiter=pl.disk_limiter)
+            pl.counters.planned_advised_bytes += n
+            return
         pos = {w.ino: p for p, w in batch}
         runs = []
         for r in group_reads(w for _, w in batch):

@@ -54,6 +54,7 @@ class StreamEvents(Observer):
         if ev.stream is not None:
             if not ev.in_process:
                 ev.stream.reads.mount_opens += 1
+            ev.stream.in_process = ev.in_process
             self.streams.note_open(ev.stream, ev.ino)  # type: ignore[arg-type]
 
     def served(self, ev: OpenEvent, how: Served) -> None:

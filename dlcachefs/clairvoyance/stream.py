@@ -79,6 +79,9 @@ class Stream:
     bytes_from_source: int = 0
     prefetched: int = 0
     reads: ReadCounts = field(default_factory=ReadCounts)
+    #: its last open was served in the training's process (dlcachefs.data.intercept):
+    #: its read plan asks the kernel for pages instead of reading into memory
+    in_process: bool = False
     # ----- the announcement being configured -----
     cancel: trio.CancelScope | None = None
     pids: set[int] = field(default_factory=set)

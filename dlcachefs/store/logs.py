@@ -80,6 +80,7 @@ class LogStore:
         self.filling: set[int] = set()  # reorder logs still being written: never deleted
         self.bytes_read = 0  # bytes read by :meth:`read` since start (under _lock)
         self.bytes_read_back = 0  # of those, read back before a seal (not serving reads)
+        self.bytes_advised = 0  # asked into the page cache for other processes (advise)
 
     def path(self, log_id: int) -> str:
         return os.path.join(self.dir, f"{log_id:08d}.log")
@@ -287,6 +288,18 @@ class LogStore:
         if len(data) != length:
             raise FormatError(f"log {log_id} is shorter than its index says")
         return data
+
+    def advise(self, log_id: int, offset: int, length: int) -> None:
+        """Ask the kernel to read a range into the page cache now, in the background
+        (``POSIX_FADV_WILLNEED``): for readers in other processes that will ``pread`` it
+        (:mod:`dlcachefs.data`). Thread; a log that is gone is skipped."""
+        try:
+            with self._use(log_id) as fd:
+                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+        except FileNotFoundError:
+            return
+        with self._lock:
+            self.bytes_advised += length
 
     def read_cached(self, log_id: int, offset: int, length: int) -> bytearray | None:
         """:meth:`read`'s bytes when all of them are in the page cache now, read without
