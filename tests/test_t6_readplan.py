@@ -2,7 +2,9 @@
 (``shuffle=True``, no generator: each epoch's seed is drawn at its start, so only the
 current epoch's order is known) under ``dlcachefs run``, over a cache larger than
 ``--memory``. Epoch 2 must read about what it serves from the cache disk, and serve
-every sample's exact bytes."""
+every sample's exact bytes. These are the daemon's read path: the launcher runs with
+``--no-intercept`` (reads served in the training's processes read no plan's bytes; they
+are tested in test_t5_intercept)."""
 
 from __future__ import annotations
 
@@ -98,7 +100,8 @@ def test_shuffled_epoch_reads_what_it_serves(tmp_path, mount, opens):
     m = mount(src, "--chunk-size", chunk, "--memory", str(memory))
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
-    r = subprocess.run([sys.executable, "-m", "dlcachefs.cli", "run", "--", sys.executable,
+    r = subprocess.run([sys.executable, "-m", "dlcachefs.cli", "run", "--no-intercept", "--",
+                        sys.executable,
                         str(script), str(m.mnt), str(m.mnt), "2", str(len(truth)),
                         *(["twice"] if opens == 2 else [])],
                        capture_output=True, text=True, timeout=900)
@@ -152,7 +155,8 @@ def test_epochs_the_page_cache_serves_read_nothing_from_the_logs(tmp_path, mount
               *(["--reorder-min", "0"] if next_known else []))
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
-    r = subprocess.run([sys.executable, "-m", "dlcachefs.cli", "run", "--", sys.executable,
+    r = subprocess.run([sys.executable, "-m", "dlcachefs.cli", "run", "--no-intercept", "--",
+                        sys.executable,
                         str(script), str(m.mnt), str(m.mnt), "4", str(len(truth)), "keep",
                         *(["gen"] if next_known else [])],
                        capture_output=True, text=True, timeout=900)
@@ -219,7 +223,8 @@ def test_planned_reads_never_serve_damaged_bytes(tmp_path, mount):
     m = mount(src, "--chunk-size", "64K", "--memory", "256K", cache=cache)
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
-    cmd = [sys.executable, "-m", "dlcachefs.cli", "run", "--", sys.executable, str(script),
+    cmd = [sys.executable, "-m", "dlcachefs.cli", "run", "--no-intercept", "--", sys.executable,
+           str(script),
            str(m.mnt), str(m.mnt), "1", str(len(truth))]
 
     def epoch() -> dict:

@@ -101,7 +101,10 @@ class _Mounts:
             return r  # type: ignore[return-value]
         with self._lock:
             if root not in self._readers:
-                self._readers[root] = _reader_for(root)
+                try:
+                    self._readers[root] = _reader_for(root)
+                except Exception:  # noqa: BLE001 - no lmdb in this venv, say: the mount reads
+                    self._readers[root] = None
             return self._readers[root]
 
     def _refresh(self) -> None:

@@ -392,6 +392,10 @@ class TallyEvents:
             _close_fd(ring.fd)
         return out
 
+    def readers(self) -> int:
+        """Reading processes known now (as of the last directory listing)."""
+        return len(self._rings)
+
     def close(self) -> None:
         for ring in self._rings.values():
             _close_fd(ring.fd)
