@@ -254,8 +254,10 @@ def run(cfg: Config, report: Reporter) -> int:
 
         session, info = _build_and_start(cfg, walked, progress)
         set_cache_modes(cfg, modes)  # the index and the logs' directory exist now
-        # walked at this start, or as the last clean stop's walk left it
-        integrity.hold_sound(os.path.join(cfg.data_dir, TALLY_DIR, SOUND_FILE))
+        # walked at this start, or as the last clean stop's walk left it; each commit
+        # vouched for after it (readers in training processes map it only then)
+        session.engine.index.guard = integrity.hold_sound(
+            os.path.join(cfg.data_dir, TALLY_DIR, SOUND_FILE), cfg.index_dir)
         log.info("started: %s", info)
         if cfg.metrics_port:
             # bound before the mount: a port in use fails the mount with the reason

@@ -192,3 +192,38 @@ def test_a_hole_past_any_log_size_is_damage_said_without_a_traceback(tmp_path, c
         logs.close()
     warned = [r for r in caplog.records if r.name == "dlcachefs.store.logs"]
     assert len(warned) == 1 and not warned[0].exc_info, warned
+
+
+@pytest.mark.daemon_log_allows(
+    r"WARNING dlcachefs\.store\.integrity: the index may be damaged \(the index file changed")
+def test_the_sound_flag_follows_the_daemons_commits_and_nothing_else(tmp_path, monkeypatch,
+                                                                      caplog):
+    """The flag names the index file as the daemon's last commit left it: it follows each
+    of its writes; a change made outside them is noted as damage at the next write, and
+    the flag is taken away for good (readers in training processes map the index only
+    while the flag names the file as it is)."""
+    monkeypatch.setattr(integrity, "_run_errors", [])
+    monkeypatch.setattr(integrity, "_sound_flags", [])
+    ix = Index(str(tmp_path / "meta.lmdb"))
+    flag = tmp_path / "zerocopy" / "index-sound"
+    try:
+        ix.guard = integrity.hold_sound(str(flag), ix.path)
+        assert flag.read_text().strip() == integrity.stamp_of(ix.path)
+        for i in range(3):
+            with ix.write() as txn:
+                txn.set_meta(b"k", b"x" * (i + 1) * 5000)
+            assert flag.read_text().strip() == integrity.stamp_of(ix.path)
+        assert not integrity.damage_seen()
+        data = tmp_path / "meta.lmdb" / "data.mdb"
+        st = data.stat()
+        os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # as a write under the map
+        assert flag.read_text().strip() != integrity.stamp_of(ix.path)  # readers: not sound
+        with caplog.at_level(logging.WARNING), ix.write() as txn:
+            txn.set_meta(b"k", b"y")
+        assert integrity.damage_seen() and not flag.exists()
+        with ix.write() as txn:  # and it stays away
+            txn.set_meta(b"k", b"z")
+        assert not flag.exists()
+    finally:
+        ix.close()
+    caplog.clear()

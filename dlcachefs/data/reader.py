@@ -87,6 +87,7 @@ import lmdb
 
 from dlcachefs.data.intercept import real_open
 from dlcachefs.store.chunkfmt import checksum
+from dlcachefs.store.integrity import stamp_of
 from dlcachefs.store.readonly import INFO_FORMAT, IndexReader, Located, LogFiles
 from dlcachefs.store.tally import FIELDS, TallyWriter
 
@@ -98,6 +99,8 @@ SWEEP_EVERY = 256
 CHECK_EVERY_S = 0.05
 #: reads between attempts to open an index that could not be opened (per process)
 RETRY_EVERY = 1024
+#: seconds the daemon may not vouch for its index file before the environment is closed
+UNSOUND_CLOSE_S = 1.0
 
 _F = {name: i for i, name in enumerate(FIELDS)}
 HITS, HIT_BYTES, MISMATCH, MISSING_LOG, ERRORS = (
@@ -340,8 +343,9 @@ class _Process:
         self._tally: TallyWriter | _NoTally | None = None
         self._reads = 0  # (under the lookup lock, as the next one and _failed_at)
         self._next_check = 0.0  # monotonic time of the next sweep, at the latest
-        #: the daemon does not hold its index sound now: it is not mapped (lookup lock)
+        #: the daemon does not vouch for its index file now: not read (lookup lock)
         self.unsound = False
+        self._unsound_since: float | None = None
 
     def locate(self, rel: bytes, revalidate: float) -> Located | str | None:
         """One lookup (:meth:`IndexReader.locate_path`); None when the index cannot be
@@ -396,14 +400,21 @@ class _Process:
                 self._drop_index()
                 self.logs.sweep(everything=True)  # its logs are other files now
         # A damaged index can kill the process that maps it (SIGBUS, an LMDB assert): it
-        # is mapped only while the daemon says it is sound (its walk found it so at start,
-        # and nothing since was a sign of damage: dlcachefs.store.integrity)
-        sound = self.info.sound is None or os.path.exists(self.info.sound)
+        # is read only while the daemon vouches for the index file as it is now (found
+        # sound at start, changed since by its own commits only: integrity.SoundFlag)
+        sound = self._sound()
         self.unsound = not sound
         if not sound:
-            self._drop_index()
-            self._next_check = now  # checked again at the next read
+            # checked again at the next read. Between a commit and the daemon's word on
+            # it the file is briefly unlike the flag: the environment stays open (a map
+            # nobody reads from is harmless) unless that lasts
+            self._next_check = now
+            if self._unsound_since is None:
+                self._unsound_since = now
+            elif now - self._unsound_since > UNSOUND_CLOSE_S:
+                self._drop_index()
             return None
+        self._unsound_since = None
         if self._index is None and (self._failed_at is None
                                     or self._reads - self._failed_at >= RETRY_EVERY):
             try:
@@ -422,6 +433,19 @@ class _Process:
                 self._failed_at = self._reads
                 self._denied = denied
         return self._index
+
+    def _sound(self) -> bool:
+        """Whether the daemon's flag names the index file as it is now."""
+        flag = self.info.sound
+        if flag is None:
+            return True
+        try:
+            with real_open(flag, "rb") as f:
+                said = f.read().strip()
+        except OSError:
+            return False
+        now = stamp_of(self.info.index_dir)
+        return now is not None and said == now.encode()
 
     def count(self, field: int, n: int = 1) -> None:
         t = self._tally

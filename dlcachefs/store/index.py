@@ -24,6 +24,7 @@ import struct
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 import lmdb
 
@@ -49,6 +50,14 @@ MEMO_MAX = 1 << 16
 _ABSENT = object()  # not in the memo (None there: not in the index either)
 
 
+class WriteGuard(Protocol):
+    """What is told around each write transaction (its commit included)."""
+
+    def before_write(self) -> None: ...
+
+    def after_write(self) -> None: ...
+
+
 class Index:
     """Typed access to the LMDB sub-databases described in :mod:`dlcachefs.store.schema`."""
 
@@ -62,6 +71,9 @@ class Index:
         self.generation = 0  # +1 when a write transaction begins, +1 when it has ended
         self._writers = 0  # write transactions under way (LMDB runs one at a time)
         self._gen_lock = threading.Lock()  # (the two move together, from any thread)
+        self._write_lock = threading.Lock()  # a write transaction and its guard's checks
+        #: checks around each write (the daemon's SoundFlag: integrity.hold_sound)
+        self.guard: WriteGuard | None = None
         self._memo: tuple[int, dict[int, Entry | None], dict[int, Record | None]] = (0, {}, {})
         # reads of entries and records that needed a read transaction, and those the memo
         # answered (stats: index_reads, index_memo_hits; on any thread, so approximate)
@@ -252,7 +264,14 @@ class Index:
             self._writers += 1
             self.generation += 1
         try:
-            yield
+            # one write at a time (LMDB's own rule too), its guard's checks around it
+            with self._write_lock:
+                guard = self.guard
+                if guard is not None:
+                    guard.before_write()
+                yield
+                if guard is not None:
+                    guard.after_write()
         finally:
             with self._gen_lock:
                 self._writers -= 1

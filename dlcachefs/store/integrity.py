@@ -403,30 +403,87 @@ def log_failure(logger: logging.Logger, msg: str, *args: object) -> None:
         logger.exception(msg, *args)
 
 
-#: the flag files of :func:`hold_sound`
-_sound_flags: list[str] = []
+class SoundFlag:
+    """The daemon's word to readers in training processes (:mod:`dlcachefs.data`) that its
+    index is sound, kept in the file ``flag``: the index file's identity (size,
+    modification time, inode: :func:`stamp_of`) as the daemon's last commit left it.
+
+    A damaged LMDB file can kill the process that maps it, and a training must never die
+    of the cache. So a reader maps the index only while the flag names the index file as
+    it is now: found sound at this start (walked, or exactly as the walk of the last clean
+    stop left it: :func:`hold_sound`), and changed since by nothing but the daemon's own
+    commits, each vouched for after it (:meth:`after_write`). A change the daemon did not
+    make (damage written under the map) leaves the file unlike the flag, so readers stop
+    mapping it at their next check; and the daemon, at its next write, finds the file
+    unlike its last commit left it and notes damage (:meth:`before_write`), which removes
+    the flag for good. Writes are serialized by the index (its write lock), so
+    ``before_write`` and ``after_write`` of one transaction are never interleaved with
+    another's."""
+
+    def __init__(self, flag: str, index_dir: str) -> None:
+        self.flag = flag
+        self.index_dir = index_dir
+        self.stamp: str | None = None
+
+    def hold(self) -> None:
+        self.stamp = _stamp(self.index_dir)
+        self._write()
+
+    def before_write(self) -> None:
+        if self.stamp is not None and _stamp(self.index_dir) != self.stamp:
+            note_damage("the index file changed outside the daemon's commits")
+
+    def after_write(self) -> None:
+        if self.stamp is None:
+            return
+        self.stamp = _stamp(self.index_dir)
+        self._write()
+
+    def _write(self) -> None:
+        if _run_errors or self.stamp is None:
+            self.drop()
+            return
+        tmp = f"{self.flag}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write(self.stamp + "\n")
+            os.replace(tmp, self.flag)  # whole or not at all, for the readers
+        except OSError as e:
+            log.warning("cannot write %s (%s): training processes read through the mount",
+                        self.flag, e)
+
+    def drop(self) -> None:
+        self.stamp = None
+        with contextlib.suppress(OSError):
+            os.unlink(self.flag)
 
 
-def hold_sound(flag: str) -> None:
-    """The daemon's index was found sound at this start (walked, or exactly as the walk of
-    its last clean stop left it): say so by the file ``flag`` until the first sign of
-    damage (:func:`note_damage`) or :func:`drop_sound`. Readers in training processes
-    (:mod:`dlcachefs.data`) map the index only while it exists: a damaged index mapped
-    kills the process that reads it, and theirs are trainings."""
-    if _run_errors:
-        return
+#: the flags of :func:`hold_sound`
+_sound_flags: list[SoundFlag] = []
+
+
+def hold_sound(flag: str, index_dir: str) -> SoundFlag:
+    """The daemon's index was found sound at this start: say so to readers in training
+    processes by ``flag`` (:class:`SoundFlag`) until the first sign of damage
+    (:func:`note_damage`) or :func:`drop_sound`. The daemon's index calls its
+    ``before_write`` and ``after_write`` around each write transaction."""
     os.makedirs(os.path.dirname(flag), exist_ok=True)
-    with open(flag, "w") as f:
-        f.write(f"{os.getpid()}\n")
-    _sound_flags.append(flag)
+    f = SoundFlag(flag, index_dir)
+    _sound_flags.append(f)
+    f.hold()
+    return f
 
 
 def drop_sound() -> None:
     """Take the flags of :func:`hold_sound` away (damage seen, or the daemon stops)."""
-    for flag in _sound_flags:
-        with contextlib.suppress(OSError):
-            os.unlink(flag)
+    for f in _sound_flags:
+        f.drop()
     _sound_flags.clear()
+
+
+def stamp_of(index_dir: str) -> str | None:
+    """The index file's identity as :class:`SoundFlag` writes it (None: no file)."""
+    return _stamp(index_dir)
 
 
 def damage_seen() -> bool:
