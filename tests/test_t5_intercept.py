@@ -382,3 +382,65 @@ def test_eviction_and_replacement_under_in_process_readers(tmp_path, mount):
     st = m.stats()
     assert st["chunks_evicted"] > evicted0  # the readers ran under eviction
     assert st["zerocopy"]["hits"] > 0
+
+
+RANKS = r'''
+import hashlib, json, os, sys, torch
+from torchvision import datasets, transforms
+
+def main():
+    rank = int(os.environ["RANK"])
+    ds = datasets.ImageFolder(sys.argv[1], transform=transforms.Compose(
+        [transforms.Resize((16, 16)), transforms.ToTensor()]))
+    sampler = torch.utils.data.DistributedSampler(ds, num_replicas=2, rank=rank, seed=7)
+    dl = torch.utils.data.DataLoader(ds, batch_size=8, sampler=sampler, num_workers=2)
+    out = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        h = hashlib.sha256()
+        for x, y in dl:
+            h.update(x.numpy().tobytes())
+            h.update(y.numpy().tobytes())
+        out.append(h.hexdigest())
+    print(json.dumps(out))
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_two_ranks_read_in_their_processes_and_each_stream_follows(tmp_path, mount):
+    """Two DistributedSampler ranks (RANK=0, 1, as torchrun sets it) under the launcher on
+    a warm cache: each trains bit-identically to the same rank over the source, reads its
+    shard in its own workers with no FUSE open, and the daemon attributes each read to the
+    rank's own stream, whose position reaches the end of its shard."""
+    src = tmp_path / "src"
+    t5.make_images(src)
+    m = mount(src, *QUICK)
+    for p in sorted(m.mnt.rglob("*.jpg")):
+        p.read_bytes()
+    m.wait_cached(120)
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS)
+
+    def both(root: Path, launcher: bool) -> list:
+        pre = [sys.executable, "-m", "dlcachefs.cli", "run", "--"] if launcher else []
+        procs = [subprocess.Popen([*pre, sys.executable, str(script), str(root)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2"})
+                 for r in (0, 1)]
+        outs = [p.communicate(timeout=600) for p in procs]
+        for p, (_, err) in zip(procs, outs, strict=True):
+            assert p.returncode == 0, err[-3000:]
+        return [json.loads(o) for o, _ in outs]
+
+    direct = both(src, False)
+    before = m.stats()
+    assert both(m.mnt, True) == direct
+    st = m.wait_stats(lambda s: s["zerocopy"]["readers"] == 0, "still counting")
+    assert file_opens(st) == file_opens(before)
+    for rank in (0, 1):
+        s = st["streams"][f"default/{rank}"]
+        assert s["mode"] == "replayed" and s["epoch"] == 1
+        assert s["samples"] == 60 and s["position"] == 60
+        assert s["reads"]["in_process_opens"] == 120 and s["reads"]["mount_opens"] == 0
