@@ -93,8 +93,9 @@ def _watch(daemon_oracle, work, allows: tuple[str, ...] = S.EXPECTED_LOG):
 
 
 def test_kill9_cycles_lose_nothing_committed(tmp_path, daemon_oracle):
-    """5 cycles of 8 reader threads + an announced DistributedSampler (prefetch, the next
-    epoch's log) + eviction, the daemon SIGKILLed at a random moment; a training process
+    """5 cycles of 8 reader threads and a training process under the launcher (reading in
+    its own process) + an announced DistributedSampler (prefetch, the next epoch's log) +
+    eviction, the daemon SIGKILLed at a random moment; a training process
     SIGKILLed mid-announcement in two of them; one (the third) killed while the next
     epoch's log is part-written."""
     _watch(daemon_oracle, tmp_path)
@@ -105,6 +106,10 @@ def test_kill9_cycles_lose_nothing_committed(tmp_path, daemon_oracle):
     assert r["verify_reads"]["errors_by_errno"] == {} and r["reads"]["errors_by_errno"] == {}, r
     assert r["verify_hits"] > 0  # the cache was reused across kills
     assert r["trainer_killed"] == 2 and r["announce_after_ok"] == 2, r
+    # a training under the launcher read in its own process through every kill and
+    # recovery: never killed, never a wrong byte, most reads served in the process
+    assert r["trainings_killed"] == 0 and r["in_process_failed"] == 0, r
+    assert r["in_process_served_in_process"] > 0, r
     # the third cycle waited for a part-written next-epoch log before the kill (whether
     # the log was still part-written at the kill is the bench's count: timing); the
     # remount after it lost nothing committed and served every byte exact (above)
@@ -128,6 +133,10 @@ def test_damage_to_logs_and_index_is_detected_or_harmless(tmp_path, daemon_oracl
     assert r["wrong_bytes_reads"] == 0 and not r.get("injections_with_wrong_bytes"), r
     assert not r.get("daemon_down") and r["daemon_up_at_end"] == 1, r
     assert r["detected"] > 0, r  # the damage was real, and seen
+    # a training under the launcher after each injection: exact bytes or an error, never
+    # killed by a damaged index it maps
+    assert r["trainings_killed"] == 0 and r["in_process_failed"] == 0, r
+    assert r["in_process_served_in_process"] > 0, r
     # LMDB damaged under the running daemon (EIO or SIGBUS then): the remount set it aside
     # or found it harmless, and served every file exact, with no error
     assert any(k.startswith("lmdb/") and k.endswith("/mounted") for k in r["by_kind"]), r
@@ -336,6 +345,9 @@ RECOUNTED = (r"WARNING dlcachefs\.cache\.recovery: the index's derived values di
 @pytest.mark.daemon_log_allows(
     r"ERROR dlcachefs\.cache\.invariants: invariant violated: ",
     r"WARNING dlcachefs\.store\.integrity: the index may be damaged \(invariant violated: ",
+    # (the daemon's next write finds the file changed outside its commits: the same damage)
+    r"WARNING dlcachefs\.store\.integrity: the index may be damaged \(the index file "
+    r"changed outside",
     RECOUNTED + r".*recounted: cached_bytes -\d+ -> \d+, chunk_bytes -\d+ -> \d+")
 def test_a_counter_damaged_under_the_daemon_is_recounted_at_the_next_start(dataset, mount,
                                                                            tmp_path):

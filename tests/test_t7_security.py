@@ -458,7 +458,7 @@ def test_a_reader_group_member_reads_the_cache_an_outsider_does_not(tree, shared
     assert r.returncode == 0 and r.stderr == "", r.stderr
     doc = json.loads(r.stdout)
     assert doc["digests"] == want
-    assert doc["counts"]["hits"] == 2 * len(ZC_FILES) and doc["counts"]["errors"] == 0
+    assert doc["counts"]["hits"] == 2 * len(ZC_FILES) and doc["counts"]["errors"] == 0, doc
     # the daemon read the member's counter file (made in zerocopy/, the group's)
     m.wait_stats(lambda s: s["zerocopy"]["hits"] == before + 2 * len(ZC_FILES),
                  "the member's zero-copy reads were not counted by the daemon")

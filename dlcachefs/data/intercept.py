@@ -189,7 +189,9 @@ def _served(file: Any) -> CachedFile | None:
     got = reader.read_located(p, _max)
     if got is None:
         return None
-    return CachedFile(got[0], file, p, got[1], reader)
+    # (the name as the real open gives it: the str or bytes given, a path's str)
+    name = file if isinstance(file, str | bytes) else os.fspath(file)
+    return CachedFile(got[0], name, p, got[1], reader)
 
 
 def _count(file: Any, reason: str) -> None:
@@ -213,7 +215,9 @@ def open(file, mode="r", buffering=-1, encoding=None, errors=None, newline=None,
     if not getattr(_local, "inside", False):
         _local.inside = True
         try:
-            if (mode == "rb" or mode == "br") and buffering != 0 and opener is None:
+            if ((mode == "rb" or mode == "br") and buffering != 0 and opener is None
+                    and closefd is True and encoding is None and errors is None
+                    and newline is None):  # (the real open refuses the others)
                 f = _served(file)
                 if f is not None:
                     return f

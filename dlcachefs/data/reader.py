@@ -442,6 +442,8 @@ class _Process:
         try:
             with real_open(flag, "rb") as f:
                 said = f.read().strip()
+        except PermissionError:
+            return True  # nor the index, then: its open says so (and counts it)
         except OSError:
             return False
         now = stamp_of(self.info.index_dir)

@@ -403,6 +403,10 @@ def log_failure(logger: logging.Logger, msg: str, *args: object) -> None:
         logger.exception(msg, *args)
 
 
+#: the length the sound flag is written at (the stamp, padded)
+FLAG_BYTES = 96
+
+
 class SoundFlag:
     """The daemon's word to readers in training processes (:mod:`dlcachefs.data`) that its
     index is sound, kept in the file ``flag``: the index file's identity (size,
@@ -443,14 +447,22 @@ class SoundFlag:
         if _run_errors or self.stamp is None:
             self.drop()
             return
-        tmp = f"{self.flag}.tmp"
+        # Rewritten in place, at a fixed length: no block to allocate (a full cache disk
+        # must not take the readers' word away), one small pwrite a reader sees whole or,
+        # torn, unlike the file (it then reads through the mount once, and looks again)
+        line = (self.stamp + "\n").encode().ljust(FLAG_BYTES, b" ")
         try:
-            with open(tmp, "w") as f:
-                f.write(self.stamp + "\n")
-            os.replace(tmp, self.flag)  # whole or not at all, for the readers
+            fd = os.open(self.flag, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o640)
+            try:
+                os.pwrite(fd, line, 0)
+            finally:
+                os.close(fd)
         except OSError as e:
-            log.warning("cannot write %s (%s): training processes read through the mount",
-                        self.flag, e)
+            # readers stop at once; the next commit tries again (a disk full for now)
+            with contextlib.suppress(OSError):
+                os.unlink(self.flag)
+            log.info("cannot write %s (%s): training processes read through the mount",
+                     self.flag, e)
 
     def drop(self) -> None:
         self.stamp = None

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
+import json
 import os
 import random
+import subprocess
+import sys
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -140,6 +144,133 @@ class ReaderThreads:
 # ----- damage to cache files ---------------------------------------------------------------
 
 DAMAGE_KINDS = ("flip", "zero", "truncate")
+
+
+# ----- readers in a training process, under `dlcachefs run` -------------------------------
+
+#: a training process's reads under the launcher: every open of a cached file is served in
+#: the process (dlcachefs.data.intercept). ``once``: every file once; ``loop``: random files
+#: with two threads until a line comes on stdin. Prints what it saw as JSON.
+_IN_PROCESS = r"""
+import errno, hashlib, json, os, random, sys, threading
+root, mode, seed = sys.argv[1], sys.argv[2], int(sys.argv[4])
+expected = json.load(open(sys.argv[3]))
+out = {"ok": 0, "wrong": 0, "wrong_files": [], "errors": {}, "in_process": 0}
+lock = threading.Lock()
+def read(rel):
+    try:
+        with open(os.path.join(root, rel), "rb") as f:
+            inproc = type(f).__name__ == "CachedFile"
+            d = f.read()
+    except OSError as e:
+        with lock:
+            name = errno.errorcode.get(e.errno or 0, str(e.errno))
+            out["errors"][name] = out["errors"].get(name, 0) + 1
+        return
+    with lock:
+        if hashlib.sha256(d).hexdigest() == expected[rel]:
+            out["ok"] += 1
+            out["in_process"] += inproc
+        else:
+            out["wrong"] += 1
+            out["wrong_files"] = (out["wrong_files"] + [rel])[:10]
+if mode == "once":
+    for rel in expected:
+        read(rel)
+else:
+    stop = threading.Event()
+    def loop(k):
+        rnd, rels = random.Random(seed + k), list(expected)
+        while not stop.is_set():
+            read(rnd.choice(rels))
+    ts = [threading.Thread(target=loop, args=(k,), daemon=True) for k in range(2)]
+    for t in ts:
+        t.start()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    stop.set()
+    for t in ts:
+        t.join()
+print(json.dumps(out), flush=True)
+"""
+
+
+def _digests(expected: dict[str, bytes], work: Path) -> Path:
+    path = work / "in_process_expected.json"
+    if not path.exists():
+        path.write_text(json.dumps({rel: hashlib.sha256(d).hexdigest()
+                                    for rel, d in expected.items()}))
+    return path
+
+
+def _in_process_cmd(mnt: Path, mode: str, digests: Path, seed: int) -> list[str]:
+    return [sys.executable, "-m", "dlcachefs.cli", "run", "--", sys.executable, "-c",
+            _IN_PROCESS, str(mnt), mode, str(digests), str(seed)]
+
+
+def _in_process_result(rc: int, stdout: str, stderr: str) -> dict:
+    """What a reader process reported, with ``killed``: it died of a signal (a training
+    killed by the cache: never allowed)."""
+    lines = [x for x in stdout.splitlines() if x.startswith("{")]
+    got = json.loads(lines[-1]) if lines else {"ok": 0, "wrong": 0, "errors": {},
+                                                   "in_process": 0}
+    got["killed"] = int(rc < 0)
+    got["failed"] = int(rc != 0)
+    if rc != 0:
+        got["stderr"] = stderr[-500:]
+    return got
+
+
+def check_in_process(mnt: Path, expected: dict[str, bytes], work: Path, seed: int = 0
+                     ) -> dict:
+    """Every file of ``expected`` read once by a training process under ``dlcachefs
+    run`` (its opens of cached files served in the process): ``ok``, ``wrong``,
+    ``errors`` by errno, ``in_process`` (reads served in the process), ``killed``."""
+    r = subprocess.run(_in_process_cmd(mnt, "once", _digests(expected, work), seed),
+                       capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    return _in_process_result(r.returncode, r.stdout, r.stderr)
+
+
+class InProcessReader:
+    """A training process under ``dlcachefs run`` reading random files with two threads
+    until :meth:`stop` (a context manager: started on enter): its result, as
+    :func:`check_in_process`'s."""
+
+    def __init__(self, mnt: Path, expected: dict[str, bytes], work: Path, seed: int = 0):
+        self.cmd = _in_process_cmd(mnt, "loop", _digests(expected, work), seed)
+        self.proc: subprocess.Popen | None = None
+        self.result: dict | None = None
+
+    def __enter__(self) -> InProcessReader:
+        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        self.proc.stdout.readline()  # "ready" (or nothing: it failed, reported by stop)
+        return self
+
+    def stop(self) -> dict:
+        if self.result is None:
+            assert self.proc is not None
+            try:
+                out, err = self.proc.communicate("\n", timeout=300)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                out, err = self.proc.communicate()
+            self.result = _in_process_result(self.proc.returncode, out, err)
+        return self.result
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def add_in_process(into: Counter, got: dict, prefix: str = "in_process") -> None:
+    """Fold a reader process's result into a scenario's counts."""
+    into[f"{prefix}_reads_ok"] += got["ok"]
+    into[f"{prefix}_served_in_process"] += got["in_process"]
+    into[f"{prefix}_wrong"] += got["wrong"]
+    into[f"{prefix}_errors"] += sum(got["errors"].values())
+    into["trainings_killed"] += got["killed"]
+    into[f"{prefix}_failed"] += got["failed"]
 
 
 def damage_file(path: Path, kind: str, rnd: random.Random, lo: int = 0,

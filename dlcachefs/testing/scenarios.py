@@ -172,6 +172,7 @@ def kill_cycles(work: Path, cycles: int, seed: int = 0, threads: int = 8, n_file
     verify_reads = chaos.ReadTally()
     kill_after: list[float] = []
     m: Mount | None = None
+    in_process: chaos.InProcessReader | None = None
     try:
         for cycle in range(cycles):
             before = chaos.committed_records(index_dir) if os.path.exists(index_dir) else {}
@@ -200,6 +201,10 @@ def kill_cycles(work: Path, cycles: int, seed: int = 0, threads: int = 8, n_file
                 if not chaos.alive(m.pid):
                     out["daemon_died_with_trainer"] += 1
             out["announced"] += _announce(m.mnt, cycle % 5, seed)
+            # a training under the launcher reads in its own process through the kill
+            # (stopped before the remount: its misses through the new mount would fetch,
+            # and evict, before the committed records are compared)
+            in_process = chaos.InProcessReader(m.mnt, files, work, seed=cycle).__enter__()
             with chaos.ReaderThreads(m.mnt, files, threads, seed=cycle) as readers:
                 t0 = time.monotonic()
                 if reorder_every and cycle % reorder_every == reorder_every - 1:
@@ -215,6 +220,9 @@ def kill_cycles(work: Path, cycles: int, seed: int = 0, threads: int = 8, n_file
                 if now:
                     _note_in_flight(out, st, now)
                 m.kill9()
+                time.sleep(0.2)  # its reads go on a moment without the daemon
+                chaos.add_in_process(out, in_process.stop())
+                in_process = None
             out["reads_cut_by_kill"] += readers.gone
             _merge(reads, readers.tally)
             out["cycles"] += 1
@@ -234,11 +242,13 @@ def kill_cycles(work: Path, cycles: int, seed: int = 0, threads: int = 8, n_file
         out["verify_exit"] = rc
         out["verify_problems"] = _verify_found(rep)
     finally:
+        if in_process is not None:
+            in_process.stop()
         if m is not None:
             m.cleanup()
     return {"scenario": "kill", **out, "kill_after_s_median": _median(kill_after),
             "reads": reads.as_dict(), "verify_reads": verify_reads.as_dict(),
-            "wrong_bytes_reads": reads.wrong + verify_reads.wrong,
+            "wrong_bytes_reads": reads.wrong + verify_reads.wrong + out["in_process_wrong"],
             **_log_summary(daemon_log)}
 
 
@@ -368,6 +378,11 @@ def corruption(work: Path, injections: int, seed: int = 0, n_files: int = 120,
             drop_page_cache()
             t = chaos.check_all(m.mnt, files)
             _merge(reads, t)
+            # and by a training under the launcher, reading in its own process: exact
+            # bytes or an error, and never killed (a damaged index is not mapped)
+            ip = chaos.check_in_process(m.mnt, files, work, seed=i)
+            chaos.add_in_process(out, ip)
+            t.wrong += ip["wrong"]
             up = chaos.alive(m.pid)
             st1 = _stats_or(m, st0) if up else st0
             if not up:
@@ -415,7 +430,8 @@ def corruption(work: Path, injections: int, seed: int = 0, n_files: int = 120,
     finally:
         m.cleanup()
     return {"scenario": "corrupt", **out, "by_kind": dict(kinds), "reads": reads.as_dict(),
-            "wrong_bytes_reads": reads.wrong, **_log_summary(daemon_log, DAMAGE_LOG)}
+            "wrong_bytes_reads": reads.wrong + out["in_process_wrong"],
+            **_log_summary(daemon_log, DAMAGE_LOG)}
 
 
 # ----- 3. a misbehaving source ---------------------------------------------------------------
