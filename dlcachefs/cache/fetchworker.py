@@ -44,6 +44,9 @@ from dlcachefs.errors import DlcError
 from dlcachefs.store.chunkfmt import RecordIn, encode_chunk_parts
 
 _LEN = struct.Struct("<I")
+#: tests only: a path; the first worker to create that file writes half of its next
+#: chunk and SIGKILLs itself (a worker killed mid-append, deterministically, once)
+TEAR_ENV = "DLCACHEFS_TEST_TEAR_FETCH_JOB"
 #: prctl's option number (linux/prctl.h)
 _PR_SET_PDEATHSIG = 1
 
@@ -110,8 +113,9 @@ def _read_exact(fd: int, n: int) -> bytes | None:
     return b"".join(parts)
 
 
-def run_job(src: LocalSource, use_src_ino: bool, job: Job) -> Done:
-    """Read, check, encode, append and sync one job's chunk (see the module doc)."""
+def run_job(src: LocalSource, use_src_ino: bool, job: Job, tear: bool = False) -> Done:
+    """Read, check, encode, append and sync one job's chunk (see the module doc).
+    ``tear``: die by SIGKILL halfway through the append (tests)."""
     recs: list[RecordIn] = []
     skipped: list[tuple[int, str, Identity | None]] = []
     for ino, rel, want in job.files:
@@ -136,6 +140,10 @@ def run_job(src: LocalSource, use_src_ino: bool, job: Job) -> Done:
     try:
         try:
             off = job.offset
+            if tear:
+                whole = b"".join(parts)
+                os.pwrite(fd, whole[:len(whole) // 2], off)
+                os.kill(os.getpid(), signal.SIGKILL)
             bufs = [memoryview(p) for p in parts]
             while bufs:
                 n = os.pwritev(fd, bufs, off)
@@ -175,12 +183,24 @@ def main(argv: list[str]) -> int:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     src = LocalSource(root)
+    tear = _tear_once(os.environ.get(TEAR_ENV))
     while True:
         job = recv(fd_in)
         if job is None:
             return 0
         assert isinstance(job, Job)
-        send(fd_out, run_job(src, use_src_ino, job))
+        send(fd_out, run_job(src, use_src_ino, job, tear=tear))
+
+
+def _tear_once(marker: str | None) -> bool:
+    """Tests: whether this worker is the one to die mid-append (:data:`TEAR_ENV`)."""
+    if not marker:
+        return False
+    try:
+        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except OSError:
+        return False
+    return True
 
 
 if __name__ == "__main__":
