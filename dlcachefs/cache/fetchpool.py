@@ -273,6 +273,15 @@ class FetchPool(TaskOwner):
         w: _Worker | None = None
         try:
             while True:
+                if w is None:  # started before any job: it dies with the daemon from now
+                    try:
+                        w = await self._spawn()
+                    except Exception:  # noqa: BLE001 - no worker now: the usual fetch does it
+                        log_failure(log, "starting a fetch worker failed")
+                        self._fail(self._take_queued())
+                        await trio.sleep(1.0)
+                        continue
+                    self.pids.append(w.proc.pid)
                 batch = [await self._queue.receive()]
                 size = batch[0].charge
                 while len(batch) < MAX_JOB_FILES and size < self.writer.chunk_target:
@@ -283,18 +292,15 @@ class FetchPool(TaskOwner):
                     batch.append(r)
                     size += r.charge
                 try:
-                    if w is None:
-                        w = await self._spawn()
-                        self.pids.append(w.proc.pid)
-                    elif w.end + size > self.cfg.log_size and w.end > LOG_HEADER_SIZE:
+                    if w.end + size > self.cfg.log_size and w.end > LOG_HEADER_SIZE:
                         self._retire_log(w.log_id)
                         w.log_id = self.writer.reserve_log_id()
                         await trio.to_thread.run_sync(self.logs.create_sized, w.log_id,
                                                       LOG_HEADER_SIZE)
                         self.logs.filling.add(w.log_id)
                         w.end = LOG_HEADER_SIZE
-                except Exception:  # noqa: BLE001 - no worker now: the usual fetch does it
-                    log_failure(log, "starting a fetch worker failed")
+                except Exception:  # noqa: BLE001 - no new log: the usual fetch does it
+                    log_failure(log, "starting a fetch worker's log failed")
                     self._fail(batch)
                     await trio.sleep(1.0)
                     continue
@@ -329,9 +335,18 @@ class FetchPool(TaskOwner):
                     self._fail(batch)
         finally:
             if w is not None:
-                self.logs.filling.discard(w.log_id)  # (its tail, if any, waits for recovery)
                 with trio.CancelScope(shield=True):
                     await w.stop()
+                # (a tail not indexed, if any, waits for recovery; an empty log goes now)
+                self._retire_log(w.log_id)
+
+    def _take_queued(self) -> list[_Request]:
+        out = []
+        while True:
+            try:
+                out.append(self._queue.receive_nowait())
+            except trio.WouldBlock:
+                return out
 
     def _fail(self, reqs: list[_Request]) -> None:
         """Give back what ``reqs`` held (reservation, admission) and wake their callers."""
