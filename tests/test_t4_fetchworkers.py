@@ -137,3 +137,17 @@ def test_a_worker_killed_mid_append_leaves_nothing_torn_and_dies_with_the_daemon
     assert m2.stats()["bytes_from_source"] == 0
     m2.umount()
     logs_match_index(cache)
+
+
+def test_opens_that_catch_up_with_the_workers_get_exact_bytes_read_once(tmp_path, mount):
+    """Readers start with the announcement: an open of a file a worker is fetching waits
+    for it and gets its bytes back from the log (or, before the prefetch reached it,
+    fetches it itself); every byte exact, every file read from the source once."""
+    src = tmp_path / "src"
+    files = make_tree(src, n=300)
+    m = mount(src, "--fetch-workers", "1", "--scan-ahead", "0")
+    order = announce(m.mnt, len(files))
+    read_exact(m.mnt, src, [files[i] for i in order])
+    st = m.wait_stats(lambda s: s["pending_bytes"] == 0, "the writer did not drain")
+    assert st["bytes_from_source"] == sum(p.stat().st_size for p in files)
+    assert st["fetch_workers"]["fallbacks"] == 0  # (how many the workers took: timing)
