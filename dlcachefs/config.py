@@ -107,6 +107,9 @@ class Config:
         True, "identify source versions by size and mtime only (for sources whose inode "
               "numbers change, e.g. sshfs without -o use_ino)", name="ignore-source-inode")
     source_threads: int = _opt(16, "parallel source reads")
+    fetch_workers: int = _opt(  # see dlcachefs.cache.fetchpool
+        0, "processes that read, checksum and append the files fetched ahead of readers "
+           "(0: the daemon does it itself)", metavar="N")
     source_timeout: float = _opt(
         60.0, "give up on a source read after this long: ETIMEDOUT", metavar="SECONDS")
     source_retries: int = _opt(
@@ -256,6 +259,8 @@ class Config:
             raise ValueError("--revalidate must be >= 0")
         if self.source_timeout <= 0:
             raise ValueError("--source-timeout must be > 0")
+        if self.fetch_workers < 0:
+            raise ValueError("--fetch-workers must be >= 0")
         if self.source_threads < 1:
             raise ValueError("--source-threads must be >= 1")
         if self.source_retries < 0:

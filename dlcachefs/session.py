@@ -54,6 +54,7 @@ from dlcachefs.cache.buffers import LATER_CHUNKS, Backlog, ReadAhead
 from dlcachefs.cache.dedup import ContentStore
 from dlcachefs.cache.engine import Engine
 from dlcachefs.cache.fetch import Fetcher, SourceCalls
+from dlcachefs.cache.fetchpool import FetchPool
 from dlcachefs.cache.filesystem import Filesystem
 from dlcachefs.cache.inprocess import InProcessReads
 from dlcachefs.cache.invariants import check_after_commit
@@ -203,6 +204,8 @@ class Session:
             await nursery.start(self.losses.run)
             await nursery.start(self.streams.run)
             await nursery.start(self.scan.run)
+            if self.prefetcher.pool is not None:
+                await nursery.start(self.prefetcher.pool.run)
             if self.in_process is not None:
                 await nursery.start(self.in_process.run)
             nursery.start_soon(self._unprotect_idle_streams)
@@ -370,6 +373,9 @@ class Session:
         if self.owner_prefetch is not None:  # --peer-self: fetched ahead for the cluster
             out["peers"]["owner_prefetch"] = self.owner_prefetch.stats()  # type: ignore[attr-defined]
         out["packer"] = None if self.packer is None else self.packer.as_dict()
+        # --fetch-workers: files the workers fetched ahead, jobs, fallbacks, restarts
+        pool = self.prefetcher.pool
+        out["fetch_workers"] = None if pool is None else pool.stats()
         imp = self.importance
         t = imp.table
         out["importance"] = None if t is None else {
@@ -538,10 +544,17 @@ def _background(cfg: Config, rp: _ReadPath, observers: Observers, table: StreamT
                         versions=rp.versions, readahead=rp.readahead,
                         budget=min(memory.memory // 2, stream_lead_bytes(cfg)), lead=LEAD,
                         max_batch=max(4 << 20, 2 * cfg.chunk_size))
+    # --fetch-workers: files fetched ahead are read and appended by worker processes (a
+    # local source's files only; with the peer tier or dedup the daemon fetches them)
+    pool = None
+    if (cfg.fetch_workers > 0 and isinstance(rp.source, LocalSource) and peers is None
+            and dedup is None):
+        pool = FetchPool(cfg, index=index, logs=rp.logs, writer=writer, policy=policy, ns=ns,
+                         fetcher=rp.fetcher, counters=rp.counters)
     prefetcher = Prefetcher(
         cfg, ns=ns, versions=rp.versions, fetcher=rp.fetcher, reader=rp.reader, writer=writer,
         policy=policy, backlog=rp.backlog, readahead=rp.readahead, plans=plans,
-        counters=rp.counters)
+        counters=rp.counters, pool=pool)
     streams, losses, trace, errors = _streams(cfg, rp, table, clock, importance, memory,
                                               plans, prefetcher, zerocopy)
     # iCACHE's dynamic packaging fills the L-cache when substitution is on (and the

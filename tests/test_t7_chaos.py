@@ -119,6 +119,22 @@ def test_kill9_cycles_lose_nothing_committed(tmp_path, daemon_oracle):
     assert r["tracebacks"] == 0, r["log_examples"]
 
 
+def test_kill9_cycles_with_fetch_workers_lose_nothing_and_end_the_workers(tmp_path,
+                                                                         daemon_oracle):
+    """The kill scenario with ``--fetch-workers 2``: the prefetch's files are appended by
+    worker processes; each SIGKILL of the daemon ends its workers too, and the remounts
+    lose nothing committed, serve every byte exact, and verify finds nothing."""
+    _watch(daemon_oracle, tmp_path)
+    r = S.kill_cycles(tmp_path, cycles=3, seed=13, n_files=120, trainer_every=0,
+                      reorder_every=0, fetch_workers=2)
+    assert r["cycles"] == 3 and r.get("mount_failures", 0) == 0, r
+    assert r["wrong_bytes_reads"] == 0, r
+    assert r["lost_committed_records"] == 0, r
+    assert r["workers_killed"] > 0 and r.get("workers_outlived_daemon", 0) == 0, r
+    assert r["verify_exit"] == 0 and r["verify_problems"] == 0, r
+    assert r["tracebacks"] == 0, r["log_examples"]
+
+
 @pytest.mark.parametrize("seed", [5, 77, 101])
 def test_damage_to_logs_and_index_is_detected_or_harmless(tmp_path, daemon_oracle, seed):
     """30 injections (bits, zeroed ranges, truncation) into logs (mounted and not) and the

@@ -23,9 +23,10 @@ The counters are touched on the loop only.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import trio
@@ -190,6 +191,7 @@ class _Inflight:
         self.done = trio.Event()
         self.result: tuple[bytes, Entry] | None = None
         self.error: BaseException | None = None
+        self.waiters = 0  # opens waiting for it (a held fetch reads its bytes back for them)
 
 
 class Fetcher(TaskOwner):
@@ -238,6 +240,19 @@ class Fetcher(TaskOwner):
         """Whether a fetch of ``ino`` is in progress."""
         return ino in self._inflight
 
+    @contextlib.contextmanager
+    def hold(self, ino: int) -> Iterator[_Inflight]:
+        """Mark ``ino`` as being fetched elsewhere (a fetch worker, ``--fetch-workers``)
+        for the ``with`` body: prefetch and scan-ahead leave it, an open waits for it and
+        takes the ``result`` the holder sets (else fetches it itself)."""
+        assert ino not in self._inflight
+        inf = self._inflight[ino] = _Inflight()
+        try:
+            yield inf
+        finally:
+            del self._inflight[ino]
+            inf.done.set()
+
     async def fetch_for_reader(self, e: Entry, cache: bool = True) -> tuple[bytes, Entry]:
         """A reader's miss: :meth:`fetch` (the bytes and the entry of their version),
         counted as a miss and as demand on the link. A fetch already in flight (a
@@ -259,6 +274,7 @@ class Fetcher(TaskOwner):
         """Fetch a whole file from the source (concurrent fetches of one file share it);
         its bytes and its entry (updated if the file changed since it was listed)."""
         while (inf := self._inflight.get(e.ino)) is not None:
+            inf.waiters += 1
             await inf.done.wait()
             if inf.result is not None:
                 return inf.result

@@ -21,6 +21,8 @@ threads, the reader's disk threads). Each caller runs its own tasks in its own n
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dlcachefs.cache.buffers import Backlog, ReadAhead
 from dlcachefs.cache.fetch import Fetcher
 from dlcachefs.cache.namespace import Namespace, identity
@@ -34,6 +36,9 @@ from dlcachefs.cache.writer import ChunkWriter
 from dlcachefs.config import Config
 from dlcachefs.store.schema import Chunk
 
+if TYPE_CHECKING:
+    from dlcachefs.cache.fetchpool import FetchPool
+
 #: the owner of scan-ahead's files in the read-ahead set (no stream's epoch ends them)
 SCAN_OWNER = "scan-ahead"
 
@@ -44,8 +49,11 @@ class Prefetcher:
     def __init__(self, cfg: Config, *, ns: Namespace, versions: Versions, fetcher: Fetcher,
                  reader: LogReader, writer: ChunkWriter, policy: CachingPolicy,
                  backlog: Backlog, readahead: ReadAhead, plans: ReadPlanner,
-                 counters: Counters) -> None:
+                 counters: Counters, pool: FetchPool | None = None) -> None:
+        """``pool``: the fetch workers (``--fetch-workers``) that fetch streams' files
+        ahead into the cache, off the daemon's core (None: the fetcher does)."""
         self.cfg = cfg
+        self.pool = pool
         self.ns = ns
         self.versions = versions
         self.fetcher = fetcher
@@ -85,6 +93,12 @@ class Prefetcher:
             # the disk cache is kept for the logs: hold it in memory until it is read
             data, e = await self.fetcher.fetch(e, cache=False)
             self.readahead.put(ino, identity(e), None, data, stream.key)
+        elif self.pool is not None and await self.pool.fetch(e):
+            # a worker read, checked and appended it; it is indexed: the open reads it
+            # from the log (its pages are in memory, written moments ago)
+            stream.bytes_from_source += e.size
+            self.counters.prefetched += 1
+            return True
         else:
             data, e = await self.fetcher.fetch(e)
             if self.readahead.has_room(len(data)):

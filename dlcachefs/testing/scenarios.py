@@ -144,7 +144,8 @@ def _kill_trainer(mnt: Path, n_samples: int, rnd: random.Random) -> dict:
 
 
 def kill_cycles(work: Path, cycles: int, seed: int = 0, threads: int = 8, n_files: int = 200,
-                trainer_every: int = 5, reorder_every: int = 3, log: Log = _quiet) -> dict:
+                trainer_every: int = 5, reorder_every: int = 3, fetch_workers: int = 0,
+                log: Log = _quiet) -> dict:
     """Reader threads over a mount while the daemon is SIGKILLed at a random moment, with
     eviction (the cache holds ~60% of the data), prefetch and the next epoch's log being
     written (a DistributedSampler is announced). Then remount, and check: every record
@@ -165,6 +166,8 @@ def kill_cycles(work: Path, cycles: int, seed: int = 0, threads: int = 8, n_file
     opts = ("--cache-size", str(max(total * 6 // 10, 1 << 20)), "--chunk-size", "256K",
             "--memory", "4M", "--flush-interval", "0.3", "--min-free", "0",
             "--source-threads", "4")
+    if fetch_workers:
+        opts += ("--fetch-workers", str(fetch_workers))
     index_dir = str(cache / "meta.lmdb")
     daemon_log = work / "daemon.log"
     out: Counter = Counter()
@@ -219,7 +222,10 @@ def kill_cycles(work: Path, cycles: int, seed: int = 0, threads: int = 8, n_file
                     out["daemon_died_before_kill"] += 1
                 if now:
                     _note_in_flight(out, st, now)
+                workers = list((now.get("fetch_workers") or {}).get("pids") or []) if now else []
                 m.kill9()
+                for k, v in _workers_gone(workers).items():
+                    out[k] += v
                 time.sleep(0.2)  # its reads go on a moment without the daemon
                 chaos.add_in_process(out, in_process.stop())
                 in_process = None
@@ -250,6 +256,15 @@ def kill_cycles(work: Path, cycles: int, seed: int = 0, threads: int = 8, n_file
             "reads": reads.as_dict(), "verify_reads": verify_reads.as_dict(),
             "wrong_bytes_reads": reads.wrong + verify_reads.wrong + out["in_process_wrong"],
             **_log_summary(daemon_log)}
+
+
+def _workers_gone(pids: list[int], wait_s: float = 30.0) -> dict:
+    """After the daemon's SIGKILL: its fetch workers die with it (PR_SET_PDEATHSIG)."""
+    deadline = time.monotonic() + wait_s
+    while any(chaos.alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [p for p in pids if chaos.alive(p)]
+    return {"workers_killed": len(pids) - len(left), "workers_outlived_daemon": len(left)}
 
 
 def _mid_reorder(st: dict) -> bool:
