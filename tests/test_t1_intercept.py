@@ -129,3 +129,37 @@ print("ok")
                        env={**env, "DLCACHEFS_INTERCEPT": "0"})
     assert r.stdout.split() == ["False", "True"], r.stderr
     assert builtins.open is intercept.real_open  # (this process: never installed)
+
+
+def test_a_fork_never_inherits_an_import_made_for_a_mounts_reader(tmp_path):
+    """A thread making a mount's reader imports (the reader module, lmdb) under the
+    mounts' lock; a DataLoader worker forked meanwhile inherited that module's import lock
+    held by a thread it does not have, and hung at its first read (seen in the race test).
+    A fork now waits until the reader is made: the child imports nothing half-done."""
+    (tmp_path / "slowmod.py").write_text("import time\ntime.sleep(0.5)\nDONE = True\n")
+    code = f"""
+import os, signal, sys, threading
+sys.path.insert(0, {str(tmp_path)!r})
+from dlcachefs.data import intercept
+started = threading.Event()
+def slow(root):
+    started.set()
+    import slowmod  # noqa: F401 - an import under the mounts' lock, as _reader_for's
+    return None
+intercept._reader_for = slow
+t = threading.Thread(target=intercept._mounts.reader, args=("/x",))
+t.start()
+started.wait()
+pid = os.fork()
+if pid == 0:
+    signal.alarm(10)  # (a hang is the bug: SIGALRM ends the child)
+    import slowmod
+    os._exit(0 if slowmod.DONE else 1)
+_, status = os.waitpid(pid, 0)
+t.join()
+print(os.waitstatus_to_exitcode(status))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "0", (r.stdout, r.stderr)

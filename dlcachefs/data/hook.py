@@ -41,8 +41,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
-import importlib.abc
-import importlib.util
 import math
 import os
 import re
@@ -58,6 +56,7 @@ from functools import lru_cache
 from dlcachefs import mountctl
 from dlcachefs.clairvoyance import protocol as _p
 from dlcachefs.data import wrappers as _w
+from dlcachefs.data.onimport import PatchOnImport
 
 ENV_JOB = "DLCACHEFS_JOB"
 _installed = False
@@ -714,30 +713,11 @@ def install() -> None:
     if mod is not None:
         _patch(mod)
     else:
-        sys.meta_path.insert(0, _PatchOnImport())
+        sys.meta_path.insert(0, PatchOnImport("torch.utils.data", _patch, _patch_failed))
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Runs :func:`_patch` right after ``torch.utils.data`` is executed (one shot)."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != "torch.utils.data":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        orig_exec = spec.loader.exec_module
-
-        def exec_module(module):
-            orig_exec(module)
-            try:
-                _patch(module)
-            except Exception as e:  # noqa: BLE001 - never break the training
-                _warn_once("patch", f"could not install the sampler hook: {e}")
-
-        spec.loader.exec_module = exec_module
-        return spec
+def _patch_failed(e: Exception) -> None:
+    _warn_once("patch", f"could not install the sampler hook: {e}")
 
 
 # ----- per-sample losses and explicit orders (importance sampling) ----------------------

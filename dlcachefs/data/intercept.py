@@ -46,14 +46,16 @@ made once under it; the rest is the reader's (:mod:`dlcachefs.data.reader`).
 from __future__ import annotations
 
 import builtins
-import contextlib
 import errno
 import io
+import json
 import os
 import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any
+
+from dlcachefs.data.onimport import PatchOnImport
 
 if TYPE_CHECKING:
     from dlcachefs.data.reader import CacheReader
@@ -132,8 +134,6 @@ def _reader_for(root: str) -> CacheReader | None:
     from dlcachefs.data import reader as R  # noqa: PLC0415 - lmdb at the first open
 
     try:
-        import json  # noqa: PLC0415
-
         with _real_open(os.path.join(root, *R.INFO), "rb") as f:
             info = R.CacheInfo.from_json(json.loads(f.read()))
     except (OSError, ValueError, KeyError, TypeError):
@@ -151,13 +151,24 @@ def _reader_for(root: str) -> CacheReader | None:
 _mounts = _Mounts()
 
 
+def _before_fork() -> None:
+    # No fork while a thread makes a mount's reader: it imports (the reader module, lmdb)
+    # under this lock, and a child forked meanwhile would inherit that module's import
+    # lock held by a thread it does not have, and wait for it forever at its first read
+    # (a DataLoader worker forked while the main process's threads read).
+    _mounts._lock.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _mounts._lock.release()
+
+
 def _after_fork_in_child() -> None:
-    # a thread of the parent may have held the lock at the fork (reading the mount
-    # table): the child, which has only the forking thread, must not wait for it forever
-    _mounts._lock = threading.Lock()
+    _mounts._lock = threading.Lock()  # (the parent's, held through the fork)
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
 
 
 def _max_size() -> int:
@@ -362,6 +373,13 @@ class CachedFile(io.BufferedIOBase):
 
 # ----- torchvision.io: files read in C ------------------------------------------------------
 
+TV_IMAGE = "torchvision.io.image"
+
+
+def _ignore(_: Exception) -> None:
+    pass  # torchvision's own read_file answers
+
+
 def _patch_torchvision(image_mod) -> None:
     """Replace ``read_file`` in ``torchvision.io.image`` (``decode_image(path)`` calls it
     there) and in ``torchvision.io``."""
@@ -399,30 +417,6 @@ def _patch_torchvision(image_mod) -> None:
         io_mod.read_file = read_file
 
 
-class _PatchTorchvision:
-    """A meta path finder that patches ``torchvision.io.image`` right after it runs (one
-    shot): ``torchvision.io`` imports ``read_file`` from it after that, patched."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != "torchvision.io.image":
-            return None
-        import importlib.util  # noqa: PLC0415
-
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        orig_exec = spec.loader.exec_module
-
-        def exec_module(module):
-            orig_exec(module)
-            with contextlib.suppress(Exception):  # never break the import
-                _patch_torchvision(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
 # ----- on and off ----------------------------------------------------------------------------
 
 def install() -> bool:
@@ -440,7 +434,8 @@ def install() -> bool:
     if image is not None:
         _patch_torchvision(image)
     else:
-        sys.meta_path.insert(0, _PatchTorchvision())
+        # (torchvision.io imports read_file from it right after: the patched one)
+        sys.meta_path.insert(0, PatchOnImport(TV_IMAGE, _patch_torchvision, _ignore))
     return True
 
 
@@ -455,7 +450,8 @@ def uninstall() -> None:
     _installed = False
     builtins.open = _real_open
     io.open = _real_open
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchTorchvision)]
+    sys.meta_path[:] = [f for f in sys.meta_path
+                        if not (isinstance(f, PatchOnImport) and f.name == TV_IMAGE)]
 
 
 def installed() -> bool:
