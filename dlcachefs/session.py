@@ -604,7 +604,7 @@ def _background(cfg: Config, rp: _ReadPath, observers: Observers, table: StreamT
     # reads served in training processes (dlcachefs run): their events, as opens
     in_process = InProcessReads(TallyEvents(os.path.join(cfg.data_dir, TALLY_DIR)),
                                 index=index, readers=stream_events, observers=observers,
-                                policy=policy, clock=clock)
+                                policy=policy, clock=clock, after_use=rp.reader.after_use)
     return Session(cfg, engine, control, streams, losses, plans, prefetcher, scan, importance,
                    future, memory, zerocopy, packer=packer, trace=trace, peers=peers,
                    owner_prefetch=owner_prefetch, shares=shares, dedup=dedup,

@@ -257,7 +257,7 @@ def run(cfg: Config, report: Reporter) -> int:
         # walked at this start, or as the last clean stop's walk left it; each commit
         # vouched for after it (readers in training processes map it only then)
         session.engine.index.guard = integrity.hold_sound(
-            os.path.join(cfg.data_dir, TALLY_DIR, SOUND_FILE), cfg.index_dir)
+            os.path.join(cfg.data_dir, SOUND_FILE), cfg.index_dir)
         log.info("started: %s", info)
         if cfg.metrics_port:
             # bound before the mount: a port in use fails the mount with the reason

@@ -242,9 +242,13 @@ class FetchPool(TaskOwner):
         lock = _lock_fd(self.cfg.data_dir)
         cmd = [sys.executable, "-m", "dlcachefs.cache.fetchworker",
                os.fsdecode(self.ns_root()), "1" if self.cfg.use_source_inode else "0"]
-        proc = await trio.to_thread.run_sync(lambda: subprocess.Popen(
+        # Started from the loop's own thread, not a worker thread: the worker's
+        # PR_SET_PDEATHSIG fires when the THREAD that forked it exits, and trio's cached
+        # threads exit after 10 s idle (the workers were SIGKILLed mid-append then). A
+        # fork/exec blocks the loop for a few milliseconds, once per worker.
+        proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            pass_fds=(lock,) if lock is not None else (), start_new_session=False))
+            pass_fds=(lock,) if lock is not None else (), start_new_session=False)
         log_id = self.writer.reserve_log_id()
         try:
             await trio.to_thread.run_sync(self.logs.create_sized, log_id, LOG_HEADER_SIZE)

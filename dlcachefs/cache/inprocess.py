@@ -6,8 +6,8 @@ A training under ``dlcachefs run`` reads cached files in its own processes
 process writes an event per file it served (inode, when, how long, size) into its tally
 file's ring (:mod:`dlcachefs.store.tally`). :class:`InProcessReads` drains the rings every
 :data:`DRAIN_S` seconds and, for each event, does what an open through the mount does for
-the parts that watch readers: the policy hears the request (LRU recency, iCACHE's
-counts), the observers hear the open and that it was served from the cache
+the parts that watch readers: the policy hears the request and the access to the
+record's chunk (LRU recency, iCACHE's counts, LCache's release after use), the observers hear the open and that it was served from the cache
 (:class:`~dlcachefs.cache.readers.OpenEvent` with ``in_process``: a stream's position,
 its prefetch and read plan, scan-ahead, the trace, the loader's pace and t_fetch, the
 files used this epoch for substitution), and the stream counts it apart
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import trio
@@ -57,9 +58,12 @@ class InProcessReads:
     """Drains the readers' event rings into the read path's events (see the module doc)."""
 
     def __init__(self, events: TallyEvents, *, index: Index, readers: Readers,
-                 observers: OpenObserver, policy: CachingPolicy,
-                 clock: PolicyClock) -> None:
+                 observers: OpenObserver, policy: CachingPolicy, clock: PolicyClock,
+                 after_use: Callable[[int, int], None]) -> None:
+        """``after_use(chunk id, inode)``: a record of the chunk was served (the policy's
+        access, release after use: :meth:`LogReader.after_use`)."""
         self.events = events
+        self.after_use = after_use
         self.index = index
         self.readers = readers
         self.observers = observers
@@ -110,6 +114,9 @@ class InProcessReads:
             self.observers.opened(ev)
             self.clock.tick += 1
             self.policy.on_request(ino)
+            rec = self.index.get_record(ino)
+            if rec is not None and rec.size == size:  # (the record it read, or its move)
+                self.after_use(rec.chunk_id, ino)
             self.observers.served(ev, Served(None, None, True, done=t + seconds))
             if stream is not None:
                 stream.reads.in_process_opens += 1

@@ -112,7 +112,7 @@ def zerocopy_info(cfg: Config) -> bytes:
         "logs_dir": cfg.logs_dir,
         "tally_dir": os.path.join(cfg.data_dir, TALLY_DIR),
         "revalidate_s": cfg.revalidate,
-        "sound": os.path.join(cfg.data_dir, TALLY_DIR, SOUND_FILE),
+        "sound": os.path.join(cfg.data_dir, SOUND_FILE),
         # substitution decides at open which file's bytes an open gets: opens stay the
         # mount's then (dlcachefs.data.intercept)
         "intercept": not cfg.substitute,

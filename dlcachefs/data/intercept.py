@@ -70,6 +70,12 @@ ENV_MAX = "DLCACHEFS_INTERCEPT_MAX"
 MAX_SIZE = 16 << 20
 #: seconds between readings of the mount table
 MOUNTS_EVERY_S = 1.0
+#: seconds before a mount whose description could not be read is asked again
+RETRY_S = 5.0
+
+
+class _Transient(Exception):
+    """A mount's description could not be read now."""
 
 _real_open = io.open  # what builtins.open is too, before install()
 #: the real ``open``, for reads that must go through the mount whatever is installed
@@ -87,6 +93,7 @@ class _Mounts:
         self.prefixes: tuple[tuple[bytes, str], ...] = ()
         self._next = 0.0
         self._readers: dict[str, CacheReader | None] = {}
+        self._retry: dict[str, float] = {}  # root -> when to ask a silent mount again
 
     def find(self, path: bytes) -> tuple[str, bytes] | None:
         """(the mount's root, ``path`` relative to it) for an absolute ``path``."""
@@ -103,8 +110,14 @@ class _Mounts:
             return r  # type: ignore[return-value]
         with self._lock:
             if root not in self._readers:
+                if time.monotonic() < self._retry.get(root, 0.0):
+                    return None
                 try:
                     self._readers[root] = _reader_for(root)
+                except _Transient:
+                    # the mount did not answer (a daemon restarting): asked again later
+                    self._retry[root] = time.monotonic() + RETRY_S
+                    return None
                 except Exception:  # noqa: BLE001 - no lmdb in this venv, say: the mount reads
                     self._readers[root] = None
             return self._readers[root]
@@ -136,7 +149,9 @@ def _reader_for(root: str) -> CacheReader | None:
     try:
         with _real_open(os.path.join(root, *R.INFO), "rb") as f:
             info = R.CacheInfo.from_json(json.loads(f.read()))
-    except (OSError, ValueError, KeyError, TypeError):
+    except OSError as e:
+        raise _Transient from e
+    except (ValueError, KeyError, TypeError):
         return None
     if not info.intercept:
         return None
@@ -192,8 +207,8 @@ def _served(file: Any) -> CachedFile | None:
     if found is None:
         return None
     root, rel = found
-    if rel.startswith(b".dlcache/") or rel == b".dlcache":
-        return None
+    if rel.startswith(b".dlcache/") or rel == b".dlcache" or rel.endswith(b"/"):
+        return None  # (a trailing slash: the kernel's ENOTDIR, through the mount)
     reader = _mounts.reader(root)
     if reader is None:
         return None
@@ -224,8 +239,8 @@ def open(file, mode="r", buffering=-1, encoding=None, errors=None, newline=None,
     """``io.open``, with read-only binary opens of cached files of a dlcachefs mount served
     in the process (see the module doc)."""
     if not getattr(_local, "inside", False):
-        _local.inside = True
         try:
+            _local.inside = True
             if ((mode == "rb" or mode == "br") and buffering != 0 and opener is None
                     and closefd is True and encoding is None and errors is None
                     and newline is None):  # (the real open refuses the others)
@@ -258,9 +273,13 @@ class CachedFile(io.BufferedIOBase):
     # ----- reads: what BufferedReader does ------------------------------------------
 
     def read(self, size: int | None = -1) -> bytes:
+        if size is not None and size < -1:
+            raise ValueError("read length must be non-negative or -1")
         return self._f.read(size)
 
     def read1(self, size: int = -1) -> bytes:
+        if size < -1:
+            raise ValueError("read length must be non-negative or -1")
         return self._f.read1(size)
 
     def readinto(self, b) -> int:

@@ -55,7 +55,7 @@ class WriteGuard(Protocol):
 
     def before_write(self) -> None: ...
 
-    def after_write(self) -> None: ...
+    def after_write(self, exc: BaseException | None = None) -> None: ...
 
 
 class Index:
@@ -269,7 +269,12 @@ class Index:
                 guard = self.guard
                 if guard is not None:
                     guard.before_write()
-                yield
+                try:
+                    yield
+                except BaseException as e:
+                    if guard is not None:
+                        guard.after_write(e)  # (a failed commit may have written pages)
+                    raise
                 if guard is not None:
                     guard.after_write()
         finally:

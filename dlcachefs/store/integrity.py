@@ -28,13 +28,16 @@ while mapped, LMDB is trusted (see docs/faults.md).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import shutil
+import stat
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 from dlcachefs.store import schema as S
@@ -384,11 +387,12 @@ def note_damage(why: str) -> None:
     running): the stop leaves no clean marker, so the next start walks the index and
     recounts what it derives from it, or sets it aside; readers in other processes stop
     mapping it (:func:`hold_sound`). A WARNING, once per run."""
-    drop_sound()
-    if not _run_errors:
-        log.warning("the index may be damaged (%s); the next start checks it", why[:300])
-    _run_errors.append(why[:200])
+    first = not _run_errors
+    _run_errors.append(why[:200])  # (before the drop: no flag is written after it)
     del _run_errors[1:]  # the first is enough
+    drop_sound()
+    if first:
+        log.warning("the index may be damaged (%s); the next start checks it", why[:300])
 
 
 def log_failure(logger: logging.Logger, msg: str, *args: object) -> None:
@@ -430,30 +434,44 @@ class SoundFlag:
         self.stamp: str | None = None
 
     def hold(self) -> None:
-        self.stamp = _stamp(self.index_dir)
-        self._write()
+        with _sound_lock:
+            self.stamp = _stamp(self.index_dir)
+            self._write()
 
     def before_write(self) -> None:
         if self.stamp is not None and _stamp(self.index_dir) != self.stamp:
             note_damage("the index file changed outside the daemon's commits")
 
-    def after_write(self) -> None:
-        if self.stamp is None:
+    def after_write(self, exc: BaseException | None = None) -> None:
+        """After a write transaction: its commit vouched for. One that failed (a full
+        disk) may have written pages all the same: vouched for too, unless the failure
+        is itself a sign of damage."""
+        if exc is not None and is_damage(exc):
             return
-        self.stamp = _stamp(self.index_dir)
-        self._write()
+        with _sound_lock:
+            if self.stamp is None:
+                return
+            self.stamp = _stamp(self.index_dir)
+            self._write()
 
     def _write(self) -> None:
+        """(under _sound_lock)"""
         if _run_errors or self.stamp is None:
-            self.drop()
+            self._unlink()
             return
         # Rewritten in place, at a fixed length: no block to allocate (a full cache disk
         # must not take the readers' word away), one small pwrite a reader sees whole or,
         # torn, unlike the file (it then reads through the mount once, and looks again)
+        # (in the cache directory, which only the daemon's user may write: never a link
+        # or a FIFO someone else put there; checked all the same)
         line = (self.stamp + "\n").encode().ljust(FLAG_BYTES, b" ")
         try:
-            fd = os.open(self.flag, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o640)
+            fd = os.open(self.flag, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+                         | os.O_NONBLOCK, 0o640)
             try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                    raise OSError(errno.EPERM, "not the daemon's regular file")
                 os.pwrite(fd, line, 0)
             finally:
                 os.close(fd)
@@ -465,13 +483,19 @@ class SoundFlag:
                      self.flag, e)
 
     def drop(self) -> None:
-        self.stamp = None
+        with _sound_lock:
+            self.stamp = None
+            self._unlink()
+
+    def _unlink(self) -> None:
         with contextlib.suppress(OSError):
             os.unlink(self.flag)
 
 
 #: the flags of :func:`hold_sound`
 _sound_flags: list[SoundFlag] = []
+#: a flag's write and its drop (a commit's thread, damage noted in another) never cross
+_sound_lock = threading.Lock()
 
 
 def hold_sound(flag: str, index_dir: str) -> SoundFlag:

@@ -91,8 +91,8 @@ SIZE = _RING + EVENT.size * RING
 #: what the daemon reads of a file at each drain besides the ring: counts, job, rank, head
 HEAD_SIZE = _RING
 SUFFIX = ".tally"
-#: the file in the directory that exists while the daemon holds its index sound
-#: (:func:`dlcachefs.store.integrity.hold_sound`)
+#: the file in the cache directory (not in ``zerocopy/``, which a reader group may write)
+#: by which the daemon vouches for its index (:func:`dlcachefs.store.integrity.hold_sound`)
 SOUND_FILE = "index-sound"
 
 
@@ -333,6 +333,8 @@ class TallyReader:
 
 #: seconds between listings of the directory for readers that started or ended
 SCAN_EVERY_S = 0.2
+#: reading processes whose events the daemon follows at once (each holds a descriptor)
+MAX_RINGS = 1024
 
 
 class Ring:
@@ -384,13 +386,28 @@ class TallyEvents:
             self._next_scan = now + SCAN_EVERY_S
             ended = self._scan()
         out = []
-        for ring in [*self._rings.values(), *ended]:
-            got = self._drain_one(ring)
-            if got is not None:
-                out.append((ring, *got))
-        for ring in ended:
-            _close_fd(ring.fd)
+        try:
+            for ring in [*self._rings.values(), *ended]:
+                try:
+                    got = self._drain_one(ring)
+                except (struct.error, ValueError, OSError) as e:
+                    # a file its writer (any reader-group member) made wrong: it alone is
+                    # dropped, never the others' events
+                    log.info("tally %s: unreadable events (%s); ignored", ring.name, e)
+                    self._forget(ring)
+                    continue
+                if got is not None:
+                    out.append((ring, *got))
+        finally:
+            for ring in ended:
+                _close_fd(ring.fd)
         return out
+
+    def _forget(self, ring: Ring) -> None:
+        if self._rings.get(ring.name) is ring:
+            del self._rings[ring.name]
+            self._ended.add(ring.name)
+            _close_fd(ring.fd)
 
     def readers(self) -> int:
         """Reading processes known now (as of the last directory listing)."""
@@ -417,6 +434,8 @@ class TallyEvents:
                 self._ended.add(name)
         self._ended &= names  # (removed by TallyReader.collect: forgotten)
         for name in names - self._rings.keys() - self._ended:
+            if len(self._rings) >= MAX_RINGS:  # (a member making files by the thousand)
+                break
             try:
                 fd = _open_regular(os.path.join(self.dir, name))
             except OSError:
@@ -438,6 +457,8 @@ class TallyEvents:
         ring.counts = counts
         head = _U64.unpack_from(head_buf, _HEAD)[0]
         events: list[tuple[int, float, float, int]] = []
+        if head < ring.tail or head - ring.tail > 1 << 40:
+            raise ValueError(f"head {head} behind tail {ring.tail} or implausible")
         if head > ring.tail:
             start = max(ring.tail, head - RING)
             self.lost += start - ring.tail
@@ -448,6 +469,8 @@ class TallyEvents:
             head2 = _U64.unpack(again)[0] if again is not None and len(again) == 8 else head
             keep_from = max(start, head2 - RING)
             self.lost += keep_from - start
+            if raw is not None and len(raw) != EVENT.size * (head - start):
+                raise ValueError("a short ring")
             if raw is not None:
                 skip = keep_from - start
                 events = [EVENT.unpack_from(raw, EVENT.size * i)
