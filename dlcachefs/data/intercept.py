@@ -196,8 +196,10 @@ def _max_size() -> int:
 _max = _max_size()
 
 
-def _served(file: Any) -> CachedFile | None:
-    """The in-process answer to ``open(file, "rb")``, or None for the real ``open``."""
+def _mount_of(file: Any) -> tuple[CacheReader, bytes] | None:
+    """The reader of the mount ``file`` lies in, and its absolute path, when the process
+    may read that mount's cache (not for its ``.dlcache/`` files, nor a path with a
+    trailing slash: the kernel's ENOTDIR, through the mount)."""
     if isinstance(file, int):
         return None
     p = os.fsencode(file)  # (str, bytes, PathLike; TypeError for anything else)
@@ -208,10 +210,17 @@ def _served(file: Any) -> CachedFile | None:
         return None
     root, rel = found
     if rel.startswith(b".dlcache/") or rel == b".dlcache" or rel.endswith(b"/"):
-        return None  # (a trailing slash: the kernel's ENOTDIR, through the mount)
-    reader = _mounts.reader(root)
-    if reader is None:
         return None
+    reader = _mounts.reader(root)
+    return None if reader is None else (reader, p)
+
+
+def _served(file: Any) -> CachedFile | None:
+    """The in-process answer to ``open(file, "rb")``, or None for the real ``open``."""
+    m = _mount_of(file)
+    if m is None:
+        return None
+    reader, p = m
     got = reader.read_located(p, _max)
     if got is None:
         return None
@@ -222,16 +231,9 @@ def _served(file: Any) -> CachedFile | None:
 
 def _count(file: Any, reason: str) -> None:
     """Count an open under a mount that the mode sends through it."""
-    if isinstance(file, int):
-        return
-    p = os.fsencode(file)
-    if not p.startswith(b"/"):
-        p = os.getcwdb() + b"/" + p
-    found = _mounts.find(p)
-    if found is not None and not found[1].startswith(b".dlcache"):
-        reader = _mounts.reader(found[0])
-        if reader is not None:
-            reader.count(reason)
+    m = _mount_of(file)
+    if m is not None:
+        m[0].count(reason)
 
 
 def open(file, mode="r", buffering=-1, encoding=None, errors=None, newline=None,  # noqa: A001

@@ -129,18 +129,25 @@ class Index:
 
     def get_entry(self, ino: int) -> Entry | None:
         """The entry of ``ino`` (None: not in the index). Shared: never change it."""
-        gen, entries, _records = self._current_memo()
-        e = entries.get(ino, _ABSENT)
-        if e is not _ABSENT:
+        return self._memo_get(ino, 1, self.inode,
+                              lambda v: Entry.unpack(ino, v))  # type: ignore[return-value]
+
+    def _memo_get(self, ino: int, which: int, db, unpack):
+        """``ino``'s value in ``db``, unpacked, from the memo (``which``: 1 entries, 2
+        records) or read and kept there when :meth:`_may_keep` allows."""
+        memo = self._current_memo()
+        gen, values = memo[0], memo[which]
+        got = values.get(ino, _ABSENT)
+        if got is not _ABSENT:
             self.memo_hits += 1
-            return e  # type: ignore[return-value]
+            return got
         self.reads += 1
-        with self.env.begin(db=self.inode, buffers=False) as txn:
+        with self.env.begin(db=db, buffers=False) as txn:
             v = txn.get(ukey(ino))
-        e = Entry.unpack(ino, v) if v is not None else None
-        if self._may_keep(gen, entries):
-            entries[ino] = e
-        return e
+        got = unpack(v) if v is not None else None
+        if self._may_keep(gen, values):
+            values[ino] = got
+        return got
 
     def lookup(self, parent: int, name: bytes) -> int | None:
         with self.env.begin(db=self.dirent) as txn:
@@ -175,18 +182,7 @@ class Index:
     def get_record(self, ino: int) -> Record | None:
         """The record of ``ino`` (None: not cached), of whatever version: the caller
         compares (:mod:`dlcachefs.cache.versions`)."""
-        gen, _entries, records = self._current_memo()
-        rec = records.get(ino, _ABSENT)
-        if rec is not _ABSENT:
-            self.memo_hits += 1
-            return rec  # type: ignore[return-value]
-        self.reads += 1
-        with self.env.begin(db=self.record) as txn:
-            v = txn.get(ukey(ino))
-        rec = Record.unpack(v) if v is not None else None
-        if self._may_keep(gen, records):
-            records[ino] = rec
-        return rec
+        return self._memo_get(ino, 2, self.record, Record.unpack)  # type: ignore[return-value]
 
     def get_key(self, ino: int) -> ContentKey | None:
         """The content key known for ``ino`` (of any version: the caller compares)."""
