@@ -46,6 +46,7 @@ made once under it; the rest is the reader's (:mod:`dlcachefs.data.reader`).
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
 import io
 import json
@@ -166,16 +167,25 @@ def _reader_for(root: str) -> CacheReader | None:
 _mounts = _Mounts()
 
 
+#: seconds a fork waits for a thread making a mount's reader (see _before_fork)
+FORK_WAIT_S = 5.0
+_fork_held = threading.local()
+
+
 def _before_fork() -> None:
-    # No fork while a thread makes a mount's reader: it imports (the reader module, lmdb)
-    # under this lock, and a child forked meanwhile would inherit that module's import
-    # lock held by a thread it does not have, and wait for it forever at its first read
-    # (a DataLoader worker forked while the main process's threads read).
-    _mounts._lock.acquire()
+    # No fork while a thread makes a mount's reader, if it can be helped: it imports under
+    # this lock, and a child forked meanwhile would inherit that module's import lock held
+    # by a thread it does not have. The imports are made at install() when a mount is
+    # there (before any thread); this wait covers a mount that came later. Bounded: that
+    # thread may itself wait for a lock the forking thread holds (logging's, taken by its
+    # own at-fork handler), and a fork must never hang the training.
+    _fork_held.got = _mounts._lock.acquire(timeout=FORK_WAIT_S)
 
 
 def _after_fork_in_parent() -> None:
-    _mounts._lock.release()
+    if getattr(_fork_held, "got", False):
+        _fork_held.got = False
+        _mounts._lock.release()
 
 
 def _after_fork_in_child() -> None:
@@ -449,6 +459,11 @@ def install() -> bool:
     if os.environ.get(ENV, "1") == "0":
         return False
     _installed = True
+    if _mount_table_has_one():
+        # the reader's imports now, in the one thread there is: made lazily in a reading
+        # thread, a DataLoader worker forked meanwhile could inherit their import locks
+        with contextlib.suppress(Exception):  # (no lmdb here: reads go through the mount)
+            import dlcachefs.data.reader  # noqa: F401, PLC0415
     builtins.open = open
     io.open = open
     image = sys.modules.get("torchvision.io.image")
@@ -458,6 +473,14 @@ def install() -> bool:
         # (torchvision.io imports read_file from it right after: the patched one)
         sys.meta_path.insert(0, PatchOnImport(TV_IMAGE, _patch_torchvision, _ignore))
     return True
+
+
+def _mount_table_has_one() -> bool:
+    try:
+        with _real_open("/proc/self/mounts", "rb") as f:
+            return b" fuse.dlcachefs " in f.read()
+    except OSError:
+        return False
 
 
 def uninstall() -> None:
