@@ -478,7 +478,7 @@ def _read_path(cfg: Config, source: Source, index: Index, logs: LogStore,
 
 def _streams(cfg: Config, rp: _ReadPath, table: StreamTable, clock: PolicyClock,
              importance: InodeImportance, memory: MemoryBudget, plans: ReadPlanner,
-             prefetcher: Prefetcher, zerocopy: TallyReader
+             prefetcher: Prefetcher, events: TallyEvents
              ) -> tuple[StreamManager, Losses, TraceRecorder | None, ErrorLog]:
     """The stream manager and its parts, the losses it tells of epochs, the trace and
     the control file's error log (shared with the losses)."""
@@ -489,7 +489,8 @@ def _streams(cfg: Config, rp: _ReadPath, table: StreamTable, clock: PolicyClock,
     losses: Losses | None = None  # (made below: it asks the streams for sample lists)
     streams = StreamManager(
         cfg, table, attribution=Attribution(table), lists=SampleLists(ns, index, table),
-        planner=NextEpochPlanner(cfg, table, ns, writer, rp.memtier, zerocopy, next_log),
+        planner=NextEpochPlanner(cfg, table, ns, writer, rp.memtier,
+                                 lambda: events.lost, next_log),
         prefetch=PrefetchLoop(ns, rp.readahead, rp.memtier, prefetcher,
                               lead_bytes=stream_lead_bytes(cfg),
                               concurrency=cfg.source_threads),
@@ -538,6 +539,7 @@ def _background(cfg: Config, rp: _ReadPath, observers: Observers, table: StreamT
     (told of opens through ``observers``), and the control state."""
     index, ns, writer, policy = rp.index, rp.ns, rp.writer, rp.policy
     zerocopy = TallyReader(os.path.join(cfg.data_dir, TALLY_DIR))  # zero-copy readers' counts
+    events = TallyEvents(os.path.join(cfg.data_dir, TALLY_DIR))  # and their opens
     # planned reads of known orders: half of --memory, taken from the tier
     plans = ReadPlanner(index=index, logs=rp.logs, writer=writer, memtier=rp.memtier,
                         counters=rp.counters, disk_limiter=rp.disk_limiter, reader=rp.reader,
@@ -556,7 +558,7 @@ def _background(cfg: Config, rp: _ReadPath, observers: Observers, table: StreamT
         policy=policy, backlog=rp.backlog, readahead=rp.readahead, plans=plans,
         counters=rp.counters, pool=pool)
     streams, losses, trace, errors = _streams(cfg, rp, table, clock, importance, memory,
-                                              plans, prefetcher, zerocopy)
+                                              plans, prefetcher, events)
     # iCACHE's dynamic packaging fills the L-cache when substitution is on (and the
     # policy plans packages at all)
     packer = (Packer(cfg, index=index, ns=ns, policy=policy, writer=writer,
@@ -602,7 +604,7 @@ def _background(cfg: Config, rp: _ReadPath, observers: Observers, table: StreamT
         on_loss=losses.on_loss, on_order=streams.on_order, loss_room=losses.room,
         on_job_dropped=streams.drop_job, job_reading=streams.job_reading, errors=errors)
     # reads served in training processes (dlcachefs run): their events, as opens
-    in_process = InProcessReads(TallyEvents(os.path.join(cfg.data_dir, TALLY_DIR)),
+    in_process = InProcessReads(events,
                                 index=index, readers=stream_events, observers=observers,
                                 policy=policy, clock=clock, after_use=rp.reader.after_use)
     return Session(cfg, engine, control, streams, losses, plans, prefetcher, scan, importance,

@@ -151,3 +151,101 @@ def test_a_sample_repeated_in_the_order_is_read_once_from_its_log(tmp_path):
         nl.abandon()
 
     run_session(cfg, body, check_invariants=False)
+
+
+class _ReleasingLog:
+    """The current epoch's log, as ``Stream.consume`` sees it: every use releases."""
+
+    release_after_use = True
+    epoch = 1
+
+    def __init__(self) -> None:
+        self.released: list[int] = []
+
+    def used(self, ino: int) -> int:
+        return 7
+
+    def release(self, chunk_id: int) -> None:
+        self.released.append(chunk_id)
+
+
+def test_a_sample_that_found_no_room_is_written_once_the_current_log_frees_some(tmp_path):
+    """An open through the mount can come before the events of reads served in training
+    processes (drained 50 ms late) whose release of the current log's chunks would have
+    made room for it: the sample is read again for its slot at the next release, not
+    left to the fill at the epoch boundary (a CI run waited for the next log for ever)."""
+    from dlcachefs.cache.namespace import identity
+    from dlcachefs.clairvoyance.stream import Stream
+
+    files, cfg = two_samples(tmp_path)
+    out = {}
+
+    async def body(sess):
+        writer = sess.engine.writer
+        nl, inos = await planned(sess, files)
+        S = inos[0]
+        e = sess.engine.index.get_entry(S)
+        real = writer.try_reserve
+        writer.try_reserve = lambda n: False  # the cache is full of the current log
+        nl.consumed(S, files[b"train/c0/img00.jpg"], identity(e))
+        writer.try_reserve = real
+        out["claimed_without_room"] = nl.slots[S].written
+        out["before_a_release"] = nl.take_no_room()
+        s = Stream("default", 0, consumed=bytearray(2))
+        s.current_log, s.next_log = _ReleasingLog(), nl
+        s.consume(S, 0)  # the current log releases a chunk: room
+        out["released"] = s.current_log.released
+        retry = nl.take_no_room()
+        out["retry"], out["again"] = retry, nl.take_no_room()
+        await nl.backfill(retry)
+        out["written"] = nl.slots[S].written
+        nl.abandon()
+
+    run_session(cfg, body, check_invariants=False)
+    assert out["claimed_without_room"] is False
+    assert out["before_a_release"] == []  # nothing freed yet: nothing to retry
+    assert out["released"] == [7]
+    assert out["retry"] == [out["retry"][0]] and out["again"] == []
+    assert out["written"] is True
+
+
+def test_the_current_log_stays_protected_while_in_process_reads_report(tmp_path):
+    """Reads served in training processes release the current log's chunks through their
+    events: their readers alone no longer let the log go (it was, and the next log then
+    found no room), only events lost from a full ring do, once per loss."""
+    import time
+
+    from dlcachefs.clairvoyance.stream import Stream
+
+    files, cfg = two_samples(tmp_path)
+    out = {}
+
+    class Log(_ReleasingLog):
+        def __init__(self) -> None:
+            super().__init__()
+            self.unprotected = 0
+
+        def unprotect(self) -> None:
+            self.unprotected += 1
+
+    async def body(sess):
+        planner = sess.streams.planner
+        lost = [0]
+        planner.events_lost = lambda: lost[0]
+        s = Stream("job", 0, last_open=time.monotonic())
+        s.current_log = Log()
+        planner.streams[("job", 0)] = s
+        planner.unprotect_idle(time.monotonic())
+        out["kept"] = (s.current_log.release_after_use, s.current_log.unprotected)
+        lost[0] = 3
+        planner.unprotect_idle(time.monotonic())
+        out["lost"] = (s.current_log.release_after_use, s.current_log.unprotected)
+        s.current_log = Log()  # the next epoch's: the same loss is not counted again
+        planner.unprotect_idle(time.monotonic())
+        out["again"] = (s.current_log.release_after_use, s.current_log.unprotected)
+        del planner.streams[("job", 0)]
+
+    run_session(cfg, body, check_invariants=False)
+    assert out["kept"] == (True, 0)
+    assert out["lost"] == (False, 1)
+    assert out["again"] == (True, 0)

@@ -99,6 +99,13 @@ for epoch in range(first, first + epochs):
                     and (nl is None or nl["sealed"] == nl["chunks"])):
                 break
             time.sleep(0.1)
+        else:  # say what never settled (the caller's timeout reports it)
+            print("not settled: pending_bytes", s["pending_bytes"], "position",
+                  st.get("position"), "of", len(samples), "next_log", nl, file=sys.stderr)
+            if os.environ.get("DLC_UNSETTLED"):
+                with open(os.environ["DLC_UNSETTLED"], "a") as f:
+                    json.dump(s, f)
+                    f.write("\n")
         if os.environ.get("DLC_DROP"):  # the next epoch finds no page of the files
             os.sync()
             with open("/proc/sys/vm/drop_caches", "w") as f:

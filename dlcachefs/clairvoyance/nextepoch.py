@@ -33,7 +33,6 @@ from dlcachefs.clairvoyance.samplelist import SampleList
 from dlcachefs.clairvoyance.stream import GIVEN_UP, IDLE_S, Stream, StreamTable, same_dataset
 from dlcachefs.config import Config
 from dlcachefs.store.integrity import log_failure
-from dlcachefs.store.tally import TallyReader
 
 log = logging.getLogger(__name__)
 
@@ -42,19 +41,21 @@ class NextEpochPlanner:
     """Lays out the streams' next epochs' logs (see the module doc)."""
 
     def __init__(self, cfg: Config, streams: StreamTable, ns: Namespace,
-                 writer: ChunkWriter, memtier: MemoryTier, zerocopy: TallyReader,
+                 writer: ChunkWriter, memtier: MemoryTier, events_lost: Callable[[], int],
                  new_log: Callable[[str, int], NextEpochLog]) -> None:
         """``writer``: its limit (the cache, or a shared root's share), its protected
         chunks, ``retire_chunk``; ``memtier``: its limit (whether a log is worth laying
-        out); ``zerocopy``: whether zero-copy readers read the cache (their hits never
-        reach the mount, so nothing would be released after use); ``new_log(stream key,
+        out); ``events_lost()``: how many events of reads served in training processes
+        were lost (dropped from a full ring: those reads never reach a log's release after
+        use, see :meth:`unprotect_idle`); ``new_log(stream key,
         epoch)``: a next epoch's log (:class:`NextEpochLog` with its collaborators)."""
         self.cfg = cfg
         self.streams = streams
         self.ns = ns
         self.writer = writer
         self.memtier = memtier
-        self.zerocopy = zerocopy
+        self.events_lost = events_lost
+        self._lost_seen = 0  # events_lost() when the current logs were last let go
         self.new_log = new_log
         # (job, dataset) -> (the epoch its ranks first planned a next-epoch log here, the
         # most of its DistributedSampler's ranks seen on this mount then; _ranks_laying_out)
@@ -104,18 +105,18 @@ class NextEpochPlanner:
             prev.request_finish()  # this epoch's log: fill its gaps and seal it
             s.current_log = prev
             prev.start_reading()
-            if s.memory_prefetch and not self.zerocopy.any_readers():
+            if s.memory_prefetch:
                 # its chunks stay protected until read (LCache's release after use,
                 # note_open): the next epoch's log, written meanwhile into the room
                 # they free, must not evict the part of this epoch's log still ahead
                 # (LRU would take exactly those, its oldest chunks, and every one
-                # evicted is a sample fetched again this epoch)
+                # evicted is a sample fetched again this epoch). Reads served in
+                # training processes release too: their events reach the log's
+                # ``used`` (cache/inprocess.py), a drain (50 ms) later.
                 prev.release_after_use = True
                 prev.protect()  # (again, if an idle pause let it go)
             else:
-                # the whole dataset fits; or zero-copy readers read it, whose hits
-                # the mount never sees (nothing would ever be released): ordinary
-                # cache now
+                # the whole dataset fits: ordinary cache now
                 prev.unprotect()
         else:
             prev.abandon()
@@ -264,13 +265,12 @@ class NextEpochPlanner:
     def unprotect_idle(self, now: float) -> None:
         """Stop protecting the current epoch's log of a stream that opened nothing for
         :data:`IDLE_S` (a training that ended or died mid-epoch), or of every stream once
-        a zero-copy reader reads the cache (its hits never reach the mount, so their
-        chunks would never be released): their chunks become ordinary cache, so another
-        training can evict them. The next epoch's log of an idle stream too (a training
+        events of reads served in training processes were lost (those reads never reach
+        the log, so their chunks would never be released): their chunks become ordinary
+        cache, so another training can evict them. The next epoch's log of an idle stream too (a training
         that ended planned one for an epoch that never comes); if its epoch does begin
-        after the pause, it is protected again then. Trio loop; every few seconds (one
-        listing of the counters' directory, only while a current log is protected)."""
-        zerocopy = None
+        after the pause, it is protected again then. Trio loop; every few seconds."""
+        lost = self.events_lost()
         for s in self.streams.values():
             if s.chunks_ahead is not None and now - s.last_open >= IDLE_S:
                 # a reader that stopped short of its epoch's end: its chunks ahead are
@@ -290,16 +290,15 @@ class NextEpochPlanner:
                 continue
             if now - s.last_open >= IDLE_S:
                 why = f"nothing opened for {now - s.last_open:.0f} s"
+            elif lost > self._lost_seen:
+                why = f"{lost - self._lost_seen} events of in-process reads were lost"
             else:
-                if zerocopy is None:
-                    zerocopy = self.zerocopy.any_readers()
-                if not zerocopy:
-                    continue
-                why = "zero-copy readers read the cache"
+                continue
             cur.release_after_use = False  # (not protected again this epoch)
             cur.unprotect()
             log.info("stream %s: %s: epoch %d's log is no longer protected from eviction",
                      s.key, why, cur.epoch)
+        self._lost_seen = lost
 
 
 def _inos_of(order: list[int], samples: SampleList) -> list[int]:

@@ -218,6 +218,12 @@ class NextEpochLog:
         self._finish = False
         self._reading = False  # start_reading was called: chunks count their unread
         self.done = trio.Event()
+        #: slots consumed (or backfilled) when --cache-size had no room for them, read
+        #: again from the cache (else the source) once the current epoch's log releases a
+        #: chunk (:meth:`room_freed`): the reads served in training processes release
+        #: theirs a drain late, after opens through the mount that came next
+        self._no_room: dict[int, None] = {}
+        self._room_freed = False
 
     async def plan(self, order_inos: list[int], max_bytes: int | None = None,
                    ranks: int = 1) -> None:
@@ -272,7 +278,10 @@ class NextEpochLog:
             return
         if len(data) != slot.ident.size:
             return  # not the whole file: the fill decides at the epoch boundary
-        if self.queued_bytes + len(data) > MAX_QUEUED or not self._reserve(slot):
+        if self.queued_bytes + len(data) > MAX_QUEUED:
+            return  # (the fill reads it at the epoch boundary)
+        if not self._reserve(slot):
+            self._no_room[ino] = None
             return
         slot.written = True  # claimed; written by the drain task
         self.queue.append((slot, bytes(data)))
@@ -413,7 +422,8 @@ class NextEpochLog:
                 # (a chunk of fillers only would hold nothing: it is given up at the end)
 
     async def backfill(self, inos: list[int]) -> None:
-        """Queue samples consumed before this plan existed (read back from the cache)."""
+        """Queue samples consumed before this plan existed, read in training processes, or
+        that found no room when consumed (read back from the cache, else the source)."""
         try:
             await self._backfill(inos)
         except Exception:  # noqa: BLE001 - a background task must never end the daemon
@@ -432,8 +442,10 @@ class NextEpochLog:
             if data is None and not self._finish:
                 self._claim_filler(slot)  # gone, or changed: never this version again
                 continue
-            if (data is None or slot.written or self.failed or self._finish
-                    or not self._reserve(slot)):
+            if data is None or slot.written or self.failed or self._finish:
+                continue
+            if not self._reserve(slot):
+                self._no_room[ino] = None
                 continue
             slot.written = True
             self.queue.append((slot, bytes(data)))
@@ -442,6 +454,19 @@ class NextEpochLog:
                 self._wake.set()
                 await trio.sleep(0)
         self._wake.set()
+
+    def room_freed(self) -> None:
+        """The current epoch's log released a chunk: the slots that found no room may."""
+        self._room_freed = True
+
+    def take_no_room(self) -> list[int]:
+        """The slots to backfill now that room was freed (none until it was)."""
+        if not self._room_freed or not self._no_room or self._finish or self.failed:
+            return []
+        self._room_freed = False
+        out = [i for i in self._no_room if not self.slots[i].written]
+        self._no_room.clear()
+        return out
 
     async def _fill(self) -> None:
         for slot in list(self.slots.values()):

@@ -142,6 +142,8 @@ class Stream:
             done = cur.used(ino)  # LCache line 16: release a chunk after use
             if done is not None:
                 cur.release(done)
+                if self.next_log is not None:
+                    self.next_log.room_freed()
 
     def advance(self) -> None:
         """Move the position past what is consumed; wake what waits on it."""

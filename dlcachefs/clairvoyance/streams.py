@@ -419,6 +419,11 @@ class StreamManager:
         s.last_open = time.monotonic()
         s.consume(ino, p)
         s.advance()
+        nl = s.next_log
+        if nl is not None and self._nursery is not None:
+            retry = nl.take_no_room()
+            if retry:  # (consume released a chunk of the current log)
+                self._nursery.start_soon(nl.backfill, retry)
 
     def note_gone(self, inos: list[int]) -> None:
         """Files found gone from the source (``Namespace.on_removed``): no open of them

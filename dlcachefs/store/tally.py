@@ -293,11 +293,6 @@ class TallyReader:
         except OSError:
             return []
 
-    def any_readers(self) -> bool:
-        """Whether a zero-copy reader is counting in this cache now (its process alive):
-        one directory listing, and a check per counter file."""
-        return any(owner_alive(os.path.join(self.dir, n)) for n in self._names())
-
     def collect(self) -> dict[str, int]:
         """Counts since start of every reader, live or ended, with ``fallbacks`` (their
         sum over the fallback reasons) and ``readers`` (processes counting now)."""
