@@ -90,7 +90,7 @@ for epoch in range(first, first + epochs):
     after = stats()
     if after is not None:
         # let the background work for the next epoch settle (no timing is asserted)
-        deadline = time.monotonic() + float(os.environ.get("DLC_SETTLE_S", "600"))
+        deadline = time.monotonic() + float(os.environ.get("DLC_SETTLE_S", "300"))
         while time.monotonic() < deadline:
             s = stats()
             st = s["streams"].get("default/0", {})
