@@ -364,7 +364,8 @@ def test_cache_smaller_than_the_dataset(client, tmp_path, policy):
             assert cur.release_after_use  # not idle yet
             sess.streams.unprotect_idle(time.monotonic() + IDLE_S + 1)
             assert not cur.release_after_use and not ids & eng.writer.protected
-            # the same when a zero-copy reader appears (its hits are never seen)
+            # a zero-copy reader's hits reach the log as events (released after use):
+            # its log stays protected, unless events were lost (a full ring)
             from dlcachefs.store.tally import TallyWriter
 
             cur.release_after_use = True
@@ -373,6 +374,9 @@ def test_cache_smaller_than_the_dataset(client, tmp_path, policy):
             assert cur.release_after_use  # no reader
             reader = TallyWriter(sess.zerocopy.dir)  # this process, counting: alive
             try:
+                sess.streams.unprotect_idle(time.monotonic())
+                assert cur.release_after_use and ids <= eng.writer.protected
+                sess.in_process.events.lost += 5
                 sess.streams.unprotect_idle(time.monotonic())
             finally:
                 reader.close()
