@@ -447,3 +447,58 @@ def test_a_header_check_then_a_read_reads_the_record_once(setup):
         assert eng.logs.bytes_read - read0 <= size / readplan.MIN_USEFUL + 4096
 
     run_session(cfg, body)
+
+
+def test_a_stream_read_in_process_is_advised_in_quarters_of_the_lead(tmp_path, monkeypatch):
+    """A stream whose reader reads the logs in its own processes (dlcachefs run) gets its
+    window asked into the page cache, never read into the daemon's memory, and in
+    batches of a quarter of the lead as the reader passes (a thread and a call per
+    record it passes cost the daemon more than the events themselves)."""
+    from dlcachefs.cache.readers import OpenEvent, Served
+
+    rng = random.Random(5)
+    files = {b"train/c%d/%03d.jpg" % (c, i): rng.randbytes(rng.randrange(500, 2000))
+             for c in range(3) for i in range(40)}
+    cfg, files = make_setup(tmp_path, files)
+    calls: list[int] = []
+    real = readplan.advise_runs
+
+    def counted(logs, runs):
+        n = real(logs, runs)
+        calls.append(n)
+        return n
+
+    out = {}
+
+    async def body(sess):
+        eng = sess.engine
+        r = Reader(sess, files)
+        await r.fill()
+        s = await r.announce(0)
+        first = await r.plan()
+        s.in_process = True  # (its next epoch's plan starts with it)
+        sess.plans.lead = 40
+        monkeypatch.setattr(readplan, "advise_runs", counted)
+        s = await r.announce(1)
+        await r.plan()
+        with trio.fail_after(20):  # epoch 0's plan, reading into memory, is over
+            while not first.closed or first.inflight:
+                await trio.sleep(0.01)
+        before = sess.stats()["planned_bytes"]
+        for p in range(len(s.order)):  # the reader's events, as a drain tells them
+            ino = r.ino_at(p)
+            ev = OpenEvent(ino, PID, eng.index.get_entry(ino).parent, 0.0, s, in_process=True)
+            eng.observers.opened(ev)
+            eng.observers.served(ev, Served(None, None, True))
+            for _ in range(5):
+                await trio.sleep(0)
+        await trio.sleep(0.1)
+        out["planned_bytes"] = sess.stats()["planned_bytes"] - before
+        out["advised"] = sess.stats()["planned_advised_bytes"]
+
+    run_session(cfg, body)
+    assert out["planned_bytes"] == 0  # nothing read into the daemon's memory
+    assert out["advised"] == sum(calls) > 0
+    # 120 positions, a lead of 40: one call per quarter (10 positions) and the first
+    # window, not one per position
+    assert 1 <= len(calls) <= 120 // 10 + 3, calls

@@ -187,6 +187,10 @@ def read_runs(logs, runs: Sequence[Run]) -> list[tuple[bytes | None, list[bool]]
     return out
 
 
+#: bytes asked into the page cache at once for a stream read in training processes
+ADVISE_BATCH = 64 << 20
+
+
 def advise_runs(logs, runs: Sequence[Run]) -> int:
     """Thread: each run asked into the page cache (:meth:`LogStore.advise`); the bytes."""
     n = 0
@@ -535,6 +539,12 @@ class ReadPlan:
             # (pages_served): until then, read only a little ahead of them, not a whole
             # small dataset the kernel may hold already
             lead = min(lead, FIRST_LEAD)
+        if s.in_process:
+            # advised, not held: no memory to wait for; asked in quarters of the lead
+            # (a thread and a few calls per quarter, not per record the reader passes)
+            room = ADVISE_BATCH
+            if self.next - s.position > lead - lead // 4:
+                return []
         out: list[tuple[int, Want]] = []
         seen: set[int] = set()
         size = 0
