@@ -188,7 +188,7 @@ class TierCounters:
     keep_held: int = 0  # ... whose owner held them already (touched)
     keep_pushed: int = 0  # ... whose owner did not: stored there
     keep_pushed_bytes: int = 0
-    keep_dropped: int = 0  # ... not kept: the store queue was full, or no server was up
+    keep_dropped: int = 0  # ... not kept: the queue was full, no server was up, or in pieces
     keep_unread: int = 0  # evicted records not read back: no room in the queue
     expiries_set: int = 0  # values stored or kept with an expiry (a known last use)
 
