@@ -597,7 +597,7 @@ def test_an_owner_fetches_the_files_it_owns_for_the_other_ranks(tmp_path, mount,
 
 
 # sizes of the large-file test: 5 MB to 250 MB (under --max-cached-file's 256 MiB), 303 MB
-# in all; the test takes ~40-60 s on 2 cores (the 250 MB file is read by 3 nodes, and each
+# in all; the test takes ~25 s on 2 cores (the 250 MB file is read by 3 nodes, and each
 # node writes what it read to its own cache)
 LARGE_SIZES = {"shards/shard-000000.tar": 5_000_000,
                "shards/shard-000001.tar": 48_000_000,
