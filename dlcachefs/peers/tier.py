@@ -25,7 +25,8 @@ holds a source slot) a get with the lease:
 
 What this node reads from the source is stored at the owner by :meth:`store_later`, in
 the background, never on the reader's path: a queue bounded in bytes (a value that does
-not fit is dropped and counted in ``store_dropped``; a lease is always released).
+not fit is dropped and counted in ``store_dropped``; a lease is always released; files
+in pieces have a bound of their own, ``PIECED_QUEUE_FILES`` x ``--max-cached-file``).
 
 Large files. A file whose value would not fit the servers' item limit
 (``--peer-item-max``) is stored in pieces that do (:mod:`dlcachefs.peers.valuefmt`):
@@ -115,6 +116,9 @@ LOOKUP_THREADS = 8
 STORE_WORKERS = 2
 #: bytes of values waiting to be stored; past it a value is dropped (and counted)
 STORE_QUEUE_BYTES = 64 << 20
+#: files in pieces have a bound of their own: this many times --max-cached-file (the
+#: node that read a file for the cluster must store it, or the others read it too)
+PIECED_QUEUE_FILES = 2
 #: the first and the longest pause between two polls of a lease's value
 POLL_FIRST, POLL_MAX = 0.01, 0.2
 #: how long an orderly unmount waits for stores still queued
@@ -242,7 +246,7 @@ class PeerTier:
         # (owner, key, data or None, holds the lease, expiry s, a kept evicted record)
         # waiting for a store worker
         self._queue: deque[_Item] = deque()
-        self._pieced_queued = 0  # files in pieces queued or being stored
+        self._pieced_bytes = 0  # bytes of files in pieces queued or being stored
         # piece stores at once (each its own thread call, under its server's timeout)
         self._piece_stores = trio.CapacityLimiter(PIECE_PARALLEL)
         #: inode -> the memcached expiry (s) of its value, 0: never
@@ -601,7 +605,11 @@ class PeerTier:
     def room(self) -> int:
         """Bytes of evicted records :meth:`keep` accepts now (the chunk writer reads no
         more back). Trio loop."""
-        return STORE_QUEUE_BYTES - self.queue_bytes if self._running else 0
+        return STORE_QUEUE_BYTES - self._whole_bytes() if self._running else 0
+
+    def _whole_bytes(self) -> int:
+        """Bytes of whole values queued or being stored (bounded by STORE_QUEUE_BYTES)."""
+        return self.queue_bytes - self._pieced_bytes
 
     def keep(self, records: list[tuple[int, bytes, Identity, bytes]], unread: int) -> None:
         """Make sure each evicted record's owner holds it, in the background (touch, else
@@ -614,7 +622,7 @@ class PeerTier:
             size = value_size(ck)
             # (a file in pieces is not kept: its pieces are at several servers)
             if (owner is None or not fits(ck, self.cfg.peer_item_max) or not self._running
-                    or self.queue_bytes + size > STORE_QUEUE_BYTES):
+                    or self._whole_bytes() + size > STORE_QUEUE_BYTES):
                 self.counters.keep_dropped += 1
                 continue
             self.queue_bytes += size
@@ -633,10 +641,11 @@ class PeerTier:
                 self.release(got)
             return
         size = value_size(ck)
-        # a file in pieces may pass the bound when no other one is queued: memory stays
-        # within the bound plus one --max-cached-file (its bytes are in memory anyway)
-        room = (self.queue_bytes + size <= STORE_QUEUE_BYTES
-                or (piece_size > 0 and not self._pieced_queued))
+        if piece_size:  # their own bound; one file always fits (its bytes are in memory)
+            room = (not self._pieced_bytes or self._pieced_bytes + size
+                    <= PIECED_QUEUE_FILES * self.cfg.max_cached_file)
+        else:
+            room = self._whole_bytes() + size <= STORE_QUEUE_BYTES
         if not self._running or not room:
             self.counters.store_dropped += 1
             self.counters.store_dropped_bytes += size
@@ -645,7 +654,8 @@ class PeerTier:
             return
         self.counters.store_queued += 1
         self.queue_bytes += size
-        self._pieced_queued += piece_size > 0
+        if piece_size:
+            self._pieced_bytes += size
         self._push((owner, ck, bytes(data), lease, expire, False, piece_size))
 
     def release(self, got: Lookup | None) -> None:
@@ -703,9 +713,10 @@ class PeerTier:
                     log_failure(log, "peer tier: a store to %s failed", owner)
             finally:
                 self._storing -= 1
-                self._pieced_queued -= piece_size > 0
                 if data is not None:
                     self.queue_bytes -= value_size(ck)
+                    if piece_size:
+                        self._pieced_bytes -= value_size(ck)
                 if not self._queue and not self._storing:
                     self._idle.set()
 
