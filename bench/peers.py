@@ -6,6 +6,7 @@ extstore), side by side in one run. Remote bytes, epoch-1 and epoch-2 times.
         [--workload distributed|full] [--remote delay|sshfs] [--delay-ms 4] [--rate 400mbit]
         [--threads 4] [--scan-ahead N] [--node-cache 4G] [--tier-mb 256 --tier-ext-mb 1024 --tier-item-mb 8]
         [--keep-control] [--announce] [--shards N --shard-mb M [--sample-kb K]]
+        [--peer-timeout S]
         [--out bench/results/peers-<ts>.json]
 
 * The remote: ``delay`` (default) is ``bench.passthrough --delay-ms`` over the dataset
@@ -192,6 +193,7 @@ def run_config(label: str, remote_mnt: str, work: str, rels, expected, a,
         extra += ["--scan-ahead", str(a.scan_ahead)]
     if peers:
         extra += ["--peers", ",".join(peers), "--peer-item-max", f"{a.tier_item_mb}M",
+                  *(["--peer-timeout", str(a.peer_timeout)] if a.peer_timeout else []),
                   *(m for m in more if m != "--peer-self")]
     out = {"label": label, "epochs": []}
     with contextlib.ExitStack() as stack:
@@ -259,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tier-ext-mb", type=int, default=1024, help="each memcached's extstore")
     p.add_argument("--tier-item-mb", type=int, default=8,
                    help="each memcached's -I (MiB; at most half of --tier-mb)")
+    p.add_argument("--peer-timeout", type=float,
+                   help="the mounts' --peer-timeout (default theirs)")
     p.add_argument("--keep-control", action="store_true",
                    help="also run the peers with --no-peer-keep")
     p.add_argument("--announce", action="store_true",
