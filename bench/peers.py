@@ -5,7 +5,9 @@ extstore), side by side in one run. Remote bytes, epoch-1 and epoch-2 times.
     sudo .venv/bin/python -m bench.peers [--files 1500] [--size 110000] [--epochs 2]
         [--workload distributed|full] [--remote delay|sshfs] [--delay-ms 4] [--rate 400mbit]
         [--threads 4] [--scan-ahead N] [--node-cache 4G] [--tier-mb 256 --tier-ext-mb 1024 --tier-item-mb 8]
-        [--keep-control] [--announce] [--out bench/results/peers-<ts>.json]
+        [--keep-control] [--announce] [--shards N --shard-mb M [--sample-kb K]]
+        [--peer-timeout S]
+        [--out bench/results/peers-<ts>.json]
 
 * The remote: ``delay`` (default) is ``bench.passthrough --delay-ms`` over the dataset
   directory (every open waits, concurrent opens overlap: an object store's per-request
@@ -30,6 +32,12 @@ extstore), side by side in one run. Remote bytes, epoch-1 and epoch-2 times.
   third configuration, ``peers-owner``, adds ``--peer-self`` (each node fetches ahead
   the files its own server owns, in the cluster's first-use order); ratios owner /
   peers.
+* ``--shards N --shard-mb M``: a WebDataset-style shard set in place of the files: N tar
+  files of about M MB, each of samples of ``--sample-kb`` (``KEY.jpg`` random bytes and
+  ``KEY.cls``), read whole as a WebDataset loader streams a shard. With ``--tier-item-mb``
+  below the shard size, the tier holds each shard in pieces (up to ``--max-cached-file``,
+  256 MiB: larger shards are read through and skip the tier). Reported per node:
+  ``remote_bytes_per_node``.
 * Smaller than the dataset: ``--node-cache`` (each mount's ``--cache-size``) and
   ``--tier-mb``/``--tier-ext-mb`` (each memcached's memory and extstore). Then nodes evict
   and the tier loses values; ``--keep-control`` adds a third configuration, the peers
@@ -44,11 +52,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import random
 import shutil
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -63,6 +73,37 @@ from .util import machine_info, write_json
 
 NODES = 3
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def ensure_tar_shards(root: str, n: int, shard_mb: int, sample_kb: int) -> list[str]:
+    """``n`` WebDataset-style tar shards of about ``shard_mb`` MB under ``root`` (samples
+    ``KEY.jpg``, ``sample_kb`` KB of random bytes, and ``KEY.cls``), made once and kept
+    (a shard there is reused: it was written whole, then renamed; the default directory
+    names the sizes). Returns the relative paths."""
+    rels = [f"shards/shard-{i:06d}.tar" for i in range(n)]
+    per = max(1, shard_mb * 1_000_000 // (sample_kb * 1000 + 2048))  # 3 headers of 512 B
+    made = 0
+    for i, rel in enumerate(rels):
+        p = os.path.join(root, rel)
+        if os.path.exists(p):
+            continue
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        rnd = random.Random(i)
+        tmp = p + ".tmp"
+        with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
+            for j in range(per):
+                key = f"{i:06d}{j:06d}"
+                for name, data in ((f"{key}.jpg", rnd.randbytes(sample_kb * 1000)),
+                                   (f"{key}.cls", b"%d" % rnd.randrange(1000))):
+                    info = tarfile.TarInfo(name)
+                    info.size, info.mtime = len(data), 1_700_000_000
+                    tar.addfile(info, io.BytesIO(data))
+        os.replace(tmp, p)
+        made += 1
+    if made:
+        os.sync()
+        log(f"made {made} tar shards of {per} samples of {sample_kb} KB under {root}")
+    return rels
 
 
 def shards(n: int, epoch: int, workload: str, seed: int = 0,
@@ -121,6 +162,8 @@ def run_epoch(mounts, rels, expected, idx_lists, threads: int) -> dict:
         "remote_bytes": src, "peer_bytes": peers,
         "errors": sum(r["errors"] for r in results),
         "mismatches": sum(r["mismatches"] for r in results),
+        "remote_bytes_per_node": [a["bytes_from_source"] - b["bytes_from_source"]
+                                  for a, b in zip(after, before, strict=True)],
         "nodes": [{"wall_s": r["wall_s"], "files_per_s": r["files_per_s"],
                    "p50_ms": r["latency_ms"]["p50"], "p99_ms": r["latency_ms"]["p99"],
                    "remote_bytes": a["bytes_from_source"] - b["bytes_from_source"],
@@ -150,6 +193,7 @@ def run_config(label: str, remote_mnt: str, work: str, rels, expected, a,
         extra += ["--scan-ahead", str(a.scan_ahead)]
     if peers:
         extra += ["--peers", ",".join(peers), "--peer-item-max", f"{a.tier_item_mb}M",
+                  *(["--peer-timeout", str(a.peer_timeout)] if a.peer_timeout else []),
                   *(m for m in more if m != "--peer-self")]
     out = {"label": label, "epochs": []}
     with contextlib.ExitStack() as stack:
@@ -169,7 +213,7 @@ def run_config(label: str, remote_mnt: str, work: str, rels, expected, a,
                 announce(mounts, epoch)
             ep = run_epoch(mounts, rels, expected, idx, a.threads)
             ep["epoch"] = epoch + 1
-            ep["remote_x_dataset"] = round(ep["remote_bytes"] / (len(rels) * a.size), 3)
+            ep["remote_x_dataset"] = round(ep["remote_bytes"] / a.dataset_bytes, 3)
             log(f"{label:<12} epoch {epoch + 1}: {ep['wall_s']:>7} s  "
                 f"{ep['files_per_s']:>7} files/s  remote {ep['remote_x_dataset']}x dataset  "
                 f"peers {ep['peer_bytes'] / 1e6:.1f} MB  errors {ep['errors']} "
@@ -217,26 +261,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tier-ext-mb", type=int, default=1024, help="each memcached's extstore")
     p.add_argument("--tier-item-mb", type=int, default=8,
                    help="each memcached's -I (MiB; at most half of --tier-mb)")
+    p.add_argument("--peer-timeout", type=float,
+                   help="the mounts' --peer-timeout (default theirs)")
     p.add_argument("--keep-control", action="store_true",
                    help="also run the peers with --no-peer-keep")
     p.add_argument("--announce", action="store_true",
                    help="announce each node's DistributedSampler rank, and also run the "
                         "peers with --peer-self (the owner's prefetch)")
+    p.add_argument("--shards", type=int, help="a WebDataset-style set of this many tar "
+                                               "shards in place of --files")
+    p.add_argument("--shard-mb", type=int, default=100, help="each shard's size (MB)")
+    p.add_argument("--sample-kb", type=int, default=110, help="each shard sample's size (KB)")
     p.add_argument("--out")
     a = p.parse_args(argv)
     if a.announce and a.workload != "distributed":
         p.error("--announce needs --workload distributed")
+    if a.shards and a.announce:
+        p.error("--shards reads tar files: nothing to announce")
     if not memcached_available():
         print("bench.peers: needs memcached (apt-get install memcached)", file=sys.stderr)
         return 2
-    ext = ".jpg" if a.announce else ".bin"
-    a.data = a.data or os.path.join(HERE, "out", "peers", f"data-{a.files}-{a.size}"
-                                    + ("-jpg" if a.announce else ""))
-    rels = ensure_random_files(a.data, a.files, size=a.size, ext=ext)
+    if a.shards:
+        a.data = a.data or os.path.join(HERE, "out", "peers",
+                                        f"shards-{a.shards}-{a.shard_mb}-{a.sample_kb}")
+        rels = ensure_tar_shards(a.data, a.shards, a.shard_mb, a.sample_kb)
+    else:
+        ext = ".jpg" if a.announce else ".bin"
+        a.data = a.data or os.path.join(HERE, "out", "peers", f"data-{a.files}-{a.size}"
+                                        + ("-jpg" if a.announce else ""))
+        rels = ensure_random_files(a.data, a.files, size=a.size, ext=ext)
+    a.dataset_bytes = sum(os.path.getsize(os.path.join(a.data, r)) for r in rels)
     expected = reference_hashes(a.data, rels)
     work = tempfile.mkdtemp(prefix="peers-", dir=os.path.join(HERE, "out", "peers"))
     doc = {"bench": "peers", "args": vars(a), "machine": machine_info(os.path.dirname(HERE)),
-           "dataset_bytes": a.files * a.size, "configs": []}
+           "dataset_bytes": a.dataset_bytes, "configs": []}
     try:
         with the_remote(a, a.data, work) as remote_mnt:
             doc["configs"].append(run_config("independent", remote_mnt, work, rels, expected,
@@ -275,8 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     write_json(out, doc)
     print(json.dumps({"ratios": doc["ratios"],
                       "epochs": {c["label"]: [{k: e[k] for k in (
-                          "epoch", "wall_s", "files_per_s", "remote_x_dataset", "peer_bytes",
-                          "errors", "mismatches")} for e in c["epochs"]]
+                          "epoch", "wall_s", "files_per_s", "remote_x_dataset", "remote_bytes",
+                          "remote_bytes_per_node", "peer_bytes", "errors", "mismatches")}
+                          for e in c["epochs"]]
                           for c in doc["configs"]}}, indent=2))
     print(f"bench.peers: wrote {out}", file=sys.stderr)
     return 0

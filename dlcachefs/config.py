@@ -162,7 +162,8 @@ class Config:
               "wait for its value up to this long, then read the source themselves",
         metavar="SECONDS")
     peer_item_max: int = _opt(
-        1 << 20, "the servers' item size limit (memcached -I); larger files skip the tier",
+        1 << 20, "the servers' item size limit (memcached -I); larger files are stored "
+                 "in pieces that fit it (up to --max-cached-file)",
         kind="size")
     peer_namespace: str | None = _opt(
         None, "names this dataset in the tier (default: the source's real path; give the "

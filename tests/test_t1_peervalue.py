@@ -93,3 +93,150 @@ def test_the_item_limit_counts_header_key_and_overhead():
     assert fits(ck, exact) and not fits(ck, exact - 1)
     with pytest.raises(ValueError):
         encode(ck, b"x" * 999)  # the bytes must be the key's version's size
+
+
+# ----- pieced values (files larger than an item) -----------------------------------------
+
+from dlcachefs.peers.valuefmt import (  # noqa: E402
+    MANIFEST,
+    PIECE,
+    PIECE_ALIGN,
+    PIECE_KEY_EXTRA,
+    Manifest,
+    decode_piece,
+    decode_stored,
+    encode_manifest,
+    encode_piece,
+    join_pieces,
+    manifest_of,
+    piece_key,
+    piece_size_for,
+)
+
+
+@st.composite
+def pieced(draw):
+    """A file, its content key, a piece size (small: many pieces) and its manifest."""
+    ck, data = draw(files())
+    piece_size = draw(st.integers(1, max(1, len(data) + 3)))
+    if not data:
+        data = b"x"
+        ck = content_key(b"ds", b"one", 1, 1)
+    return ck, data, manifest_of(ck, data, piece_size)
+
+
+def _pieces(ck, data, m):
+    return [encode_piece(ck, m, i, data) for i in range(m.pieces)]
+
+
+@given(pieced())
+def test_pieces_round_trip_and_cover_the_file(p):
+    ck, data, m = p
+    assert m.pieces == -(-len(data) // m.piece_size) and m.size == len(data)
+    assert decode_stored(encode_manifest(ck, m), ck) == m
+    views = [decode_piece(v, ck, m, i) for i, v in enumerate(_pieces(ck, data, m))]
+    assert b"".join(views) == data
+    assert all(len(v) == m.piece_size for v in views[:-1]) and 0 < len(views[-1]) <= m.piece_size
+    assert join_pieces(ck, m, views) == data
+    keys = {piece_key(ck, m.piece_size, i) for i in range(m.pieces)}
+    assert len(keys) == m.pieces and ck.key not in keys
+    assert all(k.isascii() and " " not in k and len(k) <= len(ck.key) + PIECE_KEY_EXTRA
+               and len(k) < 250 for k in keys)
+
+
+@settings(max_examples=300)
+@given(pieced(), st.data())
+def test_a_flipped_bit_in_a_piece_or_the_manifest_is_refused(p, d):
+    ck, data, m = p
+    if d.draw(st.booleans()):
+        v = bytearray(encode_manifest(ck, m))
+        v[d.draw(st.integers(0, len(v) - 1))] ^= 1 << d.draw(st.integers(0, 7))
+        with pytest.raises(BadValue):
+            decode_stored(bytes(v), ck)
+    else:
+        i = d.draw(st.integers(0, m.pieces - 1))
+        v = bytearray(encode_piece(ck, m, i, data))
+        v[d.draw(st.integers(0, len(v) - 1))] ^= 1 << d.draw(st.integers(0, 7))
+        with pytest.raises(BadValue):
+            decode_piece(bytes(v), ck, m, i)
+
+
+@given(pieced(), st.data())
+def test_a_cut_or_longer_piece_and_another_index_are_refused(p, d):
+    ck, data, m = p
+    i = d.draw(st.integers(0, m.pieces - 1))
+    v = encode_piece(ck, m, i, data)
+    with pytest.raises(BadValue):
+        decode_piece(v[:d.draw(st.integers(0, len(v) - 1))], ck, m, i)
+    with pytest.raises(BadValue):
+        decode_piece(v + d.draw(st.binary(min_size=1, max_size=8)), ck, m, i)
+    for j in {i - 1, i + 1} & set(range(m.pieces)):
+        with pytest.raises(BadValue):
+            decode_piece(v, ck, m, j)
+    with pytest.raises(BadValue):  # a whole value is not a piece, nor the reverse
+        decode_piece(encode(ck, data), ck, m, i)
+    m_cut = encode_manifest(ck, m)
+    with pytest.raises(BadValue):
+        decode_stored(m_cut[:d.draw(st.integers(0, len(m_cut) - 1))], ck)
+
+
+@given(pieced(), st.binary(min_size=1, max_size=64), st.data())
+def test_pieces_of_two_writers_are_never_put_together(p, other, d):
+    """Two writers of one content key with different bytes (a file rewritten in place,
+    same size and mtime): a piece of one is refused under the other's manifest, and pieces
+    that happen to match their own manifests still fail the whole checksum if mixed."""
+    ck, data, m = p
+    data2 = bytes(a ^ b for a, b in zip(data, (other * (len(data) // len(other) + 1)),
+                                        strict=False))
+    if data2 == data:
+        return
+    m2 = manifest_of(ck, data2, m.piece_size)
+    i = d.draw(st.integers(0, m.pieces - 1))
+    mine, theirs = _pieces(ck, data, m), _pieces(ck, data2, m2)
+    if theirs[i] != mine[i]:
+        with pytest.raises(BadValue):
+            decode_piece(theirs[i], ck, m, i)
+    mixed = [decode_piece(v, ck, m, j) for j, v in enumerate(mine)]
+    mixed[i] = memoryview(bytes(data2[slice(*m2.bounds(i))]))
+    if bytes(mixed[i]) != data[slice(*m.bounds(i))]:
+        with pytest.raises(BadValue):
+            join_pieces(ck, m, mixed)
+
+
+@given(pieced(), pieced())
+def test_another_files_manifest_and_pieces_are_refused(p, q):
+    (ck, _, m), (ck2, data2, m2) = p, q
+    if ck.content == ck2.content:
+        return
+    with pytest.raises(BadValue):
+        decode_stored(encode_manifest(ck2, m2), ck)
+    with pytest.raises(BadValue):
+        decode_piece(encode_piece(ck2, m2, 0, data2), ck, m, 0)
+
+
+@given(paths, st.integers(1, 2**31), st.integers(4096, 64 << 20))
+def test_a_piece_of_the_chosen_size_fits_the_item_limit(rel, size, item_max):
+    ck = content_key(b"ds", rel, size, 1)
+    ps = piece_size_for(ck, item_max)
+    assert ps % PIECE_ALIGN == 0 and ps >= 0
+    if ps:
+        piece_value = PIECE.size + len(ck.content) + ps
+        key = piece_key(ck, ps, -(-size // ps) - 1)
+        assert piece_value + len(key) + ITEM_OVERHEAD <= item_max
+        assert piece_size_for(ck, item_max + PIECE_ALIGN) > ps  # the largest that fits
+        assert MANIFEST.size + len(ck.content) + len(ck.key) + ITEM_OVERHEAD <= item_max
+
+
+def test_a_manifest_must_describe_the_keys_file():
+    ck = content_key(b"ds", b"big.tar", 10_000, 1)
+    data = bytes(range(256)) * 39 + b"x" * 16
+    m = manifest_of(ck, data, 4096)
+    assert (m.pieces, m.bounds(2)) == (3, (8192, 10_000))
+    for bad in (Manifest(m.size, m.piece_size, 2, m.whole),  # pieces do not cover it
+                Manifest(m.size + 1, m.piece_size, 3, m.whole)):  # another size
+        with pytest.raises(BadValue):
+            decode_stored(encode_manifest(ck, bad), ck)
+    with pytest.raises(ValueError):
+        manifest_of(ck, data[:-1], 4096)
+    with pytest.raises(ValueError):
+        encode_piece(ck, m, 3, data)

@@ -695,3 +695,77 @@ def test_the_expiry_the_tier_computes_is_the_one_memcached_gets(tmp_path, server
             assert want[rel] - 60 < ttl <= want[rel], (rel, ttl, want[rel])
     # the stores with an expiry, and the touch
     assert eng.fetcher.peers.stats()["expiries_set"] == sum(1 for v in want.values() if v)
+
+
+@pytest.mark.daemon_log_allows(r"WARNING dlcachefs\.peers\.tier: peer \S+: refused piece \d+ ")
+def test_a_file_larger_than_an_item_is_shared_in_checked_pieces(tmp_path, servers):
+    """--peer-item-max 1M and a 5 MB file: one node stores it in pieces spread over the
+    servers (and a manifest); the others read it back from the pieces, none from the
+    source. A damaged piece, then a missing one (evicted): the file comes from the
+    source with exact bytes, and that node stores it again."""
+    from dlcachefs.peers.valuefmt import piece_key, piece_size_for
+    big = os.urandom(5 << 20) + b"tail"
+    files = {b"shards/big.tar": big, b"small/a.bin": os.urandom(3000),
+             b"small/b.bin": os.urandom(70_000)}
+    write_tree(tmp_path / "src", files)
+    peers = [m.address for m in servers]
+    total = sum(map(len, files.values()))
+
+    def node(name):
+        src = CountingSource(tmp_path / "src")
+        cfg = make_config(tmp_path / "src", tmp_path / name, peers=",".join(peers),
+                          peer_item_max=1 << 20)
+        got, eng = _read_everything(files, cfg, src)
+        assert got == files  # exact, always
+        return src, eng, eng.fetcher.peers.stats()
+
+    src, a, st = node("a")
+    assert a.counters.bytes_from_source == total
+    ck = a.fetcher.peers.key_of(b"shards/big.tar", _ident(tmp_path, b"shards/big.tar"))
+    ps = piece_size_for(ck, 1 << 20)
+    n = -(-len(big) // ps)
+    assert n > 5 and st["pieced_stored"] == 1 and st["pieces_stored"] == n
+    assert st["pieced_store_failures"] == 0 and st["store_dropped"] == 0
+    # spread over the servers: each holds some pieces (rendezvous over the piece keys)
+    assert all(s["stored"] > 0 for s in st["servers"].values())
+
+    src, b, st = node("b")
+    assert src.calls["read_file"] == 0 and b.counters.bytes_from_source == 0
+    assert b.counters.bytes_from_peers == total
+    assert (st["pieced_hits"], st["pieced_bytes"]) == (1, len(big))
+
+    hc = HashClient([tuple(a.split(":")) for a in peers], default_noreply=False,
+                    hasher=Rendezvous)
+    try:
+        k = piece_key(ck, ps, n // 2)
+        v = bytearray(hc.get(k))
+        v[-7] ^= 4  # one flipped bit in a piece's bytes
+        hc.set(k, bytes(v))
+        src, c, st = node("c")
+        assert src.calls["read_file"] == 1 and c.counters.bytes_from_source == len(big)
+        assert st["pieced_rejected"] == 1 and st["pieced_hits"] == 0
+        assert st["pieced_stored"] == 1  # stored again: the damaged piece replaced
+        src, _, st = node("d")
+        assert src.calls["read_file"] == 0 and st["pieced_hits"] == 1
+
+        hc.delete(piece_key(ck, ps, n - 1))  # the last piece evicted
+        src, e, st = node("e")
+        assert src.calls["read_file"] == 1 and e.counters.bytes_from_source == len(big)
+        assert st["pieced_misses"] == 1 and st["pieced_stored"] == 1
+        src, _, st = node("f")
+        assert src.calls["read_file"] == 0 and st["pieced_hits"] == 1
+    finally:
+        hc.close()
+
+
+def test_a_file_above_max_cached_file_skips_the_tier(tmp_path, servers):
+    """Files larger than --max-cached-file are read through, in ranges: not in pieces."""
+    files = {b"huge.bin": os.urandom(3 << 20), b"s.bin": os.urandom(1000)}
+    write_tree(tmp_path / "src", files)
+    cfg = make_config(tmp_path / "src", tmp_path / "a", peers=",".join(m.address for m in servers),
+                      peer_item_max=1 << 20, max_cached_file=2 << 20)
+    got, eng = _read_everything(files, cfg, CountingSource(tmp_path / "src"))
+    assert got == files
+    st = eng.fetcher.peers.stats()
+    assert st["pieces_stored"] == 0 and st["pieced_stored"] == 0
+    assert sum(s["stored"] for s in st["servers"].values()) == 1

@@ -594,3 +594,83 @@ def test_an_owner_fetches_the_files_it_owns_for_the_other_ranks(tmp_path, mount,
     read_exact(mounts[0], src, rank_files(0))
     after = [drained(m) for m in mounts]
     assert sum(a["bytes_from_source"] for a in after) == total(files)  # once per cluster
+
+
+# sizes of the large-file test: 5 MB to 250 MB (under --max-cached-file's 256 MiB), 303 MB
+# in all; the test takes ~25 s on 2 cores (the 250 MB file is read by 3 nodes, and each
+# node writes what it read to its own cache)
+LARGE_SIZES = {"shards/shard-000000.tar": 5_000_000,
+               "shards/shard-000001.tar": 48_000_000,
+               "shards/shard-000002.tar": 250_000_000}
+
+
+@pytest.mark.daemon_log_allows(r"WARNING dlcachefs\.peers\.tier: peer \S+: refused piece \d+ ")
+def test_large_files_leave_the_source_once_in_pieces(tmp_path, mount):
+    """Three nodes read 5, 48 and 250 MB files at once, each in its own order, over
+    servers whose item limit is 1 MB (memcached -I 1m, --peer-item-max 1M): each file
+    leaves the source once for the cluster (stored in pieces by the node that read it,
+    read back from the pieces by the others), every byte exact on every node. Then a
+    damaged piece and an evicted one: a fourth node reads those files from the source,
+    exact, and every other from the pieces."""
+    from pymemcache.client.hash import HashClient  # noqa: PLC0415
+
+    from dlcachefs.peers.servers import Rendezvous  # noqa: PLC0415
+    from dlcachefs.peers.valuefmt import piece_key, piece_size_for  # noqa: PLC0415
+    src = tmp_path / "src"
+    rnd = random.Random(35)
+    for rel, size in LARGE_SIZES.items():
+        p = src / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with open(p, "wb") as f:  # random blocks: no piece equals another
+            for off in range(0, size, 1 << 20):
+                f.write(rnd.randbytes(min(1 << 20, size - off)))
+    rels = list(LARGE_SIZES)
+    large = sum(LARGE_SIZES.values())
+    with memcached_cluster(NODES, tmp_path / "memcached", memory_mb=256, item_mb=1) as servers:
+        peers = ",".join(m.address for m in servers)
+        opts = ("--peers", peers, "--peer-item-max", "1M", "--peer-lease", "120",
+                "--peer-timeout", "5")
+        mounts = [mount(src, *opts, name=f"mnt{i}", cache=tmp_path / f"cache{i}")
+                  for i in range(NODES)]
+        lists = [rels[r:] + rels[:r] for r in range(NODES)]  # each starts on another file
+        want = {rel: sha_of(src, rel) for rel in rels}
+        for out in run_ranks(mounts, lists, tmp_path):
+            assert out == want
+        stats = [drained(m) for m in mounts]
+        detail = [st["peers"] for st in stats]
+        assert sum(st["bytes_from_source"] for st in stats) == large, detail
+        assert sum(st["bytes_from_peers"] for st in stats) == (NODES - 1) * large, detail
+        tiers = [st["peers"] for st in stats]
+        assert sum(t["pieced_stored"] for t in tiers) == len(rels), detail
+        assert sum(t["pieced_hits"] for t in tiers) == (NODES - 1) * len(rels), detail
+        assert all(t["lease_wait_timeouts"] == 0 and t["store_dropped"] == 0
+                   and t["pieced_store_failures"] == 0 for t in tiers), detail
+
+        # a flipped bit in a piece of one file, a piece of another evicted
+        hc = HashClient([("127.0.0.1", m.port) for m in servers], default_noreply=False,
+                        hasher=Rendezvous)
+        try:
+            ns = os.fsencode(os.path.realpath(src))
+            damaged, evicted = rels[1], rels[0]
+            for rel, how in ((damaged, "flip"), (evicted, "delete")):
+                st = (src / rel).stat()
+                ck = content_key(ns, rel.encode(), st.st_size, st.st_mtime_ns)
+                k = piece_key(ck, piece_size_for(ck, 1 << 20), 3)
+                if how == "delete":
+                    assert hc.delete(k)
+                else:
+                    v = bytearray(hc.get(k))
+                    v[len(v) // 2] ^= 1
+                    hc.set(k, bytes(v))
+        finally:
+            hc.close()
+        d = mount(src, *opts, name="mnt3", cache=tmp_path / "cache3")
+        assert run_ranks([d], [rels], tmp_path)[0] == want
+        st = drained(d)
+        assert st["bytes_from_source"] == LARGE_SIZES[damaged] + LARGE_SIZES[evicted]
+        assert st["bytes_from_peers"] == large - st["bytes_from_source"]
+        t = st["peers"]
+        assert (t["pieced_rejected"], t["pieced_misses"], t["pieced_hits"]) == (1, 1, 1)
+        assert t["pieced_stored"] == 2  # the node that read them stored them again
+        for m in (*mounts, d):
+            m.umount()  # before the servers stop: no store is left to fail

@@ -25,8 +25,22 @@ holds a source slot) a get with the lease:
 
 What this node reads from the source is stored at the owner by :meth:`store_later`, in
 the background, never on the reader's path: a queue bounded in bytes (a value that does
-not fit is dropped and counted in ``store_dropped``; a lease is always released). A file
-whose value would not fit the servers' item limit (``--peer-item-max``) skips the tier.
+not fit is dropped and counted in ``store_dropped``; a lease is always released; files
+in pieces have a bound of their own, ``PIECED_QUEUE_FILES`` x ``--max-cached-file``).
+
+Large files. A file whose value would not fit the servers' item limit
+(``--peer-item-max``) is stored in pieces that do (:mod:`dlcachefs.peers.valuefmt`):
+each piece at the owner of its own key (rendezvous over the piece keys, so a large file
+spreads over the servers), at most ``PIECE_PARALLEL`` at once, then the manifest under
+the file's key at its owner, then the lease goes; a piece not stored means no manifest.
+The lease, the waits and the lookups are the file's, as for a small file: a hit on a
+manifest reads the pieces back, ``PIECE_PARALLEL`` gets at once, each checked, then the
+whole file against the manifest's checksum. A piece missing (evicted, its server down)
+or refused is a miss without a lease: the source serves, and this node stores the file
+again. Only files up to ``--max-cached-file`` (the largest file a node caches, and so
+reads whole): larger ones are read through, in ranges, and skip the tier. Pieced files
+are not kept at eviction (:meth:`PeerTier.keep`) nor refilled (:meth:`_refill`), and a
+``touch`` (:meth:`PeerTier.held`) renews the manifest's expiry, not its pieces'.
 
 A server that does not answer (refused, reset, ``--peer-timeout``) is marked down at the
 first failure: its keys go to the next server by rendezvous order (only its share moves)
@@ -80,7 +94,18 @@ from dlcachefs.cache.fetch import Prepaid
 from dlcachefs.cache.source import Identity
 from dlcachefs.config import Config, peer_list
 from dlcachefs.peers.servers import ServerDown, ServerError, Servers
-from dlcachefs.peers.valuefmt import ContentKey, content_key, fits, value_size
+from dlcachefs.peers.valuefmt import (
+    BadValue,
+    ContentKey,
+    Manifest,
+    content_key,
+    fits,
+    join_pieces,
+    manifest_of,
+    piece_key,
+    piece_size_for,
+    value_size,
+)
 from dlcachefs.store.integrity import log_failure
 
 log = logging.getLogger(__name__)
@@ -91,12 +116,21 @@ LOOKUP_THREADS = 8
 STORE_WORKERS = 2
 #: bytes of values waiting to be stored; past it a value is dropped (and counted)
 STORE_QUEUE_BYTES = 64 << 20
+#: files in pieces have a bound of their own: this many times --max-cached-file (the
+#: node that read a file for the cluster must store it, or the others read it too)
+PIECED_QUEUE_FILES = 2
 #: the first and the longest pause between two polls of a lease's value
 POLL_FIRST, POLL_MAX = 0.01, 0.2
 #: how long an orderly unmount waits for stores still queued
 DRAIN_S = 10.0
 #: how long after a server came back a miss there asks the next server too (see _refill)
 REFILL_S = 3600.0
+#: pieces of one file read (or stored) at once
+PIECE_PARALLEL = 4
+
+# a store waiting for a worker: (owner, key, data or None, holds the lease, expiry s,
+# a kept evicted record, piece size: 0 for a whole value)
+_Item = tuple[str, ContentKey, bytes | None, bool, int, bool, int]
 
 
 class _Skipped(Exception):
@@ -133,7 +167,14 @@ class TierCounters:
     """The tier's counts since mount (``stats`` -> ``peers``)."""
 
     lookups: int = 0  # whole-file fetches that asked the tier
-    skipped_large: int = 0  # fetches of files too large for an item
+    skipped_large: int = 0  # fetches of files too large for the tier (> --max-cached-file)
+    pieced_hits: int = 0  # files served from their pieces
+    pieced_bytes: int = 0
+    pieced_misses: int = 0  # files whose manifest was found, a piece not: from the source
+    pieced_rejected: int = 0  # ... a piece or the whole file refused: from the source
+    pieced_stored: int = 0  # files stored in pieces (their manifest written)
+    pieces_stored: int = 0
+    pieced_store_failures: int = 0  # files whose pieces were not all stored (no manifest)
     no_server: int = 0  # lookups with every server down
     leases: int = 0  # leases won: this node read the source for the cluster
     lease_waits: int = 0  # lookups that found another node's lease and waited
@@ -151,7 +192,7 @@ class TierCounters:
     keep_held: int = 0  # ... whose owner held them already (touched)
     keep_pushed: int = 0  # ... whose owner did not: stored there
     keep_pushed_bytes: int = 0
-    keep_dropped: int = 0  # ... not kept: the store queue was full, or no server was up
+    keep_dropped: int = 0  # ... not kept: the queue was full, no server was up, or in pieces
     keep_unread: int = 0  # evicted records not read back: no room in the queue
     expiries_set: int = 0  # values stored or kept with an expiry (a known last use)
 
@@ -204,7 +245,10 @@ class PeerTier:
         self._back_at: dict[str, float] = {}  # servers found up again, and when
         # (owner, key, data or None, holds the lease, expiry s, a kept evicted record)
         # waiting for a store worker
-        self._queue: deque[tuple[str, ContentKey, bytes | None, bool, int, bool]] = deque()
+        self._queue: deque[_Item] = deque()
+        self._pieced_bytes = 0  # bytes of files in pieces queued or being stored
+        # piece stores at once (each its own thread call, under its server's timeout)
+        self._piece_stores = trio.CapacityLimiter(PIECE_PARALLEL)
         #: inode -> the memcached expiry (s) of its value, 0: never
         self.expiry_of = expiry_of
         self.queue_bytes = 0
@@ -222,11 +266,22 @@ class PeerTier:
                            ident.src_ino if self.cfg.peer_key_inode else None)
 
     def fits(self, rel: bytes, ident: Identity) -> bool:
-        """Whether the file's value fits an item (else it skips the tier, counted)."""
-        if fits(self.key_of(rel, ident), self.cfg.peer_item_max):
+        """Whether the tier may hold the file (else it skips the tier, counted): a value
+        that fits an item, or pieces of one that does not, up to --max-cached-file."""
+        if self._piece_size(self.key_of(rel, ident)) >= 0:
             return True
         self.counters.skipped_large += 1
         return False
+
+    def _piece_size(self, ck: ContentKey) -> int:
+        """0: ``ck``'s file is stored as one value; > 0: in pieces of that size; -1: not
+        at all (larger than --max-cached-file, or not even a piece fits an item)."""
+        item_max = self.cfg.peer_item_max
+        if fits(ck, item_max):
+            return 0
+        if ck.size > self.cfg.max_cached_file:
+            return -1
+        return piece_size_for(ck, item_max) or -1
 
     def owner(self, ck: ContentKey) -> str | None:
         return self.servers.owner(ck.key, self._down)
@@ -308,7 +363,7 @@ class PeerTier:
             return "error", None
         if kind == "hit":
             c.hits += 1
-            c.bytes += len(got)
+            c.bytes += 0 if isinstance(got, Manifest) else len(got)
         elif kind == "bad":
             c.rejected += 1
             log.warning("peer %s: refused a value of %r: %s", owner, ck.content[-200:], got)
@@ -349,7 +404,7 @@ class PeerTier:
         if before_lease is not None:
             kind, got = await self._ask(owner, ck, take=False)
             if kind == "hit":
-                return Lookup(bytes(got), key=ck, owner=owner)
+                return await self._served(ck, owner, got)
             if kind != "miss":  # an error, the owner down, a value that must not be served
                 return Lookup(None, key=ck, owner=owner)
             await before_lease()
@@ -359,7 +414,7 @@ class PeerTier:
             owner, first = owner2, False
         kind, got = await self._ask(owner, ck, take=True, first=first)
         if kind == "hit":
-            return Lookup(bytes(got), key=ck, owner=owner)
+            return await self._served(ck, owner, got)
         if kind == "lease":
             self.counters.leases += 1
             log.debug("lease on %s (%s) at %s", ck.key, rel, owner)
@@ -383,7 +438,7 @@ class PeerTier:
             kind, got = await self._ask(owner, ck, take=True, first=False)
             if kind == "hit":
                 self.counters.lease_wait_hits += 1
-                return Lookup(bytes(got), key=ck, owner=owner)
+                return await self._served(ck, owner, got)
             if kind == "lease":  # its holder gave up (or its lease expired): ours now
                 self.counters.leases += 1
                 self.counters.lease_takeovers += 1
@@ -396,6 +451,96 @@ class PeerTier:
                 return Lookup(None, key=ck, owner=owner)
         self.counters.lease_wait_timeouts += 1
         return Lookup(None, key=ck, owner=owner)
+
+    async def _served(self, ck: ContentKey, owner: str, got: memoryview | Manifest
+                      ) -> Lookup:
+        """A hit at ``owner``: the file's bytes, from its value or from the pieces its
+        manifest names (read from their servers, each checked, then the whole file). A
+        piece missing or refused: a miss without a lease (the source serves, and this
+        node stores the file again)."""
+        if not isinstance(got, Manifest):
+            return Lookup(bytes(got), key=ck, owner=owner)
+        data = await self._read_pieces(ck, got)
+        if data is None:
+            return Lookup(None, key=ck, owner=owner)
+        self.counters.pieced_hits += 1
+        self.counters.pieced_bytes += len(data)
+        return Lookup(data, key=ck, owner=owner)
+
+    async def _read_pieces(self, ck: ContentKey, m: Manifest) -> bytes | None:
+        """The file ``m`` describes from its pieces, :data:`PIECE_PARALLEL` gets at once
+        (each a call of :attr:`limiter`, like a lookup); None at the first piece missing
+        or refused (the others are not read), or when the whole file is refused."""
+        parts: list[memoryview | None] = [None] * m.pieces
+        missing: list[str] = []
+
+        async def get(i: int) -> bool:
+            key = piece_key(ck, m.piece_size, i)
+            name = self.servers.owner(key, self._down)
+            if name is None:
+                missing.append("miss")
+                return False
+            c = self.per_server[name]
+            try:
+                kind, got = await self._in_thread(self.servers.get_piece, name, ck, m, i,
+                                                  server=name)
+            except _Skipped:
+                kind, got = "miss", None
+            except ServerDown as e:
+                self._mark_down(name, e)
+                kind, got = "miss", None
+            except ServerError as e:
+                c.errors += 1
+                log.debug("peer %s: %s", name, e)
+                kind, got = "miss", None
+            if kind == "hit":
+                c.hits += 1
+                c.bytes += len(got)
+                parts[i] = got
+                return True
+            if kind == "bad":
+                c.rejected += 1
+                log.warning("peer %s: refused piece %d of %r: %s", name, i,
+                            ck.content[-200:], got)
+            else:
+                c.misses += 1
+            missing.append(kind)
+            return False
+
+        if not await self._each_piece(m.pieces, get):
+            if "bad" in missing:
+                self.counters.pieced_rejected += 1
+            else:
+                self.counters.pieced_misses += 1
+            return None
+        try:
+            return await trio.to_thread.run_sync(join_pieces, ck, m, parts)
+        except BadValue as e:
+            self.counters.pieced_rejected += 1
+            log.warning("peer tier: refused the pieces of %r: %s", ck.content[-200:],
+                        e.reason)
+            return None
+
+    @staticmethod
+    async def _each_piece(n: int, fn: Callable[[int], Awaitable[bool]]) -> bool:
+        """``fn(i)`` for each piece ``i`` of ``n``, :data:`PIECE_PARALLEL` at once, in
+        order of index; False (and no piece started after it) at the first False."""
+        todo = iter(range(n))
+        ok = True
+
+        async def worker() -> None:
+            nonlocal ok
+            for i in todo:  # (shared by the workers: the loop's thread only)
+                if not ok:
+                    return
+                if not await fn(i):
+                    ok = False
+                    return
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(min(PIECE_PARALLEL, n)):
+                nursery.start_soon(worker)
+        return ok
 
     async def _refill(self, got: Lookup) -> Lookup:
         """A miss (lease won) at an owner that came back less than ``REFILL_S`` ago: it
@@ -411,7 +556,7 @@ class PeerTier:
         if alt is None:
             return got
         kind, data = await self._ask(alt, got.key, take=False)
-        if kind != "hit":
+        if kind != "hit" or isinstance(data, Manifest):  # (pieces are not refilled)
             return got
         self.counters.refills += 1
         value = bytes(data)
@@ -460,7 +605,11 @@ class PeerTier:
     def room(self) -> int:
         """Bytes of evicted records :meth:`keep` accepts now (the chunk writer reads no
         more back). Trio loop."""
-        return STORE_QUEUE_BYTES - self.queue_bytes if self._running else 0
+        return STORE_QUEUE_BYTES - self._whole_bytes() if self._running else 0
+
+    def _whole_bytes(self) -> int:
+        """Bytes of whole values queued or being stored (bounded by STORE_QUEUE_BYTES)."""
+        return self.queue_bytes - self._pieced_bytes
 
     def keep(self, records: list[tuple[int, bytes, Identity, bytes]], unread: int) -> None:
         """Make sure each evicted record's owner holds it, in the background (touch, else
@@ -471,12 +620,13 @@ class PeerTier:
             ck = self.key_of(rel, ident)
             owner = self.owner(ck)
             size = value_size(ck)
+            # (a file in pieces is not kept: its pieces are at several servers)
             if (owner is None or not fits(ck, self.cfg.peer_item_max) or not self._running
-                    or self.queue_bytes + size > STORE_QUEUE_BYTES):
+                    or self._whole_bytes() + size > STORE_QUEUE_BYTES):
                 self.counters.keep_dropped += 1
                 continue
             self.queue_bytes += size
-            self._push((owner, ck, data, False, self._expiry(ino), True))
+            self._push((owner, ck, data, False, self._expiry(ino), True, 0))
 
     def _store_key(self, ck: ContentKey, data: bytes | memoryview,
                    got: Lookup | None, expire: int = 0) -> None:
@@ -485,12 +635,18 @@ class PeerTier:
             got = None
         lease = got is not None and got.lease
         owner = got.owner if lease and got is not None else self.owner(ck)
-        if owner is None or not fits(ck, self.cfg.peer_item_max):
+        piece_size = self._piece_size(ck)
+        if owner is None or piece_size < 0:
             if lease:
                 self.release(got)
             return
         size = value_size(ck)
-        if not self._running or self.queue_bytes + size > STORE_QUEUE_BYTES:
+        if piece_size:  # their own bound; one file always fits (its bytes are in memory)
+            room = (not self._pieced_bytes or self._pieced_bytes + size
+                    <= PIECED_QUEUE_FILES * self.cfg.max_cached_file)
+        else:
+            room = self._whole_bytes() + size <= STORE_QUEUE_BYTES
+        if not self._running or not room:
             self.counters.store_dropped += 1
             self.counters.store_dropped_bytes += size
             if lease:
@@ -498,7 +654,9 @@ class PeerTier:
             return
         self.counters.store_queued += 1
         self.queue_bytes += size
-        self._push((owner, ck, bytes(data), lease, expire, False))
+        if piece_size:
+            self._pieced_bytes += size
+        self._push((owner, ck, bytes(data), lease, expire, False, piece_size))
 
     def release(self, got: Lookup | None) -> None:
         """Give up ``got``'s lease (its holder will not store a value): the others stop
@@ -508,9 +666,9 @@ class PeerTier:
         log.debug("lease released without a value on %s", got.key)
         got.lease = False
         if self._running:
-            self._push((got.owner, got.key, None, True, 0, False))
+            self._push((got.owner, got.key, None, True, 0, False, 0))
 
-    def _push(self, item: tuple[str, ContentKey, bytes | None, bool, int, bool]) -> None:
+    def _push(self, item: _Item) -> None:
         self._queue.append(item)
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         self._queued.set()
@@ -537,12 +695,16 @@ class PeerTier:
                 if self._queued.is_set():  # never replace an event a worker waits on
                     self._queued = trio.Event()
                 await self._queued.wait()
-            owner, ck, data, lease, expire, kept = self._queue.popleft()
+            owner, ck, data, lease, expire, kept, piece_size = self._queue.popleft()
             self._storing += 1
             try:
                 if kept:
                     assert data is not None
                     await self._keep(owner, ck, data, expire, limiter)
+                elif piece_size:
+                    assert data is not None
+                    await self._store_pieced(owner, ck, data, lease, limiter, expire,
+                                             piece_size)
                 else:
                     await self._store(owner, ck, data, lease, limiter, expire)
             except Exception:  # noqa: BLE001 - one item's failure must not end the tier
@@ -553,6 +715,8 @@ class PeerTier:
                 self._storing -= 1
                 if data is not None:
                     self.queue_bytes -= value_size(ck)
+                    if piece_size:
+                        self._pieced_bytes -= value_size(ck)
                 if not self._queue and not self._storing:
                     self._idle.set()
 
@@ -587,14 +751,16 @@ class PeerTier:
         else:
             self.counters.keep_held += 1
 
-    async def _store(self, owner: str, ck: ContentKey, data: bytes | None, lease: bool,
-                     limiter: trio.CapacityLimiter, expire: int = 0) -> None:
+    async def _store(self, owner: str, ck: ContentKey, data: bytes | Manifest | None,
+                     lease: bool, limiter: trio.CapacityLimiter, expire: int = 0) -> bool:
+        """Store ``data`` (a value's bytes, or the manifest of pieces stored already) at
+        ``owner``; True if it was stored."""
         if owner in self._down:
             # its holder's owner is down: the lease is gone with it; the value goes to the
             # key's owner now (the next server by rendezvous order)
             owner2 = self.owner(ck)
             if owner2 is None or data is None:
-                return
+                return False
             owner, lease = owner2, False
         c = self.per_server[owner]
         try:
@@ -602,16 +768,63 @@ class PeerTier:
                                            expire, admit=limiter)
         except ServerDown as e:
             self._mark_down(owner, e)
-            return
+            return False
         except ServerError as e:
             c.errors += 1
             log.debug("peer %s: store refused: %s", owner, e)
-            return
+            return False
         if stored:
             if expire:
                 self.counters.expiries_set += 1
             c.stored += 1
-            c.stored_bytes += len(data or b"")
+            c.stored_bytes += len(data) if isinstance(data, bytes) else 0
+        return stored
+
+    async def _store_pieced(self, owner: str, ck: ContentKey, data: bytes, lease: bool,
+                            limiter: trio.CapacityLimiter, expire: int,
+                            piece_size: int) -> None:
+        """Store ``data`` in pieces (each at the owner of its own key, at most
+        :data:`PIECE_PARALLEL` at once), then its manifest at ``owner`` (and the lease
+        goes). A piece not stored: no manifest (a reader would miss that piece), the lease
+        released."""
+        if owner in self._down:  # as in _store: the lease went with the server
+            owner2 = self.owner(ck)
+            if owner2 is None:
+                return
+            owner, lease = owner2, False
+        m = await trio.to_thread.run_sync(manifest_of, ck, data, piece_size)
+
+        async def put(i: int) -> bool:
+            name = self.servers.owner(piece_key(ck, piece_size, i), self._down)
+            if name is None:
+                return False
+            c = self.per_server[name]
+            try:
+                stored = await self._in_thread(self.servers.set_piece, name, ck, m, i, data,
+                                               expire, admit=self._piece_stores, server=name)
+            except _Skipped:
+                return False
+            except ServerDown as e:
+                self._mark_down(name, e)
+                return False
+            except ServerError as e:
+                c.errors += 1
+                log.debug("peer %s: piece refused: %s", name, e)
+                return False
+            if stored:
+                lo, hi = m.bounds(i)
+                c.stored += 1
+                c.stored_bytes += hi - lo
+                self.counters.pieces_stored += 1
+            return stored
+
+        if not await self._each_piece(m.pieces, put):
+            self.counters.pieced_store_failures += 1
+            if lease:
+                await self._store(owner, ck, None, True, limiter)  # the lease goes
+            return
+        if await self._store(owner, ck, m, lease, limiter, expire):
+            self.counters.pieced_stored += 1
 
     async def _prober(self) -> None:
         """Probe servers marked down once their --peer-dead-time has passed; one answer

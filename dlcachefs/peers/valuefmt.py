@@ -23,6 +23,25 @@ its checksum. A partial value (a torn write, a truncated item), a value of anoth
 version, a foreign value or one larger than the item limit (:func:`fits`) are refused;
 the caller reads the source instead.
 
+A file whose value does not fit an item is stored in *pieces* (ranges of ``piece_size``
+bytes, the last one shorter; :func:`piece_size_for` picks the largest size an item
+holds) and a *manifest* under the file's own key, written after its pieces::
+
+    manifest: magic "DLCM" | version u8 | 3 zero bytes | key_len u32 | pieces u32
+              | size u64 | piece_size u64 | whole xxh3_64 u64 | header xxh3_64 u64
+              | content key
+    piece i:  magic "DLCQ" | version u8 | 3 zero bytes | key_len u32 | index u32
+              | data_len u64 | xxh3_64 u64 | content key | the piece's bytes
+
+``whole`` is the checksum a whole value would carry (content key and file bytes); the
+manifest's own checksum covers its header and key. A piece's memcached key is the
+file's key, the piece size and the index (:func:`piece_key`: a writer with another item
+limit writes other keys), and its checksum covers the content key, the index, the piece
+size, the manifest's ``whole`` and the bytes: a piece of another writer's bytes of the
+same version (a file rewritten in place with the same size and mtime) is refused on
+its own, and the pieces put together are checked against ``whole`` once more
+(:func:`join_pieces`), so a file served from pieces is one writer's bytes or nothing.
+
 Pure functions, no I/O, no trio: called in the peer tier's worker threads.
 """
 
@@ -43,6 +62,17 @@ ITEM_OVERHEAD = 1024
 #: memcached keys of this format start with this (readable in ``stats cachedump``)
 KEY_PREFIX = "dlcfs1:"
 LEASE_SUFFIX = ":lease"
+
+
+#: a manifest's header (its last field, the header checksum, covers the others and the key)
+MANIFEST_MAGIC = b"DLCM"
+MANIFEST = struct.Struct("<4sB3sIIQQQQ")
+PIECE_MAGIC = b"DLCQ"
+PIECE = struct.Struct("<4sB3sIIQQ")
+#: room a piece key takes past its file's key (":<piece size hex>:<index>")
+PIECE_KEY_EXTRA = 40
+#: the smallest piece worth storing; pieces are a multiple of it
+PIECE_ALIGN = 4096
 
 
 class BadValue(ValueError):
@@ -124,4 +154,132 @@ def decode(value: bytes, ck: ContentKey) -> memoryview:
     data = mv[start:]
     if _checksum(ck.content, data) != checksum:
         raise BadValue("checksum")
+    return data
+
+
+# ----- pieced values: files larger than an item ------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """How a file is stored in pieces: its ``size``, ``piece_size`` (the last piece is
+    shorter), the number of ``pieces`` and the ``whole`` file's checksum."""
+
+    size: int
+    piece_size: int
+    pieces: int
+    whole: int
+
+    def bounds(self, i: int) -> tuple[int, int]:
+        """The byte range ``[start, end)`` of piece ``i``."""
+        start = i * self.piece_size
+        return start, min(self.size, start + self.piece_size)
+
+
+def piece_size_for(ck: ContentKey, item_max: int) -> int:
+    """The largest multiple of :data:`PIECE_ALIGN` whose piece value fits an item of
+    ``item_max`` bytes (its key, header, content key and memcached's overhead included);
+    0 when not even one fits."""
+    room = (item_max - ITEM_OVERHEAD - len(ck.key) - PIECE_KEY_EXTRA - PIECE.size
+            - len(ck.content))
+    return max(0, room // PIECE_ALIGN * PIECE_ALIGN)
+
+
+def piece_key(ck: ContentKey, piece_size: int, i: int) -> str:
+    """The memcached key of piece ``i`` of ``ck``'s file in pieces of ``piece_size``."""
+    return f"{ck.key}:{piece_size:x}:{i}"
+
+
+def manifest_of(ck: ContentKey, data: bytes | memoryview, piece_size: int) -> Manifest:
+    """The manifest of ``data`` (``ck``'s file) in pieces of ``piece_size`` (checksums the
+    whole file: a worker thread for large files)."""
+    if len(data) != ck.size:
+        raise ValueError(f"{len(data)} bytes for a content key of {ck.size}")
+    if piece_size <= 0:
+        raise ValueError("a piece size must be positive")
+    return Manifest(ck.size, piece_size, -(-ck.size // piece_size),
+                    _checksum(ck.content, data))
+
+
+def encode_manifest(ck: ContentKey, m: Manifest) -> bytes:
+    """The value stored under ``ck``'s own key for a file in pieces."""
+    head = MANIFEST.pack(MANIFEST_MAGIC, VERSION, _RESERVED, len(ck.content), m.pieces,
+                         m.size, m.piece_size, m.whole, 0)[:-8]
+    return b"".join((head, _checksum(head, ck.content).to_bytes(8, "little"), ck.content))
+
+
+def _decode_manifest(value: bytes, ck: ContentKey) -> Manifest:
+    if len(value) < MANIFEST.size:
+        raise BadValue("short")
+    (_magic, version, reserved, key_len, pieces, size, piece_size, whole,
+     check) = MANIFEST.unpack_from(value)
+    if version != VERSION or reserved != _RESERVED:
+        raise BadValue("version")
+    if len(value) != MANIFEST.size + key_len or value[MANIFEST.size:] != ck.content:
+        raise BadValue("key")
+    if _checksum(value[:MANIFEST.size - 8], ck.content) != check:
+        raise BadValue("checksum")
+    if size != ck.size or piece_size <= 0 or pieces != -(-size // piece_size):
+        raise BadValue("length")
+    return Manifest(size, piece_size, pieces, whole)
+
+
+def decode_stored(value: bytes, ck: ContentKey) -> memoryview | Manifest:
+    """What is stored under ``ck``'s own key: the file's bytes (a whole value,
+    :func:`decode`) or the :class:`Manifest` of its pieces; else :class:`BadValue`."""
+    if value[:4] == MANIFEST_MAGIC:
+        return _decode_manifest(value, ck)
+    return decode(value, ck)
+
+
+def _piece_checksum(ck: ContentKey, m: Manifest, i: int, data: bytes | memoryview) -> int:
+    h = xxhash.xxh3_64()
+    h.update(ck.content)
+    h.update(struct.pack("<IQQ", i, m.piece_size, m.whole))
+    h.update(data)
+    return h.intdigest()
+
+
+def encode_piece(ck: ContentKey, m: Manifest, i: int, data: bytes | memoryview) -> bytes:
+    """The value of piece ``i`` of ``data`` (the whole file, ``ck``'s version)."""
+    if len(data) != m.size or not 0 <= i < m.pieces:
+        raise ValueError(f"piece {i} of {len(data)} bytes under a manifest of {m}")
+    start, end = m.bounds(i)
+    piece = memoryview(data)[start:end]
+    head = PIECE.pack(PIECE_MAGIC, VERSION, _RESERVED, len(ck.content), i, len(piece),
+                      _piece_checksum(ck, m, i, piece))
+    return b"".join((head, ck.content, piece))
+
+
+def decode_piece(value: bytes, ck: ContentKey, m: Manifest, i: int) -> memoryview:
+    """The bytes of piece ``i`` if ``value`` is that piece of the file ``m`` describes,
+    whole and intact; else :class:`BadValue`. A view into ``value``."""
+    if len(value) < PIECE.size:
+        raise BadValue("short")
+    magic, version, reserved, key_len, index, data_len, checksum = PIECE.unpack_from(value)
+    if magic != PIECE_MAGIC:
+        raise BadValue("magic")
+    if version != VERSION or reserved != _RESERVED:
+        raise BadValue("version")
+    mv = memoryview(value)
+    start = PIECE.size + key_len
+    if start > len(value) or mv[PIECE.size:start] != ck.content:
+        raise BadValue("key")
+    lo, hi = m.bounds(i)
+    if index != i or data_len != hi - lo or len(value) - start != data_len:
+        raise BadValue("length")
+    data = mv[start:]
+    if _piece_checksum(ck, m, i, data) != checksum:
+        raise BadValue("checksum")
+    return data
+
+
+def join_pieces(ck: ContentKey, m: Manifest, pieces: list[memoryview]) -> bytes:
+    """The file from its checked pieces, in order, if it matches the manifest's whole
+    checksum; else :class:`BadValue` (``"whole"``). One copy; a worker thread."""
+    if len(pieces) != m.pieces:
+        raise BadValue("length")
+    data = b"".join(pieces)
+    if len(data) != m.size or _checksum(ck.content, data) != m.whole:
+        raise BadValue("whole")
     return data
