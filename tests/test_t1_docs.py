@@ -181,3 +181,24 @@ def test_extraction() -> None:
                      "dlcachefs run -- python train.py --lr 0.1  # [not a synopsis]"]
     assert [is_synopsis(line) for line in lines] == [False, False, False, True, False]
     assert argv_of(lines[0]) == ["stats", "/mnt/a"]
+
+
+def test_no_merge_conflict_is_left_in_the_tree():
+    """A merge's conflict markers committed by mistake (DESIGN.md carried one) fail here:
+    every tracked text file of the repository, the lines git writes at a conflict."""
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    marker = re.compile(r"^(<{7} |>{7} |={7}$)", re.M)
+    found = []
+    for name in files:
+        path = ROOT / name
+        if path.suffix not in {".md", ".py", ".toml", ".sh", ".txt", ".cfg", ".yml", ""}:
+            continue
+        try:
+            text = path.read_text()
+        except (UnicodeDecodeError, OSError):
+            continue
+        found += [f"{name}:{text.count(chr(10), 0, m.start()) + 1}" for m in marker.finditer(text)]
+    assert found == [], found
