@@ -60,15 +60,18 @@ def test_bad_specs_fail_before_the_worker():
     w.close()
 
 
-def test_a_dead_worker_is_replaced_and_a_closed_one_refuses():
+@pytest.mark.daemon_log_allows(r"replay worker failed \(killed by SIGKILL\)")
+def test_a_dead_worker_is_replaced_and_a_closed_one_refuses(caplog):
     w = ReplayWorker()
     try:
         rep = RemoteReplayer(w, SamplerSpec("random", seed=1), 20)
         first = rep.order(0)
         w._proc.kill()
-        w._proc.join(5)
+        w._proc.wait(5)
         rep2 = RemoteReplayer(w, SamplerSpec("random", seed=1), 20)
         assert rep2.order(0) == first  # a new worker, the same order
+        # the death between requests is said, with how it ended
+        assert any("killed by SIGKILL" in r.getMessage() for r in caplog.records)
     finally:
         w.close()
     rep3 = RemoteReplayer(w, SamplerSpec("random", seed=2), 20)
@@ -114,3 +117,73 @@ def test_the_worker_ends_when_its_daemon_is_killed():
         mid.wait()
         if pid and not _gone(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+# ----- a worker that dies says why ---------------------------------------------------------
+
+#: torch packages that kill the worker as it imports them: an exception nothing catches (a
+#: BaseException, as SystemExit or KeyboardInterrupt are), and a native crash
+FAKE_TORCH = {
+    "raises": "class TorchAbort(BaseException):\n    pass\n\n\n"
+              "raise TorchAbort('the fake torch refuses to load (test)')\n",
+    "segfault": "import ctypes\n\nctypes.string_at(0)\n",
+}
+
+
+def fake_torch(tmp_path, kind: str) -> str:
+    """A directory holding a ``torch`` package that kills its importer (``kind``)."""
+    pkg = tmp_path / kind / "torch"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(FAKE_TORCH[kind])
+    return str(pkg.parent)
+
+
+@pytest.mark.daemon_log_allows(r"replay worker failed \(exit code 1\): torch\.TorchAbort")
+def test_a_worker_dying_of_an_exception_says_which_and_its_exit_code(tmp_path, monkeypatch,
+                                                                    caplog):
+    """The worker's own exception (the last line of its traceback) and its exit status
+    are the reason, not the broken pipe's "[Errno 104] Connection reset by peer"."""
+    monkeypatch.setenv("PYTHONPATH", fake_torch(tmp_path, "raises"))
+    w = ReplayWorker()
+    try:
+        assert not w.wait_ready()
+        want = ("the sampler replay worker failed (exit code 1): torch.TorchAbort: the fake "
+                "torch refuses to load (test)")
+        assert w.error == want
+        rep = RemoteReplayer(w, SamplerSpec("random", seed=1), 20)
+        with pytest.raises(ValueError) as e:
+            rep.order(0)  # a new worker, which dies the same way
+        assert str(e.value) == want
+        assert [r.getMessage() for r in caplog.records
+                if r.name == "dlcachefs.clairvoyance.replayworker"] == [want, want]
+    finally:
+        w.close()
+
+
+@pytest.mark.daemon_log_allows(r"replay worker failed \(killed by SIGSEGV\)")
+def test_a_worker_killed_by_a_signal_says_which(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", fake_torch(tmp_path, "segfault"))
+    w = ReplayWorker()
+    try:
+        assert not w.wait_ready()
+        assert w.error == ("the sampler replay worker failed (killed by SIGSEGV): Fatal "
+                           "Python error: Segmentation fault")
+    finally:
+        w.close()
+
+
+def test_the_worker_error_is_the_last_line_of_its_last_traceback():
+    from dlcachefs.clairvoyance.replayworker import death_reason, worker_error
+
+    chained = ("Traceback (most recent call last):\n  File \"a.py\", line 1, in <module>\n"
+               "KeyError: 'x'\n\nDuring handling of the above exception, another exception "
+               "occurred:\n\nTraceback (most recent call last):\n  File \"a.py\", line 3\n"
+               "    raise RuntimeError('boom')\n    ^^^^^\nRuntimeError: boom\n")
+    assert worker_error(chained) == "RuntimeError: boom"
+    assert worker_error("some warning\nanother line\n") == "another line"
+    assert worker_error("") == ""
+    assert worker_error("x" * 900).endswith("...")
+    assert death_reason(3, "", OSError(104, "Connection reset by peer")) == (
+        "the sampler replay worker failed (exit code 3): [Errno 104] Connection reset by peer")
+    assert death_reason(None, "") == ("the sampler replay worker failed (still running, its "
+                                      "pipe closed)")

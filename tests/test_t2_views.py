@@ -96,3 +96,95 @@ def test_a_root_rebuilt_after_files_were_added_is_listed_anew(tmp_path):
         sl = mgr.view_samples("k2", cs.views[vid])
         assert [sl.paths[i] for i in range(len(ds))] == [
             os.path.relpath(ds[i][0], src) for i in range(len(ds))]
+
+
+# ----- timm's folder reader: another order over the same tree ---------------------------------
+
+#: names that sort differently naturally (timm) and lexically (torchvision): img2 before
+#: img10, class2 before class10; files in the root and in nested directories (timm keeps
+#: them, its class is the directory's own name); names timm's key ties (case)
+TIMM_TREE = ("class2/img10.jpg", "class2/img2.jpg", "class2/img1.png", "class10/img3.jpg",
+             "class10/IMG3.jpg", "class10/sub/img7.jpeg", "class10/sub/img07b.jpg",
+             "class1/a9.jpg", "class1/a10.jpg", "top5.jpg", "top40.jpg",
+             "class2/notes.txt", "README")
+
+
+class _SortedScandir:
+    """``os.scandir`` in name order: the order the mount lists a directory in (the
+    source's own order is its file system's), for timm's unsorted walk."""
+
+    def __init__(self, path) -> None:
+        with _REAL_SCANDIR(path) as it:
+            self._entries = iter(sorted(it, key=lambda e: os.fsencode(e.name)))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._entries)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+_REAL_SCANDIR = os.scandir
+
+
+@pytest.mark.parametrize("sort", [True, False])
+def test_timm_folder_order_is_replayed(tmp_path, monkeypatch, sort):
+    """timm's reader sorts by its natural_key (or not at all): the mount's list is the
+    training's, index for index, where torchvision's order is another."""
+    rif = pytest.importorskip("timm.data.readers.reader_image_folder")
+    src = tmp_path / "src"
+    touch(src, *TIMM_TREE)
+    monkeypatch.setattr(os, "scandir", _SortedScandir)
+    if sort:
+        reader = rif.ReaderImageFolder(str(src))
+    else:  # (the reader always sorts; its function has the flag)
+        reader = rif.ReaderImageFolder(str(src))
+        reader.samples, reader.class_to_idx = rif.find_images_and_targets(str(src), sort=False)
+    monkeypatch.undo()
+    with scanned(src, tmp_path / "cache") as eng:
+        cs, vid = announce_view(eng, src, reader)
+        (root,) = cs.views[vid].roots
+        assert root.extensions is None and root.suffixes == (".jpeg", ".jpg", ".png")
+        sl = _lists(eng).view_samples("k", cs.views[vid])
+        assert sl.paths == [os.path.relpath(p, src) for p, _ in reader.samples]
+        # the same classes: the mount's labels group the samples as timm's do
+        pairs = {(a, b) for a, (_, b) in zip(sl.labels, reader.samples, strict=True)}
+        assert len(pairs) == len({a for a, _ in pairs}) == len({b for _, b in pairs})
+        for i, p in enumerate(sl.paths):
+            assert eng.ns.path_of(eng.ns.get(sl.inos[i])) == os.fsencode(p)
+
+
+def test_another_sort_order_and_other_files_are_told_apart(tmp_path):
+    """A list of the mount's files in an order neither torchvision nor timm makes, and a
+    list of other files: each mismatch says which (the stream then learns its order)."""
+    from dlcachefs.clairvoyance.listings import SampleListMismatch
+
+    src = tmp_path / "src"
+    touch(src, *TIMM_TREE)
+    tv = folder.ImageFolder(str(src), loader=lambda p: p)
+    tv.samples = tv.samples[::-1]  # a custom order over the same files
+    tv.imgs = tv.samples
+    odd = folder.ImageFolder(str(src), loader=lambda p: p,
+                             is_valid_file=lambda p: "img2" not in p)
+    with scanned(src, tmp_path / "cache") as eng:
+        cs, vid = announce_view(eng, src, tv)
+        with pytest.raises(SampleListMismatch) as e:
+            _lists(eng).view_samples("k", cs.views[vid])
+        assert str(e.value) == ("sample list mismatch under '.': the training's sample list "
+                                "is in another sort order than torchvision's or timm's (the "
+                                "same 9 files)")
+        cs, vid = announce_view(eng, src, odd)
+        with pytest.raises(SampleListMismatch) as e:
+            _lists(eng).view_samples("k", cs.views[vid])
+        assert str(e.value) == ("sample list mismatch under '.': the mount lists 10 files, "
+                                "the training 9 (a custom is_valid_file, or timm's "
+                                "class_map?)")

@@ -19,7 +19,8 @@ lines and ``#`` comments are ignored. The lines::
     order E end COUNT        # epoch E's order is complete and has COUNT indices
     index LID START T1 T2 ...  # a chunk of index list LID (tokens: I, or A:B for A..B-1)
     index LID end COUNT      # index list LID is complete (COUNT indices; LID = its digest)
-    root VID REL count=N sha=HEX [ext=E1,E2|any]   # root K of view VID (in order)
+    root VID REL count=N sha=HEX [ext=E1,E2|any] [set=HEX] [sfx=S1,S2]
+                             # root K of view VID (in order)
     view VID roots=R [index=LID]   # closes the R ``root`` lines of VID just before it
     dataset RELPATH view=VID # the job's dataset is view VID (RELPATH: its first root)
 
@@ -66,7 +67,10 @@ Views (wrapped datasets, :mod:`dlcachefs.data.wrappers`): the dataset a DataLoad
 the concatenation of the sample lists of one or more ImageFolder roots (``root`` lines;
 ``count``/``sha`` are the training's digest of each root's list, checked by the mount when
 it lists the root; ``ext`` the DatasetFolder's extensions, percent-encoded, ``any`` for a
-custom ``is_valid_file``), optionally seen through an index list (``Subset``: dataset
+custom ``is_valid_file`` or another reader; ``set`` the digest of the same paths sorted,
+which tells a list in another order from a list of other files; ``sfx``, with ``ext=any``,
+the suffixes of its files, which the mount keeps; the mount tries torchvision's order and
+timm's), optionally seen through an index list (``Subset``: dataset
 index ``i`` is base index ``index[i]``). Index lists and views are content-addressed:
 ``LID`` is the first 24 hex digits of the SHA-256 of the indices as int64 little-endian,
 ``VID`` that of the view's definition (:func:`dlcachefs.clairvoyance.protocol.view_id`);
@@ -113,6 +117,7 @@ from dlcachefs.clairvoyance.protocol import (
     MAX_LOSS_PAIRS,
     MAX_PREFETCH_FACTOR,
     MAX_SAMPLER_LINE,
+    MAX_SUFFIXES,
     MAX_WORKERS,
     MAX_WRITE,
     index_list_id,
@@ -171,6 +176,9 @@ class RootDef:
     count: int
     sha: str
     extensions: tuple[str, ...] | None  # None: any file (a custom is_valid_file)
+    set_sha: str | None = None  # the digest of its paths sorted (protocol.set_digest)
+    #: with ``extensions`` None: the suffixes of its files (protocol.suffixes_of)
+    suffixes: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -893,7 +901,7 @@ class ControlState:
         if len(args) < 2 or not _ID_RE.match(args[0]):
             raise ControlError(f"line {n}: 'root' needs VID (24 hex digits) REL count=N sha=HEX "
                                f"[ext=...]")
-        kv = _kv(n, args[2:], {"count", "sha", "ext"})
+        kv = _kv(n, args[2:], {"count", "sha", "ext", "set", "sfx"})
         if "count" not in kv or "sha" not in kv:
             raise ControlError(f"line {n}: 'root' needs count= and sha=")
         count = _int(n, "count", kv["count"], 0, MAX_INDEX)
@@ -904,8 +912,17 @@ class ControlState:
             ext = tuple(unquote(e) for e in kv["ext"].split(","))
             if not all(ext):
                 raise ControlError(f"line {n}: empty extension in ext=")
+        set_sha = kv.get("set")
+        if set_sha is not None and not _HEX_RE.match(set_sha):
+            raise ControlError(f"line {n}: set must be 64 hex digits")
+        sfx: tuple[str, ...] | None = None
+        if "sfx" in kv:
+            sfx = tuple(unquote(e) for e in kv["sfx"].split(","))
+            if not all(sfx) or len(sfx) > MAX_SUFFIXES:
+                raise ControlError(f"line {n}: sfx= needs 1-{MAX_SUFFIXES} non-empty suffixes")
         rel, ino = self._rel_dir(n, args[1], "root")
-        return _Op("root", args[0], (RootDef(rel, ino, count, kv["sha"], ext),), n)
+        return _Op("root", args[0], (RootDef(rel, ino, count, kv["sha"], ext, set_sha, sfx),),
+                   n)
 
     def _rel_dir(self, n: int, token: str, what: str) -> tuple[str, int]:
         """A percent-encoded directory path relative to the mount: (normalized, inode)."""

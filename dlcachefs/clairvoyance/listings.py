@@ -6,7 +6,12 @@ made in a worker thread from the namespace snapshot, once however many callers w
 (:meth:`SampleLists.ensure_sample_list`); a dataset that is a *view* (wrapped
 ImageFolders, :mod:`dlcachefs.data.wrappers`) is the concatenation of its roots'
 lists seen through its index list, each root's list checked against the training's
-digest first (:meth:`SampleLists.view_samples`). A training builds its ImageFolder
+digest first (:meth:`SampleLists.view_samples`): the training's list is the truth, and
+the known orders are tried in turn (torchvision's ImageFolder, timm's folder reader
+sorted by its ``natural_key``, the same unsorted); a root none of them gives is a
+:class:`SampleListMismatch`, whose reason says whether the training lists the same
+files in another order or other files (the stream then learns its order from the
+opens). A training builds its ImageFolder
 before it announces: when a directory is opened right after its parent and the parent
 looks like a dataset root, the parent's list is made ahead (:meth:`note_opendir`).
 
@@ -27,13 +32,14 @@ import trio
 
 from dlcachefs.cache.namespace import Namespace
 from dlcachefs.cache.tasks import TaskOwner
-from dlcachefs.clairvoyance.control import JobState, ViewDef
-from dlcachefs.clairvoyance.protocol import paths_digest
+from dlcachefs.clairvoyance.control import JobState, RootDef, ViewDef
+from dlcachefs.clairvoyance.protocol import paths_digest, set_digest
 from dlcachefs.clairvoyance.samplelist import (
     IMG_EXTENSIONS,
     SampleList,
     image_folder,
     links_leaving,
+    timm_folder,
 )
 from dlcachefs.clairvoyance.stream import StreamTable
 from dlcachefs.errors import DlcError
@@ -46,6 +52,11 @@ log = logging.getLogger(__name__)
 MAX_SAMPLE_LISTS = 4  # sample lists kept (train and val views of the jobs, a guess)
 MAX_GUESSES = 8  # directories listed ahead of an announcement, per mount
 LIST_RETRY_S = 30.0  # a dataset whose listing failed is not listed again before this
+
+
+class SampleListMismatch(ValueError):
+    """The mount cannot make a root's list as the training has it (see the module doc):
+    its order is learned from the opens instead. ``str(e)`` says why."""
 
 
 def dataset_key(js: JobState) -> str | None:
@@ -70,7 +81,8 @@ class SampleLists(TaskOwner):
         self._last_opendir = 0
         self._guessed: set[int] = set()  # directories listed ahead of an announcement
         self._listing: dict[str, trio.Event] = {}  # dataset -> its list is being made
-        self._list_failed: dict[str, tuple[float, str]] = {}  # dataset -> (when, why)
+        # dataset -> (when, why, a mismatch?)
+        self._list_failed: dict[str, tuple[float, str, bool]] = {}
         # (rel, extensions) -> a root's list verified against a training's, with its
         # count and digest: a view built later (the files changed) is checked against it
         self._roots: dict[tuple, tuple[SampleList, int, str]] = {}
@@ -141,7 +153,8 @@ class SampleLists(TaskOwner):
             await busy.wait()  # then look again: made, or failed (and maybe retried)
         failed = self._list_failed.get(dataset)
         if failed is not None and time.monotonic() - failed[0] < LIST_RETRY_S:
-            raise DlcError(failed[1])  # a listing that just failed is not redone at once
+            # a listing that just failed is not redone at once
+            raise (SampleListMismatch if failed[2] else DlcError)(failed[1])
         done = self._listing[dataset] = trio.Event()
         try:
             if view is None:
@@ -149,7 +162,8 @@ class SampleLists(TaskOwner):
             else:
                 samples = await trio.to_thread.run_sync(self.view_samples, dataset, view)
         except (DlcError, ValueError, OSError) as e:
-            self._list_failed[dataset] = (time.monotonic(), str(e))
+            self._list_failed[dataset] = (time.monotonic(), str(e),
+                                          isinstance(e, SampleListMismatch))
             while len(self._list_failed) > 64:
                 self._list_failed.pop(next(iter(self._list_failed)))
             raise
@@ -172,6 +186,8 @@ class SampleLists(TaskOwner):
         async def task() -> None:
             try:
                 await self.ensure_sample_list(dataset, view)
+            except SampleListMismatch as e:  # the stream learns its order: said there
+                log.info("dataset %r: %s", dataset, e)
             except Exception as e:  # noqa: BLE001 - reported through then()
                 log.warning("dataset %r: cannot make its sample list: %s", dataset, e)
             try:
@@ -184,14 +200,14 @@ class SampleLists(TaskOwner):
             then(dataset)
 
     def view_samples(self, key: str, view: ViewDef) -> SampleList:
-        """Thread: the view's sample list; ValueError when a root's listing differs from
-        the training's (never a silently wrong order)."""
+        """Thread: the view's sample list; :class:`SampleListMismatch` when a root's
+        listing differs from the training's (never a silently wrong order)."""
         inos: list[int] = []
         labels: list[int] = []
         paths: list[str] = []
         nbytes = 0
         for r in view.roots:
-            rk = (r.rel, r.extensions)
+            rk = (r.rel, r.extensions, r.suffixes)
             known = self._roots.get(rk)
             # a root's list made or verified earlier holds only while the training's is
             # the same: one that rebuilt its ImageFolder after files were added or
@@ -199,21 +215,7 @@ class SampleLists(TaskOwner):
             # order over the wrong samples (403 misses of 600 in the sweep)
             sl = known[0] if known is not None and known[1:] == (r.count, r.sha) else None
             if sl is None:
-                sl = self._samplelists.get(r.rel) if r.extensions == IMG_EXTENSIONS else None
-                if sl is None or len(sl) != r.count or paths_digest(sl.paths) != r.sha:
-                    sl = image_folder(self.ns, r.rel, r.extensions)  # (listed anew)
-                if len(sl) != r.count or paths_digest(sl.paths) != r.sha:
-                    hint = " (a custom is_valid_file?)" if r.extensions is None else ""
-                    out = links_leaving(self.ns, r.rel)
-                    if out:
-                        hint += (f" ({out} symlinks in it dangle or lead out of the source:"
-                                 f" the training follows them to files the mount does not"
-                                 f" hold)")
-                    raise ValueError(
-                        f"sample list mismatch under {r.rel or '.'!r}: the mount lists "
-                        f"{len(sl)} files, the training {r.count}"
-                        + (" (same count, other files or order)" if len(sl) == r.count
-                           else "") + f"{hint}; the order is not replayed")
+                sl = self._root_list(r)
                 if len(self._roots) > 16:
                     self._roots.clear()
                 self._roots[rk] = (sl, r.count, r.sha)
@@ -229,3 +231,56 @@ class SampleLists(TaskOwner):
             paths = [paths[j] for j in idx]
             nbytes = sum(self.ns.size_of(i) for i in inos if i)
         return SampleList(key, [], inos, labels, paths, nbytes)
+
+    def _root_list(self, r: RootDef) -> SampleList:
+        """Thread: the list of root ``r`` in the order the training has it: the known
+        orders tried in turn (see the module doc), each only when the one before is not
+        the training's; raises :class:`SampleListMismatch` when none is."""
+        tried: list[SampleList] = []
+
+        def matches(sl: SampleList) -> bool:
+            tried.append(sl)
+            return len(sl) == r.count and paths_digest(sl.paths) == r.sha
+
+        sl = self._samplelists.get(r.rel) if r.extensions == IMG_EXTENSIONS else None
+        if sl is not None and matches(sl):
+            return sl
+        tv = image_folder(self.ns, r.rel, r.extensions, r.suffixes)  # (listed anew)
+        if matches(tv):
+            return tv
+        timm = timm_folder(self.ns, r.rel, r.extensions, r.suffixes)
+        if matches(timm):
+            log.info("root %r: the training's list is in timm's order (natural_key)",
+                     r.rel or ".")
+            return timm
+        walk = timm_folder(self.ns, r.rel, r.extensions, r.suffixes, sort=False)
+        if matches(walk):
+            log.info("root %r: the training's list is in timm's unsorted order", r.rel or ".")
+            return walk
+        raise SampleListMismatch(self._mismatch(r, tv, tried))
+
+    def _mismatch(self, r: RootDef, tv: SampleList, tried: list[SampleList]) -> str:
+        """Thread: why no list of the mount's is root ``r``'s (the cause, as far as the
+        training's digests tell it)."""
+        where = f"sample list mismatch under {r.rel or '.'!r}"
+        if r.set_sha is not None:
+            same = next((sl for sl in tried if len(sl) == r.count
+                         and set_digest(sl.paths) == r.set_sha), None)
+            if same is not None:
+                return (f"{where}: the training's sample list is in another sort order than "
+                        f"torchvision's or timm's (the same {r.count} files)")
+        # the list nearest in length is the one compared (timm's for a timm training)
+        near = min(tried, key=lambda sl: abs(len(sl) - r.count)) if tried else tv
+        hint = " (a custom is_valid_file, or timm's class_map?)" if r.extensions is None else ""
+        out = links_leaving(self.ns, r.rel)
+        if out:
+            hint += (f" ({out} symlinks in it dangle or lead out of the source: the "
+                     f"training follows them to files the mount does not hold)")
+        if len(near) != r.count:
+            what = ""
+        elif r.set_sha is not None:
+            what = " (same count, other files)"
+        else:
+            what = " (same count, other files or order)"
+        return (f"{where}: the mount lists {len(near)} files, the training {r.count}"
+                f"{what}{hint}")

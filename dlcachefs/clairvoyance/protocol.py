@@ -60,6 +60,8 @@ class RootLike(Protocol):
     @property
     def extensions(self) -> tuple[str, ...] | None: ...
 
+    # optional: ``set_sha`` (:func:`set_digest`) and ``suffixes`` (:func:`suffixes_of`)
+
 
 def ext_token(extensions: Sequence[str] | None) -> str:
     """The ``ext=`` field: percent-encoded extensions joined by ``,``; ``any`` for none
@@ -80,6 +82,38 @@ def paths_digest(rel_paths: Iterable[str]) -> str:
         h.update(enc(p))
         h.update(b"\n")
     return h.hexdigest()
+
+
+def set_digest(rel_paths: Iterable[str]) -> str:
+    """:func:`paths_digest` of the paths sorted (as ``str``): the same for the same files
+    in any order. It tells a list in another sort order (timm's, a custom one) from a list
+    of other files."""
+    return paths_digest(sorted(rel_paths))
+
+
+#: at most this many suffixes are sent in ``sfx=``, in at most this many characters (more:
+#: the mount keeps every file)
+MAX_SUFFIXES = 32
+MAX_SUFFIX_CHARS = 1024
+
+
+def suffixes_of(rel_paths: Iterable[str]) -> tuple[str, ...] | None:
+    """The file name suffixes (``os.path.splitext``, lower case) of a list's paths, sorted:
+    a filter that keeps at least the list's files, for a root whose own filter is unknown
+    (a custom ``is_valid_file``, timm's reader). None when a file has none or there are
+    more than ``MAX_SUFFIXES`` or ``MAX_SUFFIX_CHARS`` (the mount then keeps every
+    file)."""
+    found: set[str] = set()
+    split = os.path.splitext
+    for p in rel_paths:
+        ext = split(p)[1].lower()
+        if not ext:
+            return None
+        found.add(ext)
+        if len(found) > MAX_SUFFIXES:
+            return None
+    out = tuple(sorted(found))
+    return out if len(ext_token(out)) <= MAX_SUFFIX_CHARS else None
 
 
 def index_list_id(indices: Sequence[int]) -> str:
@@ -160,9 +194,17 @@ def pace_line(iters: int, steps: int, wait_s: float, train_s: float, rank: int |
 
 
 def root_line(vid: str, rel: str, root: RootLike) -> str:
-    """Root ``rel`` of view ``vid``, with the training's digest of its sample list."""
-    return (f"root {vid} {quote_rel(rel)} count={root.count} sha={root.sha} "
+    """Root ``rel`` of view ``vid``, with the training's digest of its sample list (and,
+    when known, the digest of its set of files and its files' suffixes)."""
+    line = (f"root {vid} {quote_rel(rel)} count={root.count} sha={root.sha} "
             f"ext={ext_token(root.extensions)}")
+    set_sha = getattr(root, "set_sha", None)
+    if set_sha:
+        line += f" set={set_sha}"
+    suffixes = getattr(root, "suffixes", None)
+    if suffixes and root.extensions is None:
+        line += f" sfx={ext_token(suffixes)}"
+    return line
 
 
 def view_line(vid: str, n_roots: int, lid: str | None) -> str:

@@ -4,7 +4,7 @@ Replaying a torch sampler needs torch (:mod:`dlcachefs.clairvoyance.replay`). Im
 ~3-4 s of CPU and ~500 MB. Done in the daemon, even in a background thread, that import
 holds the GIL while the first epoch is being served: every FUSE request waited on it
 (the first pass after a mount ran at half speed, `bench.run` raw readers). So orders are
-computed in one spawned process (``nice`` +10), which imports torch as soon as it starts
+computed in one worker process (``nice`` +10), which imports torch as soon as it starts
 (when a training's hook first opens the control file, see
 :meth:`~dlcachefs.clairvoyance.streams.StreamManager.start_replay`): the first announcement
 finds it ready or nearly, and the daemon's own work never waits on it.
@@ -13,6 +13,13 @@ finds it ready or nearly, and the daemon's own work never waits on it.
 (``spec``, ``known``, ``order``) for the streams. The worker keeps the replayers it made
 (keyed by sampler, dataset size, base epoch and index list), so going from epoch E to
 E+1 costs one permutation, as in-process.
+
+The worker is a new interpreter (``python -m dlcachefs.clairvoyance.replayworker``), not a
+``multiprocessing`` spawn: a spawn imports the daemon's ``__main__`` again in the child,
+and a main that cannot be imported twice (a script that mounts, a wrapper) killed every
+worker at its start. Its stderr goes to an unnamed file: when it dies, the last line of
+its traceback (or of ``faulthandler``'s report of a fatal signal) and its exit status are
+the failure's reason (:func:`death_reason`), in the stream's ``reason`` and the log.
 
 Concurrency: ``order`` blocks (call it in a thread). One request at a time on the pipe
 (a lock); a worker that died or does not answer within ``TIMEOUT_S`` is restarted on the
@@ -24,13 +31,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import multiprocessing as mp
 import os
 import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 
 import numpy as np
 
@@ -40,6 +51,8 @@ log = logging.getLogger(__name__)
 
 TIMEOUT_S = 120.0  # a 1.28M-sample order takes well under a second; torch's import ~4 s
 MAX_REPLAYERS = 16  # kept in the worker
+EXIT_WAIT_S = 5.0  # a worker whose pipe closed is given this long to exit (its status)
+STDERR_TAIL = 8192  # bytes of a dead worker's stderr read for its reason
 
 
 class ReplayClosed(ValueError):
@@ -52,8 +65,9 @@ class ReplayWorker:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._proc: mp.process.BaseProcess | None = None
-        self._conn = None
+        self._proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self._stderr = None  # the worker's stderr: an unnamed file (see the module doc)
         self.torch: bool | None = None  # torch imports in the worker (None: not known yet)
         self.error: str | None = None
         self._closed = False
@@ -74,16 +88,30 @@ class ReplayWorker:
             raise OSError("the sampler replay worker is closed (unmounting)")
         if self._disabled is not None:
             raise OSError(self._disabled)
-        if self._proc is not None and self._proc.is_alive():
-            return
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                return
+            # it died between requests: said now, then a new one is started
+            log.warning("%s", self._death())
         self._stop()
-        ctx = mp.get_context("spawn")  # never fork a process with trio's threads
-        mine, theirs = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(theirs, os.getpid()), daemon=True,
-                                 name="dlcachefs-replay")
-        self._proc.start()
-        theirs.close()
-        self._conn = mine
+        mine, theirs = socket.socketpair()
+        err = tempfile.TemporaryFile()  # noqa: SIM115 - open for the worker's life
+        try:
+            # fork + exec (never a bare fork of a process with trio's threads); the
+            # worker's copy of ``theirs`` is its only end of the pipe
+            self._proc = subprocess.Popen(
+                [sys.executable, "-X", "faulthandler", "-m", __name__,
+                 str(theirs.fileno()), str(os.getpid())],
+                stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                pass_fds=(theirs.fileno(),))
+        except BaseException:
+            mine.close()
+            err.close()
+            raise
+        finally:
+            theirs.close()
+        self._stderr = err
+        self._conn = Connection(mine.detach())
 
     def wait_ready(self, timeout: float = TIMEOUT_S) -> bool:
         """Block until the worker has imported torch; True when it could. Thread."""
@@ -126,31 +154,100 @@ class ReplayWorker:
                                             f"{timeout:.0f} s")
                 return self._conn.recv()
             except (OSError, EOFError) as e:
+                if self._closed:
+                    self._stop()
+                    return False, "the sampler replay worker is closed"
+                # the pipe broke: the worker died (or is dying). Its own words say why.
+                why = self._death(e)
+                log.warning("%s", why)
                 self._stop()
-                return False, f"the sampler replay worker failed: {e}"
+                return False, why
+
+    def _death(self, pipe_error: BaseException | None = None) -> str:
+        """Why the worker died: :func:`death_reason` of its exit status (waited for a
+        moment: its pipe closes as it exits) and its stderr. Lock held."""
+        proc = self._proc
+        status = None
+        if proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                status = proc.wait(EXIT_WAIT_S)
+        return death_reason(status, _tail(self._stderr), pipe_error)
 
     def _stop(self) -> None:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
         if self._proc is not None:
-            if self._proc.is_alive():
+            if self._proc.poll() is None:
                 self._proc.kill()
-            self._proc.join(5)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(5)
             self._proc = None
+        if self._stderr is not None:
+            self._stderr.close()
+            self._stderr = None
 
     def close(self) -> None:
         """End the worker (at unmount). Killed first, without the lock: a request
         waiting on it then returns at once instead of holding the lock."""
         self._closed = True  # no request spawns it again
         p = self._proc
-        if p is not None and p.is_alive():
+        if p is not None and p.poll() is None:
             p.kill()
         if self._lock.acquire(timeout=10):
             try:
                 self._stop()
             finally:
                 self._lock.release()
+
+
+def death_reason(status: int | None, stderr: str, pipe_error: BaseException | None = None
+                 ) -> str:
+    """The reason of a worker's death: its exit status (``status`` as
+    :attr:`subprocess.Popen.returncode`: negative for a signal; None when it had not
+    exited) and its own error, the last line of what it wrote on ``stderr``
+    (:func:`worker_error`; the broken pipe's ``pipe_error`` when it wrote nothing)."""
+    if status is None:
+        how = "still running, its pipe closed"
+    elif status < 0:
+        try:
+            how = f"killed by {signal.Signals(-status).name}"
+        except ValueError:
+            how = f"killed by signal {-status}"
+    else:
+        how = f"exit code {status}"
+    what = worker_error(stderr) or (str(pipe_error) if pipe_error is not None else "")
+    return f"the sampler replay worker failed ({how})" + (f": {what}" if what else "")
+
+
+def worker_error(stderr: str, limit: int = 500) -> str:
+    """The worker's own error in what it wrote on stderr: the last line of its last
+    Python traceback (``Type: message``), or ``faulthandler``'s ``Fatal Python error``
+    line of a fatal signal; else its last line ("" for nothing), at most ``limit``
+    characters."""
+    lines = [ln.rstrip() for ln in stderr.splitlines() if ln.strip()]
+    found = lines[-1] if lines else ""
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("Traceback (most recent call last):"):
+            own = [ln for ln in lines[i + 1:] if not ln[:1].isspace()]
+            found = own[-1] if own else found
+            break
+        if lines[i].startswith("Fatal Python error:"):
+            found = lines[i]
+            break
+    return found if len(found) <= limit else found[:limit - 3] + "..."
+
+
+def _tail(f, size: int = STDERR_TAIL) -> str:
+    """The last ``size`` bytes of the file ``f`` (a worker's stderr), as text."""
+    if f is None:
+        return ""
+    try:
+        end = f.seek(0, os.SEEK_END)
+        f.seek(max(0, end - size))
+        return f.read().decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return ""
 
 
 @dataclass
@@ -221,6 +318,12 @@ def exit_with_parent(parent: int, every: float = 0.5) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def main(argv: list[str]) -> None:
+    """The worker process: ``python -m dlcachefs.clairvoyance.replayworker FD PARENT``
+    serves the pipe end ``FD`` until it closes or the daemon ``PARENT`` is gone."""
+    _serve(Connection(int(argv[0])), int(argv[1]))
+
+
 def _serve(conn, parent: int) -> None:
     """The worker's loop: ``("ping",)`` -> torch importable; ``("order", ...)`` -> array;
     ``("cluster", ...)`` -> a distributed sampler's global order (array).
@@ -285,3 +388,7 @@ def _answer(conn, msg: tuple) -> None:
     except OSError as e:  # BrokenPipeError: the daemon is gone
         raise _ParentGone from e
 
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,4 +1,5 @@
-"""The ordered sample list of a dataset directory, as torchvision's ImageFolder builds it.
+"""The ordered sample list of a dataset directory, as torchvision's ImageFolder builds it
+(:func:`image_folder`), or timm's folder reader (:func:`timm_folder`).
 
 Sampler index ``i`` must name the same file in the training process and in the
 filesystem, so this replays ``torchvision.datasets.folder.find_classes`` and
@@ -11,8 +12,20 @@ filesystem, so this replays ``torchvision.datasets.folder.find_classes`` and
   non-directory names sorted, kept when ``name.lower()`` ends with one of
   ``IMG_EXTENSIONS``.
 
+timm's ``find_images_and_targets`` (``timm.data.readers.reader_image_folder``, timm 0.9
+to 1.0) builds another list over the same tree:
+
+* ``os.walk(root, topdown=False, followlinks=True)``: files of every directory, the root's
+  own included, a directory's after those of its subdirectories, each directory's in
+  listing order (the mount's: by name bytes), kept when ``splitext(name)[1].lower()`` is
+  one of its types;
+* a sample's class is the name of the directory holding it (``''`` for the root's own
+  files), the classes sorted by ``natural_key``;
+* the samples sorted (stably) by ``natural_key`` of their paths (``img2`` before
+  ``img10``), unless its ``sort`` flag is off.
+
 Names are compared as Python ``str`` decoded with ``os.fsdecode`` (surrogateescape), the
-way torchvision sees them. Symlinks are followed inside the mirror (relative targets, or
+way torchvision and timm see them. Symlinks are followed inside the mirror (relative targets, or
 absolute ones under the source root); a link that leaves the tree counts as a file.
 Pure: reads the snapshot only.
 """
@@ -20,7 +33,9 @@ Pure: reads the snapshot only.
 from __future__ import annotations
 
 import os
+import re
 import stat as stat_mod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +47,27 @@ from dlcachefs.store.schema import Entry
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 _MAX_LINK_HOPS = 40
+_DIGITS = re.compile(r"(\d+)")
+
+
+def natural_key(name: str) -> list[int | str]:
+    """timm's ``timm.utils.misc.natural_key``: the name lower-cased, its digit runs as
+    numbers (``img2`` before ``img10``). The same code, not an import: the daemon does
+    not import timm."""
+    return [int(t) if t.isdigit() else t for t in _DIGITS.split(name.lower())]
+
+
+def keeper(extensions: tuple[str, ...] | None, suffixes: tuple[str, ...] | None = None
+           ) -> Callable[[str], bool] | None:
+    """Which file names a list keeps: a DatasetFolder's ``extensions`` (torchvision's
+    test, ``name.lower().endswith``), else the ``suffixes`` of the training's files
+    (``splitext``, timm's test), else every file (None)."""
+    if extensions is not None:
+        return lambda name: name.lower().endswith(extensions)
+    if suffixes is not None:
+        wanted = frozenset(suffixes)
+        return lambda name: os.path.splitext(name)[1].lower() in wanted
+    return None
 
 
 @dataclass(frozen=True)
@@ -149,38 +185,64 @@ def links_leaving(ns: Namespace, dataset_rel: str, limit: int = 100_000) -> int:
     return n
 
 
-def image_folder(ns: Namespace, dataset_rel: str,
-                 extensions: tuple[str, ...] | None = IMG_EXTENSIONS) -> SampleList:
-    """The ImageFolder sample list of the directory ``dataset_rel`` inside the mount (a
-    ``DatasetFolder`` with these ``extensions``; None keeps every file, for a custom
-    ``is_valid_file`` whose result the caller checks by the training's digest)."""
-    dataset_rel = dataset_rel.strip("/")
+class _Tree:
+    """The snapshot's directories as a list builder walks them (links followed)."""
+
+    def __init__(self, ns: Namespace) -> None:
+        self.ns = ns
+        self.index = ns.index
+
+    def children(self, d: Entry) -> list[tuple[str, int, int, int]]:
+        """(name, ino, mode, size) by name bytes: one LMDB transaction per directory, no
+        Entry objects (a million-file dataset is listed when a stream announces it)."""
+        fsdecode = os.fsdecode
+        return [(fsdecode(name), ino, mode, size)
+                for name, ino, mode, size in self.index.list_dir_typed(d.ino)]
+
+    def resolved(self, ino: int) -> Entry | None:
+        """What a symlink resolves to (None: dangling, a loop, or out of the tree)."""
+        e = self.index.get_entry(ino)
+        return None if e is None else _follow(self.ns, e)
+
+    def as_dir(self, ino: int, mode: int) -> Entry | None:
+        """The directory an entry is (a link to one followed), else None."""
+        if stat_mod.S_ISDIR(mode):
+            return self.index.get_entry(ino)
+        if not stat_mod.S_ISLNK(mode):
+            return None
+        t = self.resolved(ino)
+        return t if t is not None and stat_mod.S_ISDIR(t.mode) else None
+
+    def sample(self, ino: int, mode: int, size: int) -> tuple[int, int]:
+        """(inode, size) of the regular file a listed non-directory is. torchvision and
+        timm keep a dangling or odd entry (and fail when they open it): its index is kept
+        too, as inode 0, so that every later index lines up."""
+        if stat_mod.S_ISREG(mode):
+            return ino, size
+        t = self.resolved(ino) if stat_mod.S_ISLNK(mode) else None
+        return (t.ino, t.size) if t is not None and stat_mod.S_ISREG(t.mode) else (0, 0)
+
+
+def _root_dir(ns: Namespace, dataset_rel: str) -> Entry:
     root = _dataset_root(ns, dataset_rel)
     if root is None or not stat_mod.S_ISDIR(root.mode):
         raise NotFound(f"dataset {dataset_rel!r} is not a directory")
+    return root
 
-    index = ns.index
-    fsdecode = os.fsdecode
-    S_ISLNK, S_ISDIR, S_ISREG = stat_mod.S_ISLNK, stat_mod.S_ISDIR, stat_mod.S_ISREG
 
-    def children(d: Entry) -> list[tuple[str, int, int, int]]:
-        # (name, ino, mode, size): one LMDB transaction per directory, no Entry objects
-        # (a million-file dataset is listed when a stream announces it)
-        return [(fsdecode(name), ino, mode, size)
-                for name, ino, mode, size in index.list_dir_typed(d.ino)]
-
-    def resolved(ino: int, mode: int) -> Entry | None:
-        """What a symlink resolves to (None: dangling, a loop, or out of the tree)."""
-        e = index.get_entry(ino)
-        return None if e is None else _follow(ns, e)
-
-    def as_dir(ino: int, mode: int) -> Entry | None:
-        if S_ISDIR(mode):
-            return index.get_entry(ino)
-        if not S_ISLNK(mode):
-            return None
-        t = resolved(ino, mode)
-        return t if t is not None and S_ISDIR(t.mode) else None
+def image_folder(ns: Namespace, dataset_rel: str,
+                 extensions: tuple[str, ...] | None = IMG_EXTENSIONS,
+                 suffixes: tuple[str, ...] | None = None) -> SampleList:
+    """The ImageFolder sample list of the directory ``dataset_rel`` inside the mount (a
+    ``DatasetFolder`` with these ``extensions``; None keeps every file, or those with the
+    ``suffixes`` given, for a custom ``is_valid_file`` whose result the caller checks by
+    the training's digest)."""
+    dataset_rel = dataset_rel.strip("/")
+    root = _root_dir(ns, dataset_rel)
+    tree = _Tree(ns)
+    children, as_dir = tree.children, tree.as_dir
+    keep = keeper(extensions, suffixes)
+    S_ISREG = stat_mod.S_ISREG
 
     classes: list[tuple[str, Entry]] = []
     for name, ino, mode, _size in children(root):
@@ -219,16 +281,55 @@ def image_folder(ns: Namespace, dataset_rel: str,
             files.sort(key=lambda t: t[0])
             prefix = shown + "/"
             for name, ino, mode, size in files:
-                if extensions is not None and not name.lower().endswith(extensions):
+                if keep is not None and not keep(name):
                     continue
                 if not S_ISREG(mode):
-                    # torchvision keeps a dangling or odd entry (and fails when it opens
-                    # it): keep its index too, as inode 0, so every later index lines up
-                    t = resolved(ino, mode) if S_ISLNK(mode) else None
-                    ok = t is not None and S_ISREG(t.mode)
-                    ino, size = (t.ino, t.size) if ok else (0, 0)  # type: ignore[union-attr]
+                    ino, size = tree.sample(ino, mode, size)
                 inos.append(ino)
                 labels.append(label)
                 paths.append(prefix + name)
                 nbytes += size
     return SampleList(dataset_rel, [c for c, _ in classes], inos, labels, paths, nbytes)
+
+
+def timm_folder(ns: Namespace, dataset_rel: str,
+                extensions: tuple[str, ...] | None = None,
+                suffixes: tuple[str, ...] | None = None, sort: bool = True) -> SampleList:
+    """timm's folder reader's sample list of the directory ``dataset_rel`` (see the
+    module doc), keeping the files :func:`keeper` keeps; ``sort``: timm's flag (its
+    reader sorts)."""
+    dataset_rel = dataset_rel.strip("/")
+    root = _root_dir(ns, dataset_rel)
+    tree = _Tree(ns)
+    keep = keeper(extensions, suffixes)
+    # (rel path, inode, size, class name) in os.walk(topdown=False)'s order
+    found: list[tuple[str, int, int, str]] = []
+    # a directory to walk: (entry, its path from the root, the directories above it), or
+    # a walked directory's files, emitted once its subdirectories' are
+    stack: list = [(root, "", frozenset((root.ino,)))]
+    while stack:
+        top = stack.pop()
+        if isinstance(top, list):
+            found += top
+            continue
+        d, rel, above = top
+        label = rel.rpartition("/")[2]  # leaf_name_only: the directory's own name
+        prefix = rel + "/" if rel else ""
+        files: list[tuple[str, int, int, str]] = []
+        subdirs: list[tuple[Entry, str, frozenset[int]]] = []
+        for name, ino, mode, size in tree.children(d):
+            sub = tree.as_dir(ino, mode)
+            if sub is not None:
+                if sub.ino not in above:  # a link loop; os.walk would recurse until ELOOP
+                    subdirs.append((sub, prefix + name, above | {sub.ino}))
+            elif keep is None or keep(name):
+                ino, size = tree.sample(ino, mode, size)
+                files.append((prefix + name, ino, size, label))
+        stack.append(files)
+        stack.extend(reversed(subdirs))
+    classes = sorted({f[3] for f in found}, key=natural_key)
+    if sort:
+        found.sort(key=lambda f: natural_key(f[0]))
+    ids = {c: i for i, c in enumerate(classes)}
+    return SampleList(dataset_rel, classes, [f[1] for f in found], [ids[f[3]] for f in found],
+                      [f[0] for f in found], sum(f[2] for f in found))

@@ -89,6 +89,9 @@ class Stream:
     target_epoch: int | None = None  # announced; ``epoch`` catches up once its order is known
     early: list[int] = field(default_factory=list)  # opens seen before the order was known
     explicit: dict | None = None  # epoch -> order, for ``sampler explicit`` (order lines)
+    #: (dataset key, why): the mount cannot make that dataset's list as the training has
+    #: it (a SampleListMismatch), so its order is learned from the opens instead
+    unmatched: tuple[str, str] | None = None
     # the announced epoch already begun for importance while its order is being replayed
     # (a replay restarted by ``on_order`` must not begin it twice)
     begun: int | None = None

@@ -30,11 +30,14 @@ Modes (``mode`` and ``reason`` of each stream in stats):
   job's dataset; a dataset that is a *view* (wrapped ImageFolders,
   :mod:`dlcachefs.data.wrappers`) is the concatenation of its roots' ImageFolder lists seen
   through its index list, each root's list checked against the training's digest first.
-* ``learned``: the training said its order cannot be replayed (``sampler unknown``); the
+* ``learned``: the training said its order cannot be replayed (``sampler unknown``), or
+  its dataset's list cannot be made as the training has it (a
+  :class:`~dlcachefs.clairvoyance.listings.SampleListMismatch`: another sort order, other
+  files; the reason says which); the
   stream is formed from the opens of the process tree, epoch by epoch (``epoch`` lines).
   When the order of opens of an epoch repeats the previous epoch's (up to the small
   reordering of loader workers), that order is prefetched for the next epoch.
-* ``none``: nothing is prefetched, with the reason: a digest mismatch, an error, or (for
+* ``none``: nothing is prefetched, with the reason: an error, or (for
   processes that never announced, ``unannounced/PGID`` entries, at most
   ``MAX_UNANNOUNCED``) nothing was announced.
 
@@ -75,7 +78,7 @@ from dlcachefs.clairvoyance.epochplan import (
     plan_epoch,
 )
 from dlcachefs.clairvoyance.learned import similar
-from dlcachefs.clairvoyance.listings import SampleLists, dataset_key
+from dlcachefs.clairvoyance.listings import SampleListMismatch, SampleLists, dataset_key
 from dlcachefs.clairvoyance.nextepoch import NextEpochPlanner
 from dlcachefs.clairvoyance.prefetchloop import PrefetchLoop
 from dlcachefs.clairvoyance.reorder import NextEpochLog
@@ -199,11 +202,16 @@ class StreamManager:
         if pid is not None:
             s.pids.add(pid)
             self.attribution.announced(pid)  # attribution may have changed
-        learned = st.sampler is not None and st.sampler.kind == "unknown"
-        if (js.dataset is None and not learned) or st.sampler is None or st.epoch is None:
+        spec = st.sampler
+        learned = spec is not None and spec.kind == "unknown"
+        if (js.dataset is None and not learned) or spec is None or st.epoch is None:
             return
         if self._nursery is None:
             return
+        key = None if learned else dataset_key(js)
+        if key is not None and s.unmatched is not None and s.unmatched[0] == key:
+            # its list was found not to be the training's: learned, as it was then
+            spec, key, learned = SamplerSpec("unknown", reason=s.unmatched[1]), None, True
         if learned:
             s.learn.begin(st.epoch)
         # the previous epoch's prefetch stops now, even if its task has not started yet
@@ -213,10 +221,9 @@ class StreamManager:
         s.restarting = not learned and s.epoch is not None and st.epoch == s.epoch
         s.target_epoch = st.epoch
         s.early = []
-        s.explicit = st.orders if st.sampler.kind == "explicit" else None
+        s.explicit = st.orders if spec.kind == "explicit" else None
         s.learn.keep(learned)
-        key = None if learned else dataset_key(js)
-        self._nursery.start_soon(self._configure, s, s.cancel, key, st.sampler, st.epoch,
+        self._nursery.start_soon(self._configure, s, s.cancel, key, spec, st.epoch,
                                  js.view, st.sampler_index)
 
     def on_order(self, st: StreamState, js: JobState, epoch: int, order, pid: int) -> None:
@@ -279,10 +286,32 @@ class StreamManager:
             return SampleList("", [], seq, [0] * len(seq), [])
         return await self.lists.ensure_sample_list(dataset, view)
 
+    def _learn_instead(self, s: Stream, dataset: str, epoch: int, why: str) -> SamplerSpec:
+        """The list of ``dataset`` is not the training's (``why``): the stream learns its
+        order from the opens from this epoch on, as a ``sampler unknown`` would (its opens
+        since the announcement, kept in ``early``, are this epoch's first). Its later
+        announcements of the same dataset are learned too (``on_stream``)."""
+        log.info("stream %s: its order is learned from the opens: %s", s.key, why)
+        s.unmatched = (dataset, why)
+        s.explicit = None
+        s.learn.keep(True)
+        s.learn.begin(epoch)
+        if s.learn.cur is not None and not s.learn.cur:
+            s.learn.cur.extend(s.early)
+        s.restarting = False
+        return SamplerSpec("unknown", reason=why)
+
     async def _configure_now(self, s: Stream, dataset: str | None, spec: SamplerSpec,
                              epoch: int, view: ViewDef | None = None, subset=None) -> None:
         try:
-            samples = await self._samples_for(s, dataset, view)
+            try:
+                samples = await self._samples_for(s, dataset, view)
+            except SampleListMismatch as e:
+                if self._replaced(s, epoch):
+                    return  # the newer announcement finds the same mismatch
+                spec = self._learn_instead(s, dataset, epoch, str(e))
+                dataset = view = subset = None
+                samples = await self._samples_for(s, None, None)
             if (spec.kind != "unknown" and s.begun != epoch and not self._replaced(s, epoch)):
                 # the epoch begins for importance and substitution once its dataset is
                 # listed, not once its order is replayed (a torch sampler's replay may

@@ -21,8 +21,11 @@ same length, and refused (with the reason) when it holds several different ones.
 
 Each root carries a digest of its sample list (the number of samples and a SHA-256 of
 their paths relative to the root, one per line): the mount derives the list again from
-its own snapshot and replays an order only if the two agree (a custom ``is_valid_file``
-or ``find_classes`` cannot be replayed; the digest tells). The digest, the ids and the
+its own snapshot, in torchvision's order and in timm's (``natural_key``), and replays an
+order only if one agrees (a custom ``is_valid_file`` or ``find_classes`` cannot be
+replayed; the digest tells, and the digest of the paths sorted tells a list in another
+order from a list of other files). A folder whose extension filter is unknown (a custom
+``is_valid_file``, timm's reader) sends its files' suffixes, which the mount keeps. The digest, the ids and the
 control lines that announce a view are the protocol's
 (:mod:`dlcachefs.clairvoyance.protocol`); see docs/clairvoyance.md.
 
@@ -36,7 +39,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from dlcachefs.clairvoyance.protocol import paths_digest
+from dlcachefs.clairvoyance.protocol import paths_digest, set_digest, suffixes_of
 
 
 class Unresolved(Exception):
@@ -48,9 +51,12 @@ class Root:
     """One DatasetFolder: its root directory, extension filter and sample-list digest."""
 
     path: str
-    extensions: tuple[str, ...] | None  # None: a custom is_valid_file (not replayable)
+    extensions: tuple[str, ...] | None  # None: a custom is_valid_file, or another reader
     count: int
     sha: str  # sha256 hex of the relative sample paths, "\n"-terminated
+    set_sha: str | None = None  # the same of the paths sorted (protocol.set_digest)
+    #: with ``extensions`` None: the suffixes of the samples' files (protocol.suffixes_of)
+    suffixes: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -120,7 +126,9 @@ def folder_root(ds: object) -> Root:
         ext = (ext,)
     elif ext is not None:
         ext = tuple(str(e) for e in ext)
-    r = Root(root, ext, len(rels), paths_digest(rels))
+    # (sorting a list already in order costs one comparison per path)
+    r = Root(root, ext, len(rels), paths_digest(rels), set_digest(rels),
+             suffixes_of(rels) if ext is None else None)
     if len(_digests) > 64:
         _digests.clear()
     _digests[id(ds)] = (ds, r)
