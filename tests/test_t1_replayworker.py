@@ -187,3 +187,16 @@ def test_the_worker_error_is_the_last_line_of_its_last_traceback():
         "the sampler replay worker failed (exit code 3): [Errno 104] Connection reset by peer")
     assert death_reason(None, "") == ("the sampler replay worker failed (still running, its "
                                       "pipe closed)")
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="-P is Python 3.11's")
+def test_the_worker_never_imports_from_the_daemons_directory(tmp_path, monkeypatch):
+    """``python -m`` puts the current directory first on the path: a daemon started in a
+    training's directory that holds a ``torch.py`` must still replay with the real one."""
+    (tmp_path / "torch.py").write_text("raise ImportError('the directory was imported')\n")
+    monkeypatch.chdir(tmp_path)
+    w = ReplayWorker()
+    try:
+        assert w.wait_ready(), w.error
+    finally:
+        w.close()

@@ -69,6 +69,9 @@ from dlcachefs.store.seal import NewChunk, NewRecord, seal_chunks
 
 log = logging.getLogger(__name__)
 
+#: ``-P``: ``-m`` puts no current directory first on a worker's path (Python 3.11+)
+SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
+
 #: files of one job at most (one chunk; the answer's size stays small)
 MAX_JOB_FILES = 64
 #: seconds a worker is given to exit once its stdin is closed, before SIGKILL
@@ -240,7 +243,7 @@ class FetchPool(TaskOwner):
 
     async def _spawn(self) -> _Worker:
         lock = _lock_fd(self.cfg.data_dir)
-        cmd = [sys.executable, "-m", "dlcachefs.cache.fetchworker",
+        cmd = [sys.executable, *SAFE_PATH, "-m", "dlcachefs.cache.fetchworker",
                os.fsdecode(self.ns_root()), "1" if self.cfg.use_source_inode else "0"]
         # Started from the loop's own thread, not a worker thread: the worker's
         # PR_SET_PDEATHSIG fires when the THREAD that forked it exits, and trio's cached

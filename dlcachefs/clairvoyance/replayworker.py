@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 TIMEOUT_S = 120.0  # a 1.28M-sample order takes well under a second; torch's import ~4 s
 MAX_REPLAYERS = 16  # kept in the worker
 EXIT_WAIT_S = 5.0  # a worker whose pipe closed is given this long to exit (its status)
+#: ``-P``: ``-m`` puts no current directory first on the worker's path (a training's
+#: directory holding a ``numpy.py`` would shadow the real one); Python 3.11+
+SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
 STDERR_TAIL = 8192  # bytes of a dead worker's stderr read for its reason
 
 
@@ -100,7 +103,7 @@ class ReplayWorker:
             # fork + exec (never a bare fork of a process with trio's threads); the
             # worker's copy of ``theirs`` is its only end of the pipe
             self._proc = subprocess.Popen(
-                [sys.executable, "-X", "faulthandler", "-m", __name__,
+                [sys.executable, *SAFE_PATH, "-X", "faulthandler", "-m", __name__,
                  str(theirs.fileno()), str(os.getpid())],
                 stdin=subprocess.DEVNULL, stdout=err, stderr=err,
                 pass_fds=(theirs.fileno(),))
