@@ -138,6 +138,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
         raise ValueError(str(e)) from None
     if cfg.peers is not None and importlib.util.find_spec("pymemcache") is None:
         raise ValueError("--peers needs pymemcache: pip install 'dlcachefs[peers]'")
+    if cfg.metrics_port and importlib.util.find_spec("prometheus_client") is None:
+        raise ValueError("--metrics-port needs prometheus-client: pip install 'dlcachefs[ops]'")
     return cfg
 
 
