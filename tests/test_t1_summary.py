@@ -140,3 +140,12 @@ def test_a_streams_bytes_from_source_by_epoch() -> None:
         s.note_served(waited=False)
     kept = s.stats()["epochs"]
     assert len(kept) == MAX_EPOCHS and list(kept)[0] == "3" and list(kept)[-1] == str(e)
+
+
+def test_process_groups_that_announced_nothing_share_a_row_per_reason() -> None:
+    st = {"streams": {f"unannounced/{pg}": {"mode": "none", "opens": 2, "command": "ls",
+                                             "reason": "nothing announced"}
+                      for pg in (5, 6, 7)}}
+    lines = summary(st)
+    rows = [line for line in lines if line.startswith("stream ")]
+    assert rows == ["stream     unannounced/5 and 2 more process groups: none, 6 opens by ls"]

@@ -61,9 +61,16 @@ def summary(st: dict) -> list[str]:
            f"{_duration(float(st.get('uptime_s') or 0))})"]
     out += _cache(st)
     out += _served(st)
+    groups: dict[tuple, list[tuple[str, dict]]] = {}  # process groups that announced nothing
     for name, s in (st.get("streams") or {}).items():
-        if isinstance(s, dict):
+        if not isinstance(s, dict):
+            continue
+        if "opens" in s and "epoch" not in s:
+            groups.setdefault((s.get("mode"), s.get("reason")), []).append((name, s))
+        else:
             out += _stream(name, s)
+    for same in groups.values():  # one row per reason, however many groups it has
+        out += _unannounced(same)
     for a in advise.advise(st):  # the recommendation alone: `dlcachefs advise` says why
         out += _row("advice", advise.text(a).splitlines()[0])
     warns = warnings(st)
@@ -144,13 +151,7 @@ def _served(st: dict) -> list[str]:
 
 def _stream(name: str, s: dict) -> list[str]:
     """A stream: its mode and why; its epochs; its reads in the training's processes."""
-    mode = s.get("mode", "?")
-    if "opens" in s and "epoch" not in s:  # a process group that announced nothing
-        head = f"{mode}, {_n(s.get('opens')):,} opens"
-        if s.get("command"):
-            head += f" by {s['command']}"
-        return _row("stream", f"{name}: {head}") + _row("", f"why: {s.get('reason', '-')}")
-    head = f"{name}: {mode}"
+    head = f"{name}: {s.get('mode', '?')}"
     if s.get("epoch") is not None:
         head += (f", epoch {s['epoch']}, {_n(s.get('position')):,} of "
                  f"{_n(s.get('samples')):,} samples read")
@@ -167,6 +168,18 @@ def _stream(name: str, s: dict) -> list[str]:
                         f"({format_size(_n(reads.get('in_process_bytes')))})"
                         + (f", fell back: {why}" if why else ""))
     return out
+
+
+def _unannounced(groups: list[tuple[str, dict]]) -> list[str]:
+    """Process groups that read without announcing, for one reason: their opens and why."""
+    name, first = groups[0]
+    if len(groups) > 1:
+        name += f" and {len(groups) - 1} more process groups"
+    head = f"{name}: {first.get('mode', '?')}, {sum(_n(s.get('opens')) for _, s in groups):,} opens"
+    commands = sorted({s["command"] for _, s in groups if s.get("command")})
+    if commands:
+        head += f" by {', '.join(commands)}"
+    return _row("stream", head) + _row("", f"why: {first.get('reason', '-')}")
 
 
 def _epochs(epochs: dict) -> list[str]:
