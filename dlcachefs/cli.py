@@ -56,8 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("mountpoint")
     u.add_argument("--timeout", type=float, default=120.0)
 
-    s = sub.add_parser("stats", help="show a mount's statistics")
+    s = sub.add_parser("stats", help="show a mount's statistics: a short summary (what was "
+                                     "served from where, each stream, warnings)")
     s.add_argument("mountpoint")
+    s.add_argument("--all", action="store_true", help="print every key of the stats as a "
+                                                      "table (latency histograms included)")
     s.add_argument("--json", action="store_true", help="print the raw JSON")
 
     add_admin_commands(sub)
@@ -138,6 +141,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
         raise ValueError(str(e)) from None
     if cfg.peers is not None and importlib.util.find_spec("pymemcache") is None:
         raise ValueError("--peers needs pymemcache: pip install 'dlcachefs[peers]'")
+    if cfg.metrics_port and importlib.util.find_spec("prometheus_client") is None:
+        raise ValueError("--metrics-port needs prometheus-client: pip install 'dlcachefs[ops]'")
     return cfg
 
 
@@ -149,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "umount":
             return cmd_umount(a.mountpoint, a.timeout)
         if a.cmd == "stats":
-            return cmd_stats(a.mountpoint, a.json)
+            return cmd_stats(a.mountpoint, a.json, a.all)
         if a.cmd == "run":
             return cmd_run(a.command, a.job, intercept=not a.no_intercept)
         if a.cmd == "simulate":
@@ -405,7 +410,9 @@ def cmd_umount(mountpoint: str, timeout: float) -> int:
 
 # ----- stats --------------------------------------------------------------------------
 
-def cmd_stats(mountpoint: str, as_json: bool) -> int:
+def cmd_stats(mountpoint: str, as_json: bool, everything: bool = False) -> int:
+    """Print a mount's stats: the summary (:mod:`dlcachefs.admin.summary`), every key
+    (``everything``) or the JSON document (``as_json``)."""
     from dlcachefs.admin import dlcachedir  # noqa: PLC0415
 
     try:
@@ -415,6 +422,11 @@ def cmd_stats(mountpoint: str, as_json: bool) -> int:
         return 2
     if as_json:
         print(json.dumps(st, indent=2))
+        return 0
+    if not everything:
+        from dlcachefs.admin.summary import summary  # noqa: PLC0415
+
+        print("\n".join(summary(st)))
         return 0
     print_tree({k: v for k, v in st.items() if not (k == "peers" and v)})
     if st.get("peers"):

@@ -40,6 +40,18 @@ log = logging.getLogger("dlcachefs")
 
 Reporter = Callable[[str], None]
 
+#: how long a new mount waits for the daemon of the last one to exit when it still holds
+#: the cache (unmounted, committing as it stops: `fusermount3 -u MNT` then a new mount)
+STOPPING_WAIT_S = 10.0
+
+
+def _wait_stopping(pid: int) -> bool:
+    """Wait (at most :data:`STOPPING_WAIT_S`) for the stopping daemon ``pid`` that holds
+    the cache to exit, as ``dlcachefs umount`` waits for it; True when it has."""
+    log.info("the cache is held by daemon %d, which is no longer mounted (stopping): "
+             "waiting up to %g s for it to exit", pid, STOPPING_WAIT_S)
+    return mountctl.wait_gone(pid, STOPPING_WAIT_S)
+
 
 def begin(cfg: Config) -> None:
     """The daemon's first step, before it creates anything: its umask, so that what it
@@ -238,7 +250,8 @@ def run(cfg: Config, report: Reporter) -> int:
     """Run a mount until it is unmounted. ``report`` sends lines to the waiting parent:
     ``progress ...`` while scanning, ``ready`` once mounted, ``error ...`` on failure."""
     lock = CacheLock(cfg.data_dir, cfg.dataset_id,
-                     is_mounted=lambda mp: mountctl.is_mounted(mp, fuse=True))
+                     is_mounted=lambda mp: mountctl.is_mounted(mp, fuse=True),
+                     wait_for_exit=_wait_stopping)
     session: Session | None = None
     metrics = None
     try:

@@ -345,6 +345,48 @@ def test_the_core_does_not_import_pymemcache_without_peers():
     assert r.returncode == 0, r.stderr
 
 
+def test_metrics_port_without_prometheus_client_names_the_extra(tmp_path):
+    """``--metrics-port`` where prometheus-client is not installed: refused before the
+    daemon starts, naming the extra to install (as ``--peers`` names pymemcache's), not
+    "No module named 'prometheus_client'" from the daemon; the module itself says the
+    same if it is imported anyway."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['prometheus_client'] = None\n"
+            "from dlcachefs.cli import main\n"
+            f"rc = main(['mount', {SRC!r}, {MNT!r}, '--metrics-port', '9109'])\n"
+            "print('rc', rc)\n"
+            "try:\n"
+            "    import dlcachefs.admin.metrics\n"
+            "except ModuleNotFoundError as e:\n"
+            "    print('import:', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "rc 2" in r.stdout, r.stdout
+    want = "--metrics-port needs prometheus-client: pip install 'dlcachefs[ops]'"
+    assert want in r.stderr, r.stderr
+    assert f"import: {want}" in r.stdout, r.stdout
+    # with the module there, the same command line is accepted
+    assert cfg_of("--metrics-port", "9109").metrics_port == 9109
+
+
+def test_python_dash_m_dlcachefs_runs_the_command_line(tmp_path):
+    """``python -m dlcachefs`` is the ``dlcachefs`` command: its help, and its exit
+    statuses (a stats of a directory that is not a mount: 2)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "dlcachefs", "--help"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: dlcachefs ") and "umount" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "dlcachefs", "stats", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("dlcachefs stats: "), r.stderr
+
+
 @pytest.mark.parametrize("extra, message", [
     ({"peer_self": "h1:11211"}, "--peer-self needs --peers"),
     ({"peer_self": "h3:11211", "peers": "h1:11211,h2:11211"}, "is not one of --peers"),

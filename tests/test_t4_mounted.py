@@ -510,6 +510,51 @@ def test_second_daemon_on_the_same_cache_refuses(src, mount, tmp_path):
     assert not is_mounted(other)
 
 
+def test_a_mount_right_after_fusermount_waits_for_the_stopping_daemon(src, mount, tmp_path):
+    """``fusermount3 -u MNT`` and at once ``dlcachefs mount`` again: the old daemon still
+    holds the cache while it stops. The new mount waits for it to exit (a few seconds, as
+    ``dlcachefs umount`` waits), then mounts; before, it was refused. The old daemon is
+    held stopped (SIGSTOP) until the new one says it waits for it, so that it is still
+    there whatever the machine's speed."""
+    import signal
+    import threading
+
+    m = mount(src)
+    assert read_tree(m.mnt) == read_tree(src)  # something for it to commit as it stops
+    old = m.pid
+    assert old is not None
+    waiting = f"the cache is held by daemon {old}, which is no longer mounted"
+    done = threading.Event()
+
+    def resume_once_waited_for() -> None:
+        try:
+            wait_until(lambda: done.is_set() or waiting in m.log.read_text(errors="replace"),
+                       timeout=120)
+        except AssertionError:
+            pass  # the mount below fails, and says why
+        finally:
+            os.kill(old, signal.SIGCONT)
+
+    os.kill(old, signal.SIGSTOP)
+    resumer = threading.Thread(target=resume_once_waited_for)
+    try:
+        subprocess.run(["fusermount3", "-u", str(m.mnt)], check=True, timeout=60)
+        assert not is_mounted(m.mnt)
+        resumer.start()
+        again = mount(src)  # the same mountpoint and cache (and log)
+    finally:
+        done.set()
+        if resumer.ident is not None:
+            resumer.join()
+        else:
+            os.kill(old, signal.SIGCONT)
+    assert m.proc is not None and m.proc.wait(timeout=60) == 0
+    m.pid = None
+    assert again.pid != old and is_mounted(again.mnt)
+    assert read_tree(again.mnt) == read_tree(src)
+    assert again.stats()["misses"] == 0  # the old daemon's commit is the new one's cache
+
+
 def test_bad_mount_arguments_fail_clearly(tmp_path):
     r = subprocess.run([*DLCACHEFS, "mount", str(tmp_path / "nope"), str(tmp_path)],
                        capture_output=True, text=True, timeout=60)

@@ -104,12 +104,17 @@ def test_files_read_by_one_node_come_from_the_tier_on_the_others(cluster):
         servers = st["peers"]["servers"].values()
         assert sum(s["hits"] for s in servers) == len(files)
         assert all(s["hits"] > 0 and s["errors"] == 0 for s in servers)  # each owns a share
-    # the human stats show the tier, one line per server
-    out = subprocess.run([sys.executable, "-m", "dlcachefs.cli", "stats", str(c.mnt)],
+    # the human stats show the tier: every key, one line per server (--all) ...
+    out = subprocess.run([sys.executable, "-m", "dlcachefs.cli", "stats", str(c.mnt), "--all"],
                          capture_output=True, text=True, check=True).stdout
     assert "bytes_from_peers" in out and "peer tier (--peers):" in out
     for name in st["peers"]["servers"]:
         assert any(line.split()[:2] == [name, "up"] for line in out.splitlines()), out
+    # ... and in the summary, the bytes it served and its servers up
+    out = subprocess.run([sys.executable, "-m", "dlcachefs.cli", "stats", str(c.mnt)],
+                         capture_output=True, text=True, check=True).stdout
+    n = len(st["peers"]["servers"])
+    assert "from the peer tier" in out and f"{n} of {n} servers up" in out, out
 
 
 READER = r"""

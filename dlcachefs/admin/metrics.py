@@ -35,13 +35,17 @@ import logging
 import math
 from collections.abc import Callable, Iterator
 
-from prometheus_client.core import (
-    CollectorRegistry,
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-)
-from prometheus_client.registry import Collector
+try:  # only a mount with --metrics-port imports this module (prometheus-client is optional)
+    from prometheus_client.core import (
+        CollectorRegistry,
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
+    from prometheus_client.registry import Collector
+except ModuleNotFoundError as _e:  # pragma: no cover - the CLI checks first
+    raise ModuleNotFoundError("--metrics-port needs prometheus-client: "
+                              "pip install 'dlcachefs[ops]'") from _e
 
 from dlcachefs.cache.stats import Counters
 from dlcachefs.store import integrity

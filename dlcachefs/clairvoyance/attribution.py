@@ -13,6 +13,7 @@ Concurrency: trio loop; the ``/proc`` reads are a few small files per new reader
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 
 from dlcachefs.clairvoyance.protocol import ENV_LAUNCHED
@@ -73,6 +74,11 @@ class Attribution:
         pg = self._pid_group.get(pid)
         tgid = 0
         if pg is None:
+            if not os.path.exists(f"/proc/{pid}"):
+                # gone by now: the late events of reads served in a training's process
+                # (a DataLoader worker that ended); nothing can be said of it (its
+                # environment, its group), and its stream is found by its job instead
+                return
             tgid = _tgid(pid)
             pg = _pgid(tgid)
             self._pid_group[pid] = pg

@@ -69,6 +69,7 @@ class StreamEvents(Observer):
         t1 = time.monotonic() if how.done is None else how.done
         s.note_latency(how.cached, t1 - ev.t)
         s.pace.note(ev.pid, ev.t, t1, s.target_epoch)
+        s.note_served(how.waited and not how.cached)
         if how.waited:
             s.stall_seconds += time.monotonic() - ev.t
             if not how.cached and not how.joined and how.data is not None:

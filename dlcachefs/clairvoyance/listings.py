@@ -13,7 +13,9 @@ sorted by its ``natural_key``, the same unsorted); a root none of them gives is 
 files in another order or other files (the stream then learns its order from the
 opens). A training builds its ImageFolder
 before it announces: when a directory is opened right after its parent and the parent
-looks like a dataset root, the parent's list is made ahead (:meth:`note_opendir`).
+looks like a dataset root, the parent's list is made ahead (:meth:`note_opendir`); or the
+directory's own, when it is such a root itself (a split, ``train/`` of a root that holds
+``train/`` and ``val/``).
 
 Concurrency: trio loop; the listings run in worker threads, as tasks of
 :meth:`SampleLists.run`'s nursery (or of their caller's).
@@ -52,6 +54,11 @@ log = logging.getLogger(__name__)
 MAX_SAMPLE_LISTS = 4  # sample lists kept (train and val views of the jobs, a guess)
 MAX_GUESSES = 8  # directories listed ahead of an announcement, per mount
 LIST_RETRY_S = 30.0  # a dataset whose listing failed is not listed again before this
+#: a directory of at most this many subdirectories, each an ImageFolder root itself, holds
+#: splits (train/, val/, test/), not classes (an ImageFolder of a few classes, each of
+#: subdirectories of samples, is taken for one too: then its list is made at the
+#: announcement instead of ahead)
+MAX_SPLITS = 8
 
 
 class SampleListMismatch(ValueError):
@@ -127,16 +134,38 @@ class SampleLists(TaskOwner):
             p = self.ns.get(parent)
         except DlcError:
             return
-        kids = self.index.list_dir_typed(parent)
-        ndirs = sum(1 for k in kids if stat.S_ISDIR(k[2]))
-        if ndirs < 2 or 2 * ndirs < len(kids):
+        dirs = self._mostly_dirs(parent)
+        if dirs is None:
             return
+        if len(dirs) <= MAX_SPLITS and all(self._holds_classes(k[1]) for k in dirs):
+            # each subdirectory is such a root itself (its subdirectories hold the
+            # files): the parent holds splits (train/, val/), not classes. The split
+            # opened is the dataset being scanned; the parent is no ImageFolder root
+            p, parent = d, d.ino
+            if parent in self._guessed:
+                return
         self._guessed.add(parent)
         rel = os.fsdecode(self.ns.path_of(p))
         if rel not in self._samplelists:
             log.info("listing %r ahead of an announcement (an ImageFolder scan was seen)",
                      rel or ".")
             self.list_soon(rel, lambda _d: None)
+
+    def _mostly_dirs(self, ino: int) -> list[tuple[bytes, int, int, int]] | None:
+        """The subdirectories of directory ``ino`` when it looks like a dataset root: at
+        least two, and at least half of its entries (else None)."""
+        kids = self.index.list_dir_typed(ino)
+        dirs = [k for k in kids if stat.S_ISDIR(k[2])]
+        return dirs if len(dirs) >= 2 and 2 * len(dirs) >= len(kids) else None
+
+    def _holds_classes(self, ino: int) -> bool:
+        """Whether directory ``ino`` looks like an ImageFolder root itself: mostly
+        subdirectories, the first of which holds files (a class directory of samples).
+        Two directory listings from the index, whatever the dataset's size."""
+        dirs = self._mostly_dirs(ino)
+        if dirs is None:
+            return False
+        return any(stat.S_ISREG(k[2]) for k in self.index.list_dir_typed(dirs[0][1]))
 
     async def ensure_sample_list(self, dataset: str, view: ViewDef | None = None
                                  ) -> SampleList:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from dlcachefs.cache.readers import ReadCounts
+from dlcachefs.clairvoyance.history import EpochHistory
 from dlcachefs.clairvoyance.learned import LearnedOpens
 from dlcachefs.clairvoyance.pace import OpenLatency, Pace
 from dlcachefs.clairvoyance.pagecache import PageVerdict
@@ -76,8 +77,11 @@ class Stream:
     moved: trio.Event = field(default_factory=trio.Event)
     # ----- measures (stats) -----
     stall_seconds: float = 0.0
-    bytes_from_source: int = 0
+    # its bytes from the source since mount (:attr:`bytes_from_source`, which also
+    # counts them in the epoch being read)
+    source_bytes: int = 0
     prefetched: int = 0
+    history: EpochHistory = field(default_factory=EpochHistory)  # by epoch (stats)
     reads: ReadCounts = field(default_factory=ReadCounts)
     #: its last open was served in the training's process (dlcachefs.data.intercept):
     #: its read plan asks the kernel for pages instead of reading into memory
@@ -134,6 +138,30 @@ class Stream:
     @property
     def key(self) -> str:
         return f"{self.job}/{self.rank}"
+
+    # ----- measures -------------------------------------------------------------------
+
+    @property
+    def reading_epoch(self) -> int | None:
+        """The epoch its opens belong to: the announced one from its announcement on (its
+        order may still be computed), else the last one switched to."""
+        return self.target_epoch if self.target_epoch is not None else self.epoch
+
+    @property
+    def bytes_from_source(self) -> int:
+        """Bytes read from the source for this stream since mount (its misses and its
+        prefetch). Adding to it counts them in the epoch being read too (:attr:`history`),
+        wherever the read path counts them."""
+        return self.source_bytes
+
+    @bytes_from_source.setter
+    def bytes_from_source(self, value: int) -> None:
+        self.history.note_source_bytes(self.reading_epoch, value - self.source_bytes)
+        self.source_bytes = value
+
+    def note_served(self, waited: bool) -> None:
+        """One of its opens was served (a miss when it ``waited`` for the source)."""
+        self.history.note_open(self.reading_epoch, waited)
 
     # ----- the epoch's progress -------------------------------------------------------
 
@@ -240,7 +268,9 @@ class Stream:
                 "epoch": self.epoch, "position": self.position, "samples": len(self.order),
                 "prefetch_lead": lead, "prefetched": self.prefetched,
                 "stall_seconds": round(self.stall_seconds, 3),
-                "bytes_from_source": self.bytes_from_source, "dataset": self.dataset,
+                "bytes_from_source": self.bytes_from_source,
+                # the last epochs' bytes from the source, hits and misses
+                "epochs": self.history.stats(), "dataset": self.dataset,
                 "substitutions": {str(k): v for k, v in sorted(self.substitutions.items())},
                 "error": self.error, "loader": self.pace.stats(), "reads": self.reads.stats(),
                 "page_cache": self.pages.stats(),

@@ -22,26 +22,34 @@ LOCK_NAME = "lock"
 
 class CacheLock:
     def __init__(self, cache_dir: str, dataset: str | None = None,
-                 is_mounted: Callable[[str], bool] | None = None) -> None:
+                 is_mounted: Callable[[str], bool] | None = None,
+                 wait_for_exit: Callable[[int], bool] | None = None) -> None:
         """``dataset``: the dataset id when ``cache_dir`` is one under a shared root (for
         the error message). ``is_mounted(path)``: whether a FUSE filesystem is mounted
         at ``path`` (:func:`dlcachefs.mountctl.is_mounted`), for a holder's mountpoint in
-        the error message; without it the holder is taken to be mounted there."""
+        the error message; without it the holder is taken to be mounted there.
+        ``wait_for_exit(pid)``: wait a bounded time for process ``pid`` to exit, True when
+        it did; a holder no longer mounted (a daemon stopping after an unmount) is waited
+        for with it before the lock is refused. Without it, refused at once."""
         self.path = os.path.join(cache_dir, LOCK_NAME)
         self.dataset = dataset
         self.is_mounted = is_mounted
+        self.wait_for_exit = wait_for_exit
         self.fd: int | None = None
 
     def acquire(self, mountpoint: str) -> None:
         os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)  # owner-only
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
-            except ValueError:
-                holder = {}
+        if not _try_lock(fd):
+            holder = _holder(fd)
+            pid = holder.get("pid")
+            # `fusermount3 -u MNT` then at once a new mount: the last daemon is still
+            # committing as it stops. It is waited for (a bounded time), not refused
+            stopping = self._detached(holder.get("mountpoint", "?"))
+            if (stopping and isinstance(pid, int) and self.wait_for_exit is not None
+                    and self.wait_for_exit(pid) and _try_lock(fd)):
+                self._take(fd, mountpoint)
+                return
             os.close(fd)
             if self.dataset is not None:
                 raise CacheLocked(
@@ -53,13 +61,25 @@ class CacheLock:
             mp = holder.get("mountpoint", "?")
             # not mounted there (as this process sees the mount table): still starting
             # (scanning the source), committing as it stops, or unmounted lazily
-            what = (f"), not mounted at {mp} now: starting, stopping, or unmounted lazily "
-                    "and exiting once the files still open there are closed; wait, close "
-                    "them" if self._detached(mp) else f", mounted at {mp}); unmount it first")
+            if not stopping:
+                what = f", mounted at {mp}); unmount it first"
+            elif mp == mountpoint and self.wait_for_exit is not None:
+                what = (f"), not mounted at {mp} now: the daemon of the last mount there is "
+                        "still stopping (committing what it fetched, or unmounted lazily "
+                        "and exiting once the files still open there are closed); wait for "
+                        "it to exit, close them")
+            else:
+                what = (f"), not mounted at {mp} now: starting, stopping, or unmounted "
+                        "lazily and exiting once the files still open there are closed; "
+                        "wait, close them")
             raise CacheLocked(
                 f"cache directory {os.path.dirname(self.path)} is in use by another dlcachefs "
                 f"daemon (pid {holder.get('pid', '?')}{what}, or choose another --cache-dir"
             ) from None
+        self._take(fd, mountpoint)
+
+    def _take(self, fd: int, mountpoint: str) -> None:
+        """The lock on ``fd`` is ours: say who holds it."""
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "mountpoint": mountpoint}).encode(), 0)
         self.fd = fd
@@ -75,3 +95,20 @@ class CacheLock:
             os.close(self.fd)
             self.fd = None
 
+
+def _try_lock(fd: int) -> bool:
+    """Take the exclusive lock on ``fd`` if no one holds it; whether it was taken."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _holder(fd: int) -> dict:
+    """Who holds the lock, as the holder wrote it (pid, mountpoint); {} when unreadable."""
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        return {}
+    return holder if isinstance(holder, dict) else {}
