@@ -95,3 +95,27 @@ def test_a_stream_not_switched_yet_covers_everything(tmp_path):
     assert s.covers(VAL[0])
     scan.opened(OpenEvent(VAL[0], 42, VAL_DIR, 0.0, s))
     assert scan.groups == {}
+
+
+def test_a_reader_gone_before_its_events_came_is_not_an_unannounced_one():
+    """The events of reads served in a training's process come late: a loader worker may
+    have ended by then. Its pid names no process: it is not counted as a process group
+    that announced nothing (its stream is found by the job and rank it carried), while a
+    live process that announced nothing is."""
+    import os
+    import subprocess
+    import sys
+
+    from dlcachefs.clairvoyance.attribution import Attribution
+    from dlcachefs.clairvoyance.stream import StreamTable
+
+    streams = StreamTable()
+    streams[("job", 0)] = Stream("job", 0)  # announced by another process
+    attr = Attribution(streams)
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                       capture_output=True, text=True, check=True)
+    gone = int(p.stdout)
+    assert attr.stream_of(gone) is None
+    assert attr.stats() == {} and attr.group_of(gone) is None
+    assert attr.stream_of(os.getpid()) is None
+    assert list(attr.stats()) == [f"unannounced/{os.getpgid(0)}"]
