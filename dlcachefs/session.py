@@ -67,7 +67,7 @@ from dlcachefs.cache.reader import LogReader
 from dlcachefs.cache.readers import Observers
 from dlcachefs.cache.readplan import ReadPlanner
 from dlcachefs.cache.recovery import check_source, recover
-from dlcachefs.cache.scanahead import ScanAhead
+from dlcachefs.cache.scanahead import OUTSIDE, ScanAhead
 from dlcachefs.cache.shares import ShareKeeper
 from dlcachefs.cache.source import DirDescriptors, LocalSource, Source
 from dlcachefs.cache.stats import Counters
@@ -361,8 +361,10 @@ class Session:
             out["zerocopy"].update(self.in_process.stats())
         out["streams"] = self.streams.stats()
         for key, rel in self.scan.tree_of_groups().items():
-            if key in out["streams"]:
-                out["streams"][key]["scan_ahead"] = rel
+            # (a stream's opens outside its samples: its second loader's tree)
+            own, outside, _ = key.partition(OUTSIDE)
+            if own in out["streams"]:
+                out["streams"][own]["scan_ahead_outside" if outside else "scan_ahead"] = rel
         # --shared-cache: the root's budget, this dataset's share, the ledger's entries
         out["shared"] = None if self.shares is None else self.shares.stats()
         # --shared-cache dedup: files served from the root's other datasets

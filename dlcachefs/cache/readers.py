@@ -88,6 +88,10 @@ class ReaderStream(Protocol):
     def order_unknowable(self) -> bool:
         """No order will cover this reader's opens now (scan-ahead may guess)."""
 
+    def covers(self, ino: int) -> bool:
+        """Whether ``ino`` is one of this stream's samples (True while not known): an
+        open of another file by its processes is no order's (scan-ahead may guess)."""
+
     def laid_out_log(self) -> int | None:
         """The id of the log laid out for the epoch being read, if any."""
 

@@ -9,8 +9,8 @@ direct reader does not pay). So once a reader looks like an epoch's scan of a tr
 other files of that tree are fetched, a few at a time, while it reads: the link stays
 busy and the reader's later opens are hits.
 
-When: a reader group (a stream whose order is not known, or a process group that
-announced nothing) has opened ``MIN_OPENS`` distinct files with few repeats (at most one
+When: a reader group (a stream whose order is not known, a stream's opens of files
+that are not among its samples, or a process group that announced nothing) has opened ``MIN_OPENS`` distinct files with few repeats (at most one
 in ``REPEAT_SHARE``: an epoch's scan, not a re-read). The tree is the deepest directory
 holding all of the group's opens (for an ImageFolder read in random order: its root after
 a few files); a reader that leaves it widens it after ``MIN_OPENS`` opens outside (one
@@ -183,13 +183,25 @@ class ScanAhead(Observer):
     # ----- watching opens (trio loop, called for every open: cheap) -------------------
 
     def opened(self, ev: OpenEvent) -> None:
-        """An open no known order covers (no stream, or one whose order is unknowable)
-        is noted for its group of readers: maybe an epoch's scan of a tree."""
+        """An open no known order covers (no stream, one whose order is unknowable, or a
+        file that is not among its stream's samples) is noted for its group of readers:
+        maybe an epoch's scan of a tree."""
+        if not ev.pid:
+            return
         s = ev.stream
-        if ev.pid and (s is None or s.order_unknowable):
-            group = s.key if s is not None else self.group_of(ev.pid)
-            if group is not None:
-                self.note_open(group, ev.ino, ev.parent)
+        if s is None:
+            group = self.group_of(ev.pid)
+        elif s.order_unknowable:
+            group = s.key
+        elif not s.covers(ev.ino):
+            # a second loader of the training (its validation set, which the hook does not
+            # announce while the training loader holds the job's stream) reads files of
+            # no order: a group of its own, apart from the stream's own opens
+            group = outside_group(s.key)
+        else:
+            return
+        if group is not None:
+            self.note_open(group, ev.ino, ev.parent)
 
     def note_open(self, group_key: str, ino: int, parent: int) -> None:
         """A file ``ino`` (in directory ``parent``) was opened by ``group_key``'s readers."""
@@ -412,6 +424,16 @@ class ScanAhead(Observer):
     def tree_of_groups(self) -> dict[str, str]:
         """Reader group -> the tree scanned ahead of it (for its stats entry)."""
         return {k: g.tree.rel for k, g in self.groups.items() if g.tree is not None}
+
+
+#: the group of a stream's opens outside its samples: ``KEY outside`` (a stream key, like
+#: a job name, holds no space)
+OUTSIDE = " outside"
+
+
+def outside_group(stream_key: str) -> str:
+    """The reader group of ``stream_key``'s opens of files outside its samples."""
+    return stream_key + OUTSIDE
 
 
 def list_tree(index, root: int, max_size: int, limit: int) -> tuple[np.ndarray, np.ndarray]:

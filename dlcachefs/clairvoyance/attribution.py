@@ -46,7 +46,9 @@ class Attribution:
         seen so far may belong elsewhere now, and its process group is announced."""
         self._pid_stream.clear()
         if self.unannounced:
-            self.unannounced.pop(_pgid(_tgid(pid)), None)
+            pg = _pgid(_tgid(pid))
+            if pg is not None:
+                self.unannounced.pop(pg, None)
 
     def forget(self) -> None:
         """Streams ended: attribution is found anew."""
@@ -74,13 +76,13 @@ class Attribution:
         pg = self._pid_group.get(pid)
         tgid = 0
         if pg is None:
-            if not os.path.exists(f"/proc/{pid}"):
-                # gone by now: the late events of reads served in a training's process
-                # (a DataLoader worker that ended); nothing can be said of it (its
-                # environment, its group), and its stream is found by its job instead
-                return
             tgid = _tgid(pid)
             pg = _pgid(tgid)
+            if pg is None:
+                # gone: the late events of reads served in a process that ended since (a
+                # loader worker at the end of its epoch), whose stream, if any, its job
+                # and rank name; not a reader that announced nothing
+                return
             self._pid_group[pid] = pg
             while len(self._pid_group) > 4096:
                 self._pid_group.popitem(last=False)
@@ -136,12 +138,15 @@ def _parent(pid: int) -> int:
     return int(data[data.rindex(b")") + 2 :].split()[1])
 
 
-def _pgid(pid: int) -> int:
-    """The process group of ``pid`` (itself when unknown)."""
+def _pgid(pid: int) -> int | None:
+    """The process group of ``pid``: None when the process is gone, itself when its
+    ``stat`` cannot be read otherwise."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
         return int(data[data.rindex(b")") + 2 :].split()[2])
+    except FileNotFoundError:
+        return None
     except (OSError, ValueError, IndexError):
         return pid
 

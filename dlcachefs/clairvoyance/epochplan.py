@@ -130,6 +130,9 @@ def plan_epoch(replayer: Replayer, epoch: int, samples: SampleList, *,
         nxt = replayer.order(epoch + 1)
         nxt_first = first_positions(nxt, samples)
     positions, consumed = epoch_positions(order, samples)
+    # which files are the stream's samples: its processes' opens of other files (a
+    # second loader over another directory) are no order's, and scan-ahead guesses them
+    samples.build_sorted()
     cluster = None
     if cluster_world is not None and isinstance(replayer, RemoteReplayer):
         cluster = _cluster_use(replayer, cluster_world, epoch, samples, key)

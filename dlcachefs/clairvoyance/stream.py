@@ -195,6 +195,17 @@ class Stream:
             return False
         return self.learn.cur is not None or self.error is not None
 
+    def covers(self, ino: int) -> bool:
+        """Whether ``ino`` is one of the samples of the dataset this stream reads (True
+        while that is not known yet: no order was switched to). A training's processes
+        open other files too (a validation loader the hook does not announce, over another
+        directory or another part of the dataset): those opens are no order's."""
+        s = self.samples
+        if s is None or not self.order:
+            return True
+        found = s.covers(ino)
+        return True if found is None else found
+
     def laid_out_log(self) -> int | None:
         """The id of the log laid out for the epoch being read (the announced one from
         its announcement on, before the switch: its log is still ``next_log``), None when
