@@ -13,7 +13,6 @@ Concurrency: trio loop; the ``/proc`` reads are a few small files per new reader
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 
 from dlcachefs.clairvoyance.protocol import ENV_LAUNCHED
