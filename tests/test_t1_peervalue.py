@@ -240,3 +240,27 @@ def test_a_manifest_must_describe_the_keys_file():
         manifest_of(ck, data[:-1], 4096)
     with pytest.raises(ValueError):
         encode_piece(ck, m, 3, data)
+
+
+def test_a_manifest_of_tiny_or_countless_pieces_is_refused():
+    """A forged manifest (its checksum is no secret) of 1-byte pieces for a large file
+    would have every reader allocate and ask for millions of pieces: refused at decode;
+    a file that would need more pieces than a reader takes is never stored in pieces."""
+    import xxhash
+
+    from dlcachefs.peers import valuefmt as vf
+
+    size = 256 << 20
+    ck = vf.ContentKey(key="k" * 40, content=b"c" * 16, size=size)
+    for piece_size in (1, 64, vf.PIECE_ALIGN):
+        m = vf.Manifest(size, piece_size, -(-size // piece_size), xxhash.xxh3_64_intdigest(b""))
+        value = vf.encode_manifest(ck, m)
+        if piece_size == vf.PIECE_ALIGN:
+            assert vf.decode_stored(value, ck) == m  # 65,536 pieces: what a writer makes
+        else:
+            with pytest.raises(vf.BadValue):
+                vf.decode_stored(value, ck)
+    big = vf.ContentKey(key="k" * 40, content=b"c" * 16, size=(vf.MAX_PIECES + 1) * 4096)
+    m = vf.Manifest(big.size, 4096, vf.MAX_PIECES + 1, 0)
+    with pytest.raises(vf.BadValue):
+        vf.decode_stored(vf.encode_manifest(big, m), big)

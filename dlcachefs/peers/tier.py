@@ -80,6 +80,7 @@ other nodes then wait at most ``--peer-lease`` before reading the source themsel
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -95,6 +96,7 @@ from dlcachefs.cache.source import Identity
 from dlcachefs.config import Config, peer_list
 from dlcachefs.peers.servers import ServerDown, ServerError, Servers
 from dlcachefs.peers.valuefmt import (
+    MAX_PIECES,
     BadValue,
     ContentKey,
     Manifest,
@@ -281,7 +283,10 @@ class PeerTier:
             return 0
         if ck.size > self.cfg.max_cached_file:
             return -1
-        return piece_size_for(ck, item_max) or -1
+        size = piece_size_for(ck, item_max)
+        if size <= 0 or -(-ck.size // size) > MAX_PIECES:
+            return -1  # (a reader refuses a manifest of more pieces)
+        return size
 
     def owner(self, ck: ContentKey) -> str | None:
         return self.servers.owner(ck.key, self._down)
@@ -792,6 +797,17 @@ class PeerTier:
             if owner2 is None:
                 return
             owner, lease = owner2, False
+        try:
+            await self._store_pieces(owner, ck, data, lease, limiter, expire, piece_size)
+        except BaseException:
+            if lease:  # (others would wait --peer-lease for a manifest never written)
+                with trio.CancelScope(shield=True), contextlib.suppress(Exception):
+                    await self._store(owner, ck, None, True, limiter)
+            raise
+
+    async def _store_pieces(self, owner: str, ck: ContentKey, data: bytes, lease: bool,
+                            limiter: trio.CapacityLimiter, expire: int,
+                            piece_size: int) -> None:
         m = await trio.to_thread.run_sync(manifest_of, ck, data, piece_size)
 
         async def put(i: int) -> bool:

@@ -73,6 +73,8 @@ PIECE = struct.Struct("<4sB3sIIQQ")
 PIECE_KEY_EXTRA = 40
 #: the smallest piece worth storing; pieces are a multiple of it
 PIECE_ALIGN = 4096
+#: the most pieces a manifest may name (a 256 MiB file in 4 KiB pieces is 65,536)
+MAX_PIECES = 1 << 17
 
 
 class BadValue(ValueError):
@@ -220,6 +222,10 @@ def _decode_manifest(value: bytes, ck: ContentKey) -> Manifest:
     if _checksum(value[:MANIFEST.size - 8], ck.content) != check:
         raise BadValue("checksum")
     if size != ck.size or piece_size <= 0 or pieces != -(-size // piece_size):
+        raise BadValue("length")
+    if pieces > MAX_PIECES:
+        # never written so (piece_size_for): a forged manifest of 1-byte pieces would
+        # have every reader allocate and ask for millions of pieces
         raise BadValue("length")
     return Manifest(size, piece_size, pieces, whole)
 
