@@ -182,30 +182,39 @@ def test_a_sample_that_found_no_room_is_written_once_the_current_log_frees_some(
 
     async def body(sess):
         writer = sess.engine.writer
+        assert await read_all(sess.engine, b"train/c0/img00.jpg")  # S is cached
+        await sess.engine.flush()
         nl, inos = await planned(sess, files)
-        S = inos[0]
-        e = sess.engine.index.get_entry(S)
+        S, T = inos
         real = writer.try_reserve
         writer.try_reserve = lambda n: False  # the cache is full of the current log
-        nl.consumed(S, files[b"train/c0/img00.jpg"], identity(e))
+        for ino, rel in ((S, b"train/c0/img00.jpg"), (T, b"train/c0/img01.jpg")):
+            nl.consumed(ino, files[rel], identity(sess.engine.index.get_entry(ino)))
         writer.try_reserve = real
         out["claimed_without_room"] = nl.slots[S].written
         out["before_a_release"] = nl.take_no_room()
         s = Stream("default", 0, consumed=bytearray(2))
         s.current_log, s.next_log = _ReleasingLog(), nl
-        s.consume(S, 0)  # the current log releases a chunk: room
+        real_room = writer.reclaimable
+        writer.reclaimable = lambda: 0  # released, but nothing freed yet (pinned)
+        s.consume(S, 0)
+        out["no_budget"] = nl.take_no_room()
+        writer.reclaimable = real_room
+        s.consume(T, 1)  # the current log releases a chunk: room
         out["released"] = s.current_log.released
         retry = nl.take_no_room()
-        out["retry"], out["again"] = retry, nl.take_no_room()
+        out["retry"], out["again"], out["ST"] = retry, nl.take_no_room(), [S, T]
         await nl.backfill(retry)
-        out["written"] = nl.slots[S].written
+        out["written"] = nl.slots[S].written and nl.slots[T].written
         nl.abandon()
 
     run_session(cfg, body, check_invariants=False)
     assert out["claimed_without_room"] is False
     assert out["before_a_release"] == []  # nothing freed yet: nothing to retry
-    assert out["released"] == [7]
-    assert out["retry"] == [out["retry"][0]] and out["again"] == []
+    assert out["no_budget"] == []  # no read for a slot that would find no room again
+    assert out["released"] == [7, 7]
+    # S read back from the cache, T from the source: each once
+    assert out["retry"] == out["ST"] and out["again"] == []
     assert out["written"] is True
 
 

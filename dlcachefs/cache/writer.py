@@ -411,6 +411,13 @@ class ChunkWriter:
         """Bytes that may still be reserved without dooming anything."""
         return self.limit - self.account()
 
+    def reclaimable(self) -> int:
+        """Bytes a reservation could have now without the policy's victims: the free room
+        and the retired chunks not yet doomed (released after use, superseded)."""
+        skip = set(self.pins) | self.protected | set(self.doomed)
+        return max(0, self.room()) + sum(self._length(c) for c in self.retire
+                                         if c not in skip)
+
     def account(self) -> int:
         """The bytes rule A holds below :attr:`limit`: ``used - doomed + pending``."""
         return self.used - self.doomed_bytes + self.pending_bytes

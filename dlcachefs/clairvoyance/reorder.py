@@ -464,8 +464,19 @@ class NextEpochLog:
         if not self._room_freed or not self._no_room or self._finish or self.failed:
             return []
         self._room_freed = False
-        out = [i for i in self._no_room if not self.slots[i].written]
-        self._no_room.clear()
+        # as many as the room freed holds (each read back from the cache, else the
+        # source: not a read per release for slots that would find no room again)
+        budget = self.writer.reclaimable()
+        out = []
+        for i in list(self._no_room):
+            slot = self.slots[i]
+            if not slot.written:
+                need = slot.rlen + CHUNK_HEADER_SIZE
+                if need > budget:
+                    break
+                budget -= need
+                out.append(i)
+            del self._no_room[i]
         return out
 
     async def _fill(self) -> None:

@@ -17,9 +17,9 @@ E+1 costs one permutation, as in-process.
 The worker is a new interpreter (``python -m dlcachefs.clairvoyance.replayworker``), not a
 ``multiprocessing`` spawn: a spawn imports the daemon's ``__main__`` again in the child,
 and a main that cannot be imported twice (a script that mounts, a wrapper) killed every
-worker at its start. Its stderr goes to an unnamed file: when it dies, the last line of
-its traceback (or of ``faulthandler``'s report of a fatal signal) and its exit status are
-the failure's reason (:func:`death_reason`), in the stream's ``reason`` and the log.
+worker at its start. Its stderr is a pipe whose last 8 KiB a thread keeps: when it dies,
+the last line of its traceback (or of ``faulthandler``'s report of a fatal signal) and its
+exit status are the failure's reason (:func:`death_reason`), in the stream's ``reason`` and the log.
 
 Concurrency: ``order`` blocks (call it in a thread). One request at a time on the pipe
 (a lock); a worker that died or does not answer within ``TIMEOUT_S`` is restarted on the
@@ -36,7 +36,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -70,7 +69,7 @@ class ReplayWorker:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
-        self._stderr = None  # the worker's stderr: an unnamed file (see the module doc)
+        self._stderr: StderrTail | None = None  # the end of what the worker writes
         self.torch: bool | None = None  # torch imports in the worker (None: not known yet)
         self.error: str | None = None
         self._closed = False
@@ -98,7 +97,7 @@ class ReplayWorker:
             log.warning("%s", self._death())
         self._stop()
         mine, theirs = socket.socketpair()
-        err = tempfile.TemporaryFile()  # noqa: SIM115 - open for the worker's life
+        err_r, err = os.pipe()
         try:
             # fork + exec (never a bare fork of a process with trio's threads); the
             # worker's copy of ``theirs`` is its only end of the pipe
@@ -109,11 +108,12 @@ class ReplayWorker:
                 pass_fds=(theirs.fileno(),))
         except BaseException:
             mine.close()
-            err.close()
+            os.close(err_r)
             raise
         finally:
             theirs.close()
-        self._stderr = err
+            os.close(err)  # (the worker's copy is its stderr)
+        self._stderr = StderrTail(err_r)
         self._conn = Connection(mine.detach())
 
     def wait_ready(self, timeout: float = TIMEOUT_S) -> bool:
@@ -174,7 +174,8 @@ class ReplayWorker:
         if proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 status = proc.wait(EXIT_WAIT_S)
-        return death_reason(status, _tail(self._stderr), pipe_error)
+        text = self._stderr.text() if self._stderr is not None else ""
+        return death_reason(status, text, pipe_error)
 
     def _stop(self) -> None:
         if self._conn is not None:
@@ -186,9 +187,7 @@ class ReplayWorker:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._proc.wait(5)
             self._proc = None
-        if self._stderr is not None:
-            self._stderr.close()
-            self._stderr = None
+        self._stderr = None  # (its thread ends at the pipe's end, with the worker)
 
     def close(self) -> None:
         """End the worker (at unmount). Killed first, without the lock: a request
@@ -241,16 +240,36 @@ def worker_error(stderr: str, limit: int = 500) -> str:
     return found if len(found) <= limit else found[:limit - 3] + "..."
 
 
-def _tail(f, size: int = STDERR_TAIL) -> str:
-    """The last ``size`` bytes of the file ``f`` (a worker's stderr), as text."""
-    if f is None:
-        return ""
-    try:
-        end = f.seek(0, os.SEEK_END)
-        f.seek(max(0, end - size))
-        return f.read().decode("utf-8", "replace")
-    except (OSError, ValueError):
-        return ""
+class StderrTail:
+    """The last :data:`STDERR_TAIL` bytes a worker wrote on its stderr, read from a pipe
+    by a thread of its own until the worker's end closes it (no file is kept: a
+    descriptor of an unnamed file would stay open in the daemon for the worker's life)."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._buf = bytearray()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._read, name="replay-stderr",
+                                        daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            while chunk := os.read(self._fd, 65536):
+                with self._lock:
+                    self._buf += chunk
+                    del self._buf[:-STDERR_TAIL]
+        except OSError:
+            pass
+        finally:
+            os.close(self._fd)
+
+    def text(self, wait: float = EXIT_WAIT_S) -> str:
+        """What was read, as text; waits up to ``wait`` seconds for the pipe's end (the
+        worker exited: its last words are in the pipe)."""
+        self._thread.join(wait)
+        with self._lock:
+            return self._buf.decode("utf-8", "replace")
 
 
 @dataclass
