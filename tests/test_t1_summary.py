@@ -140,6 +140,16 @@ def test_a_streams_bytes_from_source_by_epoch() -> None:
         s.note_served(waited=False)
     kept = s.stats()["epochs"]
     assert len(kept) == MAX_EPOCHS and list(kept)[0] == "3" and list(kept)[-1] == str(e)
+    # a new run of the stream (the job restarted at epoch 0): its own rows, from its
+    # first epoch on, not added to the last run's
+    s.target_epoch = 0
+    s.bytes_from_source += 9
+    s.note_served(waited=True)
+    s.target_epoch = 1
+    s.note_served(waited=False)
+    assert s.stats()["epochs"] == {
+        "0": {"bytes_from_source": 9, "hits": 0, "misses": 1},
+        "1": {"bytes_from_source": 0, "hits": 1, "misses": 0}}
 
 
 def test_process_groups_that_announced_nothing_share_a_row_per_reason() -> None:

@@ -13,7 +13,8 @@ MAX_EPOCHS = 16
 
 class EpochHistory:
     """Per epoch: ``[bytes_from_source, hits, misses]``, for the last :data:`MAX_EPOCHS`
-    epochs noted (an epoch read again, a restart's, adds to its numbers)."""
+    epochs noted (an epoch read again adds to its numbers; an epoch more than one behind
+    the newest begins a new history: a new run of the stream)."""
 
     __slots__ = ("_epochs",)
 
@@ -23,9 +24,13 @@ class EpochHistory:
     def _of(self, epoch: int) -> list[int]:
         row = self._epochs.get(epoch)
         if row is None:
+            if self._epochs and epoch < max(self._epochs) - 1:
+                # far behind the newest: a new run of the stream (a job restarted at
+                # epoch 0), not its late opens; its numbers are not the last run's
+                self._epochs.clear()
             row = self._epochs[epoch] = [0, 0, 0]
             while len(self._epochs) > MAX_EPOCHS:
-                del self._epochs[min(self._epochs)]
+                del self._epochs[next(iter(self._epochs))]  # the first noted
         return row
 
     def note_source_bytes(self, epoch: int | None, n: int) -> None:
