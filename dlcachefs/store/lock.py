@@ -12,12 +12,15 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import time
 from collections.abc import Callable
 
 from dlcachefs.errors import CacheLocked
 
 #: the lock file's name in the cache directory
 LOCK_NAME = "lock"
+#: seconds a stopped daemon's children (fetch workers) may hold its lock after it
+CHILDREN_EXIT_S = 3.0
 
 
 class CacheLock:
@@ -47,7 +50,7 @@ class CacheLock:
             # committing as it stops. It is waited for (a bounded time), not refused
             stopping = self._detached(holder.get("mountpoint", "?"))
             if (stopping and isinstance(pid, int) and self.wait_for_exit is not None
-                    and self.wait_for_exit(pid) and _try_lock(fd)):
+                    and self.wait_for_exit(pid) and _lock_within(fd, CHILDREN_EXIT_S)):
                 self._take(fd, mountpoint)
                 return
             os.close(fd)
@@ -65,7 +68,7 @@ class CacheLock:
                 what = f", mounted at {mp}); unmount it first"
             elif mp == mountpoint and self.wait_for_exit is not None:
                 what = (f"), not mounted at {mp} now: the daemon of the last mount there is "
-                        "still stopping (committing what it fetched, or unmounted lazily "
+                        "still starting or stopping (committing what it fetched, or unmounted lazily "
                         "and exiting once the files still open there are closed); wait for "
                         "it to exit, close them")
             else:
@@ -94,6 +97,17 @@ class CacheLock:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def _lock_within(fd: int, seconds: float) -> bool:
+    """Take the lock on ``fd``, trying for up to ``seconds``: a daemon's fetch workers
+    hold it too, and end a moment after it (their parent-death signal)."""
+    deadline = time.monotonic() + seconds
+    while not _try_lock(fd):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _try_lock(fd: int) -> bool:
