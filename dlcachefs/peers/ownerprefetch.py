@@ -130,7 +130,7 @@ class OwnerPrefetch:
                     continue  # held here: stored at its owner when it was fetched
                 rel = self.ns.path_of(e)
                 ident = identity(e)
-                # a file larger than an item never enters the tier: nothing to fetch
+                # a file the tier cannot hold (above --max-cached-file): nothing to fetch
                 if not peers.mine(rel, ident) or not peers.fits(rel, ident):
                     continue
                 self._cursor[s.job] = (cu, g)
