@@ -509,6 +509,43 @@ def test_client_view_writes_are_accepted(tmp_path, monkeypatch):
     assert js.view.vid == t.vid and len(state["cs"].streams[("default", 0)].orders[0]) == len(ds)
 
 
+def test_a_daemon_older_than_the_list_fields_gets_the_definition_without_them(
+        tmp_path, monkeypatch):
+    """A mount started before the roots' ``set=``/``sfx=`` fields refuses a definition
+    holding them (EINVAL, an unknown field): the hook sends it again without them, and
+    the training keeps its clairvoyance (it went without any)."""
+    import errno
+
+    import dlcachefs.data.hook as hook
+
+    folder = pytest.importorskip("torchvision.datasets.folder")
+    mnt = tmp_path / "m"
+    (mnt / ".dlcache").mkdir(parents=True)
+    (mnt / ".dlcache" / "control").touch()
+    for rel in ("train/a/1.jpg", "train/b/2.png", "train/b/3.jpg"):
+        (mnt / rel).parent.mkdir(parents=True, exist_ok=True)
+        (mnt / rel).write_bytes(b"x")
+    ds = UserWrap(data.Subset(folder.ImageFolder(str(mnt / "train"), loader=lambda p: p),
+                              [2, 0, 1, 1]))
+    cs = ControlState(resolve_dir)
+    refused = []
+
+    def write_control(mount, writes):
+        for w_ in writes:
+            if b" set=" in w_ or b" sfx=" in w_:
+                refused.append(w_)
+                raise OSError(errno.EINVAL, "unknown field 'set'")
+            cs.apply(w_, 42)
+
+    monkeypatch.setattr(hook, "write_control", write_control)
+    monkeypatch.setattr(hook, "_sent", set())
+    monkeypatch.setattr(hook, "_no_list_fields", set())
+    t = hook.target_of(ds)
+    assert hook._send(t, ["sampler random seed=3 per_epoch=true", "epoch 0"])
+    assert len(refused) == 1 and cs.jobs["default"].view.vid == t.vid
+    assert hook._send(t, ["epoch 1"]) and len(refused) == 1  # not tried again
+
+
 def test_validation_loader_does_not_take_the_training_stream(monkeypatch):
     """A sequential (or unknown) loader announces only while no other dataset's loader
     owns the job's stream; a replayable one always does and takes it."""

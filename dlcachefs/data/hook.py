@@ -299,6 +299,16 @@ def _send(t: Target, lines: list[str], job: str | None = None,
         return False
 
 
+#: mounts that refused a root line's ``set=``/``sfx=`` fields (EINVAL: an older daemon)
+_no_list_fields: set[str] = set()
+_LIST_FIELDS = re.compile(r" (?:set|sfx)=\S*")
+
+
+def _for_mount(mount: str, line: str) -> str:
+    """A definition line as ``mount``'s daemon takes it."""
+    return _LIST_FIELDS.sub("", line) if mount in _no_list_fields else line
+
+
 def _send_now(t: Target, lines: list[str], job: str | None,
               extra_defs: Sequence[tuple[str, Callable[[], list[str]]]], weak: bool,
               loader) -> bool:
@@ -308,12 +318,15 @@ def _send_now(t: Target, lines: list[str], job: str | None,
         return False
     text = _p.text([_p.job_line(job), t.dataset_line(), *lines, *_batch_hint(loader)])
     defs = [(t.vid, t.definition), *extra_defs]
-    for attempt in range(2):
+    for attempt in range(3):
         had_all = all((t.mount, key) in _sent for key, _ in defs)
+        sent_def = False
         try:
             for key, make in defs:
                 if (t.mount, key) not in _sent:
-                    write_control(t.mount, [w.encode() for w in make()])
+                    sent_def = True
+                    write_control(t.mount, [_for_mount(t.mount, w).encode()
+                                            for w in make()])
                     _sent.add((t.mount, key))
             write_control(t.mount, [text.encode()])
             if loader is not None and hasattr(loader, "__dict__"):
@@ -325,6 +338,11 @@ def _send_now(t: Target, lines: list[str], job: str | None,
             if e.errno == errno.EINVAL and attempt == 0 and had_all:
                 for key, _ in defs:
                     _sent.discard((t.mount, key))
+                continue
+            if e.errno == errno.EINVAL and sent_def and t.mount not in _no_list_fields:
+                # a daemon older than the roots' ``set=``/``sfx=`` fields refuses the
+                # definition whole: sent again without them (its own lexical check)
+                _no_list_fields.add(t.mount)
                 continue
             _warn_once(f"write:{t.mount}", f"could not announce to {t.mount} ({e}); see "
                        f"{t.mount}/.dlcache/errors. Training goes on without clairvoyance.")
