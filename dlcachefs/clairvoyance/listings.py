@@ -161,11 +161,14 @@ class SampleLists(TaskOwner):
     def _holds_classes(self, ino: int) -> bool:
         """Whether directory ``ino`` looks like an ImageFolder root itself: mostly
         subdirectories, the first of which holds files (a class directory of samples).
-        Two directory listings from the index, whatever the dataset's size."""
+        A listing of the directory and of the first entries of its first subdirectory."""
         dirs = self._mostly_dirs(ino)
         if dirs is None:
             return False
-        return any(stat.S_ISREG(k[2]) for k in self.index.list_dir_typed(dirs[0][1]))
+        # (the first entries only: this runs on the loop, and a class directory may
+        # hold 50,000 files)
+        first = self.index.list_dir_typed(dirs[0][1], limit=64)
+        return any(stat.S_ISREG(k[2]) for k in first)
 
     async def ensure_sample_list(self, dataset: str, view: ViewDef | None = None
                                  ) -> SampleList:

@@ -154,10 +154,11 @@ class Index:
             v = txn.get(dirent_key(parent, name))
         return unkey(v) if v is not None else None
 
-    def list_dir_typed(self, parent: int) -> list[tuple[bytes, int, int, int]]:
+    def list_dir_typed(self, parent: int, limit: int | None = None
+                       ) -> list[tuple[bytes, int, int, int]]:
         """(name, ino, mode, size) of the children of ``parent``, sorted by name bytes, in
         one read transaction (listing a dataset of a million files calls this per
-        directory: no :class:`Entry` is built)."""
+        directory: no :class:`Entry` is built); the first ``limit`` only, if given."""
         prefix = ukey(parent)
         out: list[tuple[bytes, int, int, int]] = []
         mode_size = S.Entry.MODE_SIZE
@@ -172,6 +173,8 @@ class Index:
                     if ent is not None:
                         mode, size = mode_size(ent)
                         out.append((k[8:], unkey(v), mode, size))
+                        if limit is not None and len(out) >= limit:
+                            break
         return out
 
     def list_dir(self, parent: int) -> list[tuple[bytes, int]]:
