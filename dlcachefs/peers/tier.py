@@ -768,22 +768,28 @@ class PeerTier:
                 return False
             owner, lease = owner2, False
         c = self.per_server[owner]
-        try:
-            stored = await self._in_thread(self.servers.store, owner, ck, data, lease,
-                                           expire, admit=limiter)
-        except ServerDown as e:
-            self._mark_down(owner, e)
-            return False
-        except ServerError as e:
-            c.errors += 1
-            log.debug("peer %s: store refused: %s", owner, e)
-            return False
+        stored = await self._stored_at(owner, "store", self.servers.store, owner, ck, data,
+                                       lease, expire, admit=limiter)
         if stored:
             if expire:
                 self.counters.expiries_set += 1
             c.stored += 1
             c.stored_bytes += len(data) if isinstance(data, bytes) else 0
         return stored
+
+    async def _stored_at(self, name: str, what: str, fn, *args, **kw) -> bool:
+        """A store call to server ``name`` (``fn(*args)`` in a thread, see
+        :meth:`_in_thread`): whether it stored. A server down is marked, a refusal
+        counted (``what`` names it in the log)."""
+        try:
+            return await self._in_thread(fn, *args, **kw)
+        except ServerDown as e:
+            self._mark_down(name, e)
+            return False
+        except ServerError as e:
+            self.per_server[name].errors += 1
+            log.debug("peer %s: %s refused: %s", name, what, e)
+            return False
 
     async def _store_pieced(self, owner: str, ck: ContentKey, data: bytes, lease: bool,
                             limiter: trio.CapacityLimiter, expire: int,
@@ -816,16 +822,10 @@ class PeerTier:
                 return False
             c = self.per_server[name]
             try:
-                stored = await self._in_thread(self.servers.set_piece, name, ck, m, i, data,
-                                               expire, admit=self._piece_stores, server=name)
+                stored = await self._stored_at(name, "piece", self.servers.set_piece, name,
+                                               ck, m, i, data, expire,
+                                               admit=self._piece_stores, server=name)
             except _Skipped:
-                return False
-            except ServerDown as e:
-                self._mark_down(name, e)
-                return False
-            except ServerError as e:
-                c.errors += 1
-                log.debug("peer %s: piece refused: %s", name, e)
                 return False
             if stored:
                 lo, hi = m.bounds(i)
