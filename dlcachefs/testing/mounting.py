@@ -64,6 +64,10 @@ class Mount:
         self.source, self.mnt, self.cache = (Path(os.path.abspath(p)) for p in (source, mnt, cache))
         if debug_invariants and "--debug-invariants" not in extra:
             extra = (*extra, "--debug-invariants")
+        if not any(a == "--min-free" or a.startswith("--min-free=") for a in extra):
+            # The tests' datasets are a few MB: the host's free disk (the default floor is
+            # 1 GiB) must not decide whether a test caches anything (CI failed on a full disk).
+            extra = (*extra, "--min-free", "64M")
         self.extra = extra
         self.cli = list(cli or DLCACHEFS)
         self.daemonize = daemonize
