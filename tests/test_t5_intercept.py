@@ -132,6 +132,20 @@ def test_every_loader_reads_the_source_bytes_in_the_process(tmp_path, mount):
     # without the launcher, the same bytes through the mount
     assert json.loads(run(script, str(m.mnt), launcher=False)) == {
         rel: {**r, "type": "BufferedReader"} for rel, r in reference.items()}
+    # paths through symlinks outside the mount (a link to a file in it, a link to one of
+    # its directories) are served in the process too, as what they point at
+    links = tmp_path / "links"
+    links.mkdir()
+    (links / "one.npy").symlink_to(m.mnt / "arrays" / "a 1 é.npy")
+    (links / "dir").symlink_to(m.mnt / "arrays")
+    via = tmp_path / "via.py"
+    via.write_text("import sys, hashlib\nfor p in sys.argv[1:]:\n"
+                   "    with open(p, 'rb') as f:\n"
+                   "        print(type(f).__name__, hashlib.sha256(f.read()).hexdigest())\n")
+    got = run(via, str(links / "one.npy"), str(links / "dir" / "a 2 é.npy")).split()
+    want = [hashlib.sha256((src / "arrays" / n).read_bytes()).hexdigest()
+            for n in ("a 1 é.npy", "a 2 é.npy")]
+    assert got == ["CachedFile", want[0], "CachedFile", want[1]]
 
 
 FALLBACKS = r'''

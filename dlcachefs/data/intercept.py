@@ -18,7 +18,7 @@ in C otherwise (OpenCV, ``numpy.fromfile(path)``, h5py) read through the mount.
 Everything else goes to the real ``open``, exactly as without the launcher: another mode
 (text, writing, ``buffering=0``, an ``opener``), a path not under a dlcachefs mount (found
 by type ``fuse.dlcachefs`` in the process's mount table, read again at most once a
-second), a mount's ``.dlcache/`` files, a mount that says not to (``--substitute``: it
+second; a path through symlinks is resolved first), a mount's ``.dlcache/`` files, a mount that says not to (``--substitute``: it
 decides at open which file's bytes an open gets), a process the cache directory does not
 admit (only its owner and the mount's ``--reader-group``: the mount then enforces the
 source's modes), a file above :data:`MAX_SIZE` (so that a header scan of a large file
@@ -217,7 +217,15 @@ def _mount_of(file: Any) -> tuple[CacheReader, bytes] | None:
         p = os.getcwdb() + b"/" + p
     found = _mounts.find(p)
     if found is None:
-        return None
+        if not _mounts.prefixes:
+            return None
+        # through a symlink (a link to the mount, a directory of links into it): every
+        # other open of the process pays this realpath, a few lstat calls
+        r = os.path.realpath(p)
+        found = _mounts.find(r) if r != p else None
+        if found is None:
+            return None
+        p = r
     root, rel = found
     if rel.startswith(b".dlcache/") or rel == b".dlcache" or rel.endswith(b"/"):
         return None
@@ -268,9 +276,17 @@ def open(file, mode="r", buffering=-1, encoding=None, errors=None, newline=None,
     return _real_open(file, mode, buffering, encoding, errors, newline, closefd, opener)
 
 
+#: ``os.SEEK_DATA``, ``os.SEEK_HOLE`` (Linux; none elsewhere)
+_DATA_HOLE = tuple(getattr(os, n) for n in ("SEEK_DATA", "SEEK_HOLE") if hasattr(os, n))
+
+
 class CachedFile(io.BufferedIOBase):
     """A file's bytes served in the process, as a read-only ``BufferedReader`` (see the
-    module doc). After :meth:`fileno` (or ``raw``) it reads a real file on the mount."""
+    module doc). After :meth:`fileno` (or ``raw``) it reads a real file on the mount.
+
+    Not a subclass of ``io.BufferedReader``, on purpose: code that checks for one takes
+    it to mean "a real descriptor" (``numpy.load`` then reads with ``fromfile``, which asks
+    for ``fileno()``), so a subclass would send those reads through the mount."""
 
     def __init__(self, data: bytes, name: Any, path: bytes, where: Located,
                  reader: CacheReader) -> None:
@@ -317,6 +333,13 @@ class CachedFile(io.BufferedIOBase):
 
     def seek(self, offset: int, whence: int = 0) -> int:
         f = self._f
+        if isinstance(f, io.BytesIO) and whence in _DATA_HOLE and not f.closed:
+            # a file without holes, as the kernel answers for one (the mount's too): data
+            # from any offset inside the file, the one hole at its end, ENXIO past it
+            # (a negative offset too: the kernel compares it unsigned)
+            if not 0 <= offset < len(self._data):
+                raise OSError(errno.ENXIO, os.strerror(errno.ENXIO))
+            return f.seek(offset if whence == _DATA_HOLE[0] else len(self._data))
         if isinstance(f, io.BytesIO) and whence in (0, 1, 2) and not f.closed:
             # a position before the start is the kernel's EINVAL, not BytesIO's ValueError
             base = (0, f.tell(), len(self._data))[whence]
