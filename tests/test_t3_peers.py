@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -19,6 +20,7 @@ from dlcachefs.peers.servers import Rendezvous  # noqa: E402
 from dlcachefs.peers.valuefmt import content_key, encode  # noqa: E402
 from dlcachefs.testing.fakes import (  # noqa: E402
     CountingSource,
+    SlowSource,
     make_config,
     read_all,
     run_engine,
@@ -711,8 +713,8 @@ def test_a_file_larger_than_an_item_is_shared_in_checked_pieces(tmp_path, server
     peers = [m.address for m in servers]
     total = sum(map(len, files.values()))
 
-    def node(name):
-        src = CountingSource(tmp_path / "src")
+    def node(name, src=None):
+        src = src or CountingSource(tmp_path / "src")
         cfg = make_config(tmp_path / "src", tmp_path / name, peers=",".join(peers),
                           peer_item_max=1 << 20)
         got, eng = _read_everything(files, cfg, src)
@@ -762,6 +764,17 @@ def test_a_file_larger_than_an_item_is_shared_in_checked_pieces(tmp_path, server
         assert st["pieced_misses"] == 1 and st["pieced_stored"] == 1
         src, _, st = node("f")
         assert src.calls["read_file"] == 0 and st["pieced_hits"] == 1
+
+        # a piece lost again, and two nodes read the file at once from a slow remote: the
+        # manifest is forgotten, one node reads the remote under the file's lease, the
+        # other waits for its store (both read the remote before: a herd)
+        hc.delete(piece_key(ck, ps, 0))
+        slow = [SlowSource(tmp_path / "src", delay=1.0) for _ in range(2)]
+        with ThreadPoolExecutor(2) as ex:
+            outs = list(ex.map(node, ["g", "h"], slow))
+        assert sum(s.calls["read_file"] for s in slow) == 1
+        assert sum(st["pieced_forgotten"] for *_, st in outs) >= 1
+        assert sum(st["lease_waits"] for *_, st in outs) == 1
     finally:
         hc.close()
 

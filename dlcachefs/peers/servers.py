@@ -188,6 +188,11 @@ class Servers:
         except BadValue as e:
             return "bad", e.reason
 
+    def forget(self, name: str, ck: ContentKey) -> None:
+        """Delete the value stored under ``ck`` on ``name`` (a manifest whose pieces are
+        lost); its lease, if any, stays with its holder."""
+        self._call(name, "delete", ck.key, noreply=False)
+
     def store(self, name: str, ck: ContentKey, data: bytes | memoryview | Manifest | None,
               lease: bool, expire: int = 0) -> bool:
         """Store ``data`` under ``ck`` on ``name`` (a :class:`Manifest`: the manifest of

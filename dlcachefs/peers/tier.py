@@ -36,8 +36,9 @@ the file's key at its owner, then the lease goes; a piece not stored means no ma
 The lease, the waits and the lookups are the file's, as for a small file: a hit on a
 manifest reads the pieces back, ``PIECE_PARALLEL`` gets at once, each checked, then the
 whole file against the manifest's checksum. A piece missing (evicted, its server down)
-or refused is a miss without a lease: the source serves, and this node stores the file
-again. Only files up to ``--max-cached-file`` (the largest file a node caches, and so
+or refused is forgotten: that node deletes the manifest at the file's owner, then asks
+for the file's lease as on a miss, so one node reads the source and stores the file
+again while the others wait for it (not every node at once). Only files up to ``--max-cached-file`` (the largest file a node caches, and so
 reads whole): larger ones are read through, in ranges, and skip the tier. Pieced files
 are not kept at eviction (:meth:`PeerTier.keep`) nor refilled (:meth:`_refill`), and a
 ``touch`` (:meth:`PeerTier.held`) renews the manifest's expiry, not its pieces'.
@@ -174,6 +175,7 @@ class TierCounters:
     pieced_bytes: int = 0
     pieced_misses: int = 0  # files whose manifest was found, a piece not: from the source
     pieced_rejected: int = 0  # ... a piece or the whole file refused: from the source
+    pieced_forgotten: int = 0  # manifests deleted for those: a lease decides who reads
     pieced_stored: int = 0  # files stored in pieces (their manifest written)
     pieces_stored: int = 0
     pieced_store_failures: int = 0  # files whose pieces were not all stored (no manifest)
@@ -409,8 +411,11 @@ class PeerTier:
         if before_lease is not None:
             kind, got = await self._ask(owner, ck, take=False)
             if kind == "hit":
-                return await self._served(ck, owner, got)
-            if kind != "miss":  # an error, the owner down, a value that must not be served
+                served = await self._served(ck, owner, got)
+                if served is not None:
+                    return served
+                # (its pieces are lost and the manifest forgotten: a lease as on a miss)
+            elif kind != "miss":  # an error, the owner down, a value not to be served
                 return Lookup(None, key=ck, owner=owner)
             await before_lease()
             owner2 = self.owner(ck)
@@ -419,7 +424,13 @@ class PeerTier:
             owner, first = owner2, False
         kind, got = await self._ask(owner, ck, take=True, first=first)
         if kind == "hit":
-            return await self._served(ck, owner, got)
+            served = await self._served(ck, owner, got)
+            if served is not None:
+                return served
+            # its pieces are lost and the manifest forgotten: the lease, as on a miss
+            kind, got = await self._ask(owner, ck, take=True, first=False)
+            if kind == "hit":  # stored again meanwhile
+                return await self._served(ck, owner, got) or Lookup(None, key=ck, owner=owner)
         if kind == "lease":
             self.counters.leases += 1
             log.debug("lease on %s (%s) at %s", ck.key, rel, owner)
@@ -443,7 +454,7 @@ class PeerTier:
             kind, got = await self._ask(owner, ck, take=True, first=False)
             if kind == "hit":
                 self.counters.lease_wait_hits += 1
-                return await self._served(ck, owner, got)
+                return await self._served(ck, owner, got) or Lookup(None, key=ck, owner=owner)
             if kind == "lease":  # its holder gave up (or its lease expired): ours now
                 self.counters.leases += 1
                 self.counters.lease_takeovers += 1
@@ -458,19 +469,36 @@ class PeerTier:
         return Lookup(None, key=ck, owner=owner)
 
     async def _served(self, ck: ContentKey, owner: str, got: memoryview | Manifest
-                      ) -> Lookup:
+                      ) -> Lookup | None:
         """A hit at ``owner``: the file's bytes, from its value or from the pieces its
         manifest names (read from their servers, each checked, then the whole file). A
-        piece missing or refused: a miss without a lease (the source serves, and this
-        node stores the file again)."""
+        piece missing or refused: None, once the manifest is forgotten at ``owner``, so
+        that the caller asks for the file's lease as on a miss (one node reads the source
+        and stores the file again, the others wait for it)."""
         if not isinstance(got, Manifest):
             return Lookup(bytes(got), key=ck, owner=owner)
         data = await self._read_pieces(ck, got)
         if data is None:
-            return Lookup(None, key=ck, owner=owner)
+            await self._forget(ck, owner)
+            return None
         self.counters.pieced_hits += 1
         self.counters.pieced_bytes += len(data)
         return Lookup(data, key=ck, owner=owner)
+
+    async def _forget(self, ck: ContentKey, owner: str) -> None:
+        """Delete ``ck``'s manifest at ``owner``, best effort: its pieces are not all
+        there. (A node that only missed them, say with a server it alone saw down, costs
+        the cluster one more source read of the file, under a lease.)"""
+        self.counters.pieced_forgotten += 1
+        try:
+            await self._in_thread(self.servers.forget, owner, ck, server=owner)
+        except _Skipped:
+            pass
+        except ServerDown as e:
+            self._mark_down(owner, e)
+        except ServerError as e:
+            self.per_server[owner].errors += 1
+            log.debug("peer %s: %s", owner, e)
 
     async def _read_pieces(self, ck: ContentKey, m: Manifest) -> bytes | None:
         """The file ``m`` describes from its pieces, :data:`PIECE_PARALLEL` gets at once
