@@ -66,7 +66,7 @@ from dlcachefs.store import ledger as L
 from dlcachefs.store import schema as S
 from dlcachefs.store.chunkfmt import CHUNK_HEADER_SIZE, RECORD_HEADER_SIZE
 from dlcachefs.store.integrity import log_failure
-from dlcachefs.store.reclaim import evict_stopped
+from dlcachefs.store.reclaim import UNFIT, Reclaimed, evict_stopped
 
 if TYPE_CHECKING:
     from dlcachefs.cache.fetch import SourceCalls
@@ -236,6 +236,8 @@ class ShareKeeper:
         self.view: dict[str, Any] = {}
         #: bytes taken back from stopped datasets, by dataset (stats)
         self.reclaimed: dict[str, int] = {}
+        #: (dataset, stop) whose index is not as a clean stop left it: not tried again
+        self._unfit: set[tuple[str, float]] = set()
 
     # ----- blocking, before the loop (the daemon's start) and after it (its stop) -----
 
@@ -326,10 +328,15 @@ class ShareKeeper:
         self._measure()
         target, granted, view, plan = await trio.to_thread.run_sync(
             self._exchange, w.limit, self._needs_room())
-        if plan and await trio.to_thread.run_sync(self._reclaim, plan):
-            # the stopped datasets' limits are lower now: grow into the room at once
-            target, granted, view, _ = await trio.to_thread.run_sync(
-                self._exchange, w.limit, False)
+        plan = [p for p in plan if (p[0], p[2]) not in self._unfit]
+        if plan:
+            done, failed = await trio.to_thread.run_sync(self._reclaim, plan)
+            self.errors += failed
+            for r in done:
+                self.reclaimed[r.dataset] = self.reclaimed.get(r.dataset, 0) + r.freed
+            if done:  # the stopped datasets' limits are lower now: grow into the room
+                target, granted, view, _ = await trio.to_thread.run_sync(
+                    self._exchange, w.limit, False)
         self.target, self.view, self._published = target, view, granted
         self.rounds += 1
         if granted > w.limit:
@@ -372,11 +379,12 @@ class ShareKeeper:
         w = self.writer
         return w.account() >= w.limit - w.limit // 8
 
-    def _reclaim(self, plan: list[tuple[str, int, float]]) -> int:
+    def _reclaim(self, plan: list[tuple[str, int, float]]) -> tuple[list[Reclaimed], int]:
         """Thread: evict what ``plan`` says of each stopped dataset (each under its own
-        cache lock, :func:`dlcachefs.store.reclaim.evict_stopped`); the bytes freed. A
-        dataset in use meanwhile, or mounted again, is skipped; a failure is logged."""
-        freed = 0
+        cache lock, :func:`dlcachefs.store.reclaim.evict_stopped`); what was freed where,
+        and how many failed. A dataset in use meanwhile, or mounted again, is skipped; a
+        failure is logged."""
+        done, failed = [], 0
         for ds, nbytes, stopped_at in plan:
             def same_stop(e: dict[str, Any], at: float = stopped_at) -> bool:
                 return e.get("state") == "stopped" and float(e.get("heartbeat") or 0.0) == at
@@ -384,15 +392,17 @@ class ShareKeeper:
             try:
                 r = evict_stopped(self.root, DATASETS_DIR, ds, nbytes, same_stop)
             except Exception:  # noqa: BLE001 - another dataset's trouble: never ours
-                self.errors += 1
+                failed += 1
                 log_failure(log, "taking back the space of stopped dataset %s failed", ds)
                 continue
-            if r.skipped is not None:
+            if r.skipped == UNFIT:  # until it is mounted again (a new stop): not again
                 log.info("stopped dataset %s: space not taken back (%s)", ds, r.skipped)
+                self._unfit.add((ds, stopped_at))
                 continue
-            freed += r.freed
-            self.reclaimed[ds] = self.reclaimed.get(ds, 0) + r.freed
-        return freed
+            if r.skipped is not None:  # in use now, or mounted again: a later round sees
+                continue
+            done.append(r)
+        return done, failed
 
     def _entry(self, now: float, used: int) -> dict[str, Any]:
         return {"pid": os.getpid(), "host": socket.gethostname(), "state": "live",

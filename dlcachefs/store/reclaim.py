@@ -58,6 +58,8 @@ from dlcachefs.store.seal import seal_chunks
 
 log = logging.getLogger(__name__)
 
+#: why a dataset was not evicted from: its index is not as its clean stop left it
+UNFIT = "not as its clean stop left it"
 #: the index and logs of a dataset's directory (as :class:`dlcachefs.config.Config` names them)
 INDEX_DIR, LOGS_DIR = "meta.lmdb", "logs"
 
@@ -112,7 +114,7 @@ def evict_stopped(root: str, datasets_dir: str, ds: str, nbytes: int,
         if entry is None or not still_stopped(entry):
             return Reclaimed(ds, skipped="no longer stopped")
         if not integrity.unchanged_since_clean_stop(index_dir):
-            return Reclaimed(ds, skipped="not as its clean stop left it")
+            return Reclaimed(ds, skipped=UNFIT)
         index = Index(index_dir)
         try:
             victims, total = [], 0
