@@ -188,16 +188,20 @@ def test_live_daemons_take_back_a_stopped_datasets_room_and_it_refetches_only_th
                 sa["cache_limit_bytes"] + sb["cache_limit_bytes"] > BUDGET - held["limit"]:
             break
     assert not wrong and not over, (wrong[:5], over[:5])
-    e = doc["datasets"]["c"]
+    # a and b grew into the room c gave back
+    assert sa["cache_limit_bytes"] + sb["cache_limit_bytes"] > BUDGET - held["limit"]
+
+    def took(_st: dict) -> bool:  # what a and b count they took is what c's entry gave
+        return sum(m.stats()["shared"]["reclaimed_bytes"].get("c", 0) for m in (a, b)) \
+            == led.read()["datasets"]["c"]["reclaimed_bytes"]
+
+    a.wait_stats(took, "a's and b's counts agree with c's entry")
+    a.umount()
+    b.umount()
+    e = led.read()["datasets"]["c"]
     assert e["state"] == "stopped" and e["reclaimed_bytes"] > 0 and e["limit"] == e["used"]
     assert e["limit"] < held["limit"], e  # c gave room back ...
     assert e["limit"] > 0, e  # ... what a and b needed, not all of it
-    # ... and a and b grew into it
-    assert sa["cache_limit_bytes"] + sb["cache_limit_bytes"] > BUDGET - held["limit"]
-    assert sum(s["shared"]["reclaimed_bytes"].get("c", 0) for s in (sa, sb)) \
-        == e["reclaimed_bytes"]
-    a.umount()
-    b.umount()
     for ds in "ab":  # given up: c may take the whole budget again
         shutil.rmtree(root / "datasets" / ds)
     c = mount(srcs["c"], *_shared_args("c", *args), name="mc", cache=root)
