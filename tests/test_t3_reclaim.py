@@ -17,7 +17,7 @@ from dlcachefs.store import ledger as L
 from dlcachefs.store import schema as S
 from dlcachefs.store.index import Index
 from dlcachefs.store.lock import LOCK_NAME
-from dlcachefs.store.reclaim import evict_stopped
+from dlcachefs.store.reclaim import evict_stopped, evict_stopped_in_child
 from dlcachefs.testing.fakes import make_config, read_all, run_session, write_tree
 
 
@@ -56,7 +56,8 @@ def test_a_stopped_dataset_is_evicted_oldest_first_and_refetches_only_that(tmp_p
     ix.close()
     disk0 = sum(p.stat().st_blocks * 512 for p in (d / "logs").glob("*.log"))
     want = before["limit"] // 2
-    r = evict_stopped(root, DATASETS_DIR, "c", want, _stopped)
+    # as a daemon runs it: in a child process (LMDB opens an environment once a process)
+    r = evict_stopped_in_child(root, DATASETS_DIR, "c", want, before["heartbeat"])
     assert r.skipped is None and r.freed >= want and r.left == before["limit"] - r.freed
     # the oldest chunks, whole, and no more than needed
     ids = [c.chunk_id for c in chunks]
@@ -98,6 +99,9 @@ def test_a_dataset_in_use_or_not_cleanly_stopped_is_left_alone(tmp_path):
     finally:
         os.close(fd)
     assert evict_stopped(root, DATASETS_DIR, "c", 1, lambda e: False).skipped \
+        == "no longer stopped"
+    # another stop than the one chosen (mounted and stopped again meanwhile)
+    assert evict_stopped_in_child(root, DATASETS_DIR, "c", 1, 1.0).skipped \
         == "no longer stopped"
     integrity.unchanged_since_clean_stop(str(d / "meta.lmdb"))  # the mark gone: a crash
     assert evict_stopped(root, DATASETS_DIR, "c", 1, _stopped).skipped \

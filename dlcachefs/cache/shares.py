@@ -38,7 +38,8 @@ within the budget is written down). This module is one daemon's side:
   dataset *needs room* when its writer's account is within an eighth of its limit and the
   allocation with the eligible datasets' bytes freed (:func:`reclaim_plan`) would give it
   more than it has; the difference is evicted from them, in order, by
-  :func:`dlcachefs.store.reclaim.evict_stopped` (under each one's cache lock, crash-safe),
+  :func:`dlcachefs.store.reclaim.evict_stopped` (in a child process, under each one's cache
+  lock, crash-safe),
   and grown into at once.
 
 Concurrency: :class:`ShareKeeper` runs on the trio loop (one task, owned by the
@@ -66,7 +67,7 @@ from dlcachefs.store import ledger as L
 from dlcachefs.store import schema as S
 from dlcachefs.store.chunkfmt import CHUNK_HEADER_SIZE, RECORD_HEADER_SIZE
 from dlcachefs.store.integrity import log_failure
-from dlcachefs.store.reclaim import UNFIT, Reclaimed, evict_stopped
+from dlcachefs.store.reclaim import UNFIT, Reclaimed, evict_stopped_in_child
 
 if TYPE_CHECKING:
     from dlcachefs.cache.fetch import SourceCalls
@@ -380,20 +381,18 @@ class ShareKeeper:
         return w.account() >= w.limit - w.limit // 8
 
     def _reclaim(self, plan: list[tuple[str, int, float]]) -> tuple[list[Reclaimed], int]:
-        """Thread: evict what ``plan`` says of each stopped dataset (each under its own
-        cache lock, :func:`dlcachefs.store.reclaim.evict_stopped`); what was freed where,
-        and how many failed. A dataset in use meanwhile, or mounted again, is skipped; a
+        """Thread: evict what ``plan`` says of each stopped dataset (each in a child
+        process, under its own cache lock:
+        :func:`dlcachefs.store.reclaim.evict_stopped_in_child`); what was freed where, and
+        how many failed. A dataset in use meanwhile, or mounted again, is skipped; a
         failure is logged."""
         done, failed = [], 0
         for ds, nbytes, stopped_at in plan:
-            def same_stop(e: dict[str, Any], at: float = stopped_at) -> bool:
-                return e.get("state") == "stopped" and float(e.get("heartbeat") or 0.0) == at
-
             try:
-                r = evict_stopped(self.root, DATASETS_DIR, ds, nbytes, same_stop)
-            except Exception:  # noqa: BLE001 - another dataset's trouble: never ours
+                r = evict_stopped_in_child(self.root, DATASETS_DIR, ds, nbytes, stopped_at)
+            except OSError as e:  # another dataset's trouble: never ours
                 failed += 1
-                log_failure(log, "taking back the space of stopped dataset %s failed", ds)
+                log.warning("taking back the space of stopped dataset %s failed: %s", ds, e)
                 continue
             if r.skipped == UNFIT:  # until it is mounted again (a new stop): not again
                 log.info("stopped dataset %s: space not taken back (%s)", ds, r.skipped)

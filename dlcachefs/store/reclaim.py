@@ -34,15 +34,25 @@ argument is the chunk writer's, :mod:`dlcachefs.cache.writer`):
 The dataset's next mount recovers as after any stop: the chunks kept are served, the
 files evicted are fetched again from its source.
 
-Blocking (flock, LMDB, file I/O); called from a worker thread.
+A daemon runs it in a child process (:func:`evict_stopped_in_child`): LMDB must not open
+one environment twice in a process (the daemon may hold the dataset's index open
+read-only already, for content dedup), and a child is also what the daemon reads another
+dataset's index in first anyway (:func:`~dlcachefs.store.integrity.check_index`): the
+daemon never maps an index it does not own for writing. The child takes the lock; if it
+dies, the kernel releases the lock, and a commit is whole or absent.
+
+Blocking (flock, LMDB, file I/O; a child process); called from a worker thread.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -158,6 +168,59 @@ def evict_stopped(root: str, datasets_dir: str, ds: str, nbytes: int,
             e["reclaimed_at"] = time.time()
 
         ledger.update(lower)
-    log.info("stopped dataset %s of the shared root: %d chunks (%d bytes) evicted for room, "
-             "%d bytes left", ds, len(sealed.evicted), freed, left)
     return Reclaimed(ds, freed, len(sealed.evicted), left)
+
+
+#: seconds a child may take (one commit and the punches; a walk is never made here)
+CHILD_TIMEOUT_S = 120.0
+
+_CHILD = r"""
+import json, sys
+from dlcachefs.store.reclaim import _child
+print(json.dumps(_child(json.loads(sys.argv[1]))))
+"""
+
+
+def _child(args: dict[str, Any]) -> dict[str, Any]:
+    """In the child: :func:`evict_stopped` for the entry stopped at ``args["stopped_at"]``."""
+    at = float(args["stopped_at"])
+
+    def same_stop(e: dict[str, Any]) -> bool:
+        return e.get("state") == "stopped" and float(e.get("heartbeat") or 0.0) == at
+
+    try:
+        r = evict_stopped(args["root"], args["datasets_dir"], args["dataset"],
+                          int(args["nbytes"]), same_stop)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which logs it
+        return {"error": f"{type(e).__name__}: {e}"[:500]}
+    return {"freed": r.freed, "chunks": r.chunks, "left": r.left, "skipped": r.skipped}
+
+
+def evict_stopped_in_child(root: str, datasets_dir: str, ds: str, nbytes: int,
+                           stopped_at: float) -> Reclaimed:
+    """:func:`evict_stopped` in a child process (module doc), for the entry of ``ds``
+    whose stop published ``heartbeat == stopped_at``. Raises OSError when the child
+    failed (the reason in the message)."""
+    # the same dlcachefs as ours, wherever the working directory is (a daemon is in /)
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (pkg_root, env.get("PYTHONPATH"))))
+    args = {"root": root, "datasets_dir": datasets_dir, "dataset": ds, "nbytes": nbytes,
+            "stopped_at": stopped_at}
+    try:
+        r = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(args)],
+                           capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+                           stdin=subprocess.DEVNULL, env=env)
+    except subprocess.TimeoutExpired:
+        raise OSError(f"did not finish in {CHILD_TIMEOUT_S:g} s") from None
+    try:
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        last = (r.stderr.strip().splitlines() or ["?"])[-1]
+        raise OSError(f"no report (exit {r.returncode}: {last[:300]})") from None
+    if "error" in out:
+        raise OSError(out["error"])
+    if out["skipped"] is None:
+        log.info("stopped dataset %s of the shared root: %d chunks (%d bytes) evicted for "
+                 "room, %d bytes left", ds, out["chunks"], out["freed"], out["left"])
+    return Reclaimed(ds, out["freed"], out["chunks"], out["left"], out["skipped"])
