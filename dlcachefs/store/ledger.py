@@ -22,7 +22,10 @@ entry, and each daemon keeps its chunk bytes below its published limit:
   killed daemon may have sealed up to it); a daemon that stops cleanly publishes
   ``stopped`` with ``limit`` = its exact chunk bytes. Either keeps counting until its
   dataset is mounted again (the new daemon takes the entry over) or its directory
-  ``<root>/datasets/<id>`` is removed (the entry is then dropped by whoever looks).
+  ``<root>/datasets/<id>`` is removed (the entry is then dropped by whoever looks);
+* a ``stopped`` entry past its cooldown shrinks when a live daemon needs the room: that
+  daemon evicts from the dataset first and lowers the entry's ``limit`` after
+  (:mod:`dlcachefs.store.reclaim`, chosen by :mod:`dlcachefs.cache.shares`).
 
 Concurrency: blocking (flock, file I/O, fsync); called from worker threads
 (``trio.to_thread``) or before the trio loop starts. The lock is ``<root>/ledger.lock``,
