@@ -11,10 +11,12 @@ import random
 import time
 from pathlib import Path
 
+from dlcachefs.store import schema as S
 from dlcachefs.testing.fakes import make_config, read_all, run_session, write_tree
 
 
-def test_reads_at_once_after_the_start_borrow_from_the_first(tmp_path: Path):
+def _copies(tmp_path: Path) -> tuple[dict[bytes, bytes], dict[bytes, bytes], Path]:
+    """a cached in the root; b the same bytes under other names, and b's sha256sum list."""
     rnd = random.Random(11)
     files = {f"c{i % 2}/f{i:02d}".encode(): rnd.randbytes(rnd.randrange(5_000, 30_000))
              for i in range(12)}
@@ -34,6 +36,12 @@ def test_reads_at_once_after_the_start_borrow_from_the_first(tmp_path: Path):
         await sess.engine.flush()
 
     run_session(make_config(tmp_path / "a", root, dataset="a", **common), cache_all)
+    return files, names, manifest
+
+
+def test_reads_at_once_after_the_start_borrow_from_the_first(tmp_path: Path):
+    files, names, manifest = _copies(tmp_path)
+    root = tmp_path / "root"
 
     async def read_b_at_once(sess):
         for rel, data in files.items():
@@ -41,8 +49,30 @@ def test_reads_at_once_after_the_start_borrow_from_the_first(tmp_path: Path):
         return sess.engine.counters.bytes_from_source, sess.dedup.stats()
 
     cfg = make_config(tmp_path / "b", root, dataset="b", content_manifest=str(manifest),
-                      **common)
+                      cache_size=16 << 20, shared_cache=True)
     (from_source, d), _ = run_session(cfg, read_b_at_once)
     assert from_source == 0, d  # the first reads too were borrowed
     assert d["borrowed_files"] == len(files) and d["siblings"] == ["a"], d
     assert d["held"] >= 1 and d["first_look_s"] is not None, d  # it did wait for the look
+
+
+def test_without_a_list_a_read_at_once_is_not_held_and_no_second_copy_is_made(tmp_path):
+    """No list: b's files are read from b's source (their digests are unknown before);
+    the reader gets them at once, and whether they are cached in b is decided once the
+    first look reached a: a holds them, so nothing is cached in b."""
+    files, names, _ = _copies(tmp_path)
+    root = tmp_path / "root"
+
+    async def read_b_at_once(sess):
+        for rel, data in files.items():
+            assert await read_all(sess.engine, names[rel]) == data
+        await sess.engine.flush()  # the backlog too: decided in the background
+        return (sess.engine.counters.bytes_from_source, sess.dedup.stats(),
+                sess.engine.index.counter(S.K_CHUNK_BYTES))
+
+    cfg = make_config(tmp_path / "b", root, dataset="b", cache_size=16 << 20,
+                      shared_cache=True)
+    (from_source, d, chunk_bytes), _ = run_session(cfg, read_b_at_once)
+    assert from_source == sum(map(len, files.values()))  # read once, to learn the digests
+    assert d["held"] == 0, d  # no reader waited for the look
+    assert d["held_elsewhere"] == len(files) and chunk_bytes == 0, d  # no second copy

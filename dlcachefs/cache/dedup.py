@@ -58,9 +58,12 @@ are second copies (charged to this dataset, so the budget still holds).
 and the walks of the first look at the root take a moment per dataset (a child process
 each). :meth:`run` starts that look as the mount starts, and publishes each dataset as
 soon as its walk passed. A fetch that could be served from another dataset (its digest
-known without a read, or just read and hashed) while the first look is still going on
-waits for it (:meth:`_wait_first_look`), dataset by dataset, so the first reads after a
-mount borrow as later ones do; the wait ends at :data:`HOLD_S` after the look began. Past
+known without a read) while the first look is still going on waits for it
+(:meth:`_wait_first_look`), dataset by dataset, so the first reads after a mount borrow
+as later ones do; the wait ends at :data:`HOLD_S` after the look began. A file read from
+the source meanwhile (its digest unknown before) is given to its reader at once: whether
+it is cached here is decided in the background once the look got to the datasets
+(:meth:`held_after_look`), so no second copy is made of bytes another dataset holds. Past
 that bound (a root of many datasets, each walk slow), fetches no longer wait: they borrow
 from the datasets checked so far and read the rest from their source, as before the look
 ends; the look goes on in the background.
@@ -351,31 +354,59 @@ class ContentStore:
         self._learn(e.ino, identity(e), sha)
         return got
 
-    async def after_fetch(self, e: Entry, ident: Identity, data: bytes
+    async def after_fetch(self, e: Entry, ident: Identity, data: bytes, wait: bool = True
                           ) -> tuple[bytes | None, bool]:
         """A file just read from the source (``ident``: the version read): its digest
         (None: let the writer hash it) and whether another dataset holds the same bytes
-        (then it is not cached here; its key is remembered for the next open)."""
+        (then it is not cached here; its key is remembered for the next open). ``wait``:
+        while the first look at the root is under way, wait for it (bounded, as
+        :meth:`borrow` does); else only the datasets looked at so far are asked, and a
+        caller that gets False while :meth:`looking` asks :meth:`held_after_look` later."""
         if self._looked and not self._siblings:
             return None, False
         tried = set(self._siblings)
         sha, holder = await trio.to_thread.run_sync(self._hash_and_find, self._siblings, data)
-        while holder is None and sha not in self._failed \
-                and await self._wait_first_look(tried):
-            todo = {n: s for n, s in self._siblings.items() if n not in tried}
-            tried.update(todo)
-            holder = await trio.to_thread.run_sync(self._held_by, todo, sha, len(data))
+        if holder is None and wait:
+            holder = await self._find_during_look(sha, len(data), tried)
         if holder is None:
             return sha, False
         self.counts["held_elsewhere"] += 1
         self._learn(e.ino, ident, sha)
         return sha, True
 
-    async def _wait_first_look(self, tried: set[str]) -> bool:
+    def looking(self) -> bool:
+        """Whether the first look at the root is under way (and fetches may wait for it)."""
+        return not self._looked and trio.current_time() < self._hold_until
+
+    async def held_after_look(self, ino: int, ident: Identity, sha: bytes, size: int) -> bool:
+        """In the background, for bytes read from the source while the first look was
+        under way (:meth:`after_fetch` with ``wait=False``): whether another dataset
+        holds them once the look got to it (then the caller does not cache them; the key
+        is remembered)."""
+        if await self._find_during_look(sha, size, set(), count=False) is None:
+            return False
+        self.counts["held_elsewhere"] += 1
+        self._learn(ino, ident, sha)
+        return True
+
+    async def _find_during_look(self, sha: bytes, size: int, tried: set[str],
+                                count: bool = True) -> str | None:
+        """A dataset, not in ``tried``, that holds ``sha``, waiting for the first look's
+        datasets as they are published (:meth:`_wait_first_look`); None when none does."""
+        while sha not in self._failed and await self._wait_first_look(tried, count):
+            todo = {n: s for n, s in self._siblings.items() if n not in tried}
+            tried.update(todo)
+            holder = await trio.to_thread.run_sync(self._held_by, todo, sha, size)
+            if holder is not None:
+                return holder
+        return None
+
+    async def _wait_first_look(self, tried: set[str], count: bool = True) -> bool:
         """While the first look at the root is going on (and :data:`HOLD_S` has not
         passed since it began): wait until a dataset not in ``tried`` is published, or the
-        look ends; True when there may be more to try. False at once after the look."""
-        held = False
+        look ends; True when there may be more to try. False at once after the look.
+        ``count``: a wait is counted as a read held (``held``)."""
+        held = not count
         while not self._looked and trio.current_time() < self._hold_until:
             if any(n not in tried for n in self._siblings):
                 return True
