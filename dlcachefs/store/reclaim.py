@@ -112,8 +112,8 @@ def evict_stopped(root: str, datasets_dir: str, ds: str, nbytes: int,
                   still_stopped: Callable[[dict[str, Any]], bool]) -> Reclaimed:
     """Evict at least ``nbytes`` of chunk bytes (whole chunks, oldest first) of the
     stopped dataset ``ds`` of the shared root ``root`` (module doc). ``still_stopped(entry)``
-    says, under the ledger's lock and with the dataset's lock held, whether its ledger
-    entry is still the stopped one the caller chose; if not, nothing is done."""
+    says, of its ledger entry read with the dataset's lock held, whether it is still the
+    stopped one the caller chose; if not, nothing is done."""
     d = os.path.join(root, datasets_dir, ds)
     ledger = L.Ledger(root)
     index_dir = os.path.join(d, INDEX_DIR)
