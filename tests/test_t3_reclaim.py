@@ -11,6 +11,8 @@ import os
 import random
 from pathlib import Path
 
+import pytest
+
 from dlcachefs.config import DATASETS_DIR
 from dlcachefs.store import integrity
 from dlcachefs.store import ledger as L
@@ -107,3 +109,41 @@ def test_a_dataset_in_use_or_not_cleanly_stopped_is_left_alone(tmp_path):
     assert evict_stopped(root, DATASETS_DIR, "c", 1, _stopped).skipped \
         == "not as its clean stop left it"
     assert led.read()["datasets"]["c"]["limit"] == limit  # nothing changed
+
+
+def test_a_crash_between_the_commit_and_the_punches_leaves_a_sound_cache(tmp_path, monkeypatch):
+    """The eviction dies after its index commit, before any hole is punched (as a kill
+    there would leave it): the index is not marked clean (its next start walks it), the
+    ledger still counts the larger limit (over-counted, never under), and a new session
+    serves every file exactly, from the cache what it still indexes."""
+    from dlcachefs.store import logs as logs_mod  # noqa: PLC0415
+
+    files, cfg, d = _stopped_dataset(tmp_path)
+    root = str(tmp_path / "root")
+    led = L.Ledger(root)
+    before = led.read()["datasets"]["c"]
+
+    def die(*_a, **_k):
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(logs_mod.LogStore, "release", die)
+    with pytest.raises(RuntimeError, match="killed"):
+        evict_stopped(root, DATASETS_DIR, "c", before["limit"] // 3, _stopped)
+    monkeypatch.undo()
+    assert not integrity.unchanged_since_clean_stop(str(d / "meta.lmdb"))  # walked next
+    assert led.read()["datasets"]["c"]["limit"] == before["limit"]  # over-counted only
+    ix = Index(str(d / "meta.lmdb"))
+    try:
+        assert ix.check_invariants() == []
+        left, kept = ix.counter(S.K_CHUNK_BYTES), ix.counter(S.K_CACHED_BYTES)
+    finally:
+        ix.close()
+    assert 0 < left < before["limit"]
+
+    async def again(sess):
+        for rel, data in files.items():
+            assert await read_all(sess.engine, rel) == data
+        return sess.engine.counters.bytes_from_source
+
+    fetched, _ = run_session(cfg, again)
+    assert fetched == sum(map(len, files.values())) - kept
