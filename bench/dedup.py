@@ -2,7 +2,7 @@
 without content dedup (``--shared-cache``), side by side in one run.
 
     python -m bench.dedup [--files 300] [--size 64K] [--delay-ms 10] [--epochs 2]
-                          [--out bench/results/dedup.json]
+                          [--at-once] [--core-rev REV] [--out bench/results/dedup.json]
 
 Dataset ``a`` (``--files`` random files of about ``--size``) is a local directory, mounted
 with ``--shared-cache`` and read whole, so the root holds it. Dataset ``b`` is the same
@@ -20,6 +20,12 @@ the source:
 Per case and epoch: wall time, bytes b read from its source, bytes borrowed; at the end
 b's chunk bytes (its second copy) and the root's. ``ratios``: each dedup case over
 ``no-dedup``. Exit status 1 when any byte read differs.
+
+``--at-once``: b is read the moment its mount returns, as a training started right after
+the mount reads it (by default the bench first waits until b's daemon has walked a's
+index: the steady state). The dedup cases then also report ``first_look_s`` (how long
+b's first look at the root took) and ``held`` (fetches that waited for it).
+``--core-rev REV`` runs b's daemon from a committed revision (the "before" side).
 """
 
 from __future__ import annotations
@@ -70,7 +76,8 @@ def _chunk_bytes(root: Path) -> int:
 
 
 def run_case(work: Path, case: str, seeded: Path, b_src: Path, files: dict[str, bytes],
-             names: dict[str, str], epochs: int, manifest: Path) -> dict:
+             names: dict[str, str], epochs: int, manifest: Path, at_once: bool = False,
+             cli: list[str] | None = None) -> dict:
     root = work / f"root-{case}"
     shutil.copytree(seeded, root)  # a's cache, as a's mount left it
     args = ["--shared-cache", "--cache-size", "4G", "--dataset", "b", "--scan-ahead", "0",
@@ -80,8 +87,9 @@ def run_case(work: Path, case: str, seeded: Path, b_src: Path, files: dict[str, 
     elif case == "manifest":
         args += ["--content-manifest", str(manifest)]
     out: dict = {"epochs": [], "wrong_bytes": 0}
-    with Mount(b_src, work / f"mb-{case}", root, *args, debug_invariants=False) as mb:
-        if case != "no-dedup":  # b reads from a once its daemon has walked a's index
+    with Mount(b_src, work / f"mb-{case}", root, *args, debug_invariants=False,
+               cli=cli) as mb:
+        if case != "no-dedup" and not at_once:  # b sees a once it has walked a's index
             mb.wait_stats(lambda s: s["dedup"]["siblings"] == ["a"], "b does not see a")
         before = mb.stats()
         for _ in range(epochs):
@@ -98,6 +106,7 @@ def run_case(work: Path, case: str, seeded: Path, b_src: Path, files: dict[str, 
         mb.wait_stats(lambda s: s["pending_bytes"] == 0, "b's writes did not settle")
         st = mb.stats()
         out["b_chunk_bytes"] = st["chunk_bytes"]
+        out["b_cached_files"] = st["cached_files"]
         out["dedup"] = st["dedup"]
     out["root_disk_bytes"] = _chunk_bytes(root)
     shutil.rmtree(root, ignore_errors=True)
@@ -110,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="64K")
     p.add_argument("--delay-ms", type=float, default=10.0)
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--at-once", action="store_true",
+                   help="read b as soon as its mount returns (no wait for its first look)")
+    p.add_argument("--core-rev", default=None, metavar="REV",
+                   help="run b's daemon from this committed revision (git archive)")
     p.add_argument("--out", default=os.path.join("bench", "results", "dedup.json"))
     a = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="dlc-dedup-"))
@@ -121,11 +134,17 @@ def main(argv: list[str] | None = None) -> int:
                    debug_invariants=False) as ma:
             wrong = _read(ma.mnt, files, None)
             ma.wait_cached(len(files))
+        cli = None
+        if a.core_rev:
+            from .fidelity import core_from_rev  # noqa: PLC0415
+
+            cli = [core_from_rev(a.core_rev, work)[0]]
         results = {}
         with passthrough_mount(str(b_real), str(work / "b"), delay_ms=a.delay_ms):
             for case in CASES:
                 results[case] = run_case(work, case, seeded, work / "b", files, names,
-                                         a.epochs, work / "b" / "SHA256SUMS")
+                                         a.epochs, work / "b" / "SHA256SUMS", a.at_once,
+                                         cli)
         a_disk = _chunk_bytes(seeded)
     finally:
         shutil.rmtree(work, ignore_errors=True)

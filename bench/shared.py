@@ -3,7 +3,9 @@ cost-aware shares (``--share-policy cost``) against equal shares (``equal``: eac
 dataset's own LRU in half the budget), side by side in one run.
 
     python -m bench.shared [--files 60] [--size 48K] [--budget 1.25] [--delay-ms 10]
-                           [--warm-rounds 5] [--rounds 4] [--out bench/results/shared.json]
+                           [--warm-rounds 5] [--rounds 4] [--stopped] [--cooldown 60]
+                           [--policies equal,cost] [--core-rev REV]
+                           [--out bench/results/shared.json]
 
 Two datasets of ``--files`` random files of ``--size`` bytes: a fast one (a local
 directory) and a slow one (the same kind of tree behind ``bench.passthrough --delay-ms``:
@@ -20,6 +22,14 @@ in a loop larger than its share, LRU keeps nothing useful (each read evicts what
 next round reads first), so a share below the dataset's size costs the whole dataset
 each round; the cost-aware split gives the slow dataset its whole size and leaves the
 fast one its floor.
+
+``--stopped``: a third dataset (``idle``, a local tree like the fast one) is mounted on
+the root first, read whole (it holds up to the whole budget) and unmounted before the two
+others mount: a stopped dataset whose bytes count in the budget. Past ``--cooldown``
+seconds (``--share-cooldown`` of every mount) the live daemons take its room back when
+they need it; reported per policy: ``idle`` (bytes it held at its stop, holds at the end,
+and gave back). ``--core-rev REV`` runs every daemon from a committed revision (the
+"before" side: a revision without that, where the stopped dataset keeps its bytes).
 """
 
 from __future__ import annotations
@@ -58,17 +68,30 @@ def _read(mnt: Path, files: dict[str, bytes]) -> int:
     return sum((mnt / rel).read_bytes() != data for rel, data in files.items())
 
 
+def _ledger_entry(root: Path, ds: str) -> dict:
+    return json.loads((root / "ledger.json").read_text())["datasets"].get(ds, {})
+
+
 def run_policy(work: Path, policy: str, fast_src: Path, slow_src: Path,
                files: tuple[dict[str, bytes], dict[str, bytes]], budget: int,
-               warm: int, rounds: int) -> dict:
+               warm: int, rounds: int, idle: tuple[Path, dict[str, bytes]] | None = None,
+               cooldown: float = 60.0, cli: list[str] | None = None) -> dict:
     root = work / f"root-{policy}"
     args = ["--shared-cache", "--cache-size", str(budget), "--share-policy", policy,
-            "--share-interval", "0.5", "--flush-interval", "0.5", "--scan-ahead", "0"]
+            "--share-interval", "0.5", "--flush-interval", "0.5", "--scan-ahead", "0",
+            "--share-cooldown", str(cooldown)]
     wrong = 0
+    out: dict = {}
+    if idle is not None:  # mounted, read whole, stopped: its bytes count in the budget
+        with Mount(idle[0], work / f"midle-{policy}", root, *args, "--dataset", "idle",
+                   debug_invariants=False, cli=cli) as m:
+            wrong += _read(m.mnt, idle[1])
+            m.wait_cached(len(idle[1]))
+        out["idle"] = {"held_bytes": _ledger_entry(root, "idle").get("used")}
     fast = Mount(fast_src, work / f"mfast-{policy}", root, *args, "--dataset", "fast",
-                 debug_invariants=False)
+                 debug_invariants=False, cli=cli)
     slow = Mount(slow_src, work / f"mslow-{policy}", root, *args, "--dataset", "slow",
-                 debug_invariants=False)
+                 debug_invariants=False, cli=cli)
     with fast, slow:
         for _ in range(warm):
             drop_page_cache()
@@ -80,7 +103,11 @@ def run_policy(work: Path, policy: str, fast_src: Path, slow_src: Path,
             wrong += _read(fast.mnt, files[0]) + _read(slow.mnt, files[1])
         wall = time.perf_counter() - t0
         a, b = fast.stats(), slow.stats()
-    out = {"wall_s": round(wall, 3), "wrong_bytes": wrong}
+    out.update({"wall_s": round(wall, 3), "wrong_bytes": wrong})
+    if idle is not None:
+        e = _ledger_entry(root, "idle")
+        out["idle"].update({"left_bytes": e.get("used"),
+                            "reclaimed_bytes": e.get("reclaimed_bytes", 0)})
     for name, s0, s in (("fast", a0, a), ("slow", b0, b)):
         out[name] = {
             "bytes_refetched": s["bytes_from_source"] - s0["bytes_from_source"],
@@ -100,22 +127,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delay-ms", type=float, default=10.0)
     p.add_argument("--warm-rounds", type=int, default=5)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--stopped", action="store_true",
+                   help="a third dataset, read and stopped before the others mount")
+    p.add_argument("--cooldown", type=float, default=60.0,
+                   help="--share-cooldown of every mount (seconds)")
+    p.add_argument("--policies", default="equal,cost")
+    p.add_argument("--core-rev", default=None, metavar="REV",
+                   help="run the daemons from this committed revision (git archive)")
     p.add_argument("--out", default=os.path.join("bench", "results", "shared.json"))
     a = p.parse_args(argv)
     size = parse_size(a.size)
+    policies = a.policies.split(",")
     work = Path(tempfile.mkdtemp(prefix="dlc-shared-"))
     try:
         fast_src, slow_real = work / "fast", work / "slow_real"
         files = (_tree(fast_src, a.files, size, 1), _tree(slow_real, a.files, size, 2))
         budget = int(a.budget * a.files * size)
+        idle = (work / "idle", _tree(work / "idle", a.files, size, 3)) if a.stopped else None
+        cli = None
+        if a.core_rev:
+            from .fidelity import core_from_rev  # noqa: PLC0415
+
+            cli = [core_from_rev(a.core_rev, work)[0]]
         results = {}
         with passthrough_mount(str(slow_real), str(work / "slow"), delay_ms=a.delay_ms):
-            for policy in ("equal", "cost"):
+            for policy in policies:
                 results[policy] = run_policy(work, policy, fast_src, work / "slow", files,
-                                             budget, a.warm_rounds, a.rounds)
+                                             budget, a.warm_rounds, a.rounds, idle,
+                                             a.cooldown, cli)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    eq, co = results["equal"], results["cost"]
 
     def ratio(x: float, y: float) -> float | None:
         return round(x / y, 3) if y else None
@@ -123,14 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "bench": "shared", "params": vars(a), "budget_bytes": budget,
         "dataset_bytes": a.files * size, "results": results,
-        "ratios": {"slow_bytes_refetched": ratio(co["slow"]["bytes_refetched"],
-                                                 eq["slow"]["bytes_refetched"]),
-                   "fast_bytes_refetched": ratio(co["fast"]["bytes_refetched"],
-                                                 eq["fast"]["bytes_refetched"]),
-                   "wall_s": ratio(co["wall_s"], eq["wall_s"])},
         "machine": machine_info(),
     }
-    doc["status"] = "ok" if eq["wrong_bytes"] == co["wrong_bytes"] == 0 else "failed"
+    if "equal" in results and "cost" in results:
+        eq, co = results["equal"], results["cost"]
+        doc["ratios"] = {"slow_bytes_refetched": ratio(co["slow"]["bytes_refetched"],
+                                                       eq["slow"]["bytes_refetched"]),
+                         "fast_bytes_refetched": ratio(co["fast"]["bytes_refetched"],
+                                                       eq["fast"]["bytes_refetched"]),
+                         "wall_s": ratio(co["wall_s"], eq["wall_s"])}
+    ok = all(r["wrong_bytes"] == 0 for r in results.values())
+    doc["status"] = "ok" if ok else "failed"
     print(json.dumps(doc, indent=1))
     if a.out:
         write_json(a.out, doc)

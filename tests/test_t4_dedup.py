@@ -112,6 +112,35 @@ def test_a_copy_with_a_manifest_is_served_from_the_first_without_a_source_read(
 
 @requires_fuse
 @pytest.mark.parametrize("keyed", ["manifest", "hashed"])
+def test_a_copy_read_at_once_after_its_mount_borrows_from_the_first_read(
+        tmp_path, mount, keyed):
+    """b is read the moment its mount returns, before its daemon could have walked a's
+    index: the first fetches wait for that walk (bounded) instead of going on without a.
+    With a manifest, b's source is not read at all; hashed, nothing is stored in b.
+    Before, the reads of the first seconds after a mount went to b's source and were
+    cached a second time in b."""
+    a, b, files, names = _copies(tmp_path)
+    root = tmp_path / "root"
+    ma = _cached_a(mount, a, root, files)
+    total = sum(map(len, files.values()))
+    extra = ["--content-manifest", str(_manifest(b))] if keyed == "manifest" else []
+    mb = mount(b, *_args("b", *extra), name="mb", cache=root)
+    _read_b(mb, b, files, names)  # at once: no wait for b's dedup to see a
+    st = mb.wait_stats(lambda st: st["pending_bytes"] == 0, "b's writer did not settle")
+    d = st["dedup"]
+    if keyed == "manifest":
+        assert st["bytes_from_source"] == 0, st  # every file borrowed, the first too
+        assert d["borrowed_files"] == N and st["bytes_from_datasets"] == total, d
+    else:
+        assert st["bytes_from_source"] == total, st  # read once, to learn its digest
+        assert d["held_elsewhere"] == N, d
+    assert st["chunk_bytes"] == 0 and st["cached_files"] == 0, st  # no second copy
+    assert ma.stats()["cached_bytes"] == total
+    assert d["siblings"] == ["a"] and d["first_look_s"] is not None, d
+
+
+@requires_fuse
+@pytest.mark.parametrize("keyed", ["manifest", "hashed"])
 def test_scan_ahead_of_a_copy_caches_no_second_copy(tmp_path, mount, keyed):
     """Scan-ahead (on by default) fetches the rest of ``b``'s tree while a reader goes
     through it in random order: what it fetches is borrowed from ``a`` (a manifest keys

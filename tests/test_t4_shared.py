@@ -21,7 +21,7 @@ from conftest import requires_fuse
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlcachefs.cache.shares import allocate, decayed
+from dlcachefs.cache.shares import allocate, decayed, reclaim_order, reclaim_plan
 from dlcachefs.mountctl import MountError
 from dlcachefs.store import ledger as L
 from dlcachefs.store import schema as S
@@ -32,10 +32,10 @@ BUDGET = 1536 * KIB
 N_FILES, FILE_SIZE = 40, 48 * KIB  # 1.9 MiB per dataset: each alone is over the budget
 
 
-def _tree(root: Path, seed: int) -> dict[str, bytes]:
+def _tree(root: Path, seed: int, n: int = N_FILES) -> dict[str, bytes]:
     rnd = random.Random(seed)
     files = {}
-    for i in range(N_FILES):
+    for i in range(n):
         rel = f"c{i % 4}/f{i:03d}.bin"
         data = rnd.randbytes(FILE_SIZE - rnd.randrange(0, 4 * KIB))
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -141,6 +141,81 @@ def test_two_daemons_share_one_budget_and_the_slow_source_keeps_more(
         e = doc["datasets"][ds]
         assert e["state"] == "stopped" and e["limit"] == e["used"], e
     assert sum(e["limit"] for e in doc["datasets"].values()) <= BUDGET
+
+
+@requires_fuse
+def test_live_daemons_take_back_a_stopped_datasets_room_and_it_refetches_only_that(
+        tmp_path, mount, daemon_oracle):
+    """c is read whole, then unmounted: its bytes stay counted. a and b, mounted after,
+    each need more than the budget c leaves them: past the cooldown they take c's room
+    back (c's oldest chunks evicted under c's lock, c's ledger limit lowered after), the
+    sum of what the three may hold never past the budget. c mounted again (a and b gone)
+    serves what it kept and reads from its source exactly the files it lost."""
+    import shutil  # noqa: PLC0415
+
+    srcs = {ds: tmp_path / f"src_{ds}" for ds in "abc"}
+    files = {}
+    for k, (ds, src) in enumerate(srcs.items()):
+        src.mkdir()
+        files[ds] = _tree(src, 20 + k, n=20 if ds == "c" else 12)  # c 0.9, a/b 0.55 MiB
+    root = tmp_path / "root"
+    led = L.Ledger(str(root))
+    for ds in "abc":
+        daemon_oracle.watch(cache=root / "datasets" / ds)  # verify each dataset's cache
+    wrong: list[str] = []
+    args = ("--share-cooldown", "1")
+    c = mount(srcs["c"], *_shared_args("c", *args), name="mc", cache=root)
+    _read_all(c.mnt, files["c"], wrong)
+    c.wait_cached(len(files["c"]))  # all of c: it fits the budget alone
+    c.umount()
+    held = led.read()["datasets"]["c"]
+    assert held["state"] == "stopped" and held["limit"] == held["used"] > 0, held
+    # a and b: each would take its demand, but c's bytes leave them less than that
+    a = mount(srcs["a"], *_shared_args("a", *args), name="ma", cache=root)
+    b = mount(srcs["b"], *_shared_args("b", *args), name="mb", cache=root)
+    over = []
+    for _ in range(20):  # a bounded number of rounds, not a time
+        drop_page_cache()
+        _read_all(a.mnt, files["a"], wrong)
+        _read_all(b.mnt, files["b"], wrong)
+        with led.locked():  # no limit can grow meanwhile: a sum at one instant
+            doc = led.read()
+            sa, sb = a.stats(), b.stats()
+        if sa["chunk_bytes"] + sb["chunk_bytes"] + doc["datasets"]["c"]["limit"] > BUDGET \
+                or L.counted(doc) > BUDGET:
+            over.append((sa["chunk_bytes"], sb["chunk_bytes"], doc["datasets"]["c"]))
+        if doc["datasets"]["c"].get("reclaimed_bytes") and \
+                sa["cache_limit_bytes"] + sb["cache_limit_bytes"] > BUDGET - held["limit"]:
+            break
+    assert not wrong and not over, (wrong[:5], over[:5])
+    # a and b grew into the room c gave back
+    assert sa["cache_limit_bytes"] + sb["cache_limit_bytes"] > BUDGET - held["limit"]
+
+    def took(_st: dict) -> bool:  # what a and b count they took is what c's entry gave
+        return sum(m.stats()["shared"]["reclaimed_bytes"].get("c", 0) for m in (a, b)) \
+            == led.read()["datasets"]["c"]["reclaimed_bytes"]
+
+    a.wait_stats(took, "a's and b's counts agree with c's entry")
+    a.umount()
+    b.umount()
+    e = led.read()["datasets"]["c"]
+    assert e["state"] == "stopped" and e["reclaimed_bytes"] > 0 and e["limit"] == e["used"]
+    assert e["limit"] < held["limit"], e  # c gave room back ...
+    assert e["limit"] > 0, e  # ... what a and b needed, not all of it
+    for ds in "ab":  # given up: c may take the whole budget again
+        shutil.rmtree(root / "datasets" / ds)
+    c = mount(srcs["c"], *_shared_args("c", *args), name="mc", cache=root)
+    st0 = c.stats()
+    assert st0["chunk_bytes"] == e["limit"]  # the ledger counted exactly what c holds
+    kept = st0["cached_bytes"]
+    assert 0 < st0["cached_files"] < len(files["c"]), st0
+    drop_page_cache()
+    _read_all(c.mnt, files["c"], wrong)
+    st = c.stats()
+    assert not wrong, wrong[:5]
+    # what c kept is served; only what it lost is read from its source again
+    assert st["bytes_from_source"] == sum(map(len, files["c"].values())) - kept, st
+    c.umount()
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -262,6 +337,38 @@ def test_costlier_source_gets_more_at_equal_value_and_cooldown_holds_value():
     # no decay within the cooldown after the last read, half per halflife past it
     assert decayed(4.0, 100.0, 100.0, 150.0, cooldown=60, halflife=10) == 4.0
     assert decayed(4.0, 100.0, 100.0, 170.0, cooldown=60, halflife=10) == 2.0
+
+
+def test_stopped_datasets_give_room_lowest_crf_first_ties_by_cost_after_the_cooldown():
+    now = 10_000.0
+    live = {"state": "live", "limit": 100, "demand": 900, "cost": 1.0, "crf": 2.0,
+            "heartbeat": now}
+
+    def stopped(crf: float, cost: float | None, at: float = now - 100, limit: int = 300):
+        return {"state": "stopped", "limit": limit, "demand": 900, "cost": cost, "crf": crf,
+                "crf_t": at, "last_read": at, "heartbeat": at}
+
+    doc = {"version": 1, "budget": 1000, "datasets": {
+        "live": live,
+        "used_much": stopped(5.0, 0.01),
+        "cheap": stopped(1.0, 0.01),
+        "dear": stopped(1.0, 1.0),
+        "unmeasured": stopped(1.0, None),  # the median cost of the measured ones: 0.01
+        "cooling": stopped(0.0, 0.01, at=now - 30),  # stopped 30 s ago: still cooling down
+        "empty": stopped(0.0, 0.01, limit=0),
+        "dead": {**stopped(0.0, 0.01), "state": "dead"}}}
+    order = reclaim_order(doc, now, cooldown=60, halflife=600)
+    # lowest CRF first; equal CRF: the cheapest to fetch again first (name after)
+    assert order == ["cheap", "unmeasured", "dear", "used_much"]
+    # long idle: a CRF once higher decays below the others' (LRFU's recency)
+    doc["datasets"]["used_much"] = stopped(5.0, 0.01, at=now - 3000)
+    assert reclaim_order(doc, now, 60, 600)[0] == "used_much"
+    # the live dataset would get the budget less the ineligible ones' limits (cooling,
+    # dead: 600), 400 of its demand of 900: what it lacks is taken in that order, no more
+    plan = reclaim_plan(doc, "live", 0.1, "cost", 0, now, 60, 600)
+    assert plan == [("used_much", 300), ("cheap", 100)]
+    assert reclaim_plan(doc, "live", 0.1, "cost", 350, now, 60, 600) == [("used_much", 50)]
+    assert reclaim_plan(doc, "live", 0.1, "cost", 10_000, now, 60, 600) == []
 
 
 def test_a_malformed_ledger_is_an_error_that_says_what_to_do(tmp_path):

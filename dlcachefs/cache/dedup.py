@@ -54,11 +54,25 @@ a list or an attribute that was wrong when written is served as written.
 borrowed into that log, and the packer packs borrowed files into its packages: those
 are second copies (charged to this dataset, so the budget still holds).
 
+**From the first read**: another dataset is read only once its index was walked (above),
+and the walks of the first look at the root take a moment per dataset (a child process
+each). :meth:`run` starts that look as the mount starts, and publishes each dataset as
+soon as its walk passed. A fetch that could be served from another dataset (its digest
+known without a read) while the first look is still going on waits for it
+(:meth:`_wait_first_look`), dataset by dataset, so the first reads after a mount borrow
+as later ones do; the wait ends at :data:`HOLD_S` after the look began. A file read from
+the source meanwhile (its digest unknown before) is given to its reader at once: whether
+it is cached here is decided in the background once the look got to the datasets
+(:meth:`held_after_look`), so no second copy is made of bytes another dataset holds. Past
+that bound (a root of many datasets, each walk slow), fetches no longer wait: they borrow
+from the datasets checked so far and read the rest from their source, as before the look
+ends; the look goes on in the background.
+
 Concurrency: on the trio loop, but for the threads: index reads of other datasets, log
 reads and hashing (:class:`IndexReader` opens a read transaction per call;
 :class:`LogFiles` is thread-safe), and :meth:`refresh` (the root's dataset list and the
-walks, every :data:`RESCAN_S` from :meth:`run`; until a dataset's walk is done, files are
-read from the source). The ``_siblings`` dict is replaced, never mutated; a thread takes
+walks, every :data:`RESCAN_S` from :meth:`run`, one dataset per thread call, each
+published when done). The ``_siblings`` dict is replaced, never mutated; a thread takes
 a dataset for one lookup or read (``users``, under ``_lock``), and a dataset replaced or
 gone is closed by whoever lets go of it last, never under a read. ``known`` and the
 counters are touched on the loop only. Learned keys are written to this dataset's index
@@ -99,6 +113,9 @@ log = logging.getLogger(__name__)
 
 #: how often the root's list of datasets is read again (a dataset mounted later is seen)
 RESCAN_S = 5.0
+#: how long after a mount starts a fetch may wait for the first look at the root's other
+#: datasets (their index walks) before it reads its own source (module doc)
+HOLD_S = 10.0
 #: how often keys learned from reads are written to this dataset's index
 PERSIST_S = 2.0
 #: digests remembered as failed (see ``ContentStore._failed``)
@@ -181,6 +198,15 @@ class ContentStore:
         #: when it reads it); bounded, forgotten when full
         self._failed: set[bytes] = set()
         self.counts: Counter[str] = Counter()
+        #: the first look at the root's datasets is done (every walk passed or failed)
+        self._looked = False
+        #: set, and replaced, each time a dataset is published during a look (waiters
+        #: try the new one)
+        self._published = trio.Event()
+        #: fetches wait for the first look until then (trio clock; set by :meth:`run`)
+        self._hold_until = float("-inf")
+        #: seconds the first look took (None: not done yet)
+        self.first_look_s: float | None = None
 
     # ----- start and background ------------------------------------------------------
 
@@ -219,13 +245,21 @@ class ContentStore:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Write learned keys to the index every :data:`PERSIST_S` (and read the root's
         dataset list when due), until cancelled; the last batch at the end."""
-        task_status.started()
+        t0 = trio.current_time()
+        self._hold_until = t0 + HOLD_S
+        task_status.started()  # the mount does not wait for the look: fetches do
         last_scan = float("-inf")
         try:
             while True:
                 if trio.current_time() - last_scan >= RESCAN_S:
                     last_scan = trio.current_time()
-                    await self.refresh()
+                    try:
+                        await self.refresh()
+                    finally:
+                        if not self._looked:
+                            self._looked = True
+                            self.first_look_s = round(trio.current_time() - t0, 3)
+                            self._wake()
                 await trio.sleep(PERSIST_S)
                 await self.persist()
         finally:
@@ -288,13 +322,23 @@ class ContentStore:
     async def borrow(self, e: Entry, rel: bytes) -> bytes | None:
         """``e``'s bytes from another dataset of the root, checked; None when its key is
         not known without a read, or no other dataset holds them intact."""
-        if not self._siblings:  # none, or not checked yet (refresh): the source
+        if self._looked and not self._siblings:  # none: the source
             return None
         sha = await self.key_of(e, rel)
         if sha is None:
             return None
-        got, failed, errors = await trio.to_thread.run_sync(
-            self._read_from_siblings, self._siblings, sha, e.size)
+        tried: set[str] = set()
+        failed = errors = 0
+        while True:
+            todo = {n: s for n, s in self._siblings.items() if n not in tried}
+            tried.update(todo)
+            got = None
+            if todo:
+                got, f, err = await trio.to_thread.run_sync(
+                    self._read_from_siblings, todo, sha, e.size)
+                failed, errors = failed + f, errors + err
+            if got is not None or not await self._wait_first_look(tried):
+                break
         self.counts["mismatches"] += failed
         self.counts["errors"] += errors
         if got is None:
@@ -310,19 +354,73 @@ class ContentStore:
         self._learn(e.ino, identity(e), sha)
         return got
 
-    async def after_fetch(self, e: Entry, ident: Identity, data: bytes
+    async def after_fetch(self, e: Entry, ident: Identity, data: bytes, wait: bool = True
                           ) -> tuple[bytes | None, bool]:
         """A file just read from the source (``ident``: the version read): its digest
         (None: let the writer hash it) and whether another dataset holds the same bytes
-        (then it is not cached here; its key is remembered for the next open)."""
-        if not self._siblings:
+        (then it is not cached here; its key is remembered for the next open). ``wait``:
+        while the first look at the root is under way, wait for it (bounded, as
+        :meth:`borrow` does); else only the datasets looked at so far are asked, and a
+        caller that gets False while :meth:`looking` asks :meth:`held_after_look` later."""
+        if self._looked and not self._siblings:
             return None, False
+        tried = set(self._siblings)
         sha, holder = await trio.to_thread.run_sync(self._hash_and_find, self._siblings, data)
+        if holder is None and wait:
+            holder = await self._find_during_look(sha, len(data), tried)
         if holder is None:
             return sha, False
         self.counts["held_elsewhere"] += 1
         self._learn(e.ino, ident, sha)
         return sha, True
+
+    def looking(self) -> bool:
+        """Whether the first look at the root is under way (and fetches may wait for it)."""
+        return not self._looked and trio.current_time() < self._hold_until
+
+    async def held_after_look(self, ino: int, ident: Identity, sha: bytes, size: int) -> bool:
+        """In the background, for bytes read from the source while the first look was
+        under way (:meth:`after_fetch` with ``wait=False``): whether another dataset
+        holds them once the look got to it (then the caller does not cache them; the key
+        is remembered)."""
+        if await self._find_during_look(sha, size, set(), count=False) is None:
+            return False
+        self.counts["held_elsewhere"] += 1
+        self._learn(ino, ident, sha)
+        return True
+
+    async def _find_during_look(self, sha: bytes, size: int, tried: set[str],
+                                count: bool = True) -> str | None:
+        """A dataset, not in ``tried``, that holds ``sha``, waiting for the first look's
+        datasets as they are published (:meth:`_wait_first_look`); None when none does."""
+        while sha not in self._failed and await self._wait_first_look(tried, count):
+            todo = {n: s for n, s in self._siblings.items() if n not in tried}
+            tried.update(todo)
+            holder = await trio.to_thread.run_sync(self._held_by, todo, sha, size)
+            if holder is not None:
+                return holder
+        return None
+
+    async def _wait_first_look(self, tried: set[str], count: bool = True) -> bool:
+        """While the first look at the root is going on (and :data:`HOLD_S` has not
+        passed since it began): wait until a dataset not in ``tried`` is published, or the
+        look ends; True when there may be more to try. False at once after the look.
+        ``count``: a wait is counted as a read held (``held``)."""
+        held = not count
+        while not self._looked and trio.current_time() < self._hold_until:
+            if any(n not in tried for n in self._siblings):
+                return True
+            if not held:
+                held = True
+                self.counts["held"] += 1
+            with trio.move_on_at(self._hold_until):
+                await self._published.wait()
+        return any(n not in tried for n in self._siblings)
+
+    def _wake(self) -> None:
+        """Loop: tell the fetches waiting for the first look that something changed."""
+        self._published.set()
+        self._published = trio.Event()
 
     def _learn(self, ino: int, v: Identity, sha: bytes) -> None:
         k = ContentKey(sha, v.size, v.mtime_ns, v.src_ino)
@@ -334,37 +432,58 @@ class ContentStore:
 
     async def refresh(self) -> None:
         """Read the root's dataset list again (:meth:`run` does, every :data:`RESCAN_S`):
-        new datasets are opened once their index passed the walk, replaced or removed
-        ones retired. A failure is logged; the list stays as it was."""
+        new datasets are opened once their index passed the walk (one thread call each,
+        published as soon as it is open: fetches waiting for the first look try it at
+        once), replaced or removed ones retired. A failure is logged; the datasets not
+        looked at yet stay as they were."""
+        old = self._siblings
+        new: dict[str, _Sibling] = {}
+        done = False
         try:
-            self._siblings = await trio.to_thread.run_sync(self._rescan, self._siblings)
+            names = await trio.to_thread.run_sync(self._names)
+            for k, name in enumerate(names):
+                s = await trio.to_thread.run_sync(self._take, name, old.get(name))
+                if s is not None:
+                    new[name] = s
+                if s is not None and s is not old.get(name):
+                    # published at once: the ones not looked at yet as they were
+                    later = set(names[k + 1:])
+                    self._siblings = {**{n: x for n, x in old.items() if n in later}, **new}
+                    self._wake()
+            done = True
         except Exception:  # noqa: BLE001 - dedup is an optimisation: never the mount's end
             log_failure(log, "reading the shared root's datasets failed")
+        finally:
+            if done:
+                self._siblings = new
+            # what is no longer published is retired (on a failure or a cancel too)
+            published = {id(x) for x in self._siblings.values()}
+            for s in old.values():
+                if id(s) not in published:
+                    self._retire(s)
 
-    def _rescan(self, old: dict[str, _Sibling]) -> dict[str, _Sibling]:
-        """Thread: the datasets to read from now; the others of ``old`` are retired."""
+    def _names(self) -> list[str]:
+        """Thread: the root's other datasets."""
         try:
-            names = sorted(n for n in os.listdir(self.root) if n != self.own)
+            return sorted(n for n in os.listdir(self.root) if n != self.own)
         except OSError:
-            names = []
-        new: dict[str, _Sibling] = {}
-        for name in names:
-            s = old.get(name)
-            try:
-                if s is not None and s.reader.replaced():
-                    s = None  # retired below
-                if s is None:
-                    s = self._open(name)
-                if s is not None:
-                    s.reader.open_content()
-                    s.logs.sweep()  # descriptors of logs deleted since go
-                    new[name] = s
-            except Exception as e:  # noqa: BLE001 - a dataset removed or damaged meanwhile
-                log.info("dataset %s of the shared root: not read (%s)", name, e)
-        for name, s in old.items():
-            if new.get(name) is not s:
-                self._retire(s)
-        return new
+            return []
+
+    def _take(self, name: str, s: _Sibling | None) -> _Sibling | None:
+        """Thread: dataset ``name`` to read from now (``s``: as the last look opened it;
+        reopened when its index was replaced), or None."""
+        try:
+            if s is not None and s.reader.replaced():
+                s = None  # the old one is retired by refresh
+            if s is None:
+                s = self._open(name)
+            if s is not None:
+                s.reader.open_content()
+                s.logs.sweep()  # descriptors of logs deleted since go
+            return s
+        except Exception as e:  # noqa: BLE001 - a dataset removed or damaged meanwhile
+            log.info("dataset %s of the shared root: not read (%s)", name, e)
+            return None
 
     def _open(self, name: str) -> _Sibling | None:
         """Thread: another dataset's index, read-only, once the same walk the daemon
@@ -483,11 +602,13 @@ class ContentStore:
     def stats(self) -> dict:
         """The ``dedup`` section of ``.dlcache/stats``."""
         return {"siblings": sorted(self._siblings), "not_read": sorted(self._bad),
+                "first_look_s": self.first_look_s,
                 "manifest_files": len(self.manifest),
                 "xattr": self.xattr, "known_keys": len(self.known),
                 **{k: self.counts[k] for k in (
                     "borrowed_files", "borrowed_bytes", "held_elsewhere", "key_learned",
-                    "key_manifest", "key_xattr", "key_not_held", "mismatches", "errors")}}
+                    "key_manifest", "key_xattr", "key_not_held", "mismatches", "errors",
+                    "held")}}
 
 
 def _get_xattr(source: object, rel: bytes, name: str, use_src_ino: bool

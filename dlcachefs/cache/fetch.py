@@ -339,13 +339,25 @@ class Fetcher(TaskOwner):
         if not cache:
             return data, e
         sha = None
+        gate = None
         if dedup is not None:
-            sha, elsewhere = await dedup.after_fetch(e, ident, data)
+            # the reader is not held for the first look at the root (its bytes are here):
+            # with the look under way, whether they are cached is decided after it
+            sha, elsewhere = await dedup.after_fetch(e, ident, data, wait=False)
             if elsewhere:
                 return data, e  # the same bytes are another dataset's: not a second copy
+            if sha is not None and dedup.looking():
+                gate = dedup
         if not self.policy.admit(e.ino, len(data)):
             self.counters.not_admitted += 1
             return data, e
+        if gate is not None:
+            if self._submit_later(e.ino, rel, ident, data, sha, gate):
+                return data, e
+            # the backlog is full: the reader waits for the look instead
+            if await gate.held_after_look(e.ino, ident, sha, len(data)):
+                self.policy.on_dropped(e.ino)
+                return data, e
         if not self.writer.has_room(len(data)):
             # the reader has its bytes and does not wait for the cache disk (an fdatasync
             # under load takes 100s of ms): the file waits for the writer's room in the
@@ -359,16 +371,22 @@ class Fetcher(TaskOwner):
         return data, e
 
     def _submit_later(self, ino: int, rel: bytes, ident: Identity, data: bytes,
-                      sha: bytes | None = None) -> bool:
+                      sha: bytes | None = None, gate: ContentStore | None = None) -> bool:
         """Queue the file for the writer in the background; False when the backlog's
-        bound is reached."""
+        bound is reached. ``gate``: not cached if another dataset of the root holds the
+        bytes once dedup's first look got to it (:meth:`ContentStore.held_after_look`)."""
         if not self.running or not self.backlog.try_hold(ino, ident, data):
             return False
-        return self.spawn(self._submit_when_room, ino, rel, ident, data, sha)
+        return self.spawn(self._submit_when_room, ino, rel, ident, data, sha, gate)
 
     async def _submit_when_room(self, ino: int, rel: bytes, ident: Identity,
-                                data: bytes, sha: bytes | None = None) -> None:
+                                data: bytes, sha: bytes | None = None,
+                                gate: ContentStore | None = None) -> None:
         try:
+            if gate is not None and sha is not None and \
+                    await gate.held_after_look(ino, ident, sha, len(data)):
+                self.policy.on_dropped(ino)  # another dataset's bytes: not a second copy
+                return
             await self.writer.wait_room(len(data))
             if self.versions.in_writer(ino, ident):
                 pass  # this version is already on its way

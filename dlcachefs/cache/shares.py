@@ -20,7 +20,27 @@ within the budget is written down). This module is one daemon's side:
   proportion to value per byte x re-fetch cost (``--share-policy cost``) or equally
   (``equal``, the baseline: plain per-dataset LRU with equal shares);
 * enforcing its share with the writer's own eviction (:meth:`ChunkWriter.set_limit`):
-  within the dataset the existing policy chooses the victims.
+  within the dataset the existing policy chooses the victims;
+* taking back the room of stopped datasets when it needs it (DLCache's cost-aware LRFU
+  eviction of idle datasets, section III-C2): a stopped dataset is *eligible* once
+  ``--share-cooldown`` has passed since its last use (its last read through the mount, or
+  its stop if later); eligible datasets go in the order of :func:`reclaim_order`: lowest
+  CRF first, ties by the lowest re-fetch cost. The CRF of a stopped dataset ``d`` at
+  ``now`` is what its entry in the ledger records, decayed::
+
+      CRF(d, now) = crf_d * (1/2) ** (max(0, now - max(crf_t_d, last_read_d + cooldown))
+                                      / halflife)
+
+  where ``crf_d`` is the sum, over the share rounds in which the dataset was read, of the
+  passes read in that round (bytes served / demand), each decayed the same way up to
+  ``crf_t_d`` (LRFU's F(x) = (1/p) ** (step * x) with p = 2 and step = 1 / halflife; a
+  reference is a round's reads, weighted by how much of the dataset they read). A
+  dataset *needs room* when its writer's account is within an eighth of its limit and the
+  allocation with the eligible datasets' bytes freed (:func:`reclaim_plan`) would give it
+  more than it has; the difference is evicted from them, in order, by
+  :func:`dlcachefs.store.reclaim.evict_stopped` (in a child process, under each one's cache
+  lock, crash-safe),
+  and grown into at once.
 
 Concurrency: :class:`ShareKeeper` runs on the trio loop (one task, owned by the
 engine's nursery); the ledger is read and written in a worker thread
@@ -47,6 +67,7 @@ from dlcachefs.store import ledger as L
 from dlcachefs.store import schema as S
 from dlcachefs.store.chunkfmt import CHUNK_HEADER_SIZE, RECORD_HEADER_SIZE
 from dlcachefs.store.integrity import log_failure
+from dlcachefs.store.reclaim import UNFIT, Reclaimed, evict_stopped_in_child
 
 if TYPE_CHECKING:
     from dlcachefs.cache.fetch import SourceCalls
@@ -127,6 +148,52 @@ def _weights(entries: dict[str, Any], live: list[str], demand: dict[str, int],
     return out
 
 
+def reclaim_order(doc: dict[str, Any], now: float, cooldown: float,
+                  halflife: float) -> list[str]:
+    """The stopped entries of ``doc`` whose cooldown has passed (``now`` at least
+    ``cooldown`` after the later of their last read and their stop) and that hold bytes,
+    in the order their space is taken back (module doc): lowest CRF at ``now`` first
+    (rounded to 0.001 passes, so that datasets of about equal value tie), then the
+    lowest re-fetch cost (a cost not measured is the median of the measured ones), then
+    the name. Pure."""
+    entries = doc["datasets"]
+    costs = sorted(float(e["cost"]) for e in entries.values() if e.get("cost"))
+    default_cost = costs[len(costs) // 2] if costs else 1.0
+    keyed = []
+    for ds, e in entries.items():
+        if e.get("state") != "stopped" or int(e.get("limit", 0)) <= 0:
+            continue
+        last_read = float(e.get("last_read") or 0.0)
+        if now < max(last_read, float(e.get("heartbeat") or 0.0)) + cooldown:
+            continue  # in its cooldown: a job may come back to it
+        crf = decayed(float(e.get("crf") or 0.0), float(e.get("crf_t") or now), last_read,
+                      now, cooldown, halflife)
+        keyed.append((round(crf, 3), float(e.get("cost") or default_cost), ds))
+    return [ds for _, _, ds in sorted(keyed)]
+
+
+def reclaim_plan(doc: dict[str, Any], ds: str, floor: float, policy: str, have: int,
+                 now: float, cooldown: float, halflife: float) -> list[tuple[str, int]]:
+    """(stopped dataset, bytes) to evict so that the live dataset ``ds``, which has
+    ``have`` bytes of limit or target, gets the share it would have if the eligible
+    stopped datasets held nothing (:func:`reclaim_order`); empty when that is no more
+    than ``have``. Pure."""
+    order = reclaim_order(doc, now, cooldown, halflife)
+    if not order:
+        return []
+    freed = {**doc, "datasets": {k: ({**e, "limit": 0} if k in order else e)
+                                 for k, e in doc["datasets"].items()}}
+    need = allocate(freed, floor, policy).get(ds, 0) - have
+    plan = []
+    for victim in order:
+        if need <= 0:
+            break
+        take = min(need, int(doc["datasets"][victim].get("limit", 0)))
+        plan.append((victim, take))
+        need -= take
+    return plan
+
+
 def decayed(crf: float, crf_t: float, last_read: float, now: float, cooldown: float,
             halflife: float) -> float:
     """``crf`` measured at ``crf_t`` seen at ``now``: halved per ``halflife`` of the time
@@ -168,6 +235,10 @@ class ShareKeeper:
         self._shrinking = False
         self._published = 0
         self.view: dict[str, Any] = {}
+        #: bytes taken back from stopped datasets, by dataset (stats)
+        self.reclaimed: dict[str, int] = {}
+        #: (dataset, stop) whose index is not as a clean stop left it: not tried again
+        self._unfit: set[tuple[str, float]] = set()
 
     # ----- blocking, before the loop (the daemon's start) and after it (its stop) -----
 
@@ -256,7 +327,17 @@ class ShareKeeper:
             await w.drop_doomed()
             self._shrinking = False
         self._measure()
-        target, granted, view = await trio.to_thread.run_sync(self._exchange, w.limit)
+        target, granted, view, plan = await trio.to_thread.run_sync(
+            self._exchange, w.limit, self._needs_room())
+        plan = [p for p in plan if (p[0], p[2]) not in self._unfit]
+        if plan:
+            done, failed = await trio.to_thread.run_sync(self._reclaim, plan)
+            self.errors += failed
+            for r in done:
+                self.reclaimed[r.dataset] = self.reclaimed.get(r.dataset, 0) + r.freed
+            if done:  # the stopped datasets' limits are lower now: grow into the room
+                target, granted, view, _ = await trio.to_thread.run_sync(
+                    self._exchange, w.limit, False)
         self.target, self.view, self._published = target, view, granted
         self.rounds += 1
         if granted > w.limit:
@@ -293,6 +374,35 @@ class ShareKeeper:
             self.bytes_per_s = c.bytes_from_source / h.sum
             self.latency_s = h.sum / h.count
 
+    def _needs_room(self) -> bool:
+        """Loop: whether the writer's account is within an eighth of its limit (it is
+        using its share; more would be used)."""
+        w = self.writer
+        return w.account() >= w.limit - w.limit // 8
+
+    def _reclaim(self, plan: list[tuple[str, int, float]]) -> tuple[list[Reclaimed], int]:
+        """Thread: evict what ``plan`` says of each stopped dataset (each in a child
+        process, under its own cache lock:
+        :func:`dlcachefs.store.reclaim.evict_stopped_in_child`); what was freed where, and
+        how many failed. A dataset in use meanwhile, or mounted again, is skipped; a
+        failure is logged."""
+        done, failed = [], 0
+        for ds, nbytes, stopped_at in plan:
+            try:
+                r = evict_stopped_in_child(self.root, DATASETS_DIR, ds, nbytes, stopped_at)
+            except OSError as e:  # another dataset's trouble: never ours
+                failed += 1
+                log.warning("taking back the space of stopped dataset %s failed: %s", ds, e)
+                continue
+            if r.skipped == UNFIT:  # until it is mounted again (a new stop): not again
+                log.info("stopped dataset %s: space not taken back (%s)", ds, r.skipped)
+                self._unfit.add((ds, stopped_at))
+                continue
+            if r.skipped is not None:  # in use now, or mounted again: a later round sees
+                continue
+            done.append(r)
+        return done, failed
+
     def _entry(self, now: float, used: int) -> dict[str, Any]:
         return {"pid": os.getpid(), "host": socket.gethostname(), "state": "live",
                 "heartbeat": now, "interval": self.cfg.share_interval, "used": used,
@@ -301,11 +411,13 @@ class ShareKeeper:
                 "last_read": self.last_read, "source": self.cfg.source,
                 "mountpoint": self.cfg.mountpoint}
 
-    def _exchange(self, published: int) -> tuple[int, int, dict[str, Any]]:
+    def _exchange(self, published: int, needs_room: bool
+                  ) -> tuple[int, int, dict[str, Any], list[tuple[str, int, float]]]:
         """Thread: publish this entry (its limit no higher than ``published``, the
         writer's limit with every shrink committed), expire the dead, compute the
         allocation, grow into the room left. Returns (target, granted limit, a summary
-        of every entry for the stats)."""
+        of every entry for the stats, and when ``needs_room``, what to evict of which
+        stopped dataset, with the stop it was chosen at: :func:`reclaim_plan`)."""
         used = self.writer.used  # read off the loop: an int, a stale value is fine
 
         def fn(doc: dict[str, Any]) -> tuple[int, int, dict[str, Any]]:
@@ -322,9 +434,17 @@ class ShareKeeper:
             granted = L.grant(doc, self.ds, target)
             view = {ds: {"state": x.get("state"), "limit": int(x.get("limit", 0)),
                          "used": int(x.get("used", 0)), "target": shares.get(ds),
-                         "cost_s_per_mib": x.get("cost"), "crf": x.get("crf")}
+                         "cost_s_per_mib": x.get("cost"), "crf": x.get("crf"),
+                         "reclaimed_bytes": int(x.get("reclaimed_bytes", 0))}
                     for ds, x in sorted(doc["datasets"].items())}
-            return target, granted, view
+            plan = []
+            if needs_room:
+                c = self.cfg
+                plan = [(v, n, float(doc["datasets"][v].get("heartbeat") or 0.0))
+                        for v, n in reclaim_plan(doc, self.ds, c.share_floor, c.share_policy,
+                                                 max(target, granted), now, c.share_cooldown,
+                                                 c.share_halflife)]
+            return target, granted, view, plan
 
         return self.ledger.update(fn)
 
@@ -345,4 +465,5 @@ class ShareKeeper:
                 "target_bytes": self.target, "demand_bytes": self.demand,
                 "crf": round(self.crf, 6), "cost_s_per_mib": self.cost,
                 "source_bytes_per_s": self.bytes_per_s, "source_latency_s": self.latency_s,
-                "rounds": self.rounds, "errors": self.errors, "datasets": self.view}
+                "rounds": self.rounds, "errors": self.errors,
+                "reclaimed_bytes": dict(self.reclaimed), "datasets": self.view}

@@ -22,12 +22,17 @@ entry, and each daemon keeps its chunk bytes below its published limit:
   killed daemon may have sealed up to it); a daemon that stops cleanly publishes
   ``stopped`` with ``limit`` = its exact chunk bytes. Either keeps counting until its
   dataset is mounted again (the new daemon takes the entry over) or its directory
-  ``<root>/datasets/<id>`` is removed (the entry is then dropped by whoever looks).
+  ``<root>/datasets/<id>`` is removed (the entry is then dropped by whoever looks);
+* a ``stopped`` entry past its cooldown shrinks when a live daemon needs the room: that
+  daemon evicts from the dataset first and lowers the entry's ``limit`` after
+  (:mod:`dlcachefs.store.reclaim`, chosen by :mod:`dlcachefs.cache.shares`).
 
 Concurrency: blocking (flock, file I/O, fsync); called from worker threads
 (``trio.to_thread``) or before the trio loop starts. The lock is ``<root>/ledger.lock``,
-held only for a read-modify-write of the file (milliseconds); it is the only lock taken
-there, so it cannot be part of a lock-order cycle. The file is replaced by rename, so a
+held only for a read-modify-write of the file (milliseconds), with no other lock taken
+meanwhile; a dataset's cache lock, when one is held, is always taken before it (a
+daemon's own, or a stopped dataset's while another daemon evicts from it:
+:mod:`dlcachefs.store.reclaim`), so there is no lock-order cycle. The file is replaced by rename, so a
 reader without the lock sees the old or the new document, never half of one. One host
 only: pids and flock mean nothing across machines (a root on NFS shared by nodes is not
 supported).
