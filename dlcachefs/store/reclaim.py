@@ -208,7 +208,8 @@ def evict_stopped_in_child(root: str, datasets_dir: str, ds: str, nbytes: int,
     args = {"root": root, "datasets_dir": datasets_dir, "dataset": ds, "nbytes": nbytes,
             "stopped_at": stopped_at}
     try:
-        r = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(args)],
+        # (-P: a module in the daemon's working directory never shadows one of ours)
+        r = subprocess.run([sys.executable, "-P", "-c", _CHILD, json.dumps(args)],
                            capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
                            stdin=subprocess.DEVNULL, env=env)
     except subprocess.TimeoutExpired:
