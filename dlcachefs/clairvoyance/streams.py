@@ -197,7 +197,7 @@ class StreamManager:
         s = self.streams.get((st.job, st.rank))
         if s is None:
             s = self.streams[(st.job, st.rank)] = Stream(st.job, st.rank)
-        s.pace.hint(st.batch, st.workers, st.prefetch_factor)
+        s.pace.hint(st.batch, st.workers, st.prefetch_factor, st.epoch)
         s.pace.state = st  # the training's pace reports land there
         if pid is not None:
             s.pids.add(pid)

@@ -53,6 +53,8 @@ from dlcachefs.admin.advise import algorithm2, mem_available, pss_bytes, usable_
 
 #: batches fetched and training steps measured before an epoch's numbers are used
 MIN_BATCHES = 2
+#: seconds: a shorter measured step is taken as this
+MIN_T_REQ = 1e-6
 #: per worker in the shared array: fetch seconds, batches, CPU seconds, samples, and
 #: batches whose fetch drew from torch's global generator
 FIELDS = 5
@@ -142,7 +144,9 @@ def keep_side(n: int, m: Measured) -> tuple[int, str | None]:
 
 
 def clamp(n: int, bounds: Bounds, floor: int) -> tuple[int, str | None]:
-    """``n`` within ``[floor, MAX]``, and which bound moved it."""
+    """``n`` within ``[max(floor, MIN), MAX]`` (the floor wins over MAX), and which bound
+    moved it."""
+    floor = max(floor, bounds.lo)
     if bounds.hi is not None and n > bounds.hi:
         return max(bounds.hi, floor), "max"
     if n < floor:
@@ -159,8 +163,9 @@ def choose(m: Measured, cores: int, bounds: Bounds, floor: int = 0) -> Choice:
         return Choice(n, m.workers, capped_by=cap, kept="too few batches measured")
     t_fetch = m.fetch_s / m.batches
     t_req = m.train_s / m.steps
-    if t_req <= 0:  # the step is lost in the clock's resolution: the cores decide
-        t_req = max(t_fetch, 1e-9) / (10 * max(cores, 1))
+    # a step below a microsecond is lost in the measurement (two clock reads and a
+    # Python call): the cores decide
+    t_req = max(t_req, MIN_T_REQ)
     mem_total = mem_up = None
     if m.mem_worker is not None and m.workers > 0:
         mem_total = m.mem_worker * m.workers
