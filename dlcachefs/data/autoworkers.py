@@ -47,6 +47,7 @@ import multiprocessing
 import re
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass
 
 from dlcachefs.admin.advise import algorithm2, mem_available, pss_bytes, usable_cores
@@ -305,13 +306,15 @@ class Tuner:
     def measured(self, workers: int) -> tuple[Measured, float | None]:
         """The last epoch's :class:`Measured` (``workers`` during it), and its workers'
         CPU share of their fetch time (None without workers)."""
-        steps = train = 0.0
-        wait = iters = 0
+        iters = steps = 0
+        wait = train = 0.0
         if self._pace is not None:
             iters, steps, wait, train = self._pace.take_epoch()
         share = None
         drew: int | None = None
-        if workers > 0 and self._slots is not None:
+        if workers > 0 and self._slots is None:  # not timed: nothing measured
+            fetch_s, batches = 0.0, 0
+        elif workers > 0:
             tot = _totals(self._slots)
             fetch_s, batches, cpu_s = (tot[0] - self._seen[0], tot[1] - self._seen[1],
                                        tot[2] - self._seen[2])
@@ -327,7 +330,7 @@ class Tuner:
         needs = None if drew is None else (drew > 0 and self.sampler_global)
         if not self.sampler_global:
             needs = False
-        m = Measured(workers, batches, fetch_s, int(steps), train, self._mem, self._avail,
+        m = Measured(workers, batches, fetch_s, steps, train, self._mem, self._avail,
                      needs)
         self._mem = self._avail = None
         return m, share
@@ -383,7 +386,13 @@ class Tuner:
             return it
         if self.persistent and getattr(loader, "_iterator", None) is not None:
             return make()
-        slots = multiprocessing.RawArray("d", FIELDS * loader.num_workers)
+        try:
+            slots = multiprocessing.RawArray("d", FIELDS * loader.num_workers)
+        except (OSError, ValueError) as e:  # no shared memory: the epoch is not measured
+            warnings.warn(f"dlcachefs: --workers auto cannot time the workers ({e})",
+                          RuntimeWarning, stacklevel=2)
+            self._slots = None
+            return make()
         user_fn, gen = loader.worker_init_fn, loader.generator
         loader.worker_init_fn = WorkerInit(user_fn, slots)
         if self.persistent and self._made_once:

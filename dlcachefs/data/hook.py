@@ -33,7 +33,8 @@ unchanged, bit for bit:
 * With ``--workers auto`` (``DLCACHEFS_WORKERS``, or ``install(workers=...)``), each
   loader's ``num_workers`` is set at the start of every epoch by DLCache's Algorithm 2
   from the last epoch's measurements (:mod:`dlcachefs.data.autoworkers`); the count of
-  each epoch is a log line on stderr and :func:`workers_report`.
+  each epoch is a log line on stderr and :func:`workers_report`. The sample order stays
+  the same; random augmentations follow the workers' seeds, and may not.
 
 ``dlcachefs run -- python train.py`` installs this without editing the script (through
 a ``sitecustomize`` on ``PYTHONPATH`` that patches torch when ``torch.utils.data`` is
