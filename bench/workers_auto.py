@@ -102,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
                 res = json.loads(r.stdout.strip().splitlines()[-1])
                 runs.append({"round": rnd, "mode": mode, **res,
-                             "process_s": round(time.perf_counter() - t0, 3)})
+                             "process_s": round(time.perf_counter() - t0, 3),
+                             "log": [x for x in r.stderr.splitlines()
+                                     if x.startswith("dlcachefs: workers auto:")]})
 
     def mean_epoch(mode: str, first: bool) -> float:
         xs = [e["epoch_s"] for r in runs if r["mode"] == mode for e in r["epochs"]
