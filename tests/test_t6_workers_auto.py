@@ -87,6 +87,8 @@ def test_workers_auto_over_a_mount(tmp_path, mount):
                       .get("workers_by_epoch") == {"0": 1, "1": 2, "2": 2},
                       "the epochs' counts not in the stats", 120)
     assert st["streams"]["default/0"]["loader"]["workers"] == 2
+    assert "stream default/0: the loader runs 2 workers from epoch 1 (was 1)" in \
+        m.log.read_text()
     r = subprocess.run([*DLCACHEFS, "stats", str(m.mnt)], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stderr
