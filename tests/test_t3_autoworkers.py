@@ -39,15 +39,21 @@ class Slow(Dataset):
 
 def main():
     torch.manual_seed(3)
-    g = None
+    g = sampler = None
     if gen == "gen":
         g = torch.Generator()
         g.manual_seed(11)
-    dl = DataLoader(Slow(), batch_size=4, shuffle=True, num_workers=int(workers),
+    ds = Slow()
+    if gen == "dist":  # rank 0 of 2, without a process group
+        sampler = torch.utils.data.DistributedSampler(ds, num_replicas=2, rank=0, seed=5)
+    dl = DataLoader(ds, batch_size=4, shuffle=sampler is None, sampler=sampler,
+                    num_workers=int(workers),
                     persistent_workers=persistent == "persistent", generator=g,
                     multiprocessing_context=None if ctx == "default" else ctx)
     seen, counts = [], []
     for epoch in range(3):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
         for x in dl:
             time.sleep(0.002)  # the training step
             seen.append(x[:, 0].tolist())
@@ -80,6 +86,8 @@ CASES = [
     ("persistent", "1", "default", "none", "gen"),
     ("no", "0", "default", "none", "none"),
     ("persistent", "1", "spawn", "draws", "none"),
+    # a sampler that does not draw from the global generator: 0 is crossed all the same
+    ("no", "0", "default", "draws", "dist"),
 ]
 
 
