@@ -17,7 +17,8 @@ At the start of every epoch (every new iterator of a DataLoader) the hook
   ``next()`` returning and the next call, in the main process (the hook's pace timer).
 * the cores this process may run on, and memory: the workers' proportional set size
   (PSS, sampled during the epoch) per worker against ``mem_up`` = what they use plus
-  half of the memory available (``MemAvailable``).
+  half of the memory available (``MemAvailable``): memory can stop the count from
+  growing, never lower it.
 
 The decision is bounded by ``auto:MIN-MAX`` (:func:`parse`). What a change costs and
 what it keeps:

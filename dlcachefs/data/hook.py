@@ -807,8 +807,8 @@ def _tuner(loader, data_module):
 def workers_report(loader) -> list[dict]:
     """``--workers auto``: the count of each epoch of ``loader`` and the measurements
     behind it (``epoch``, ``workers``, ``previous``, ``wanted``, ``capped_by``,
-    ``t_fetch``, ``t_req``, ``mem_up``, ``cpu_share``, ``kept``); empty when the loader
-    is not tuned."""
+    ``t_fetch``, ``t_req``, ``mem_worker``, ``mem_up``, ``cpu_share``, ``kept``); empty
+    when the loader is not tuned."""
     t = getattr(loader, "__dict__", {}).get("_dlcachefs_tuner")
     return [dict(r) for r in t.history] if t is not None else []
 
