@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read every file through the mount (by default, read-only binary "
                         "opens of cached files are served in the training's processes: "
                         "docs/reading.md)")
+    r.add_argument("--workers", metavar="auto[:MIN-MAX]",
+                   help="set each DataLoader's num_workers at the start of every epoch from "
+                        "the last epoch's measurements (DLCache's Algorithm 2), within "
+                        "MIN-MAX (auto:2-8, auto:2-, auto:-8; default 0 to the cores): "
+                        "docs/training.md")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
 
     sm = sub.add_parser("simulate", help="replay an access trace against every caching "
@@ -156,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "stats":
             return cmd_stats(a.mountpoint, a.json, a.all)
         if a.cmd == "run":
-            return cmd_run(a.command, a.job, intercept=not a.no_intercept)
+            return cmd_run(a.command, a.job, intercept=not a.no_intercept,
+                           workers=a.workers)
         if a.cmd == "simulate":
             return cmd_simulate(a)
         if a.cmd in ADMIN_COMMANDS:
@@ -350,9 +356,19 @@ def _daemonize(cfg: Config) -> int:
 
 # ----- run ------------------------------------------------------------------------------
 
-def cmd_run(command: list[str], job: str | None, intercept: bool = True) -> int:
+def cmd_run(command: list[str], job: str | None, intercept: bool = True,
+            workers: str | None = None) -> int:
     """exec ``command`` with ``dlcachefs/data/_boot`` (a sitecustomize) first on PYTHONPATH
-    (``intercept``: opens of cached files served in the process, :mod:`dlcachefs.data.intercept`)."""
+    (``intercept``: opens of cached files served in the process, :mod:`dlcachefs.data.intercept`;
+    ``workers``: ``auto[:MIN-MAX]``, :mod:`dlcachefs.data.autoworkers`)."""
+    if workers is not None:
+        from dlcachefs.data.autoworkers import parse  # noqa: PLC0415
+
+        try:
+            parse(workers)  # checked here too: the training's hook would only warn
+        except ValueError as e:
+            print(f"dlcachefs run: {e}", file=sys.stderr)
+            return 2
     if command and command[0] == "--":
         command = command[1:]
     if not command:
@@ -371,6 +387,8 @@ def cmd_run(command: list[str], job: str | None, intercept: bool = True) -> int:
     env["DLCACHEFS_INTERCEPT"] = "1" if intercept else "0"
     if job:
         env["DLCACHEFS_JOB"] = job
+    if workers is not None:
+        env["DLCACHEFS_WORKERS"] = workers
     try:
         os.execvpe(command[0], command, env)
     except OSError as e:

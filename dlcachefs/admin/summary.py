@@ -159,7 +159,8 @@ def _stream(name: str, s: dict) -> list[str]:
     out = _row("stream", head) + _row("", f"why: {s.get('reason', '-')}")
     if s.get("error"):
         out += _row("", f"error: {s['error']}")
-    out += _epochs(s.get("epochs") or {})
+    out += _epochs(s.get("epochs") or {},
+                   (s.get("loader") or {}).get("workers_by_epoch") or {})
     reads = s.get("reads") or {}
     if _n(reads.get("in_process_opens")) or _reasons(reads.get("in_process_fallbacks") or {}):
         why = _reasons(reads.get("in_process_fallbacks") or {})
@@ -182,8 +183,9 @@ def _unannounced(groups: list[tuple[str, dict]]) -> list[str]:
     return _row("stream", head) + _row("", f"why: {first.get('reason', '-')}")
 
 
-def _epochs(epochs: dict) -> list[str]:
-    """The last epochs as a small table: bytes from the source, hits, misses."""
+def _epochs(epochs: dict, workers: dict | None = None) -> list[str]:
+    """The last epochs as a small table: bytes from the source, hits, misses, and the
+    loader's workers (its batch hint of the epoch: ``--workers auto`` changes it)."""
     if not epochs:
         return []
     keys = list(epochs)[-SHOWN_EPOCHS:]
@@ -191,6 +193,8 @@ def _epochs(epochs: dict) -> list[str]:
             ("from source", [format_size(_n(epochs[k].get("bytes_from_source"))) for k in keys]),
             ("hits", [f"{_n(epochs[k].get('hits')):,}" for k in keys]),
             ("misses", [f"{_n(epochs[k].get('misses')):,}" for k in keys])]
+    if workers and any(str(k) in workers for k in keys):
+        rows.append(("workers", [str(workers.get(str(k), "-")) for k in keys]))
     widths = [max(len(r[1][i]) for r in rows) for i in range(len(keys))]
     return [" " * LABEL + f"{label:<12}" + "  ".join(f"{v:>{w}}" for v, w in
                                                      zip(cells, widths, strict=True))

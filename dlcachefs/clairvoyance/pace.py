@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 
 #: worker pids remembered per epoch (more workers than this are not told apart)
 MAX_WORKERS = 1024
+#: epochs whose loader-worker count is kept (``workers_by_epoch``)
+WORKERS_EPOCHS = 64
 
 
 @dataclass
@@ -70,12 +72,20 @@ class Pace:
         self.prefetch_factor: int | None = None
         self.cur: _Epoch | None = None
         self.prev: _Epoch | None = None
+        #: the hint's worker count per announced epoch (``dlcachefs run --workers auto``
+        #: changes it from epoch to epoch), the last :data:`WORKERS_EPOCHS`
+        self.by_epoch: dict[int, int] = {}
         self.state = None  # the stream's control state (its ``train_pace``), once announced
 
     def hint(self, batch: int | None, workers: int | None,
-             prefetch_factor: int | None) -> None:
-        """The ``batch`` hint of the stream's announcement."""
+             prefetch_factor: int | None, epoch: int | None = None) -> None:
+        """The ``batch`` hint of the stream's announcement (of ``epoch``, if known)."""
         self.batch, self.workers, self.prefetch_factor = batch, workers, prefetch_factor
+        if epoch is not None and workers is not None:
+            self.by_epoch.pop(epoch, None)  # (re-inserted last: the newest)
+            self.by_epoch[epoch] = workers
+            while len(self.by_epoch) > WORKERS_EPOCHS:
+                del self.by_epoch[next(iter(self.by_epoch))]
 
     def note(self, pid: int, start: float, end: float, epoch: int | None) -> None:
         """An open by ``pid`` of this stream, from ``start`` to ``end`` (monotonic s)."""
@@ -118,6 +128,7 @@ class Pace:
             "train_s": round(tp[3], 6), "age_s": round(max(0.0, time.time() - tp[4]), 3)}
         return {"batch": self.batch, "workers": self.workers,
                 "prefetch_factor": self.prefetch_factor, "training": training,
+                "workers_by_epoch": {str(e): w for e, w in self.by_epoch.items()},
                 "current": None if self.cur is None else self.cur.as_dict(),
                 "previous": None if self.prev is None else self.prev.as_dict()}
 

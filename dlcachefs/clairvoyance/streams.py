@@ -197,7 +197,12 @@ class StreamManager:
         s = self.streams.get((st.job, st.rank))
         if s is None:
             s = self.streams[(st.job, st.rank)] = Stream(st.job, st.rank)
-        s.pace.hint(st.batch, st.workers, st.prefetch_factor)
+        before = s.pace.workers
+        s.pace.hint(st.batch, st.workers, st.prefetch_factor, st.epoch)
+        if before is not None and st.workers is not None and st.workers != before:
+            # (dlcachefs run --workers auto, or a script that changes it)
+            log.info("stream %s/%s: the loader runs %d workers from epoch %s (was %d)",
+                     st.job, st.rank, st.workers, st.epoch, before)
         s.pace.state = st  # the training's pace reports land there
         if pid is not None:
             s.pids.add(pid)

@@ -30,6 +30,11 @@ unchanged, bit for bit:
   that announced: every 5 s and at the end of an epoch the training's own pace (seconds
   waiting in ``next()``, seconds of its step between ``next()`` calls) is written as a
   ``pace`` line, for the mount's loader-worker advice (``dlcachefs advise``).
+* With ``--workers auto`` (``DLCACHEFS_WORKERS``, or ``install(workers=...)``), each
+  loader's ``num_workers`` is set at the start of every epoch by DLCache's Algorithm 2
+  from the last epoch's measurements (:mod:`dlcachefs.data.autoworkers`); the count of
+  each epoch is a log line on stderr and :func:`workers_report`. The sample order stays
+  the same; random augmentations follow the workers' seeds, and may not.
 
 ``dlcachefs run -- python train.py`` installs this without editing the script (through
 a ``sitecustomize`` on ``PYTHONPATH`` that patches torch when ``torch.utils.data`` is
@@ -59,7 +64,10 @@ from dlcachefs.data import wrappers as _w
 from dlcachefs.data.onimport import PatchOnImport
 
 ENV_JOB = "DLCACHEFS_JOB"
+#: ``dlcachefs run --workers auto[:MIN-MAX]`` passes its bounds to the training here
+ENV_WORKERS = "DLCACHEFS_WORKERS"
 _installed = False
+_auto = None  # autoworkers.Bounds when --workers auto is on (set by install())
 _warned: set[str] = set()
 
 
@@ -237,6 +245,16 @@ class _PaceReport:
         self.wait = self.train = 0.0
         self.last_end: float | None = None
         self.sent = time.monotonic()
+        # the same, since the epoch began (--workers auto reads them at the next epoch)
+        self.ep_iters = self.ep_steps = 0
+        self.ep_wait = self.ep_train = 0.0
+
+    def take_epoch(self) -> tuple[int, int, float, float]:
+        """(batches, steps, seconds waiting, seconds of steps) since the last call."""
+        out = (self.ep_iters, self.ep_steps, self.ep_wait, self.ep_train)
+        self.ep_iters = self.ep_steps = 0
+        self.ep_wait = self.ep_train = 0.0
+        return out
 
     def restart(self) -> None:
         """The loader's iterator starts an epoch again (``persistent_workers``: the same
@@ -249,12 +267,16 @@ class _PaceReport:
         if self.last_end is not None:
             self.train += t0 - self.last_end
             self.steps += 1
+            self.ep_train += t0 - self.last_end
+            self.ep_steps += 1
         if done:
             self.last_end = None
             self.flush(t1)
             return
         self.wait += t1 - t0
         self.iters += 1
+        self.ep_wait += t1 - t0
+        self.ep_iters += 1
         self.last_end = t1
         if t1 - self.sent >= self.EVERY:
             self.flush(t1)
@@ -603,11 +625,20 @@ def _patch(data_module) -> None:
         _unknown(ds, reason, _next_epoch(loader, ds), loader)
 
     def loader_iter(self):
+        tuner = _tuner(self, data_module) if _auto is not None else None
+        if tuner is not None:
+            try:  # before the announcement: its batch hint says the epoch's count
+                tuner.epoch_start(self)
+            except Exception as e:  # noqa: BLE001 - never break the training
+                _warn_once("auto", f"--workers auto failed (the count stays): {e}")
         try:
             bind(self)
         except Exception as e:  # noqa: BLE001 - never break the training
             _warn_once("bind", f"DataLoader hook failed: {e}")
-        it = orig_loader_iter(self)
+        if tuner is not None:
+            it = tuner.make_iterator(self, lambda: orig_loader_iter(self))
+        else:
+            it = orig_loader_iter(self)
         try:
             d = getattr(it, "__dict__", None)
             if isinstance(d, dict):
@@ -615,7 +646,10 @@ def _patch(data_module) -> None:
                 if isinstance(rec, _PaceReport):
                     rec.restart()  # persistent_workers: the same iterator, a new epoch
                 else:
-                    d["_dlcachefs_pace"] = _PaceReport(self)
+                    rec = d["_dlcachefs_pace"] = _PaceReport(self)
+                if tuner is not None:
+                    d["_dlcachefs_tuner"] = tuner
+                    tuner.track(rec)
         except Exception as e:  # noqa: BLE001 - never break the training
             _warn_once("pace", f"pace report failed: {e}")
         return it
@@ -648,7 +682,11 @@ def _time_next(cls) -> None:
             raise
         finally:
             try:
-                rec.step(t0, time.perf_counter(), done)
+                t1 = time.perf_counter()
+                rec.step(t0, t1, done)
+                tuner = self.__dict__.get("_dlcachefs_tuner") if not done else None
+                if tuner is not None:
+                    tuner.batch(self, t1)
             except Exception as e:  # noqa: BLE001 - never break the training
                 _warn_once("pace", f"pace report failed: {e}")
 
@@ -716,14 +754,25 @@ def _prepare_quietly() -> None:
         prepare_mounts()
 
 
-def install() -> None:
+def install(workers: str | None = None) -> None:
     """Patch the samplers now if torch is imported, else as soon as it is; and tell the
     mounts the training will read that it is starting (:func:`prepare_mounts`, in a
-    background thread: a mount that does not answer must not hold the script back)."""
-    global _installed
+    background thread: a mount that does not answer must not hold the script back).
+    ``workers``: ``auto`` or ``auto:MIN-MAX`` tunes every loader's ``num_workers`` each
+    epoch (:mod:`dlcachefs.data.autoworkers`); default: ``$DLCACHEFS_WORKERS``, which
+    ``dlcachefs run --workers`` sets."""
+    global _installed, _auto
     if _installed:
         return
     _installed = True
+    spec = workers if workers is not None else os.environ.get(ENV_WORKERS)
+    if spec:
+        from dlcachefs.data import autoworkers  # noqa: PLC0415 - only with --workers auto
+
+        try:
+            _auto = autoworkers.parse(spec)
+        except ValueError as e:
+            _warn_once("auto-spec", f"{e}: num_workers is left as the script sets it")
     import threading  # noqa: PLC0415 - only here
 
     threading.Thread(target=_prepare_quietly, name="dlcachefs-prepare", daemon=True).start()
@@ -732,6 +781,36 @@ def install() -> None:
         _patch(mod)
     else:
         sys.meta_path.insert(0, PatchOnImport("torch.utils.data", _patch, _patch_failed))
+
+
+def _tuner(loader, data_module):
+    """``loader``'s :class:`autoworkers.Tuner` (made at its first iteration); None when it
+    is not tuned (the reason is a warning, once)."""
+    from dlcachefs.data import autoworkers  # noqa: PLC0415
+
+    try:
+        t = loader.__dict__.get("_dlcachefs_tuner")
+        if t is None and "_dlcachefs_untuned" not in loader.__dict__:
+            why = autoworkers.eligible(loader, data_module)
+            if why is None:
+                t = loader.__dict__["_dlcachefs_tuner"] = autoworkers.Tuner(loader, _auto)
+                t.sampler_global = autoworkers.sampler_draws_global(loader, data_module)
+            else:
+                loader.__dict__["_dlcachefs_untuned"] = why
+                _warn_once(f"auto:{why}", f"--workers auto leaves a loader over {why} alone")
+        return t
+    except Exception as e:  # noqa: BLE001 - never break the training
+        _warn_once("auto", f"--workers auto failed (the count stays): {e}")
+        return None
+
+
+def workers_report(loader) -> list[dict]:
+    """``--workers auto``: the count of each epoch of ``loader`` and the measurements
+    behind it (``epoch``, ``workers``, ``previous``, ``wanted``, ``capped_by``,
+    ``t_fetch``, ``t_req``, ``mem_worker``, ``mem_up``, ``cpu_share``, ``kept``); empty
+    when the loader is not tuned."""
+    t = getattr(loader, "__dict__", {}).get("_dlcachefs_tuner")
+    return [dict(r) for r in t.history] if t is not None else []
 
 
 def _patch_failed(e: Exception) -> None:
