@@ -147,3 +147,42 @@ def test_a_crash_between_the_commit_and_the_punches_leaves_a_sound_cache(tmp_pat
 
     fetched, _ = run_session(cfg, again)
     assert fetched == sum(map(len, files.values())) - kept
+
+
+def test_a_mount_during_a_reclaim_waits_for_it_instead_of_being_refused(tmp_path):
+    """The reclaim's child names itself in the dataset's lock file while it holds the lock:
+    a mount of that dataset starting meanwhile waits for the lock (RECLAIM_WAIT_S) and
+    gets it once the child is done. The stopped daemon's name left there (mounted, say,
+    at a mountpoint another mount uses now) refused the mount at once."""
+    import subprocess
+    import sys
+
+    from dlcachefs.store.lock import CacheLock, CacheLocked
+
+    d = tmp_path / "ds"
+    d.mkdir()
+    (d / LOCK_NAME).write_text('{"pid": 1, "mountpoint": "/somewhere"}')
+    # a reclaim holding the lock for a second (what store.reclaim._hold_if_free does)
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import time
+from dlcachefs.store.reclaim import _hold_if_free
+with _hold_if_free({str(d)!r}) as held:
+    assert held
+    print("held", flush=True)
+    time.sleep(1.0)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        lock = CacheLock(str(d), dataset="ds", is_mounted=lambda p: True)
+        lock.acquire("/mnt/new")  # waits for the reclaim (refused at once before)
+        lock.release()
+    finally:
+        holder.wait(30)
+    # a live daemon's name there (mounted): refused at once, as before
+    with open(d / LOCK_NAME, "r+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.truncate(0)
+        f.write('{"pid": 1, "mountpoint": "/somewhere"}')
+        f.flush()
+        with pytest.raises(CacheLocked):
+            CacheLock(str(d), dataset="ds", is_mounted=lambda p: True).acquire("/mnt/new")

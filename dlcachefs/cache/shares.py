@@ -81,6 +81,9 @@ MIB = 1 << 20
 #: bytes from the source below which a cost is not measured yet (a few files' latency
 #: would say more about the thread pool's start than about the source)
 MIN_COST_BYTES = 256 << 10
+#: seconds before a stopped dataset that was in use, or whose reclaim failed, is tried
+#: again (each try starts a child process)
+RECLAIM_RETRY_S = 60.0
 
 
 def demand_of(bytes_total: int, files: int, chunk_target: int) -> int:
@@ -239,6 +242,8 @@ class ShareKeeper:
         self.reclaimed: dict[str, int] = {}
         #: (dataset, stop) whose index is not as a clean stop left it: not tried again
         self._unfit: set[tuple[str, float]] = set()
+        #: (dataset, stop) skipped (in use) or failed: not tried again before this time
+        self._retry_at: dict[tuple[str, float], float] = {}
 
     # ----- blocking, before the loop (the daemon's start) and after it (its stop) -----
 
@@ -329,10 +334,19 @@ class ShareKeeper:
         self._measure()
         target, granted, view, plan = await trio.to_thread.run_sync(
             self._exchange, w.limit, self._needs_room())
-        plan = [p for p in plan if (p[0], p[2]) not in self._unfit]
+        now = trio.current_time()
+        # one stopped dataset per round: a child may take CHILD_TIMEOUT_S, and this
+        # round's heartbeat must reach the ledger again before the others call it dead
+        plan = [p for p in plan if (p[0], p[2]) not in self._unfit
+                and self._retry_at.get((p[0], p[2]), 0.0) <= now][:1]
         if plan:
-            done, failed = await trio.to_thread.run_sync(self._reclaim, plan)
+            done, failed, skipped = await trio.to_thread.run_sync(self._reclaim, plan)
             self.errors += failed
+            for ds, stopped_at, why in skipped:
+                if why == UNFIT:  # until it is mounted again (a new stop): not again
+                    self._unfit.add((ds, stopped_at))
+                else:  # in use, or the child failed: not every round
+                    self._retry_at[(ds, stopped_at)] = now + RECLAIM_RETRY_S
             for r in done:
                 self.reclaimed[r.dataset] = self.reclaimed.get(r.dataset, 0) + r.freed
             if done:  # the stopped datasets' limits are lower now: grow into the room
@@ -380,28 +394,30 @@ class ShareKeeper:
         w = self.writer
         return w.account() >= w.limit - w.limit // 8
 
-    def _reclaim(self, plan: list[tuple[str, int, float]]) -> tuple[list[Reclaimed], int]:
+    def _reclaim(self, plan: list[tuple[str, int, float]]
+                 ) -> tuple[list[Reclaimed], int, list[tuple[str, float, str]]]:
         """Thread: evict what ``plan`` says of each stopped dataset (each in a child
         process, under its own cache lock:
-        :func:`dlcachefs.store.reclaim.evict_stopped_in_child`); what was freed where, and
-        how many failed. A dataset in use meanwhile, or mounted again, is skipped; a
-        failure is logged."""
-        done, failed = [], 0
+        :func:`dlcachefs.store.reclaim.evict_stopped_in_child`); what was freed where, how
+        many failed, and (dataset, stop, why) of those skipped or failed, for the loop to
+        hold back. A dataset in use meanwhile, or mounted again, is skipped; a failure is
+        logged."""
+        done, failed, skipped = [], 0, []
         for ds, nbytes, stopped_at in plan:
             try:
                 r = evict_stopped_in_child(self.root, DATASETS_DIR, ds, nbytes, stopped_at)
             except OSError as e:  # another dataset's trouble: never ours
                 failed += 1
                 log.warning("taking back the space of stopped dataset %s failed: %s", ds, e)
+                skipped.append((ds, stopped_at, "failed"))
                 continue
-            if r.skipped == UNFIT:  # until it is mounted again (a new stop): not again
-                log.info("stopped dataset %s: space not taken back (%s)", ds, r.skipped)
-                self._unfit.add((ds, stopped_at))
-                continue
-            if r.skipped is not None:  # in use now, or mounted again: a later round sees
+            if r.skipped is not None:  # not fit, in use now, or mounted again
+                if r.skipped == UNFIT:
+                    log.info("stopped dataset %s: space not taken back (%s)", ds, r.skipped)
+                skipped.append((ds, stopped_at, r.skipped))
                 continue
             done.append(r)
-        return done, failed
+        return done, failed, skipped
 
     def _entry(self, now: float, used: int) -> dict[str, Any]:
         return {"pid": os.getpid(), "host": socket.gethostname(), "state": "live",

@@ -21,6 +21,9 @@ from dlcachefs.errors import CacheLocked
 LOCK_NAME = "lock"
 #: seconds a stopped daemon's children (fetch workers) may hold its lock after it
 CHILDREN_EXIT_S = 3.0
+#: seconds a mount waits for a reclaim of its dataset's space by another daemon's child
+#: (:mod:`dlcachefs.store.reclaim`, which ends within its CHILD_TIMEOUT_S, 20 s)
+RECLAIM_WAIT_S = 30.0
 
 
 class CacheLock:
@@ -46,6 +49,10 @@ class CacheLock:
         if not _try_lock(fd):
             holder = _holder(fd)
             pid = holder.get("pid")
+            if holder.get("reclaim") is True and _lock_within(fd, RECLAIM_WAIT_S):
+                # another daemon's child was taking back this stopped dataset's space
+                self._take(fd, mountpoint)
+                return
             # `fusermount3 -u MNT` then at once a new mount: the last daemon is still
             # committing as it stops. It is waited for (a bounded time), not refused
             stopping = self._detached(holder.get("mountpoint", "?"))

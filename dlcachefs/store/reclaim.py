@@ -8,10 +8,10 @@ argument is the chunk writer's, :mod:`dlcachefs.cache.writer`):
 
 1. the dataset's cache lock (:mod:`dlcachefs.store.lock`), taken without waiting: free
    means no daemon runs on it (a daemon holds it while it runs, its fetch workers too).
-   The holder's name in the lock file is left as the stopped daemon wrote it: a mount of
-   the dataset starting meanwhile takes that daemon for one stopping and waits for the
-   lock (:data:`~dlcachefs.store.lock.CHILDREN_EXIT_S`), which this eviction, one
-   transaction and a few hole punches, is shorter than;
+   The lock file then names this process as a reclaim (``"reclaim": true``): a mount of
+   the dataset starting meanwhile waits for the lock up to
+   :data:`~dlcachefs.store.lock.RECLAIM_WAIT_S`, longer than this child may run
+   (:data:`CHILD_TIMEOUT_S`), instead of being refused;
 2. its index only if it is exactly as its clean stop left it (the stop's walk found it
    sound and marked it, :func:`~dlcachefs.store.integrity.mark_clean`): an index a crash
    left, or one that changed since, is not opened here (reading a damaged LMDB file can
@@ -68,6 +68,10 @@ from dlcachefs.store.seal import seal_chunks
 
 log = logging.getLogger(__name__)
 
+#: run the child with -P where there is one (3.11+): a module in the daemon's working
+#: directory never shadows one of ours
+SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
+
 #: why a dataset was not evicted from: its index is not as its clean stop left it
 UNFIT = "not as its clean stop left it"
 #: the index and logs of a dataset's directory (as :class:`dlcachefs.config.Config` names them)
@@ -103,6 +107,9 @@ def _hold_if_free(cache_dir: str):
         except BlockingIOError:
             yield False
             return
+        # a mount starting meanwhile waits for this holder (store.lock.RECLAIM_WAIT_S)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "reclaim": True}).encode(), 0)
         yield True
     finally:
         os.close(fd)  # releases the flock
@@ -172,7 +179,7 @@ def evict_stopped(root: str, datasets_dir: str, ds: str, nbytes: int,
 
 
 #: seconds a child may take (one commit and the punches; a walk is never made here)
-CHILD_TIMEOUT_S = 120.0
+CHILD_TIMEOUT_S = 20.0
 
 _CHILD = r"""
 import json, sys
@@ -208,8 +215,7 @@ def evict_stopped_in_child(root: str, datasets_dir: str, ds: str, nbytes: int,
     args = {"root": root, "datasets_dir": datasets_dir, "dataset": ds, "nbytes": nbytes,
             "stopped_at": stopped_at}
     try:
-        # (-P: a module in the daemon's working directory never shadows one of ours)
-        r = subprocess.run([sys.executable, "-P", "-c", _CHILD, json.dumps(args)],
+        r = subprocess.run([sys.executable, *SAFE_PATH, "-c", _CHILD, json.dumps(args)],
                            capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
                            stdin=subprocess.DEVNULL, env=env)
     except subprocess.TimeoutExpired:
