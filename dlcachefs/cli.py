@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="set each DataLoader's num_workers at the start of every epoch from "
                         "the last epoch's measurements (DLCache's Algorithm 2), within "
                         "MIN-MAX (auto:2-8, auto:2-, auto:-8; default 0 to the cores): "
-                        "docs/training.md")
+                        "docs/operating.md")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
 
     sm = sub.add_parser("simulate", help="replay an access trace against every caching "

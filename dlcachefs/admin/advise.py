@@ -128,6 +128,100 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def _cgroup_dirs(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
+                 ) -> list[tuple[str, str]]:
+    """(controllers, directory) of this process's cgroups: ``""`` for the v2 hierarchy,
+    ``"cpu,cpuacct"``, ``"memory"``... for v1."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            _, controllers, path = parts
+            path = path.lstrip("/")
+            if controllers == "":
+                out.append(("", os.path.join(root, path)))
+            else:
+                for c in controllers.split(","):
+                    out.append((c, os.path.join(root, controllers, path)))
+    return out
+
+
+def _ints(path: str) -> list[int] | None:
+    try:
+        with open(path) as f:
+            return [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        return None  # (also "max": no limit)
+
+
+def cgroup_cpus(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
+                ) -> float | None:
+    """CPUs this process's cgroup may use (its quota over its period: ``cpu.max``, v1
+    ``cpu.cfs_quota_us``), None without a quota. A container's share of a large host is
+    this, not the affinity."""
+    for kind, d in _cgroup_dirs(proc_cgroup, root):
+        if kind == "":
+            q = _ints(os.path.join(d, "cpu.max"))
+        elif kind == "cpu":
+            quota = _ints(os.path.join(d, "cpu.cfs_quota_us"))
+            period = _ints(os.path.join(d, "cpu.cfs_period_us"))
+            q = quota + period if quota and period else None
+        else:
+            continue
+        if q and len(q) == 2 and q[0] > 0 and q[1] > 0:
+            return q[0] / q[1]
+    return None
+
+
+def cgroup_memory_room(proc_cgroup: str = "/proc/self/cgroup",
+                       root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes this process's cgroup may still use (its limit minus its usage), None
+    without a limit."""
+    for kind, d in _cgroup_dirs(proc_cgroup, root):
+        names = {"": ("memory.max", "memory.current"),
+                 "memory": ("memory.limit_in_bytes", "memory.usage_in_bytes")}.get(kind)
+        if names is None:
+            continue
+        limit, used = (_ints(os.path.join(d, n)) for n in names)
+        if limit and used and 0 < limit[0] < 1 << 60:  # (v1 says "no limit" with a huge one)
+            return max(0, limit[0] - used[0])
+    return None
+
+
+def local_ranks() -> int:
+    """Training processes of this job on this machine (``LOCAL_WORLD_SIZE``, which
+    torchrun sets; 1 without it): they share its cores and memory."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def rank_cores() -> int:
+    """The cores one training process may give its loader workers: the usable ones (the
+    affinity, at most the cgroup's quota), shared by the job's ranks on this machine."""
+    n = usable_cores()
+    q = cgroup_cpus()
+    if q is not None:
+        n = min(n, max(1, math.ceil(q)))
+    return max(1, n // local_ranks())
+
+
+def rank_memory_available() -> int | None:
+    """Memory one training process may count on: ``MemAvailable``, at most what the
+    cgroup still allows, shared by the job's ranks on this machine."""
+    avail = mem_available()
+    room = cgroup_memory_room()
+    if room is not None:
+        avail = room if avail is None else min(avail, room)
+    return None if avail is None else avail // local_ranks()
+
+
 def pss_bytes(pid: int) -> int | None:
     """A process's proportional set size (``/proc/PID/smaps_rollup``), None if gone."""
     try:

@@ -44,6 +44,7 @@ what it keeps:
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import re
 import sys
@@ -51,15 +52,16 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 
-from dlcachefs.admin.advise import algorithm2, mem_available, pss_bytes, usable_cores
+from dlcachefs.admin.advise import algorithm2, pss_bytes, rank_cores, rank_memory_available
 
 #: batches fetched and training steps measured before an epoch's numbers are used
 MIN_BATCHES = 2
 #: seconds: a shorter measured step is taken as this
 MIN_T_REQ = 1e-6
-#: per worker in the shared array: fetch seconds, batches, CPU seconds, samples, and
-#: batches whose fetch drew from torch's global generator
-FIELDS = 5
+#: per worker in the shared array: fetch seconds, batches, CPU seconds, samples
+FIELDS = 4
+#: at most this many workers, or twice the last count, when their memory is not known
+GROWTH_UNMEASURED = 2
 #: seconds between two samples of the workers' memory during an epoch
 MEM_EVERY = 2.0
 #: epochs kept in a tuner's history (``workers_report``)
@@ -107,8 +109,8 @@ class Measured:
     mem_worker: float | None = None     # bytes (PSS) per worker, None: not measured
     mem_available: float | None = None  # bytes available on the machine when measured
     #: whether moving the fetches between the main process and workers (0 <-> more
-    #: workers) may change the order: the sampler draws from torch's global generator
-    #: and so do the fetches (None: not known, taken as yes)
+    #: workers) may change the order: the sampler draws its seed from torch's global
+    #: generator (None: not known, taken as yes)
     order_needs_place: bool | None = None
 
 
@@ -137,9 +139,10 @@ def floor_of(bounds: Bounds, persistent: bool, timeout: float) -> int:
 
 def keep_side(n: int, m: Measured) -> tuple[int, str | None]:
     """``n`` on the same side of 0 as ``m.workers`` when crossing it could change the
-    order (:attr:`Measured.order_needs_place`): the main process draws a sampler's seed
-    from torch's global generator, and a fetch that draws from it in the main process
-    (0 workers) and not in a worker (or the reverse) shifts every later seed."""
+    order (:attr:`Measured.order_needs_place`): a sampler seeded from torch's global
+    generator draws its seed in ``iter()`` with workers and at the first ``next()``
+    without, so any other draw in between (another loader's, an augmentation's in the
+    main process) moves to the other side of it and changes the order."""
     if m.order_needs_place is False or (n > 0) == (m.workers > 0):
         return n, None
     return (0 if m.workers == 0 else 1), "order"
@@ -175,6 +178,10 @@ def choose(m: Measured, cores: int, bounds: Bounds, floor: int = 0) -> Choice:
             mem_up = mem_total + m.mem_available / 2
     d = algorithm2(m.workers, t_fetch, t_req, max(1, cores), mem_total, mem_up)
     n, cap = keep_side(d.workers, m)
+    if mem_up is None and n > max(GROWTH_UNMEASURED, 2 * m.workers):
+        # the workers' memory is not known (none ran, or none was sampled): at most
+        # double, so that a count too large for the memory is seen before it is reached
+        n, cap = max(GROWTH_UNMEASURED, 2 * m.workers), cap or "growth"
     n, bound = clamp(n, bounds, floor)
     return Choice(n, m.workers, d.wanted, bound or cap or d.capped_by, t_fetch, t_req,
                   m.mem_worker if mem_total is not None else None, mem_up)
@@ -191,7 +198,10 @@ class WorkerInit:
         self.slots = slots
 
     def __call__(self, worker_id: int) -> None:
-        _time_fetches(self.slots, worker_id)
+        # torch moved its fetcher, say: not measured (an error here would end the
+        # worker, and torch the training)
+        with contextlib.suppress(Exception):
+            _time_fetches(self.slots, worker_id)
         if self.user_fn is not None:
             self.user_fn(worker_id)
 
@@ -213,12 +223,8 @@ def _time_fetches(slots, worker_id: int) -> None:
     orig = cls.fetch
     clock, cpu = time.perf_counter, time.process_time
 
-    import torch  # noqa: PLC0415
-
-    rng = torch.default_generator
-
     def timed_fetch(self, index):
-        t0, c0, st = clock(), cpu(), rng.get_state()
+        t0, c0 = clock(), cpu()
         try:
             return orig(self, index)
         finally:
@@ -228,19 +234,16 @@ def _time_fetches(slots, worker_id: int) -> None:
                 s[b + 1] += 1
                 s[b + 2] += cpu() - c0
                 s[b + 3] += len(index) if self.auto_collation else 1
-                if not torch.equal(st, rng.get_state()):
-                    s[b + 4] += 1
 
     cls.fetch = timed_fetch
     cls._dlcachefs_timed = True
 
 
-def _totals(slots) -> tuple[float, int, float, int, int]:
-    """(fetch seconds, batches, CPU seconds, samples, batches that drew from torch's
-    global generator) over every worker of ``slots``."""
+def _totals(slots) -> tuple[float, int, float, int]:
+    """(fetch seconds, batches, CPU seconds, samples) over every worker of ``slots``."""
     vals = list(slots)
     return (sum(vals[0::FIELDS]), int(sum(vals[1::FIELDS])), sum(vals[2::FIELDS]),
-            int(sum(vals[3::FIELDS])), int(sum(vals[4::FIELDS])))
+            int(sum(vals[3::FIELDS])))
 
 
 def sampler_draws_global(loader, data_module) -> bool:
@@ -259,26 +262,6 @@ def sampler_draws_global(loader, data_module) -> bool:
     return True
 
 
-class _MainFetchWatch:
-    """With 0 workers: whether the main process's fetches drew from torch's global
-    generator (a wrapper of the iterator's fetcher's ``fetch``)."""
-
-    def __init__(self, fetch) -> None:
-        import torch  # noqa: PLC0415
-
-        self.fetch, self.rng, self.equal = fetch, torch.default_generator, torch.equal
-        self.batches = self.drew = 0
-
-    def __call__(self, index):
-        st = self.rng.get_state()
-        try:
-            return self.fetch(index)
-        finally:
-            self.batches += 1
-            if not self.equal(st, self.rng.get_state()):
-                self.drew += 1
-
-
 class Tuner:
     """One DataLoader's ``--workers auto``: its measurements and the count of each epoch.
     Main process only; the hook calls :meth:`epoch_start` before it makes the epoch's
@@ -294,8 +277,7 @@ class Tuner:
         self.history: list[dict] = []
         self._pace = None          # the last iterator's pace report (hook._PaceReport)
         self._slots = None         # the shared array of the last multi-process iterator
-        self._seen = (0.0, 0, 0.0, 0, 0)  # its totals already counted
-        self._watch: _MainFetchWatch | None = None  # the last single-process iterator's
+        self._seen = (0.0, 0, 0.0, 0)  # its totals already counted
         self.sampler_global = True  # set by the hook: sampler_draws_global()
         self._made_once = False
         self._mem: float | None = None
@@ -312,25 +294,20 @@ class Tuner:
         if self._pace is not None:
             iters, steps, wait, train = self._pace.take_epoch()
         share = None
-        drew: int | None = None
         if workers > 0 and self._slots is None:  # not timed: nothing measured
             fetch_s, batches = 0.0, 0
         elif workers > 0:
             tot = _totals(self._slots)
             fetch_s, batches, cpu_s = (tot[0] - self._seen[0], tot[1] - self._seen[1],
                                        tot[2] - self._seen[2])
-            drew = tot[4] - self._seen[4] if batches else None
             self._seen = tot
             share = cpu_s / fetch_s if fetch_s > 0 else None
         else:  # the main process fetched: its time in next()
             fetch_s, batches = wait, iters
-            w = self._watch
-            if w is not None and w.batches:
-                drew = w.drew
-                w.batches = w.drew = 0
-        needs = None if drew is None else (drew > 0 and self.sampler_global)
-        if not self.sampler_global:
-            needs = False
+        # a sampler seeded from torch's global generator draws its seed in iter() with
+        # workers and at the first next() without: any other draw in between (another
+        # loader's, an augmentation's) lands on the other side, and the order changes
+        needs = self.sampler_global
         m = Measured(workers, batches, fetch_s, steps, train, self._mem, self._avail,
                      needs)
         self._mem = self._avail = None
@@ -346,7 +323,7 @@ class Tuner:
             c, share = Choice(n, current, capped_by=cap, kept="first epoch"), None
         else:
             m, share = self.measured(current)
-            c = choose(m, usable_cores(), self.bounds, self.floor)
+            c = choose(m, rank_cores(), self.bounds, self.floor)
         if c.workers != current:
             self._apply(loader, c.workers)
         self._record(c, share)
@@ -376,15 +353,31 @@ class Tuner:
     def make_iterator(self, loader, make):
         """``make()`` (torch's ``DataLoader.__iter__``), with the workers it starts timing
         their fetches; a persistent loader's later iterators draw their base seed from a
-        private generator (see the module doc)."""
+        private generator (see the module doc). A failure of the tuner's own part makes
+        the iterator as without it (the epoch is not measured); ``make()``'s own errors
+        are the training's."""
+        made = False
+
+        def make_once():
+            nonlocal made
+            made = True
+            return make()
+
+        try:
+            return self._make_iterator(loader, make_once)
+        except Exception as e:
+            if made:
+                raise
+            warnings.warn(f"dlcachefs: --workers auto cannot time this epoch ({e})",
+                          RuntimeWarning, stacklevel=2)
+            self._slots = None
+            return make()
+
+    def _make_iterator(self, loader, make):
         import torch  # noqa: PLC0415 - the training imported it
 
         if loader.num_workers == 0:
-            it = make()
-            f = getattr(it, "_dataset_fetcher", None)
-            if f is not None and hasattr(f, "__dict__"):  # this iterator's fetcher only
-                self._watch = f.fetch = _MainFetchWatch(f.fetch)
-            return it
+            return make()
         if self.persistent and getattr(loader, "_iterator", None) is not None:
             return make()
         try:
@@ -405,7 +398,7 @@ class Tuner:
         finally:
             loader.worker_init_fn, loader.generator = user_fn, gen
         self._made_once = True
-        self._slots, self._seen = slots, (0.0, 0, 0.0, 0, 0)
+        self._slots, self._seen = slots, (0.0, 0, 0.0, 0)
         return it
 
     def track(self, pace) -> None:
@@ -425,8 +418,13 @@ class Tuner:
         if sizes:
             per = sum(sizes) / len(sizes)
             self._mem = per if self._mem is None else max(self._mem, per)
-            avail = mem_available()
+            avail = rank_memory_available()
             self._avail = float(avail) if avail is not None else None
+        # reading smaps_rollup takes a while with large workers: that time is ours, not
+        # the training's step (t_req), which the pace timer counts from ``last_end``
+        pace = self._pace
+        if pace is not None and pace.last_end is not None:
+            pace.last_end += time.perf_counter() - now
 
 
 def describe(row: dict) -> str:

@@ -217,12 +217,8 @@ def _mount_of(file: Any) -> tuple[CacheReader, bytes] | None:
         p = os.getcwdb() + b"/" + p
     found = _mounts.find(p)
     if found is None:
-        if not _mounts.prefixes:
-            return None
-        # through a symlink (a link to the mount, a directory of links into it): every
-        # other open of the process pays this realpath, a few lstat calls
-        r = os.path.realpath(p)
-        found = _mounts.find(r) if r != p else None
+        r = _through_links(p) if _mounts.prefixes else None
+        found = _mounts.find(r) if r is not None and r != p else None
         if found is None:
             return None
         p = r
@@ -231,6 +227,29 @@ def _mount_of(file: Any) -> tuple[CacheReader, bytes] | None:
         return None
     reader = _mounts.reader(root)
     return None if reader is None else (reader, p)
+
+
+#: directories (as opened through) -> where they resolve, for opens outside the mounts
+_dirs: dict[bytes, bytes] = {}
+DIRS_MAX = 4096
+
+
+def _through_links(p: bytes) -> bytes | None:
+    """Where ``p`` (absolute, not under a mount as given) resolves, when that may be
+    under a mount (a link to a file in it, a directory linked into it); None otherwise.
+    An open outside the mounts pays a lookup of its directory (resolved once, then
+    remembered) and one ``lstat``; a path that may lead into a mount is resolved afresh,
+    so a link changed since never sends an open to the wrong file."""
+    d, _, base = p.rpartition(b"/")
+    r = _dirs.get(d)
+    if r is None:
+        r = os.path.realpath(d or b"/")
+        if len(_dirs) >= DIRS_MAX:
+            _dirs.clear()
+        _dirs[d] = r
+    if _mounts.find(r.rstrip(b"/") + b"/" + base) is not None or os.path.islink(p):
+        return os.path.realpath(p)
+    return None
 
 
 def _served(file: Any) -> CachedFile | None:
