@@ -109,15 +109,13 @@ class ReuseDistancePolicy(CachingPolicy, SupportsReleaseAfterUse):
     def release_after_use(self, unit: int, sample: int) -> bool:
         if not self.eager or unit not in self._units:
             return False
-        fut = self.ctx.future
-        # Lobster's limit: now + 2I - h, the end of the next epoch (with epochs of equal
-        # length I); taken from the next epoch's known order, which also covers epochs of
-        # different lengths (importance sampling). Unknown next epoch: the rules wait.
-        limit = fut.next_epoch_end()
-        if limit is None:
-            return False
+        used = self.ctx.future.used_by_next_epoch_end
+        # Lobster's limit: now + 2I - h, the end of the next epoch, each reader's own
+        # (ranks sharing the clock each count in their own positions); taken from the
+        # next epoch's known order, which also covers epochs of different lengths
+        # (importance sampling). A reader's next epoch unknown: the rules wait.
         # (a) and (b): no member is read again before the end of the next epoch
-        if all(fut.next_use(m) > limit for m in self._units[unit][1]):
+        if all(used(m) is False for m in self._units[unit][1]):
             self.released += 1
             return True
         return False
