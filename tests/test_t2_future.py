@@ -131,3 +131,19 @@ def test_next_use_is_the_merged_orders_tick(ranks, n, seed, at):
     for ino, t in true.items():
         got = f.next_use(ino)
         assert abs(got - t) <= ranks + (t - done) / 16, (ino, got, t)
+
+
+def test_later_known_epochs_give_far_finite_uses_and_release_still_at_the_next():
+    """A sample read by neither this epoch nor the next but by the one after (an
+    importance sampler's) has a next use past the next epoch, not NEVER, and is still
+    released after use by Lobster's rule (it is not read during the next epoch)."""
+    s = stream(0, [1, 2, 3, 4], [5, 6], position=2)
+    s.later_first = ((Positions([7, 1]), 2), (Positions([8]), 1))
+    f = future(s, tick=2)
+    assert f.next_use(7) == 2 + 1 * (2 + 2 + 0)  # pace: an equal share of one stream
+    assert f.next_use(8) == 2 + (2 + 2 + 2 + 0)
+    assert f.next_use(9) == NEVER
+    assert f.horizon() == 2 + 2 + 2 + 2 + 1
+    pol = ReuseDistancePolicy(PolicyContext(_Cache(), f))
+    pol.on_insert(1, (7,), 10)
+    assert pol.release_after_use(1, 7)

@@ -9,7 +9,10 @@ ranks in step, about N; a stream that stalls sees its uses recede). Before a str
 read enough of its epoch to measure (:data:`RATE_MIN_POSITIONS`), its last epoch's pace
 serves, else an equal share of the ticks among the streams still reading. A sample's next
 use is ``now`` plus the nearest of those distances over every stream that knows its
-order, in this epoch or in the next when that order is known.
+order, in this epoch, in the next when that order is known, and in the known epochs after
+it that the stream's plan holds (the policy's horizon: while the epochs after this one
+read fewer bytes than the cache holds; see
+:func:`~dlcachefs.clairvoyance.epochplan.plan_epoch`).
 
 Lobster's release limit ("not read during the next epoch") is each stream's own: a
 sample goes only when no stream reads it before the end of that stream's next epoch,
@@ -67,21 +70,14 @@ class StreamFuture:
         best = NEVER
         tick = self.clock.tick
         for s, pace in self._active():
-            p = s.positions.next(sample)
-            if p is not None:
-                best = min(best, tick + pace * max(0, p - s.position))
-            elif s.next_first is not None:
-                q = s.next_first.next(sample)
-                if q is not None:
-                    best = min(best, tick + pace * (len(s.order) - s.position + q))
+            d = _distance(s, sample)
+            if d is not None:
+                best = min(best, tick + pace * d)
         return best
 
     def horizon(self) -> int:
         tick = self.clock.tick
-        ends = [tick + int(pace * (len(s.order) - s.position
-                                   + (len(s.next_first_order) if s.next_first is not None
-                                      else 0)))
-                for s, pace in self._active()]
+        ends = [tick + int(pace * _known_ahead(s)) for s, pace in self._active()]
         return max(ends, default=tick)
 
     def epoch_length(self) -> int | None:
@@ -118,3 +114,32 @@ class StreamFuture:
                for s, _ in act):
             return True
         return None if any(s.next_first is None for s, _ in act) else False
+
+
+def _distance(s: Stream, sample: int) -> int | None:
+    """Positions of ``s`` until it reads ``sample`` next: in this epoch, the next, or a
+    later known one (:attr:`Stream.later_first`); None when none of them reads it."""
+    p = s.positions.next(sample)
+    if p is not None:
+        return max(0, p - s.position)
+    if s.next_first is None:
+        return None
+    ahead = len(s.order) - s.position
+    q = s.next_first.next(sample)
+    if q is not None:
+        return ahead + q
+    ahead += len(s.next_first_order)
+    for first, length in s.later_first:
+        q = first.next(sample)
+        if q is not None:
+            return ahead + q
+        ahead += length
+    return None
+
+
+def _known_ahead(s: Stream) -> int:
+    """Positions of ``s`` its known orders reach ahead of its reader."""
+    if s.next_first is None:
+        return len(s.order) - s.position
+    return (len(s.order) - s.position + len(s.next_first_order)
+            + sum(length for _, length in s.later_first))

@@ -115,6 +115,9 @@ class Stream:
     # future), and a distributed sampler's cluster-wide use (every rank's, --peers) -----
     next_first: Positions | None = None
     next_first_order: list[int] = field(default_factory=list)
+    #: the known epochs after the next one, (first positions, length) each, as far as the
+    #: policy's horizon reaches (:func:`~dlcachefs.clairvoyance.epochplan.plan_epoch`)
+    later_first: tuple[tuple[Positions, int], ...] = ()
     cluster: ClusterUse | None = None
     # this epoch's order is the last epoch's again (a generator seeded anew each epoch, a
     # DistributedSampler whose set_epoch is never called): the next one is taken to

@@ -343,7 +343,7 @@ class StreamManager:
                 plan_epoch, replayer, epoch, samples,
                 last_order=s.order if may_repeat else None,
                 laid_order=laid.order if laid is not None else None,
-                cluster_world=world, key=s.key))
+                cluster_world=world, key=s.key, cover_bytes=self.planner.writer.limit))
         except (DlcError, ValueError, OSError) as e:
             s.error = str(e)
             s.mode, s.reason = "none", str(e)
@@ -396,6 +396,7 @@ class StreamManager:
         s.last_open = time.monotonic()
         s.latency.restart(s.last_open)
         s.next_first, s.next_first_order = plan.next_first, plan.next_order
+        s.later_first = plan.later
         s.cluster = plan.cluster
         early, s.early = s.early, []
         log.info("stream %s: epoch %d, %d samples, %s", s.key, epoch, len(order), s.mode)
