@@ -168,8 +168,9 @@ class Stream:
 
     # ----- the epoch's progress -------------------------------------------------------
 
-    def consume(self, ino: int, p: int) -> None:
-        """Position ``p`` (of ``ino``) is done with in this epoch."""
+    def consume(self, ino: int, p: int) -> bool:
+        """Position ``p`` (of ``ino``) is done with in this epoch; True when that released
+        a chunk of its current log (room for the next logs)."""
         self.consumed[p] = 1
         cur = self.current_log
         if cur is not None and cur.release_after_use:
@@ -178,6 +179,8 @@ class Stream:
                 cur.release(done)
                 if self.next_log is not None:
                     self.next_log.room_freed()
+                return True
+        return False
 
     def advance(self) -> None:
         """Move the position past what is consumed; wake what waits on it."""
