@@ -3,7 +3,7 @@ bounds for the same order (Belady's farthest-next-use and LRU, from bench.belady
 
     python -m bench.partial [--classes 8 --per-class 250 --mean-kb 20]
                             [--cache-fracs 0.1,0.3,0.6] [--ranks 1,2,4] [--epochs 4]
-                            [--out bench/results/partial.json]
+                            [--chunk-size 256K] [--out bench/results/partial.json]
                             [--policies lru,reuse-distance,lcache] [--both-layouts]
 
 ``--ranks N`` starts N training processes together on one mount, each under its own
@@ -148,6 +148,7 @@ def main() -> int:
     ap.add_argument("--ranks", type=_ints, default=[1],
                     help="training processes on the mount, comma-separated for a grid (1)")
     ap.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank")
+    ap.add_argument("--chunk-size", default="256K", help="the mounts' --chunk-size (256K)")
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None)
@@ -172,6 +173,7 @@ def main() -> int:
         f.write(LOOP)
     policies = [p.strip() for p in a.policies.split(",") if p.strip()]
     res = {"files": len(sizes), "dataset_bytes": total, "epochs": a.epochs, "batch": BATCH,
+           "chunk_size": a.chunk_size,
            "merged_order": "round robin by batch: rank 0's batch b, rank 1's batch b, ..., "
                            "then batch b + 1 (the ranks' lockstep order)",
            "cells": []}
@@ -195,7 +197,7 @@ def main() -> int:
                     "runs": []}
             for k, policy in enumerate(policies):
                 for reorder in ([True, False] if a.both_layouts else [not a.no_reorder]):
-                    extra = ["--cache-size", str(cap), "--chunk-size", "256K", "--min-free", "0",
+                    extra = ["--cache-size", str(cap), "--chunk-size", a.chunk_size, "--min-free", "0",
                              "--policy", policy] + ([] if reorder else ["--no-reorder"])
                     tag = f"r{ranks}-c{frac}-{k}-{int(reorder)}"
                     m = DlcMount(src, os.path.join(work, f"mnt-{tag}"),

@@ -337,3 +337,42 @@ def test_a_backfill_of_in_process_reads_keeps_the_chunks_they_released(tmp_path)
     run_session(cfg, body, check_invariants=False)
     assert out["kept"] and out["written"] and out["source"] == 0
     assert out["gone_after"]
+
+
+def test_a_release_by_one_rank_retries_another_ranks_slots_that_found_no_room(tmp_path):
+    """Each rank's next log is filled from every rank's opens: a slot of rank 1's log that
+    found no room is retried when rank 0's current log releases a chunk (only the
+    releasing rank's own log was retried: rank 1's waited, unsealed, for the epoch's end,
+    and its next epoch read those chunks' samples from the source)."""
+    from dlcachefs.cache.namespace import identity
+    from dlcachefs.clairvoyance.positions import Positions
+    from dlcachefs.clairvoyance.stream import Stream
+
+    files, cfg = two_samples(tmp_path)
+    out = {}
+
+    async def body(sess):
+        writer = sess.engine.writer
+        nl, inos = await planned(sess, files)
+        S, T = inos
+        real = writer.try_reserve
+        writer.try_reserve = lambda n: False  # the cache is full of the current logs
+        nl.consumed(S, files[b"train/c0/img00.jpg"],
+                    identity(sess.engine.index.get_entry(S)))
+        writer.try_reserve = real
+        r0, r1 = Stream("default", 0), Stream("default", 1)
+        r0.order, r0.positions, r0.consumed = [T], Positions([T]), bytearray(1)
+        r0.current_log = _ReleasingLog()
+        r1.next_log = nl
+        table = sess.streams.streams
+        table[("default", 0)], table[("default", 1)] = r0, r1
+        sess.streams.note_open(r0, T)  # rank 0's read releases a chunk of its log
+        with trio.fail_after(20):
+            while not nl.slots[S].written:
+                await trio.sleep(0.01)
+        out["written"] = nl.slots[S].written
+        del table[("default", 0)], table[("default", 1)]
+        nl.abandon()
+
+    run_session(cfg, body, check_invariants=False)
+    assert out["written"]
