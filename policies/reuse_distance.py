@@ -10,13 +10,32 @@ applies, per node:
 (c) when the cache is full anyway, evict the sample whose next use is farthest, and
     prefetch (admit) the sample whose next use is nearest (Belady's MIN rule).
 
-Here the clock ticks once per sample served, so ``I`` is the epoch's length in samples and
-``h`` the position in it. The future is what the announced orders tell (this epoch and,
-when the sampler is seeded, the next): (a) and (b) only act when the next epoch is known
-(``horizon`` reaches the end of it), so an unknown future never evicts anything early.
-A unit (a chunk of several samples) is as near as its nearest member: it is released only
-when every member qualifies, and its eviction key is its members' earliest next use.
-With nothing announced the rules reduce to LRU (every key is NEVER; ties go oldest-first).
+Here the clock ticks once per sample served, whoever reads it; every stream (the ranks of
+a node) counts its distances at its own pace on it, and the end of the next epoch is
+each stream's own (:mod:`dlcachefs.clairvoyance.future`). ``I`` is an epoch's length in
+samples and ``h`` the position in it.
+
+The horizon: the job's number of epochs is not known to the mount, so "until the end of
+training" (Lobster's reuse count) is read as "within the known epochs": this one, the
+next, and the known epochs after it while those after this one read fewer bytes than
+the cache holds (at most six more; a seeded sampler's epochs are all replayable, orders
+sent with ``order`` lines only as far as sent). Why that far: the cache holds the
+samples of nearest next use, and once the epochs ahead read as many bytes as the cache
+holds, a sample whose next use lies beyond them is always farther than enough nearer
+ones to fill the cache; knowing more epochs would only rank samples that are evicted
+anyway. So with an epoch larger than the cache (every DistributedSampler epoch of a
+partially cached dataset) the horizon is this epoch and the next; epochs that read a
+part of the dataset each (importance sampling, subsets) reach further, so that a sample
+skipped by the next epoch but read by the one after has a far but finite next use
+instead of none. Rule (a) is then "no use within the horizon", which rule (b) (no use
+before the end of the next epoch) already implies: a release needs (b), the horizon
+orders the evictions.
+
+(a) and (b) only act when the next epoch is known for every stream, so an unknown
+future never evicts anything early. A unit (a chunk of several samples) is as near as
+its nearest member: it is released only when every member qualifies, and its eviction
+key is its members' earliest next use. With nothing announced the rules reduce to LRU
+(every key is NEVER; ties go oldest-first).
 """
 
 from __future__ import annotations
@@ -109,15 +128,13 @@ class ReuseDistancePolicy(CachingPolicy, SupportsReleaseAfterUse):
     def release_after_use(self, unit: int, sample: int) -> bool:
         if not self.eager or unit not in self._units:
             return False
-        fut = self.ctx.future
-        # Lobster's limit: now + 2I - h, the end of the next epoch (with epochs of equal
-        # length I); taken from the next epoch's known order, which also covers epochs of
-        # different lengths (importance sampling). Unknown next epoch: the rules wait.
-        limit = fut.next_epoch_end()
-        if limit is None:
-            return False
+        used = self.ctx.future.used_by_next_epoch_end
+        # Lobster's limit: now + 2I - h, the end of the next epoch, each reader's own
+        # (ranks sharing the clock each count in their own positions); taken from the
+        # next epoch's known order, which also covers epochs of different lengths
+        # (importance sampling). A reader's next epoch unknown: the rules wait.
         # (a) and (b): no member is read again before the end of the next epoch
-        if all(fut.next_use(m) > limit for m in self._units[unit][1]):
+        if all(used(m) is False for m in self._units[unit][1]):
             self.released += 1
             return True
         return False

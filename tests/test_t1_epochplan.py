@@ -51,3 +51,20 @@ def test_an_order_that_repeats_the_last_one_is_taken_to_repeat_again():
 def test_an_order_outside_the_sample_list_is_a_value_error():
     with pytest.raises(ValueError, match="outside"):
         plan({1: [0, 7]})
+
+
+def test_the_policys_horizon_takes_known_epochs_until_they_read_the_cache():
+    """Epochs of two of five samples (an importance sampler's): with a cache of four
+    samples' bytes, the plan holds the epochs after the next until they read four
+    samples' worth (two more); without a cache size to cover, none; an epoch not
+    announced ends it."""
+    s = dataclasses.replace(SAMPLES, nbytes=500)  # 100 bytes a sample
+    orders = {1: [0, 1], 2: [2, 4], 3: [0, 2], 4: [1, 4], 5: [0, 4]}
+    p = plan_epoch(explicit(orders), 1, s, last_order=None, laid_order=None,
+                   cluster_world=None, key="j/0", cover_bytes=400)
+    assert [n for _, n in p.later] == [2]  # epochs 2 + 3 read 400 bytes
+    assert p.later[0][0].next(11) == 0 and p.later[0][0].next(13) == 1
+    p = plan_epoch(explicit(orders), 1, s, last_order=None, laid_order=None,
+                   cluster_world=None, key="j/0", cover_bytes=10_000)
+    assert len(p.later) == 3  # epochs 3, 4, 5: epoch 6 is not announced
+    assert plan({1: [0, 1], 2: [2, 4], 3: [0, 2]}).later == ()  # no cover_bytes

@@ -66,6 +66,10 @@ class Future:
     def next_epoch_end(self):
         return self.h if self.length and self.h >= 2 * self.length - 1 else None
 
+    def used_by_next_epoch_end(self, s):
+        end = self.next_epoch_end()
+        return None if end is None else self.next_use(s) <= end
+
 
 class Imp:
     def __init__(self, values: dict[int, float], high: set[int] | None, version: int = 1):

@@ -258,3 +258,121 @@ def test_the_current_log_stays_protected_while_in_process_reads_report(tmp_path)
     assert out["kept"] == (True, 0)
     assert out["lost"] == (False, 1)
     assert out["again"] == (True, 0)
+
+
+def _recording_bytes_for(sess) -> list[int]:
+    """Record the inodes the next logs read back (from the cache, else the source)."""
+    calls: list[int] = []
+    real = sess.prefetcher.bytes_for
+
+    async def bytes_for(ino, ident):
+        calls.append(ino)
+        return await real(ino, ident)
+
+    sess.prefetcher.bytes_for = bytes_for
+    return calls
+
+
+def test_a_sample_served_without_room_keeps_its_bytes_for_its_slot(tmp_path):
+    """A sample served through the mount when the cache had no room for its slot (the
+    current log's release a drain late) is written from the bytes it was served, once
+    room comes: with a cache too small for the dataset it was prefetched into memory
+    only, and read again it was read from the source a second time."""
+    from dlcachefs.cache.namespace import identity
+
+    files, cfg = two_samples(tmp_path)
+    out = {}
+
+    async def body(sess):
+        writer = sess.engine.writer
+        nl, inos = await planned(sess, files)
+        S, _ = inos
+        real = writer.try_reserve
+        writer.try_reserve = lambda n: False  # the cache is full of the current log
+        nl.consumed(S, files[b"train/c0/img00.jpg"],
+                    identity(sess.engine.index.get_entry(S)))
+        writer.try_reserve = real
+        calls = _recording_bytes_for(sess)
+        before = sess.engine.counters.bytes_from_source
+        nl.room_freed()
+        retry = nl.take_no_room()
+        await nl.backfill(retry)
+        out.update(retry=retry, S=S, calls=calls, written=nl.slots[S].written,
+                   source=sess.engine.counters.bytes_from_source - before,
+                   held=nl.held_bytes)
+        nl.abandon()
+
+    run_session(cfg, body, check_invariants=False)
+    assert out["retry"] == [out["S"]] and out["written"]
+    assert out["calls"] == [] and out["source"] == 0 and out["held"] == 0
+
+
+def test_a_backfill_of_in_process_reads_keeps_the_chunks_they_released(tmp_path):
+    """Reads served in training processes release the current log's chunks in the same
+    step as they ask the next logs to read their records back: the chunks are pinned
+    until then, so a seal in between does not drop them (the record was read from the
+    source again: 1.5x Belady's source bytes), and they go once read."""
+    files, cfg = two_samples(tmp_path)
+    out = {}
+
+    async def body(sess):
+        eng, writer = sess.engine, sess.engine.writer
+        assert await read_all(eng, b"train/c0/img00.jpg")
+        await eng.flush()
+        nl, inos = await planned(sess, files)
+        S, _ = inos
+        chunk = eng.index.get_record(S).chunk_id
+        pinned = nl.hold([S])
+        writer.retire_chunk(chunk)  # released after use by the same reads
+        await writer.flush()  # a seal before the backfill ran
+        out["kept"] = eng.index.get_chunk(chunk) is not None
+        before = eng.counters.bytes_from_source
+        await nl.backfill([S], pinned)
+        out["written"] = nl.slots[S].written
+        out["source"] = eng.counters.bytes_from_source - before
+        await writer.flush()
+        out["gone_after"] = eng.index.get_chunk(chunk) is None and chunk not in writer.pins
+        nl.abandon()
+
+    run_session(cfg, body, check_invariants=False)
+    assert out["kept"] and out["written"] and out["source"] == 0
+    assert out["gone_after"]
+
+
+def test_a_release_by_one_rank_retries_another_ranks_slots_that_found_no_room(tmp_path):
+    """Each rank's next log is filled from every rank's opens: a slot of rank 1's log that
+    found no room is retried when rank 0's current log releases a chunk (only the
+    releasing rank's own log was retried: rank 1's waited, unsealed, for the epoch's end,
+    and its next epoch read those chunks' samples from the source)."""
+    from dlcachefs.cache.namespace import identity
+    from dlcachefs.clairvoyance.positions import Positions
+    from dlcachefs.clairvoyance.stream import Stream
+
+    files, cfg = two_samples(tmp_path)
+    out = {}
+
+    async def body(sess):
+        writer = sess.engine.writer
+        nl, inos = await planned(sess, files)
+        S, T = inos
+        real = writer.try_reserve
+        writer.try_reserve = lambda n: False  # the cache is full of the current logs
+        nl.consumed(S, files[b"train/c0/img00.jpg"],
+                    identity(sess.engine.index.get_entry(S)))
+        writer.try_reserve = real
+        r0, r1 = Stream("default", 0), Stream("default", 1)
+        r0.order, r0.positions, r0.consumed = [T], Positions([T]), bytearray(1)
+        r0.current_log = _ReleasingLog()
+        r1.next_log = nl
+        table = sess.streams.streams
+        table[("default", 0)], table[("default", 1)] = r0, r1
+        sess.streams.note_open(r0, T)  # rank 0's read releases a chunk of its log
+        with trio.fail_after(20):
+            while not nl.slots[S].written:
+                await trio.sleep(0.01)
+        out["written"] = nl.slots[S].written
+        del table[("default", 0)], table[("default", 1)]
+        nl.abandon()
+
+    run_session(cfg, body, check_invariants=False)
+    assert out["written"]

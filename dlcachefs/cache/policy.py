@@ -126,6 +126,12 @@ class FutureView(Protocol):
     def next_epoch_end(self) -> int | None:
         """Last tick of the next epoch when its order is known, else None."""
 
+    def used_by_next_epoch_end(self, sample: int) -> bool | None:
+        """Is ``sample`` read again before the end of the next epoch (Lobster's release
+        limit)? With several readers, each reader's own next epoch: True when one of them
+        reads it before the end of its next epoch, False when none does, None when a
+        reader's next epoch is not known."""
+
 
 class ImportanceView(Protocol):
     """Per-sample importance (iCACHE's IV, or the aggregated AIV of several jobs)."""
@@ -160,6 +166,9 @@ class _NoFuture:
         return 0
 
     def next_epoch_end(self) -> int | None:
+        return None
+
+    def used_by_next_epoch_end(self, sample: int) -> bool | None:
         return None
 
 

@@ -590,6 +590,8 @@ class ChunkWriter:
         self.pins[chunk_id] -= 1
         if self.pins[chunk_id] <= 0:
             del self.pins[chunk_id]
+            if chunk_id in self.retire:
+                self._wake.set()  # retired while pinned: the next seal evicts it
 
     # ----- the task ------------------------------------------------------------------
 

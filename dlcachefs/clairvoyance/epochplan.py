@@ -24,6 +24,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
+
 from dlcachefs.clairvoyance.learned import LearnedOpens, LearnedOrder
 from dlcachefs.clairvoyance.positions import (
     ClusterUse,
@@ -40,6 +42,10 @@ log = logging.getLogger(__name__)
 #: samplers whose order can be said to repeat the last epoch's (a sequential one always
 #: does, and its next epoch is known anyway)
 SHUFFLING = ("random", "subset_random", "distributed")
+
+#: known epochs after the next one the policy's future reaches into at most (see
+#: :func:`plan_epoch`'s ``cover_bytes``)
+MAX_LATER_EPOCHS = 6
 
 class ExplicitOrders:
     """Orders announced with ``order`` lines, in place of a replayed sampler."""
@@ -105,16 +111,23 @@ class EpochPlan:
     next_order: list[int]
     next_first: Positions | None  # inode -> its first position in ``next_order``
     cluster: ClusterUse | None  # --peers: a distributed sampler's cluster-wide use
+    #: the known epochs after the next one, (first positions, length) each, as far as
+    #: the policy's horizon reaches (``cover_bytes``)
+    later: tuple[tuple[Positions, int], ...] = ()
 
 
 def plan_epoch(replayer: Replayer, epoch: int, samples: SampleList, *,
                last_order: list[int] | None, laid_order: list[int] | None,
-               cluster_world: int | None, key: str) -> EpochPlan:
+               cluster_world: int | None, key: str, cover_bytes: int = 0) -> EpochPlan:
     """Thread: the :class:`EpochPlan` of ``epoch``. ``last_order``: the last epoch's
     order when this one may repeat it (a shuffling sampler over the same dataset, after
     an epoch); ``laid_order``: the order the log laid out for this epoch was laid out
     in; ``cluster_world``: the world of a distributed sampler whose every rank's order
-    is wanted (``--peers``). Raises what replay raises (ValueError, DlcError, OSError)."""
+    is wanted (``--peers``); ``cover_bytes``: the cache's size, which the known epochs
+    after this one should read at least (the policy's horizon: the next epoch, and more
+    known epochs while those read fewer bytes than the cache holds, at most
+    :data:`MAX_LATER_EPOCHS` more). Raises what replay raises (ValueError, DlcError,
+    OSError)."""
     order = replayer.order(epoch)
     repeats = last_order is not None and order == last_order
     # the log laid out for this epoch is read as its log only if it was laid out in this
@@ -136,8 +149,25 @@ def plan_epoch(replayer: Replayer, epoch: int, samples: SampleList, *,
     cluster = None
     if cluster_world is not None and isinstance(replayer, RemoteReplayer):
         cluster = _cluster_use(replayer, cluster_world, epoch, samples, key)
+    later: list[tuple[Positions, int]] = []
+    if nxt_first is not None and not repeats and cover_bytes > 0:
+        covered, k = epoch_bytes(nxt, samples), epoch + 2
+        while covered < cover_bytes and len(later) < MAX_LATER_EPOCHS and replayer.known(k):
+            o = replayer.order(k)
+            later.append((first_positions(o, samples), len(o)))
+            covered += epoch_bytes(o, samples)
+            k += 1
     return EpochPlan(epoch, samples, replayer, order, positions, consumed, repeats, laid_ok,
-                     nxt, nxt_first, cluster)
+                     nxt, nxt_first, cluster, tuple(later))
+
+
+def epoch_bytes(order: list[int], samples: SampleList) -> int:
+    """Thread: about the bytes of the distinct samples ``order`` reads (its share of
+    distinct samples times the dataset's bytes)."""
+    if not len(samples):
+        return 0
+    distinct = len(np.unique(np.asarray(order, dtype=np.int64)))
+    return samples.nbytes * distinct // len(samples)
 
 
 def _cluster_use(rep: RemoteReplayer, world: int, epoch: int, samples: SampleList,

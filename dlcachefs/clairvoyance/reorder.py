@@ -88,6 +88,9 @@ log = logging.getLogger(__name__)
 #: bytes of consumed samples waiting to be written to their slots; above it they are
 #: left for the fill at the epoch boundary
 MAX_QUEUED = 64 << 20
+#: bytes of samples served through the mount that found no room for their slots, kept
+#: until room is freed (:meth:`NextEpochLog.consumed`); above it they are read again
+MAX_HELD = 64 << 20
 
 
 @dataclass(slots=True)
@@ -224,6 +227,12 @@ class NextEpochLog:
         #: theirs a drain late, after opens through the mount that came next
         self._no_room: dict[int, None] = {}
         self._room_freed = False
+        #: the bytes of some of those slots, served through the mount: with a cache too
+        #: small for the dataset they are nowhere else (prefetched into memory only), and
+        #: read again they were read from the source twice (with reads served in training
+        #: processes, 1.5x Belady's source bytes over four epochs at a cache of 60%)
+        self._held: dict[int, bytes] = {}
+        self.held_bytes = 0
 
     async def plan(self, order_inos: list[int], max_bytes: int | None = None,
                    ranks: int = 1) -> None:
@@ -282,6 +291,9 @@ class NextEpochLog:
             return  # (the fill reads it at the epoch boundary)
         if not self._reserve(slot):
             self._no_room[ino] = None
+            if self.held_bytes + len(data) <= MAX_HELD and ino not in self._held:
+                self._held[ino] = bytes(data)
+                self.held_bytes += len(data)
             return
         slot.written = True  # claimed; written by the drain task
         self.queue.append((slot, bytes(data)))
@@ -372,6 +384,8 @@ class NextEpochLog:
         self.unprotect()
         self.failed = True
         self._finish = True
+        self._held.clear()
+        self.held_bytes = 0
         self._wake.set()
 
     async def run(self) -> None:
@@ -421,23 +435,71 @@ class NextEpochLog:
                     await self._seal(c)
                 # (a chunk of fillers only would hold nothing: it is given up at the end)
 
-    async def backfill(self, inos: list[int]) -> None:
+    def hold(self, inos: list[int]) -> list[int]:
+        """Pin the chunks the cache holds ``inos``' records in, until :meth:`backfill`
+        of them has read them (given the list returned). Called in the same step as the
+        reads served in training processes that may release those chunks (their bytes
+        never reach the daemon): a chunk released after use is dropped at the next seal,
+        and the backfill read its records from the source again."""
+        pinned = []
+        for ino in inos:
+            rec = self.index.get_record(ino)
+            if rec is not None and self.writer.pin(rec.chunk_id):
+                pinned.append(rec.chunk_id)
+        return pinned
+
+    async def backfill(self, inos: list[int], pinned: list[int] | None = None) -> None:
         """Queue samples consumed before this plan existed, read in training processes, or
-        that found no room when consumed (read back from the cache, else the source)."""
+        that found no room when consumed (read back from the cache, else the source).
+        ``pinned``: chunks :meth:`hold` pinned for them (a drain's reads): their records
+        are read first, then the chunks unpinned, so that the room of those the reads
+        released can take the records read from them."""
         try:
-            await self._backfill(inos)
+            if pinned is not None:
+                read = await self._read_pinned(inos, pinned)
+                pinned = None
+                await self._backfill(list(read), read)
+            else:
+                await self._backfill(inos)
         except Exception:  # noqa: BLE001 - a background task must never end the daemon
             log_failure(log, "stream %s: backfill of epoch %d's log failed", self.key, self.epoch)
+        finally:
+            for cid in pinned or ():
+                self.writer.unpin(cid)
 
-    async def _backfill(self, inos: list[int]) -> None:
+    async def _read_pinned(self, inos: list[int], pinned: list[int]
+                           ) -> dict[int, bytes | memoryview | None]:
+        """The planned bytes of the slots of ``inos`` still to be written, read while
+        ``pinned`` are pinned (unpinned on return)."""
+        out: dict[int, bytes | memoryview | None] = {}
+        try:
+            for ino in inos:
+                slot = self.slots.get(ino)
+                if slot is None or slot.written or self.failed or self._finish:
+                    continue
+                try:
+                    out[ino] = await self._planned_bytes(slot)
+                except DlcError:  # timed out, the source failing...: left for the fill
+                    continue
+        finally:
+            for cid in pinned:
+                self.writer.unpin(cid)
+        return out
+
+    async def _backfill(self, inos: list[int],
+                        read: dict[int, bytes | memoryview | None] | None = None) -> None:
+        """``read``: the bytes already read for ``inos`` (else read here)."""
         for ino in inos:
             slot = self.slots.get(ino)
             if slot is None or slot.written or self.failed or self._finish:
                 continue
-            try:
-                data = await self._planned_bytes(slot)
-            except DlcError:  # timed out, the source failing...: left for the fill
-                continue
+            if read is not None:
+                data = read[ino]
+            else:
+                try:
+                    data = await self._planned_bytes(slot)
+                except DlcError:  # timed out, the source failing...: left for the fill
+                    continue
             # (after the await: the log may have ended, or another task claimed the slot)
             if data is None and not self._finish:
                 self._claim_filler(slot)  # gone, or changed: never this version again
@@ -446,6 +508,9 @@ class NextEpochLog:
                 continue
             if not self._reserve(slot):
                 self._no_room[ino] = None
+                if self.held_bytes + len(data) <= MAX_HELD and ino not in self._held:
+                    self._held[ino] = bytes(data)
+                    self.held_bytes += len(data)
                 continue
             slot.written = True
             self.queue.append((slot, bytes(data)))
@@ -506,6 +571,10 @@ class NextEpochLog:
         """The bytes of the slot's planned version (the cache's, else the source's);
         None when that version is gone for good (the file deleted or changed). Other
         source errors (a timeout, EIO, a lapsed mount) raise: nothing is known then."""
+        held = self._held.pop(slot.ino, None)
+        if held is not None:
+            self.held_bytes -= len(held)
+            return held
         try:
             return await self.prefetcher.bytes_for(slot.ino, slot.ident)
         except (NotFound, SourceChanged):

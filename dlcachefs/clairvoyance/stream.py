@@ -115,6 +115,9 @@ class Stream:
     # future), and a distributed sampler's cluster-wide use (every rank's, --peers) -----
     next_first: Positions | None = None
     next_first_order: list[int] = field(default_factory=list)
+    #: the known epochs after the next one, (first positions, length) each, as far as the
+    #: policy's horizon reaches (:func:`~dlcachefs.clairvoyance.epochplan.plan_epoch`)
+    later_first: tuple[tuple[Positions, int], ...] = ()
     cluster: ClusterUse | None = None
     # this epoch's order is the last epoch's again (a generator seeded anew each epoch, a
     # DistributedSampler whose set_epoch is never called): the next one is taken to
@@ -165,8 +168,9 @@ class Stream:
 
     # ----- the epoch's progress -------------------------------------------------------
 
-    def consume(self, ino: int, p: int) -> None:
-        """Position ``p`` (of ``ino``) is done with in this epoch."""
+    def consume(self, ino: int, p: int) -> bool:
+        """Position ``p`` (of ``ino``) is done with in this epoch; True when that released
+        a chunk of its current log (room for the next logs)."""
         self.consumed[p] = 1
         cur = self.current_log
         if cur is not None and cur.release_after_use:
@@ -175,6 +179,8 @@ class Stream:
                 cur.release(done)
                 if self.next_log is not None:
                     self.next_log.room_freed()
+                return True
+        return False
 
     def advance(self) -> None:
         """Move the position past what is consumed; wake what waits on it."""

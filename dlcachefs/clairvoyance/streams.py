@@ -348,7 +348,7 @@ class StreamManager:
                 plan_epoch, replayer, epoch, samples,
                 last_order=s.order if may_repeat else None,
                 laid_order=laid.order if laid is not None else None,
-                cluster_world=world, key=s.key))
+                cluster_world=world, key=s.key, cover_bytes=self.planner.writer.limit))
         except (DlcError, ValueError, OSError) as e:
             s.error = str(e)
             s.mode, s.reason = "none", str(e)
@@ -401,6 +401,7 @@ class StreamManager:
         s.last_open = time.monotonic()
         s.latency.restart(s.last_open)
         s.next_first, s.next_first_order = plan.next_first, plan.next_order
+        s.later_first = plan.later
         s.cluster = plan.cluster
         early, s.early = s.early, []
         log.info("stream %s: epoch %d, %d samples, %s", s.key, epoch, len(order), s.mode)
@@ -430,10 +431,32 @@ class StreamManager:
         reads them from the cache (:meth:`NextEpochLog.backfill`), in the background."""
         if self._nursery is None:
             return
+        jobs = []
         for nl in self.next_logs():
             wanted = [i for i in inos if nl.wants(i)]
-            if wanted:
-                self._nursery.start_soon(nl.backfill, wanted)
+            if wanted:  # their chunks pinned now, before a seal drops those they released
+                jobs.append((nl, wanted, nl.hold(wanted)))
+        if jobs:
+            self._nursery.start_soon(self._backfill, jobs)
+
+    async def _backfill(self, jobs: list[tuple[NextEpochLog, list[int], list[int]]]) -> None:
+        """The logs' backfills of reads served in training processes, one after the
+        other; then every log's slots that found no room try again: the chunks those
+        reads released were pinned when the opens asked."""
+        for nl, wanted, pinned in jobs:
+            await nl.backfill(wanted, pinned)
+        self._retry_no_room()
+
+    def _retry_no_room(self) -> None:
+        """Room was freed (a chunk released after use, or unpinned): every next log's
+        slots that found none try again, in the background."""
+        if self._nursery is None:
+            return
+        for nl in self.next_logs():
+            nl.room_freed()
+            retry = nl.take_no_room()
+            if retry:
+                self._nursery.start_soon(nl.backfill, retry)
 
     def group_of(self, pid: int) -> str | None:
         """The ``unannounced/PGID`` key of a reader (:meth:`Attribution.group_of`)."""
@@ -451,13 +474,11 @@ class StreamManager:
         if p is None:
             return
         s.last_open = time.monotonic()
-        s.consume(ino, p)
+        if s.consume(ino, p):
+            # a chunk of its current log released: room for any rank's next log (each
+            # log's slots are filled from every rank's opens)
+            self._retry_no_room()
         s.advance()
-        nl = s.next_log
-        if nl is not None and self._nursery is not None:
-            retry = nl.take_no_room()
-            if retry:  # (consume released a chunk of the current log)
-                self._nursery.start_soon(nl.backfill, retry)
 
     def note_gone(self, inos: list[int]) -> None:
         """Files found gone from the source (``Namespace.on_removed``): no open of them

@@ -145,6 +145,10 @@ class _Future:
             return None
         return self.starts[self.epoch + 2] - 1
 
+    def used_by_next_epoch_end(self, sample: int) -> bool | None:
+        end = self.next_epoch_end()
+        return None if end is None else self.next_pos[sample] <= end
+
 
 class _Importance:
     def __init__(self, imp: Importance) -> None:

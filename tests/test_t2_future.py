@@ -1,0 +1,149 @@
+"""The policy's known future from several streams on one clock (Lobster with DDP ranks):
+distances at each stream's own pace, each stream's own release limit."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dlcachefs.cache.policy import NEVER, PolicyContext
+from dlcachefs.cache.views import PolicyClock
+from dlcachefs.clairvoyance.future import StreamFuture
+from dlcachefs.clairvoyance.positions import Positions
+from dlcachefs.clairvoyance.stream import Stream, StreamTable
+from policies.reuse_distance import ReuseDistancePolicy
+
+
+def stream(rank: int, order: list[int], nxt: list[int] | None, position: int = 0,
+           epoch_tick: int = 0) -> Stream:
+    """A stream of job ``j`` reading inodes ``order`` (the next epoch's ``nxt`` when
+    known), its first ``position`` read."""
+    s = Stream("j", rank)
+    s.samples = object()  # (known: the future only asks whether it is)
+    s.order = list(order)
+    s.positions = Positions(order)
+    for ino in order[:position]:
+        s.positions.pop(ino)
+    s.position = position
+    s.epoch_tick = epoch_tick
+    if nxt is not None:
+        s.next_first, s.next_first_order = Positions(nxt), list(nxt)
+    return s
+
+
+def future(*streams: Stream, tick: int) -> StreamFuture:
+    table = StreamTable()
+    for s in streams:
+        table[(s.job, s.rank)] = s
+    return StreamFuture(table, PolicyClock(tick))
+
+
+class _Cache:
+    def capacity(self) -> int:
+        return 1 << 30
+
+    def used(self) -> int:
+        return 0
+
+    def members(self, unit):
+        return ()
+
+    def unit_size(self, unit):
+        return 0
+
+
+def test_distances_count_at_each_streams_pace():
+    """Two streams on one clock, one reading three times as fast: a sample 10 positions
+    ahead of the slow one (4 ticks a position) comes after one 20 positions ahead of the
+    fast one (4/3 ticks a position). Counted 1:1 in positions they came the other way."""
+    a = stream(0, list(range(1, 201)), None, position=100, epoch_tick=0)
+    b = stream(1, list(range(201, 601)), None, position=300, epoch_tick=0)
+    f = future(a, b, tick=400)
+    slow, fast = f.next_use(111), f.next_use(521)  # 10 ahead of a, 20 ahead of b
+    assert slow == 400 + 4 * 10
+    assert fast < slow
+    assert fast == 400 + 20 * 400 / 300
+
+
+def test_a_stream_too_early_to_measure_takes_an_equal_share():
+    """Two ranks that just began: each position is taken as two ticks."""
+    a = stream(0, list(range(1, 101)), None, position=3, epoch_tick=50)
+    b = stream(1, list(range(101, 201)), None, position=3, epoch_tick=50)
+    f = future(a, b, tick=56)
+    assert f.next_use(10) == 56 + 2 * 6
+    assert f.next_use(150) == 56 + 2 * 46
+    assert f.next_use(999) == NEVER
+
+
+def test_release_limit_is_each_streams_own_next_epoch():
+    """Rank 1 reads sample 5 (rank 0 read it this epoch) late in its next epoch: before
+    the end of ITS next epoch, so it is kept, although rank 0's next epoch (taken for
+    every rank before, in ticks 1:1 with its positions) ended earlier. A sample no rank
+    reads again goes."""
+    a = stream(0, list(range(1, 101)), list(range(101, 201)), position=50)
+    late = [*range(6, 100)][:94] + [5] + [*range(300, 305)]
+    b = stream(1, list(range(101, 201)), late, position=50)
+    f = future(a, b, tick=100)
+    pol = ReuseDistancePolicy(PolicyContext(_Cache(), f))
+    pol.on_insert(7, (5,), 1000)
+    assert f.used_by_next_epoch_end(5) is True
+    assert not pol.release_after_use(7, 5)
+    pol.on_insert(8, (999,), 1000)
+    assert f.used_by_next_epoch_end(999) is False
+    assert pol.release_after_use(8, 999)
+
+
+def test_no_release_while_a_stream_does_not_know_its_next_epoch():
+    a = stream(0, list(range(1, 11)), list(range(1, 11)), position=5)
+    b = stream(1, list(range(11, 21)), None, position=5)
+    f = future(a, b, tick=10)
+    assert f.used_by_next_epoch_end(999) is None
+    assert f.next_epoch_end() is None
+    pol = ReuseDistancePolicy(PolicyContext(_Cache(), f))
+    pol.on_insert(1, (999,), 10)
+    assert not pol.release_after_use(1, 999)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ranks=st.integers(1, 4), n=st.integers(40, 400), seed=st.integers(0, 10_000),
+       at=st.floats(0.0, 0.999))
+def test_next_use_is_the_merged_orders_tick(ranks, n, seed, at):
+    """N ranks in lockstep (one open each, round robin) over disjoint shards: at any
+    point of the epoch, every sample's next use is its tick in the merged order of this
+    epoch and the next, within one round plus the pace's measuring error."""
+    rnd = random.Random(seed)
+    inos = list(range(1, n * ranks + 1))
+
+    def shards() -> list[list[int]]:
+        rnd.shuffle(inos)
+        return [inos[r::ranks] for r in range(ranks)]
+
+    cur, nxt = shards(), shards()
+    merged = [o[k] for k in range(n) for o in cur] + [o[k] for k in range(n) for o in nxt]
+    done = int(at * n) * ranks  # opens so far: every rank at position done / ranks
+    streams = [stream(r, cur[r], nxt[r], position=done // ranks) for r in range(ranks)]
+    f = future(*streams, tick=done)
+    true: dict[int, int] = {}
+    for t in range(len(merged) - 1, done - 1, -1):
+        true[merged[t]] = t
+    for ino, t in true.items():
+        got = f.next_use(ino)
+        assert abs(got - t) <= ranks + (t - done) / 16, (ino, got, t)
+
+
+def test_later_known_epochs_give_far_finite_uses_and_release_still_at_the_next():
+    """A sample read by neither this epoch nor the next but by the one after (an
+    importance sampler's) has a next use past the next epoch, not NEVER, and is still
+    released after use by Lobster's rule (it is not read during the next epoch)."""
+    s = stream(0, [1, 2, 3, 4], [5, 6], position=2)
+    s.later_first = ((Positions([7, 1]), 2), (Positions([8]), 1))
+    f = future(s, tick=2)
+    assert f.next_use(7) == 2 + 1 * (2 + 2 + 0)  # pace: an equal share of one stream
+    assert f.next_use(8) == 2 + (2 + 2 + 2 + 0)
+    assert f.next_use(9) == NEVER
+    assert f.horizon() == 2 + 2 + 2 + 2 + 1
+    pol = ReuseDistancePolicy(PolicyContext(_Cache(), f))
+    pol.on_insert(1, (7,), 10)
+    assert pol.release_after_use(1, 7)
