@@ -82,7 +82,7 @@ from dlcachefs.clairvoyance.future import StreamFuture
 from dlcachefs.clairvoyance.listings import SampleLists
 from dlcachefs.clairvoyance.nextepoch import NextEpochPlanner
 from dlcachefs.clairvoyance.prefetchloop import LEAD, PrefetchLoop, stream_lead_bytes
-from dlcachefs.clairvoyance.reorder import NextEpochLog
+from dlcachefs.clairvoyance.reorder import HeldBudget, NextEpochLog
 from dlcachefs.clairvoyance.stream import StreamTable
 from dlcachefs.clairvoyance.streams import StreamManager
 from dlcachefs.clairvoyance.trace import TraceRecorder
@@ -487,7 +487,7 @@ def _streams(cfg: Config, rp: _ReadPath, table: StreamTable, clock: PolicyClock,
     index, ns, writer, policy = rp.index, rp.ns, rp.writer, rp.policy
     next_log = partial(NextEpochLog, cfg=cfg, index=index, logs=rp.logs, writer=writer,
                        policy=policy, counters=rp.counters, disk_limiter=rp.disk_limiter,
-                       versions=rp.versions, prefetcher=prefetcher)
+                       versions=rp.versions, prefetcher=prefetcher, held=HeldBudget())
     losses: Losses | None = None  # (made below: it asks the streams for sample lists)
     streams = StreamManager(
         cfg, table, attribution=Attribution(table), lists=SampleLists(ns, index, table),

@@ -18,13 +18,15 @@ samples and ``h`` the position in it.
 The horizon: the job's number of epochs is not known to the mount, so "until the end of
 training" (Lobster's reuse count) is read as "within the known epochs": this one, the
 next, and the known epochs after it while those after this one read fewer bytes than
-the cache holds (at most six more; a seeded sampler's epochs are all replayable, orders
+the stream's share of the cache holds (the cache over its job's ranks, which share it;
+none when the dataset fits the cache, where nothing is evicted) (at most six more; a seeded sampler's epochs are all replayable, orders
 sent with ``order`` lines only as far as sent). Why that far: the cache holds the
 samples of nearest next use, and once the epochs ahead read as many bytes as the cache
 holds, a sample whose next use lies beyond them is always farther than enough nearer
 ones to fill the cache; knowing more epochs would only rank samples that are evicted
-anyway. So with an epoch larger than the cache (every DistributedSampler epoch of a
-partially cached dataset) the horizon is this epoch and the next; epochs that read a
+anyway. So with an epoch larger than its share (every DistributedSampler epoch of a
+partially cached dataset, each rank's shard against its share) the horizon is this epoch
+and the next; epochs that read a
 part of the dataset each (importance sampling, subsets) reach further, so that a sample
 skipped by the next epoch but read by the one after has a far but finite next use
 instead of none. Rule (a) is then "no use within the horizon", which rule (b) (no use

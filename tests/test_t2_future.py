@@ -147,3 +147,23 @@ def test_later_known_epochs_give_far_finite_uses_and_release_still_at_the_next()
     pol = ReuseDistancePolicy(PolicyContext(_Cache(), f))
     pol.on_insert(1, (7,), 10)
     assert pol.release_after_use(1, 7)
+
+
+def test_a_stream_idle_for_long_is_not_the_future():
+    """A training that ended leaves its stream in the table: its next epoch kept every
+    one of its samples from Lobster's release for any later job (a review finding). A
+    stream that opened nothing for IDLE_S is no longer asked; one that is reading is."""
+    import time
+
+    from dlcachefs.clairvoyance.stream import IDLE_S
+
+    gone = stream(0, [1, 2, 3, 4], [1, 2, 3, 4], position=4)
+    live = stream(1, [5, 6, 7, 8], [5, 6, 7, 8], position=1)
+    now = time.monotonic()
+    gone.last_open, live.last_open = now - IDLE_S - 1, now
+    f = future(gone, live, tick=10)
+    assert f.next_use(2) == NEVER  # only the gone stream would read it
+    assert f.next_use(6) != NEVER
+    gone.last_open = now  # reading again: it is the future again
+    f = future(gone, live, tick=11)
+    assert f.next_use(2) != NEVER

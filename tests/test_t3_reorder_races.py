@@ -4,6 +4,7 @@ holds a fetch open at the racing moment with events, no timing."""
 
 import os
 
+import pytest
 import trio
 
 from dlcachefs.clairvoyance.reorder import NextEpochLog
@@ -376,3 +377,67 @@ def test_a_release_by_one_rank_retries_another_ranks_slots_that_found_no_room(tm
 
     run_session(cfg, body, check_invariants=False)
     assert out["written"]
+
+
+def test_held_bytes_go_back_to_the_daemons_budget(tmp_path):
+    """Bytes held for a slot that found no room are given back when the slot is claimed
+    another way (a filler) and when the log ends: a log of a job gone kept them (64 MiB
+    a log, never given back). The budget is one for every log of the daemon."""
+    from dlcachefs.cache.namespace import identity
+
+    files, cfg = two_samples(tmp_path)
+    out = {}
+
+    async def body(sess):
+        writer = sess.engine.writer
+        nl, inos = await planned(sess, files)
+        S, T = inos
+        other = sess.streams.planner.new_log("other/0", 1)  # a second log, the same budget
+        assert other.budget is nl.budget
+        real = writer.try_reserve
+        writer.try_reserve = lambda n: False
+        for ino, rel in zip(inos, files, strict=True):
+            nl.consumed(ino, files[rel], identity(sess.engine.index.get_entry(ino)))
+        writer.try_reserve = real
+        out["held"] = (nl.held_bytes, nl.budget.used)
+        nl._claim_filler(nl.slots[T])  # T claimed another way: its bytes go
+        out["after_filler"] = (nl.held_bytes, nl.budget.used)
+        nl.abandon()  # the log ends: every byte goes
+        out["after_end"] = (nl.held_bytes, nl.budget.used)
+        other.abandon()
+
+    run_session(cfg, body, check_invariants=False)
+    assert out["held"] == (6000, 6000)
+    assert out["after_filler"] == (3000, 3000)
+    assert out["after_end"] == (0, 0)
+
+
+@pytest.mark.daemon_log_allows(r"backfill of epoch 1's log failed", r"RuntimeError: a bug")
+def test_a_backfill_whose_read_fails_unpins_each_chunk_once(tmp_path):
+    """The chunks pinned for a backfill of in-process reads are unpinned once, also when
+    its read raises: a second unpin took away another reader's pin on the chunk (a read
+    in flight), which could then be dropped and punched under it."""
+    files, cfg = two_samples(tmp_path)
+    out = {}
+
+    async def body(sess):
+        eng, writer = sess.engine, sess.engine.writer
+        assert await read_all(eng, b"train/c0/img00.jpg")
+        await eng.flush()
+        nl, inos = await planned(sess, files)
+        S, _ = inos
+        chunk = eng.index.get_record(S).chunk_id
+        assert writer.pin(chunk)  # another reader's pin, held throughout
+        pinned = nl.hold([S])
+
+        async def failing(slot):
+            raise RuntimeError("a bug in the read")
+
+        nl._planned_bytes = failing
+        await nl.backfill([S], pinned)  # logged, never raised
+        out["pins"] = writer.pins[chunk]
+        writer.unpin(chunk)
+        nl.abandon()
+
+    run_session(cfg, body, check_invariants=False)
+    assert out["pins"] == 1

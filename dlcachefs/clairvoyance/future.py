@@ -24,8 +24,10 @@ Concurrency: trio loop, like the policy.
 
 from __future__ import annotations
 
+import time
+
 from dlcachefs.cache.views import NEVER, PolicyClock
-from dlcachefs.clairvoyance.stream import Stream, StreamTable
+from dlcachefs.clairvoyance.stream import IDLE_S, Stream, StreamTable
 
 #: positions a stream reads in an epoch before its pace is measured from that epoch
 RATE_MIN_POSITIONS = 32
@@ -47,7 +49,12 @@ class StreamFuture:
         Asked once per member of a unit per decision: listed once per tick."""
         tick = self.clock.tick
         if self._active_at[0] != tick:
-            act = [s for s in self.streams.values() if s.order and s.samples is not None]
+            # a stream that opened nothing for IDLE_S (a training that ended) is not the
+            # future: its next epoch would keep its samples from every release, forever
+            # (0.0: no open or switch seen yet, as in a stream built by hand)
+            now = time.monotonic()
+            act = [s for s in self.streams.values() if s.order and s.samples is not None
+                   and (s.last_open == 0.0 or now - s.last_open < IDLE_S)]
             reading = sum(1 for s in act if s.position < len(s.order))
             self._active_at = (tick, [(s, self._pace(s, tick, reading)) for s in act])
         return self._active_at[1]

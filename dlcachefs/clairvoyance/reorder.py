@@ -89,8 +89,19 @@ log = logging.getLogger(__name__)
 #: left for the fill at the epoch boundary
 MAX_QUEUED = 64 << 20
 #: bytes of samples served through the mount that found no room for their slots, kept
-#: until room is freed (:meth:`NextEpochLog.consumed`); above it they are read again
+#: until room is freed (:meth:`NextEpochLog.consumed`), over every log of the daemon
+#: together; above it they are read again
 MAX_HELD = 64 << 20
+
+
+class HeldBudget:
+    """The bytes every next-epoch log of a daemon holds for slots that found no room
+    (:data:`MAX_HELD` in all: with many ranks, or logs of jobs gone, never more). Trio
+    loop only."""
+
+    def __init__(self, limit: int = MAX_HELD) -> None:
+        self.limit = limit
+        self.used = 0
 
 
 @dataclass(slots=True)
@@ -182,8 +193,11 @@ class NextEpochLog:
     def __init__(self, stream_key: str, epoch: int, *, cfg: Config, index: Index,
                  logs: LogStore, writer: ChunkWriter, policy: CachingPolicy,
                  counters: Counters, disk_limiter: trio.CapacityLimiter,
-                 versions: Versions, prefetcher: Prefetcher) -> None:
-        """The log of stream ``stream_key``'s ``epoch``. Its collaborators: the writer's
+                 versions: Versions, prefetcher: Prefetcher,
+                 held: HeldBudget | None = None) -> None:
+        """The log of stream ``stream_key``'s ``epoch``. ``held``: the budget of bytes
+        held for slots that found no room, shared by every log of the daemon (a budget
+        of this log's own without it). Its collaborators: the writer's
         ``--cache-size`` account, ids and retirement (``chunk_target``,
         ``reserve_chunk_ids``, ``reserve_log_id``, ``protected``, ``try_reserve``,
         ``unreserve``, ``commit_external``, ``retire_chunk``), the logs' file operations,
@@ -233,6 +247,7 @@ class NextEpochLog:
         #: processes, 1.5x Belady's source bytes over four epochs at a cache of 60%)
         self._held: dict[int, bytes] = {}
         self.held_bytes = 0
+        self.budget = held if held is not None else HeldBudget()
 
     async def plan(self, order_inos: list[int], max_bytes: int | None = None,
                    ranks: int = 1) -> None:
@@ -291,10 +306,9 @@ class NextEpochLog:
             return  # (the fill reads it at the epoch boundary)
         if not self._reserve(slot):
             self._no_room[ino] = None
-            if self.held_bytes + len(data) <= MAX_HELD and ino not in self._held:
-                self._held[ino] = bytes(data)
-                self.held_bytes += len(data)
+            self._hold_bytes(ino, data)
             return
+        self._drop_held(ino)
         slot.written = True  # claimed; written by the drain task
         self.queue.append((slot, bytes(data)))
         self.queued_bytes += len(data)
@@ -306,10 +320,32 @@ class NextEpochLog:
         if slot is not None:
             self._claim_filler(slot)
 
+    def _hold_bytes(self, ino: int, data: bytes | memoryview) -> None:
+        """Keep ``data`` for ``ino``'s slot, which found no room, within the daemon's
+        :data:`HELD` budget (else its bytes are read again when room comes)."""
+        if (ino not in self._held and not self._finish and not self.failed
+                and self.budget.used + len(data) <= self.budget.limit):
+            self._held[ino] = bytes(data)
+            self.held_bytes += len(data)
+            self.budget.used += len(data)
+
+    def _drop_held(self, ino: int) -> bytes | None:
+        data = self._held.pop(ino, None)
+        if data is not None:
+            self.held_bytes -= len(data)
+            self.budget.used -= len(data)
+        return data
+
+    def _drop_all_held(self) -> None:
+        self.budget.used -= self.held_bytes
+        self._held.clear()
+        self.held_bytes = 0
+
     def _claim_filler(self, slot: Slot) -> None:
         """Claim ``slot`` for a filler record (see :func:`filler_record`), unless it was
         claimed already, the log failed, or there is no room for it in --cache-size (its
         chunk then stays unsealed)."""
+        self._drop_held(slot.ino)
         if slot.written or self.failed or not self._reserve(slot):
             return
         slot.written = slot.filler = True
@@ -384,8 +420,7 @@ class NextEpochLog:
         self.unprotect()
         self.failed = True
         self._finish = True
-        self._held.clear()
-        self.held_bytes = 0
+        self._drop_all_held()
         self._wake.set()
 
     async def run(self) -> None:
@@ -405,6 +440,7 @@ class NextEpochLog:
             self.failed = True
             log_failure(log, "stream %s: reordering epoch %d failed", self.key, self.epoch)
         finally:
+            self._drop_all_held()  # (the log is written: nothing more is claimed)
             self.logs.filling.discard(self.log_id)
             given_up = [c for c in self.chunks if c.held and not c.sealed]
             for c in given_up:  # their bytes will never be indexed
@@ -456,16 +492,14 @@ class NextEpochLog:
         released can take the records read from them."""
         try:
             if pinned is not None:
+                # _read_pinned unpins them, whatever happens (one owner of the unpins: a
+                # second unpin would take away another reader's pin)
                 read = await self._read_pinned(inos, pinned)
-                pinned = None
                 await self._backfill(list(read), read)
             else:
                 await self._backfill(inos)
         except Exception:  # noqa: BLE001 - a background task must never end the daemon
             log_failure(log, "stream %s: backfill of epoch %d's log failed", self.key, self.epoch)
-        finally:
-            for cid in pinned or ():
-                self.writer.unpin(cid)
 
     async def _read_pinned(self, inos: list[int], pinned: list[int]
                            ) -> dict[int, bytes | memoryview | None]:
@@ -508,10 +542,9 @@ class NextEpochLog:
                 continue
             if not self._reserve(slot):
                 self._no_room[ino] = None
-                if self.held_bytes + len(data) <= MAX_HELD and ino not in self._held:
-                    self._held[ino] = bytes(data)
-                    self.held_bytes += len(data)
+                self._hold_bytes(ino, data)
                 continue
+            self._drop_held(ino)
             slot.written = True
             self.queue.append((slot, bytes(data)))
             self.queued_bytes += len(data)
@@ -571,10 +604,9 @@ class NextEpochLog:
         """The bytes of the slot's planned version (the cache's, else the source's);
         None when that version is gone for good (the file deleted or changed). Other
         source errors (a timeout, EIO, a lapsed mount) raise: nothing is known then."""
-        held = self._held.pop(slot.ino, None)
-        if held is not None:
-            self.held_bytes -= len(held)
-            return held
+        held = self._drop_held(slot.ino)
+        if held is not None and self.versions.listed_entry(slot.ino, slot.ident) is not None:
+            return held  # (its version still the listed one: else read as below)
         try:
             return await self.prefetcher.bytes_for(slot.ino, slot.ident)
         except (NotFound, SourceChanged):

@@ -344,11 +344,16 @@ class StreamManager:
             # with --peers, a distributed sampler's every rank's order too
             world = (spec.world if self.cfg.peers is not None and spec.kind == "distributed"
                      and spec.world >= 2 else None)
+            # the policy's horizon of later epochs (epochplan): this stream's share of the
+            # cache, which its job's ranks share; none when the dataset fits the cache
+            limit = self.planner.writer.limit
+            ranks = max(1, spec.world) if spec.kind == "distributed" else 1
+            cover = 0 if samples.nbytes <= limit else limit // ranks
             plan = await trio.to_thread.run_sync(partial(
                 plan_epoch, replayer, epoch, samples,
                 last_order=s.order if may_repeat else None,
                 laid_order=laid.order if laid is not None else None,
-                cluster_world=world, key=s.key, cover_bytes=self.planner.writer.limit))
+                cluster_world=world, key=s.key, cover_bytes=cover))
         except (DlcError, ValueError, OSError) as e:
             s.error = str(e)
             s.mode, s.reason = "none", str(e)
@@ -443,8 +448,15 @@ class StreamManager:
         """The logs' backfills of reads served in training processes, one after the
         other; then every log's slots that found no room try again: the chunks those
         reads released were pinned when the opens asked."""
-        for nl, wanted, pinned in jobs:
-            await nl.backfill(wanted, pinned)
+        started = 0
+        try:
+            for nl, wanted, pinned in jobs:
+                started += 1
+                await nl.backfill(wanted, pinned)  # (it unpins its chunks, whatever happens)
+        finally:  # cancelled (the daemon stopping): the pins of the logs not started go
+            for nl, _, pinned in jobs[started:]:
+                for cid in pinned:
+                    nl.writer.unpin(cid)
         self._retry_no_room()
 
     def _retry_no_room(self) -> None:
