@@ -81,8 +81,9 @@ MIB = 1 << 20
 #: bytes from the source below which a cost is not measured yet (a few files' latency
 #: would say more about the thread pool's start than about the source)
 MIN_COST_BYTES = 256 << 10
-#: seconds before a stopped dataset that was in use, or whose reclaim failed, is tried
-#: again (each try starts a child process)
+#: at most this many seconds before a stopped dataset that was in use, or whose reclaim
+#: failed, is tried again: the wait doubles from one share round each time (each try
+#: starts a child process)
 RECLAIM_RETRY_S = 60.0
 
 
@@ -243,7 +244,7 @@ class ShareKeeper:
         #: (dataset, stop) whose index is not as a clean stop left it: not tried again
         self._unfit: set[tuple[str, float]] = set()
         #: (dataset, stop) skipped (in use) or failed: not tried again before this time
-        self._retry_at: dict[tuple[str, float], float] = {}
+        self._retry_at: dict[tuple[str, float], tuple[float, float]] = {}  # (when, wait)
 
     # ----- blocking, before the loop (the daemon's start) and after it (its stop) -----
 
@@ -338,7 +339,7 @@ class ShareKeeper:
         # one stopped dataset per round: a child may take CHILD_TIMEOUT_S, and this
         # round's heartbeat must reach the ledger again before the others call it dead
         plan = [p for p in plan if (p[0], p[2]) not in self._unfit
-                and self._retry_at.get((p[0], p[2]), 0.0) <= now][:1]
+                and self._retry_at.get((p[0], p[2]), (0.0, 0.0))[0] <= now][:1]
         if plan:
             done, failed, skipped = await trio.to_thread.run_sync(self._reclaim, plan)
             self.errors += failed
@@ -346,7 +347,9 @@ class ShareKeeper:
                 if why == UNFIT:  # until it is mounted again (a new stop): not again
                     self._unfit.add((ds, stopped_at))
                 else:  # in use, or the child failed: not every round
-                    self._retry_at[(ds, stopped_at)] = now + RECLAIM_RETRY_S
+                    last = self._retry_at.get((ds, stopped_at), (0.0, 0.0))[1]
+                    wait = min(RECLAIM_RETRY_S, max(self.cfg.share_interval, 2 * last))
+                    self._retry_at[(ds, stopped_at)] = (now + wait, wait)
             for r in done:
                 self.reclaimed[r.dataset] = self.reclaimed.get(r.dataset, 0) + r.freed
             if done:  # the stopped datasets' limits are lower now: grow into the room
