@@ -106,6 +106,17 @@ def proc_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def proc_cpu_split(pid: int) -> tuple[float, float] | None:
+    """(utime, stime) of a process (all its threads), in seconds: time in its own code
+    against time in the kernel on its behalf (its syscalls, e.g. read-ahead it asked)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(") ", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
+
+
 def machine_cpu_seconds() -> tuple[float, float]:
     """(busy, total) CPU seconds of the whole machine since boot, all CPUs (``/proc/stat``;
     idle and iowait are not busy). Two readings give the machine's busy share between."""
