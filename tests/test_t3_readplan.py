@@ -511,3 +511,42 @@ def test_a_stream_read_in_process_is_advised_in_quarters_of_the_lead(tmp_path, m
     # 120 positions, a lead of 40: one call per quarter (10 positions) and the first
     # window, not one per position
     assert 1 <= len(calls) <= 120 // 10 + 3, calls
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_the_prefetch_loop_passes_cached_positions_without_a_task(tmp_path, monkeypatch,
+                                                                   stale):
+    """A warm epoch read through a plan: each position whose file is cached and listed
+    fresh is passed by the prefetch loop without a task (prefetch_one would only have
+    found it cached: its cost per sample). A listing past ``revalidate`` still goes
+    through prefetch_one, which checks the source first (freshness ahead of the reader).
+    Either way every position ends ready and the reader gets the source's bytes."""
+    cfg, files = make_setup(tmp_path, dataset(), revalidate=3600.0)
+    calls: list[int] = []
+
+    async def body(sess):
+        eng = sess.engine
+        pf = sess.prefetcher
+        real = pf.prefetch_one
+
+        async def counted(ino, stream):
+            calls.append(ino)
+            return await real(ino, stream)
+
+        monkeypatch.setattr(pf, "prefetch_one", counted)
+        r = Reader(sess, files)
+        await r.fill()
+        if stale:  # every listing checked long ago: the rule asks the source again
+            eng.ns.revalidate = 1e-9
+        s = await r.announce()
+        await r.read_rest()
+        with trio.fail_after(20):
+            while s.prefetched_upto < len(s.order):
+                await trio.sleep(0.01)
+        assert all(s.ready)
+
+    run_session(cfg, body)
+    if stale:
+        assert len(calls) == len(files)
+    else:
+        assert calls == []

@@ -347,16 +347,31 @@ class Namespace:
             return await self._restat(e)
         return await self._by_parent_listing(e)
 
-    async def _by_parent_listing(self, e: Entry) -> Entry:
-        """``e`` once its parent's listing (where its attributes come from) is within
-        ``revalidate``: re-listed first when it is older."""
+    def file_if_fresh(self, ino: int) -> Entry | None:
+        """What :meth:`fresh_file` would return without checking the source: the file's
+        entry when its parent's listing is within ``revalidate``; None when that call
+        would check first (or ``ino`` is not a file)."""
+        if self.revalidate == 0:
+            return None
+        e = self.index.get_entry(ino)
+        if e is None or is_dir(e) or time.time() - self._parent_checked(e) > self.revalidate:
+            return None
+        return e
+
+    def _parent_checked(self, e: Entry) -> float:
+        """When the listing of ``e``'s parent was last checked against the source."""
         checked = self._dir_checked.get(e.parent)
         if checked is None:
             checked = self.get(e.parent).checked_at
             if len(self._dir_checked) >= 100_000:
                 self._dir_checked.clear()  # bounded; refilled from the index as needed
             self._dir_checked[e.parent] = checked
-        if time.time() - checked > self.revalidate:
+        return checked
+
+    async def _by_parent_listing(self, e: Entry) -> Entry:
+        """``e`` once its parent's listing (where its attributes come from) is within
+        ``revalidate``: re-listed first when it is older."""
+        if time.time() - self._parent_checked(e) > self.revalidate:
             await self.refresh_dir(e.parent)
             e = self.get(e.ino)  # NotFound if it vanished
         return e

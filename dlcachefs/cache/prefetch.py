@@ -111,6 +111,15 @@ class Prefetcher:
         self.counters.prefetched += 1
         return True
 
+    def settled(self, ino: int, stream) -> bool:
+        """Whether :meth:`prefetch_one` would find nothing to do for ``ino`` without
+        checking the source: its listing is fresh, its version cached and no chunk is
+        loaded ahead for ``stream`` (a read plan or the kernel's pages serve it). The
+        prefetch loop passes such positions without a task (most of a warm epoch)."""
+        e = self.ns.file_if_fresh(ino)
+        return (e is not None and (self.plans.wanted(stream) or stream.pages_served)
+                and self.versions.is_cached(ino, identity(e)))
+
     def chunk_ahead(self, ino: int, stream) -> Chunk | None:
         """The chunk :meth:`prefetch_one` would load whole into the memory tier for
         ``ino`` (its cached record's), if any: the stream keeps its lead of such chunks

@@ -159,6 +159,14 @@ class PrefetchLoop:
                             sizes_ahead + size <= lead_bytes or not window):
                         break
                     await s.moved.wait()
+                if c is None and ino and self.prefetcher.settled(ino, s):
+                    # cached, listing fresh, nothing loaded ahead: what _fetch_one would
+                    # find, without a task (the loop's cost per sample of a warm epoch)
+                    s.prefetched_upto = p + 1
+                    window.append((p, size))
+                    sizes_ahead += size
+                    s.ready[p] = 1
+                    continue
                 await slots.acquire()
                 s.prefetched_upto = p + 1
                 window.append((p, size))
