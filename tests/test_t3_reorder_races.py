@@ -6,6 +6,7 @@ import os
 
 import pytest
 import trio
+import trio.testing
 
 from dlcachefs.clairvoyance.reorder import NextEpochLog
 from dlcachefs.testing.fakes import make_config, read_all, run_session, write_tree
@@ -441,3 +442,51 @@ def test_a_backfill_whose_read_fails_unpins_each_chunk_once(tmp_path):
 
     run_session(cfg, body, check_invariants=False)
     assert out["pins"] == 1
+
+
+def test_one_round_of_retries_shares_the_room_freed_between_logs(tmp_path):
+    """The slots of several next logs that found no room are retried in one round when
+    a chunk is released: each log's retry takes from what the others left of the room
+    (each was handed the whole room: together they read back more slots than could be
+    reserved, and those found no room again, read for nothing)."""
+    from dlcachefs.cache.namespace import identity
+    from dlcachefs.clairvoyance.stream import Stream
+    from dlcachefs.store.chunkfmt import CHUNK_HEADER_SIZE
+
+    files, cfg = two_samples(tmp_path)
+    out = {}
+
+    async def body(sess):
+        writer = sess.engine.writer
+        nl, inos = await planned(sess, files)
+        other = sess.streams.planner.new_log("default/1", 1)
+        await other.plan(inos)
+        S, _ = inos
+        real = writer.try_reserve
+        writer.try_reserve = lambda n: False  # the cache is full of the current logs
+        for log in (nl, other):
+            log.consumed(S, files[b"train/c0/img00.jpg"],
+                         identity(sess.engine.index.get_entry(S)))
+        writer.try_reserve = real
+        need = nl.slots[S].rlen + CHUNK_HEADER_SIZE
+        writer.reclaimable = lambda: need  # room freed for one of the two slots
+        retried: dict[str, list[int]] = {}
+        for log in (nl, other):
+            async def record(inos, pinned=None, key=log.key):
+                retried[key] = list(inos)
+            log.backfill = record
+        r0, r1 = Stream("default", 0), Stream("default", 1)
+        r0.next_log, r1.next_log = nl, other
+        table = sess.streams.streams
+        table[("default", 0)], table[("default", 1)] = r0, r1
+        sess.streams._retry_no_room()
+        await trio.testing.wait_all_tasks_blocked()
+        out["retried"] = sorted(len(v) for v in retried.values())
+        out["left_for_later"] = sorted(len(log._no_room) for log in (nl, other))
+        del table[("default", 0)], table[("default", 1)]
+        nl.abandon()
+        other.abandon()
+
+    run_session(cfg, body, check_invariants=False)
+    assert out["retried"] == [1]  # one slot's read: the room of one slot
+    assert out["left_for_later"] == [0, 1]  # the other log's, at the next release

@@ -81,7 +81,7 @@ from dlcachefs.clairvoyance.learned import similar
 from dlcachefs.clairvoyance.listings import SampleListMismatch, SampleLists, dataset_key
 from dlcachefs.clairvoyance.nextepoch import NextEpochPlanner
 from dlcachefs.clairvoyance.prefetchloop import PrefetchLoop
-from dlcachefs.clairvoyance.reorder import NextEpochLog
+from dlcachefs.clairvoyance.reorder import NextEpochLog, RoomRound
 from dlcachefs.clairvoyance.replay import SamplerSpec
 from dlcachefs.clairvoyance.replayworker import ReplayClosed, ReplayWorker
 from dlcachefs.clairvoyance.samplelist import SampleList
@@ -464,9 +464,12 @@ class StreamManager:
         slots that found none try again, in the background."""
         if self._nursery is None:
             return
+        room: RoomRound | None = None  # (one room for the round: every log shares it)
         for nl in self.next_logs():
             nl.room_freed()
-            retry = nl.take_no_room()
+            if room is None:
+                room = RoomRound(nl.writer.reclaimable())
+            retry = nl.take_no_room(room)
             if retry:
                 self._nursery.start_soon(nl.backfill, retry)
 
