@@ -490,3 +490,58 @@ def test_one_round_of_retries_shares_the_room_freed_between_logs(tmp_path):
     run_session(cfg, body, check_invariants=False)
     assert out["retried"] == [1]  # one slot's read: the room of one slot
     assert out["left_for_later"] == [0, 1]  # the other log's, at the next release
+
+
+def test_backfills_of_several_logs_run_together_and_unpin_once_when_cancelled(tmp_path):
+    """One drain's backfills of several next logs run two at a time (they ran one after
+    the other); cancelled (the daemon stopping) with one log still waiting for its turn,
+    each log's pins are unpinned once: by its backfill when it started, else by the
+    task that waited."""
+    files, cfg = two_samples(tmp_path)
+    out = {}
+
+    async def body(sess):
+        eng, writer = sess.engine, sess.engine.writer
+        assert await read_all(eng, b"train/c0/img00.jpg")
+        await eng.flush()
+        nl, inos = await planned(sess, files)
+        S, _ = inos
+        chunk = eng.index.get_record(S).chunk_id
+        logs = [nl]
+        for r in (1, 2):
+            other = sess.streams.planner.new_log(f"default/{r}", 1)
+            await other.plan(inos)
+            logs.append(other)
+        running: list[str] = []
+
+        def blocking(log):
+            async def backfill(inos, pinned=None):
+                running.append(log.key)
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    running.remove(log.key)
+                    for cid in pinned or ():  # (the contract: unpinned, whatever happens)
+                        writer.unpin(cid)
+            return backfill
+
+        jobs = []
+        for log in logs:
+            log.backfill = blocking(log)
+            jobs.append((log, [S], log.hold([S])))
+        assert writer.pin(chunk)  # another reader's pin, held throughout
+        out["pins"] = writer.pins[chunk]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sess.streams._backfill, jobs)
+            await trio.testing.wait_all_tasks_blocked()
+            out["running"] = len(running)
+            nursery.cancel_scope.cancel()  # the daemon stopping
+        out["pins_after"] = writer.pins.get(chunk, 0)
+        writer.unpin(chunk)
+        for log in logs:
+            log.abandon()
+
+    run_session(cfg, body, check_invariants=False)
+    assert out["pins"] == 4
+    assert out["running"] == 2  # BACKFILLS of the 3 (1 when one after the other)
+    assert out["pins_after"] == 1  # the other reader's, only
