@@ -25,6 +25,7 @@ policy. Prints JSON (and writes it to --out) and a table on stderr.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -101,6 +102,26 @@ def merged_order(n: int, ranks: int, epochs: int, batch: int = BATCH) -> list[in
     return seq
 
 
+def communicate_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
+    """Each process's ``(stdout, stderr)``, their pipes drained all at once (a thread per
+    process): drained in turn, a rank writing more than a pipe holds (64 KiB) while the
+    bench waits on another rank's pipe blocks, and with it the barrier every rank waits at.
+    A rank that fails has the others killed (they would wait at the barrier for it)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(procs))) as pool:
+        futs = {pool.submit(p.communicate, timeout=timeout): p for p in procs}
+        try:
+            for fut in concurrent.futures.as_completed(futs):
+                if fut.exception() is None and futs[fut].returncode != 0:
+                    for p in procs:
+                        if p.poll() is None:
+                            p.kill()
+        finally:
+            for p in procs:  # (a communicate that raised leaves its process running)
+                if p.poll() is None:
+                    p.kill()
+        return [f.result() for f in futs]
+
+
 def run_ranks(m: DlcMount, script: str, ranks: int, epochs: int, work: str,
               workers: int) -> list[dict]:
     """The ranks started together, each under its own ``dlcachefs run``; rank 0's
@@ -117,7 +138,7 @@ def run_ranks(m: DlcMount, script: str, ranks: int, epochs: int, work: str,
              str(epochs), rdv, str(BATCH), str(workers)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     try:
-        outs = [p.communicate(timeout=3600) for p in procs]
+        outs = communicate_all(procs, timeout=3600)
     finally:
         for p in procs:
             if p.poll() is None:

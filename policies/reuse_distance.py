@@ -92,13 +92,18 @@ class ReuseDistancePolicy(CachingPolicy, SupportsReleaseAfterUse):
         self._units.pop(unit, None)
         self._seq.pop(unit, None)
 
-    def _top(self, exclude: Collection[int], held: list) -> tuple[float, int] | None:
-        """The valid entry with the farthest key (popped), or None."""
+    def _top(self, exclude: Collection[int], held: list,
+             keys: dict[int, float]) -> tuple[float, int] | None:
+        """The valid entry with the farthest key (popped), or None. ``keys``: the units'
+        keys computed in this decision (the future does not move within one: a unit
+        re-keyed and popped again, or chosen and pushed back, is not computed again)."""
         while self._heap:
             neg, stamp, unit = heapq.heappop(self._heap)
             if self._seq.get(unit) != stamp:
                 continue  # stale
-            key = self._key(unit)
+            key = keys.get(unit)
+            if key is None:
+                key = keys[unit] = self._key(unit)
             if key != -neg:  # the future moved (a new order, reads not seen): re-key
                 heapq.heappush(self._heap, (-key, stamp, unit))
                 continue
@@ -111,7 +116,7 @@ class ReuseDistancePolicy(CachingPolicy, SupportsReleaseAfterUse):
     def farthest(self) -> float | None:
         """Key of the unit that would be evicted first (None when nothing is cached)."""
         held: list = []
-        top = self._top((), held)
+        top = self._top((), held, {})
         if top is None:
             return None
         key, unit = top
@@ -144,15 +149,16 @@ class ReuseDistancePolicy(CachingPolicy, SupportsReleaseAfterUse):
     def victims(self, need: int, exclude: Collection[int]) -> list[int]:
         out: list[int] = []
         held: list = []
+        keys: dict[int, float] = {}
         freed = 0
         while freed < need:
-            top = self._top(exclude, held)
+            top = self._top(exclude, held, keys)
             if top is None:
                 break
             _, unit = top
             out.append(unit)
             freed += self._units[unit][0]
-        for e in held + [(-self._key(u), self._seq[u], u) for u in out]:
+        for e in held + [(-keys[u], self._seq[u], u) for u in out]:
             heapq.heappush(self._heap, e)  # the caller calls on_remove for the chosen
         return out
 

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import trio
+import trio.testing
 
 from dlcachefs.clairvoyance.reorder import NextEpochLog
 from dlcachefs.testing.fakes import make_config, read_all, run_session, write_tree
@@ -441,3 +442,106 @@ def test_a_backfill_whose_read_fails_unpins_each_chunk_once(tmp_path):
 
     run_session(cfg, body, check_invariants=False)
     assert out["pins"] == 1
+
+
+def test_one_round_of_retries_shares_the_room_freed_between_logs(tmp_path):
+    """The slots of several next logs that found no room are retried in one round when
+    a chunk is released: each log's retry takes from what the others left of the room
+    (each was handed the whole room: together they read back more slots than could be
+    reserved, and those found no room again, read for nothing)."""
+    from dlcachefs.cache.namespace import identity
+    from dlcachefs.clairvoyance.stream import Stream
+    from dlcachefs.store.chunkfmt import CHUNK_HEADER_SIZE
+
+    files, cfg = two_samples(tmp_path)
+    out = {}
+
+    async def body(sess):
+        writer = sess.engine.writer
+        nl, inos = await planned(sess, files)
+        other = sess.streams.planner.new_log("default/1", 1)
+        await other.plan(inos)
+        S, _ = inos
+        real = writer.try_reserve
+        writer.try_reserve = lambda n: False  # the cache is full of the current logs
+        for log in (nl, other):
+            log.consumed(S, files[b"train/c0/img00.jpg"],
+                         identity(sess.engine.index.get_entry(S)))
+        writer.try_reserve = real
+        need = nl.slots[S].rlen + CHUNK_HEADER_SIZE
+        writer.reclaimable = lambda: need  # room freed for one of the two slots
+        retried: dict[str, list[int]] = {}
+        for log in (nl, other):
+            async def record(inos, pinned=None, key=log.key):
+                retried[key] = list(inos)
+            log.backfill = record
+        r0, r1 = Stream("default", 0), Stream("default", 1)
+        r0.next_log, r1.next_log = nl, other
+        table = sess.streams.streams
+        table[("default", 0)], table[("default", 1)] = r0, r1
+        sess.streams._retry_no_room()
+        await trio.testing.wait_all_tasks_blocked()
+        out["retried"] = sorted(len(v) for v in retried.values())
+        out["left_for_later"] = sorted(len(log._no_room) for log in (nl, other))
+        del table[("default", 0)], table[("default", 1)]
+        nl.abandon()
+        other.abandon()
+
+    run_session(cfg, body, check_invariants=False)
+    assert out["retried"] == [1]  # one slot's read: the room of one slot
+    assert out["left_for_later"] == [0, 1]  # the other log's, at the next release
+
+
+def test_backfills_of_several_logs_run_together_and_unpin_once_when_cancelled(tmp_path):
+    """One drain's backfills of several next logs run two at a time (they ran one after
+    the other); cancelled (the daemon stopping) with one log still waiting for its turn,
+    each log's pins are unpinned once: by its backfill when it started, else by the
+    task that waited."""
+    files, cfg = two_samples(tmp_path)
+    out = {}
+
+    async def body(sess):
+        eng, writer = sess.engine, sess.engine.writer
+        assert await read_all(eng, b"train/c0/img00.jpg")
+        await eng.flush()
+        nl, inos = await planned(sess, files)
+        S, _ = inos
+        chunk = eng.index.get_record(S).chunk_id
+        logs = [nl]
+        for r in (1, 2):
+            other = sess.streams.planner.new_log(f"default/{r}", 1)
+            await other.plan(inos)
+            logs.append(other)
+        running: list[str] = []
+
+        def blocking(log):
+            async def backfill(inos, pinned=None):
+                running.append(log.key)
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    running.remove(log.key)
+                    for cid in pinned or ():  # (the contract: unpinned, whatever happens)
+                        writer.unpin(cid)
+            return backfill
+
+        jobs = []
+        for log in logs:
+            log.backfill = blocking(log)
+            jobs.append((log, [S], log.hold([S])))
+        assert writer.pin(chunk)  # another reader's pin, held throughout
+        out["pins"] = writer.pins[chunk]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sess.streams._backfill, jobs)
+            await trio.testing.wait_all_tasks_blocked()
+            out["running"] = len(running)
+            nursery.cancel_scope.cancel()  # the daemon stopping
+        out["pins_after"] = writer.pins.get(chunk, 0)
+        writer.unpin(chunk)
+        for log in logs:
+            log.abandon()
+
+    run_session(cfg, body, check_invariants=False)
+    assert out["pins"] == 4
+    assert out["running"] == 2  # BACKFILLS of the 3 (1 when one after the other)
+    assert out["pins_after"] == 1  # the other reader's, only

@@ -104,6 +104,17 @@ class HeldBudget:
         self.used = 0
 
 
+class RoomRound:
+    """The room one round of retries hands out (:meth:`NextEpochLog.take_no_room`, after
+    a chunk was released or unpinned): the writer's reclaimable bytes once, each log's
+    retry taking what its slots need from what is left. Each log given the whole room
+    read back, together, more slots than could be reserved, and those that then found no
+    room were read for nothing. Trio loop only."""
+
+    def __init__(self, left: int) -> None:
+        self.left = left
+
+
 @dataclass(slots=True)
 class Slot:
     ino: int
@@ -557,22 +568,25 @@ class NextEpochLog:
         """The current epoch's log released a chunk: the slots that found no room may."""
         self._room_freed = True
 
-    def take_no_room(self) -> list[int]:
-        """The slots to backfill now that room was freed (none until it was)."""
+    def take_no_room(self, room: RoomRound | None = None) -> list[int]:
+        """The slots to backfill now that room was freed (none until it was). ``room``:
+        the round's room, shared with the other logs retried in the same round (taken
+        from here); without it, the writer's reclaimable bytes for this log alone."""
         if not self._room_freed or not self._no_room or self._finish or self.failed:
             return []
         self._room_freed = False
+        if room is None:
+            room = RoomRound(self.writer.reclaimable())
         # as many as the room freed holds (each read back from the cache, else the
         # source: not a read per release for slots that would find no room again)
-        budget = self.writer.reclaimable()
         out = []
         for i in list(self._no_room):
             slot = self.slots[i]
             if not slot.written:
                 need = slot.rlen + CHUNK_HEADER_SIZE
-                if need > budget:
+                if need > room.left:
                     break
-                budget -= need
+                room.left -= need
                 out.append(i)
             del self._no_room[i]
         return out

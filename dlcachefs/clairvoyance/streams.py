@@ -81,7 +81,7 @@ from dlcachefs.clairvoyance.learned import similar
 from dlcachefs.clairvoyance.listings import SampleListMismatch, SampleLists, dataset_key
 from dlcachefs.clairvoyance.nextepoch import NextEpochPlanner
 from dlcachefs.clairvoyance.prefetchloop import PrefetchLoop
-from dlcachefs.clairvoyance.reorder import NextEpochLog
+from dlcachefs.clairvoyance.reorder import NextEpochLog, RoomRound
 from dlcachefs.clairvoyance.replay import SamplerSpec
 from dlcachefs.clairvoyance.replayworker import ReplayClosed, ReplayWorker
 from dlcachefs.clairvoyance.samplelist import SampleList
@@ -94,6 +94,10 @@ from dlcachefs.store.schema import Entry
 __all__ = ["EpochStarted", "JobDropped", "Stream", "StreamManager", "StreamTable", "dataset_key"]
 
 log = logging.getLogger(__name__)
+
+#: next-epoch logs backfilled at once from one drain of reads served in training
+#: processes (each reads its records back from pinned chunks, on the disk limiter)
+BACKFILLS = 2
 
 
 class EpochStarted(Protocol):
@@ -445,28 +449,43 @@ class StreamManager:
             self._nursery.start_soon(self._backfill, jobs)
 
     async def _backfill(self, jobs: list[tuple[NextEpochLog, list[int], list[int]]]) -> None:
-        """The logs' backfills of reads served in training processes, one after the
-        other; then every log's slots that found no room try again: the chunks those
+        """The logs' backfills of reads served in training processes, :data:`BACKFILLS`
+        at a time (each log its own; their reads of one record from the source are one
+        fetch); then every log's slots that found no room try again: the chunks those
         reads released were pinned when the opens asked."""
-        started = 0
+        limiter = trio.CapacityLimiter(BACKFILLS)
+        async with trio.open_nursery() as nursery:
+            for nl, wanted, pinned in jobs:  # (no checkpoint: every job's task starts)
+                nursery.start_soon(self._backfill_one, limiter, nl, wanted, pinned)
+        self._retry_no_room()
+
+    @staticmethod
+    async def _backfill_one(limiter: trio.CapacityLimiter, nl: NextEpochLog,
+                            wanted: list[int], pinned: list[int]) -> None:
+        """One log's backfill under ``limiter``. Its pins have one owner at a time: the
+        backfill once it started (it unpins them, whatever happens), this task until
+        then (cancelled while waiting for its turn, the daemon stopping: unpinned here)."""
+        started = False
         try:
-            for nl, wanted, pinned in jobs:
-                started += 1
-                await nl.backfill(wanted, pinned)  # (it unpins its chunks, whatever happens)
-        finally:  # cancelled (the daemon stopping): the pins of the logs not started go
-            for nl, _, pinned in jobs[started:]:
+            async with limiter:
+                started = True  # (no checkpoint between the acquire and the backfill)
+                await nl.backfill(wanted, pinned)
+        finally:
+            if not started:
                 for cid in pinned:
                     nl.writer.unpin(cid)
-        self._retry_no_room()
 
     def _retry_no_room(self) -> None:
         """Room was freed (a chunk released after use, or unpinned): every next log's
         slots that found none try again, in the background."""
         if self._nursery is None:
             return
+        room: RoomRound | None = None  # (one room for the round: every log shares it)
         for nl in self.next_logs():
             nl.room_freed()
-            retry = nl.take_no_room()
+            if room is None:
+                room = RoomRound(nl.writer.reclaimable())
+            retry = nl.take_no_room(room)
             if retry:
                 self._nursery.start_soon(nl.backfill, retry)
 
