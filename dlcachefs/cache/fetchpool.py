@@ -4,7 +4,8 @@ source, checksummed and appended to the cache by N processes, and only indexed h
 Who does what:
 
 * the daemon (this module, trio loop) decides what to fetch (the prefetcher asks
-  :meth:`FetchPool.fetch` for one file), asks the policy to admit it, reserves its
+  :meth:`FetchPool.fetch` for one file, for a stream or for scan-ahead: a guess, only
+  into free room), asks the policy to admit it, reserves its
   bytes in the ``--cache-size`` account (:meth:`ChunkWriter.try_reserve`) and holds the
   file as in flight (:meth:`Fetcher.hold`: opens join it, prefetch skips it) BEFORE a
   worker may write it;
@@ -176,6 +177,7 @@ class FetchPool(TaskOwner):
         self._closing = False
         #: counts for stats (``fetch_workers``)
         self.files = 0  # files written by workers and indexed
+        self.guesses = 0  # of them, scan-ahead's
         self.jobs = 0
         self.fallbacks = 0  # files handed back to the usual fetch
         self.restarts = 0  # workers that died and were replaced
@@ -184,7 +186,8 @@ class FetchPool(TaskOwner):
 
     def stats(self) -> dict:
         return {"workers": self.n, "pids": list(self.pids), "files": self.files,
-                "jobs": self.jobs, "fallbacks": self.fallbacks, "restarts": self.restarts}
+                "scan_ahead": self.guesses, "jobs": self.jobs, "fallbacks": self.fallbacks,
+                "restarts": self.restarts}
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -201,15 +204,20 @@ class FetchPool(TaskOwner):
 
     # ----- the prefetcher's call -------------------------------------------------------
 
-    async def fetch(self, e: Entry) -> bool | None:
+    async def fetch(self, e: Entry, *, spare: int | None = None) -> bool | None:
         """Have a worker fetch and cache the current version of ``e``: True once it is
-        indexed; None when it was not (the caller fetches it the usual way)."""
+        indexed; None when it was not (the caller fetches it the usual way).
+
+        ``spare``: a guess (scan-ahead), which never evicts: only when the free room holds
+        it with ``spare`` bytes to spare (else None before the policy is asked)."""
         if not self.running or self._closing or self.fetcher.in_flight(e.ino):
             return None
         rel = self.ns.path_of(e)
+        charge = record_len(len(rel), e.size) + CHUNK_HEADER_SIZE
+        if spare is not None and self.writer.room() < charge + spare:
+            return None  # (so try_reserve below dooms nothing: no await in between)
         if not self.policy.admit(e.ino, e.size):
             return None  # (the usual path asks again, counts it, keeps it in memory)
-        charge = record_len(len(rel), e.size) + CHUNK_HEADER_SIZE
         if not self.writer.try_reserve(charge):
             self.policy.on_dropped(e.ino)
             return None
@@ -225,6 +233,8 @@ class FetchPool(TaskOwner):
         if not req.ok:
             self.fallbacks += 1
             return None
+        if spare is not None:
+            self.guesses += 1
         return True
 
     async def _read_back(self, e: Entry) -> bytes | None:

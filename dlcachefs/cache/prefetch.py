@@ -6,7 +6,8 @@
   memory only when the dataset is larger than the cache;
 * :meth:`Prefetcher.scan_one`: scan-ahead (:mod:`dlcachefs.cache.scanahead`) fetches a
   file of a tree read in an unknown order, into free cache room only (a guess never
-  evicts, and never takes the room readers' own files wait in);
+  evicts, and never takes the room readers' own files wait in); with fetch workers
+  (``--fetch-workers``) a worker fetches and appends it, else the daemon does;
 * :meth:`Prefetcher.bytes_for`: the reorderer (:mod:`dlcachefs.clairvoyance.reorder`)
   asks for a version of a file to fill its next epoch's log: from the cache, else the
   source.
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
 
 #: the owner of scan-ahead's files in the read-ahead set (no stream's epoch ends them)
 SCAN_OWNER = "scan-ahead"
+#: bytes of free cache room a guess leaves beyond its own (it never evicts)
+GUESS_SPARE = 4096
 
 
 class Prefetcher:
@@ -50,8 +53,8 @@ class Prefetcher:
                  reader: LogReader, writer: ChunkWriter, policy: CachingPolicy,
                  backlog: Backlog, readahead: ReadAhead, plans: ReadPlanner,
                  counters: Counters, pool: FetchPool | None = None) -> None:
-        """``pool``: the fetch workers (``--fetch-workers``) that fetch streams' files
-        ahead into the cache, off the daemon's core (None: the fetcher does)."""
+        """``pool``: the fetch workers (``--fetch-workers``) that fetch streams' and
+        scan-ahead's files into the cache, off the daemon's core (None: the fetcher does)."""
         self.cfg = cfg
         self.pool = pool
         self.ns = ns
@@ -130,6 +133,17 @@ class Prefetcher:
             return 0, False
         if self._left_to_open(ino):
             return 0, False
+        if (self.pool is not None and ino not in self.writer.pending and ino not in self.backlog
+                and await self.pool.fetch(e, spare=GUESS_SPARE)):
+            # a worker read, checked and appended it into free room (the pool asked the
+            # policy and reserved it; nothing was evicted); it is indexed: its open reads it
+            # from the log. (A file with another version waiting here stays with the
+            # in-daemon path below, which knows what to do with it.)
+            self.counters.scan_ahead_files += 1
+            self.counters.scan_ahead_bytes += e.size
+            return e.size, True
+        # (no pool, or it did not write it: no room, not admitted, changed on the source,
+        # a worker died; then the usual way, which counts and decides as before)
         await self.writer.wait_room(e.size)
         if self.versions.is_cached(ino, identity(e)) or self.fetcher.in_flight(ino):
             return 0, False
@@ -159,7 +173,7 @@ class Prefetcher:
                 return len(data), False  # a newer version came meanwhile
             if ino in self.writer.pending:  # this version, or a newer one
                 return len(data), self.versions.in_writer(ino, ident)
-            if self.writer.room() < len(data) + 4096:
+            if self.writer.room() < len(data) + GUESS_SPARE:
                 return len(data), False  # room taken meanwhile: never evict for a guess
             if not self.policy.admit(ino, len(data)):
                 self.counters.not_admitted += 1

@@ -1,0 +1,106 @@
+"""Tier 3: scan-ahead's fetches through the fetch workers (``--fetch-workers``).
+
+:meth:`Prefetcher.scan_one` hands a guess to the pool (:meth:`FetchPool.fetch` with
+``spare``): a worker reads, checks and appends it, the daemon only indexes it. A guess
+never evicts: without free room for it the pool answers None before the policy is asked,
+and nothing is reserved. Whenever the pool answers None (no room, a worker died, the file
+changed), the daemon fetches it the usual way, with the usual rules and counts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dlcachefs.cache.prefetch import GUESS_SPARE
+from dlcachefs.testing.fakes import CountingSource, make_config, read_all, run_session, write_tree
+
+FILES = {f"train/c{i % 2}/{i:03d}.jpg".encode(): bytes([i]) * (3000 + 97 * i)
+         for i in range(6)}
+REL = b"train/c1/003.jpg"
+
+
+def _setup(tmp_path: Path, **kw) -> tuple:
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    write_tree(src, FILES)
+    return make_config(src, cache, **kw), CountingSource(src)
+
+
+def test_a_guess_is_fetched_and_appended_by_a_worker(tmp_path):
+    """With a pool, scan_one's file is written by a worker: the daemon's source never
+    reads it, its writer never holds it; it is indexed, counted as scan-ahead's (in the
+    mount's counters and the pool's), and served exactly from the log."""
+    cfg, source = _setup(tmp_path, fetch_workers=1)
+
+    async def body(sess):
+        eng, pool = sess.engine, sess.prefetcher.pool
+        assert pool is not None
+        e = eng.ns.resolve(REL)
+        assert await sess.prefetcher.scan_one(e.ino) == (len(FILES[REL]), True)
+        assert source.reads.get(REL, 0) == 0 and e.ino not in eng.writer.pending
+        assert eng.index.get_record(e.ino) is not None
+        assert (pool.guesses, pool.files, pool.fallbacks) == (1, 1, 0)
+        c = eng.counters
+        assert (c.scan_ahead_files, c.scan_ahead_bytes) == (1, len(FILES[REL]))
+        # cached and in flight no more: a second guess skips it
+        assert await sess.prefetcher.scan_one(e.ino) == (0, False)
+        assert await read_all(eng, REL) == FILES[REL]
+        assert (c.hits, c.misses) == (1, 0) and source.reads.get(REL, 0) == 0
+
+    run_session(cfg, body, source)
+
+
+class _NoPool:
+    """A pool that never writes anything (a worker gone, a changed file): None."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int | None]] = []
+
+    async def fetch(self, e, *, spare=None):
+        self.calls.append((e.ino, spare))
+        return None
+
+
+def test_a_guess_the_pool_does_not_write_is_fetched_by_the_daemon(tmp_path):
+    """The pool answers None: scan_one fetches the file in the daemon as without a pool
+    (read once, submitted to the writer, counted once), and it is served exactly."""
+    cfg, source = _setup(tmp_path)
+
+    async def body(sess):
+        eng = sess.engine
+        sess.prefetcher.pool = fake = _NoPool()
+        e = eng.ns.resolve(REL)
+        assert await sess.prefetcher.scan_one(e.ino) == (len(FILES[REL]), True)
+        assert fake.calls == [(e.ino, GUESS_SPARE)]
+        assert source.reads[REL] == 1
+        assert e.ino in eng.writer.pending or eng.index.get_record(e.ino) is not None
+        c = eng.counters
+        assert (c.scan_ahead_files, c.scan_ahead_bytes) == (1, len(FILES[REL]))
+        assert await read_all(eng, REL) == FILES[REL]
+        assert (c.hits, c.misses) == (1, 0) and source.reads[REL] == 1
+
+    run_session(cfg, body, source)
+
+
+def test_a_guess_never_evicts_through_the_pool(tmp_path):
+    """Free room short of the file and the spare: the pool writes nothing, asks the
+    policy nothing, reserves and dooms nothing; the daemon's path then fetches it and
+    does not keep it (as without a pool): (bytes fetched, not kept)."""
+    cfg, source = _setup(tmp_path, fetch_workers=1)
+
+    async def body(sess):
+        eng, pool = sess.engine, sess.prefetcher.pool
+        assert pool is not None
+        e = eng.ns.resolve(REL)
+        asked: list[int] = []
+        admit = eng.policy.admit
+        eng.policy.admit = lambda ino, size: asked.append(ino) or admit(ino, size)
+        eng.writer.room = lambda: len(FILES[REL]) + GUESS_SPARE - 1
+        reserved = eng.writer.reserved
+        assert await pool.fetch(e, spare=GUESS_SPARE) is None
+        assert asked == [] and eng.writer.reserved == reserved and not eng.writer.doomed
+        assert await sess.prefetcher.scan_one(e.ino) == (len(FILES[REL]), False)
+        assert asked == [] and not eng.writer.doomed
+        assert (pool.files, pool.guesses) == (0, 0)
+        assert e.ino not in eng.writer.pending and eng.index.get_record(e.ino) is None
+        assert source.reads[REL] == 1  # (the daemon's path fetched it, then let it go)
+
+    run_session(cfg, body, source)
