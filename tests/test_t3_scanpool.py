@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import trio
+
 from dlcachefs.cache.prefetch import GUESS_SPARE
 from dlcachefs.testing.fakes import CountingSource, make_config, read_all, run_session, write_tree
 
@@ -102,5 +104,47 @@ def test_a_guess_never_evicts_through_the_pool(tmp_path):
         assert (pool.files, pool.guesses) == (0, 0)
         assert e.ino not in eng.writer.pending and eng.index.get_record(e.ino) is None
         assert source.reads[REL] == 1  # (the daemon's path fetched it, then let it go)
+
+    run_session(cfg, body, source)
+
+
+def test_guesses_the_pool_hands_back_are_fetched_as_few_at_a_time_as_without_it(tmp_path):
+    """With a pool scan-ahead has a batch of files in flight per fetch --scan-ahead allows;
+    those the pool hands back are fetched by the daemon at most --scan-ahead at a time
+    (the source sees no more than without workers), and every one is cached exactly."""
+    cfg, source = _setup(tmp_path, scan_ahead=2)
+
+    async def body(sess):
+        eng, pre = sess.engine, sess.prefetcher
+        pre.pool = _NoPool()
+        assert pre.scan_batch > 1
+        fetch = eng.fetcher.fetch
+        now, most = [0], [0]
+
+        async def counted(e, cache=True):
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+            try:
+                await trio.sleep(0.02)
+                return await fetch(e, cache)
+            finally:
+                now[0] -= 1
+
+        eng.fetcher.fetch = counted
+        inos = [eng.ns.resolve(rel).ino for rel in FILES]
+        got: dict[int, tuple[int, bool]] = {}
+
+        async def one(ino: int) -> None:
+            got[ino] = await pre.scan_one(ino)
+
+        async with trio.open_nursery() as nursery:
+            for ino in inos:
+                nursery.start_soon(one, ino)
+        eng.fetcher.fetch = fetch
+        assert most[0] == 2
+        assert all(kept and n for n, kept in got.values()) and len(got) == len(FILES)
+        for rel, data in FILES.items():
+            assert await read_all(eng, rel) == data
+        assert sum(source.reads.values()) == len(FILES)
 
     run_session(cfg, body, source)

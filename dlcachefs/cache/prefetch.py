@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import trio
+
 from dlcachefs.cache.buffers import Backlog, ReadAhead
 from dlcachefs.cache.fetch import Fetcher
 from dlcachefs.cache.namespace import Namespace, identity
@@ -35,7 +37,7 @@ from dlcachefs.cache.stats import Counters
 from dlcachefs.cache.versions import Versions
 from dlcachefs.cache.writer import ChunkWriter
 from dlcachefs.config import Config
-from dlcachefs.store.schema import Chunk
+from dlcachefs.store.schema import Chunk, Entry
 
 if TYPE_CHECKING:
     from dlcachefs.cache.fetchpool import FetchPool
@@ -44,6 +46,10 @@ if TYPE_CHECKING:
 SCAN_OWNER = "scan-ahead"
 #: bytes of free cache room a guess leaves beyond its own (it never evicts)
 GUESS_SPARE = 4096
+#: with fetch workers, files scan-ahead has in flight per fetch it may have (``--scan-ahead
+#: N``): a worker reads its job's files one after another, so the source still sees at most
+#: one read per worker, and a job of many files costs the daemon about what one file does
+POOL_SCAN_BATCH = 16
 
 
 class Prefetcher:
@@ -67,6 +73,13 @@ class Prefetcher:
         self.readahead = readahead
         self.plans = plans
         self.counters = counters
+        self._scan_here_slots = trio.Semaphore(max(1, cfg.scan_ahead))
+
+    @property
+    def scan_batch(self) -> int:
+        """Files scan-ahead may have in flight per fetch ``--scan-ahead`` allows: 1, or
+        :data:`POOL_SCAN_BATCH` when fetch workers fetch them (see there)."""
+        return 1 if self.pool is None else POOL_SCAN_BATCH
 
     def _left_to_open(self, ino: int) -> bool:
         """An L-sample under --substitute: its open may be served by substitution."""
@@ -142,8 +155,16 @@ class Prefetcher:
             self.counters.scan_ahead_files += 1
             self.counters.scan_ahead_bytes += e.size
             return e.size, True
-        # (no pool, or it did not write it: no room, not admitted, changed on the source,
-        # a worker died; then the usual way, which counts and decides as before)
+        if self.pool is None:
+            return await self._scan_here(ino, e)
+        # the pool did not write it (no room, not admitted, changed on the source, a
+        # worker died): the usual way, which counts and decides as before, as many at a
+        # time as --scan-ahead allows (scan-ahead has a batch in flight per fetch then)
+        async with self._scan_here_slots:
+            return await self._scan_here(ino, e)
+
+    async def _scan_here(self, ino: int, e: Entry) -> tuple[int, bool]:
+        """:meth:`scan_one`'s fetch in the daemon."""
         await self.writer.wait_room(e.size)
         if self.versions.is_cached(ino, identity(e)) or self.fetcher.in_flight(ino):
             return 0, False

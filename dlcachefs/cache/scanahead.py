@@ -20,8 +20,10 @@ What: the tree's regular files in listing order (depth first, names sorted), sta
 after the reader's latest open (a sequential reader, e.g. an unshuffled loader or ``tar``,
 is followed; a random one finds any order as good), skipping what was opened or is cached.
 
-Bounds: ``Config.scan_ahead`` fetches in flight (0: off), and only one while a reader
-waits for the source (its own miss gets the link: a guess must not slow what is asked);
+Bounds: ``Config.scan_ahead`` fetches in flight (0: off; with fetch workers each is a
+batch of ``Prefetcher.scan_batch`` files, which a worker reads one after another), and only
+one while a reader waits for the source (its own miss gets the link: a guess must not slow
+what is asked);
 only into free cache room, never evicting anything for a guess (the tree stops when the
 room left would fall below an eighth of the cache);
 paused while the tree's readers are idle for ``IDLE_S``, ended after ``END_IDLE_S``; at
@@ -327,7 +329,8 @@ class ScanAhead(Observer):
         t.state = "scanning"
         n = len(inos)
         margin = self.writer.limit // 8  # --cache-size, or a shared root's share
-        slots = trio.Semaphore(self.concurrency)
+        # (with fetch workers, each of them a batch: Prefetcher.scan_batch)
+        slots = trio.Semaphore(self.concurrency * self.prefetcher.scan_batch)
         cursor = (t.last_pos + 1) % n if n else 0
         left_before = 0  # left_out when the last file was fetched
         async with trio.open_nursery() as nursery:
