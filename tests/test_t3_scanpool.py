@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import trio
 
 from dlcachefs.cache.prefetch import GUESS_SPARE
@@ -148,3 +149,46 @@ def test_guesses_the_pool_hands_back_are_fetched_as_few_at_a_time_as_without_it(
         assert sum(source.reads.values()) == len(FILES)
 
     run_session(cfg, body, source)
+
+
+@pytest.mark.parametrize(("workers", "most"), [(0, 2), (1, 6)])
+def test_scan_ahead_in_flight_bound_with_and_without_workers(tmp_path, workers, most):
+    """--scan-ahead 2: two files in flight without workers; with them, batches, up to a
+    chunk's worth of bytes per fetch (64 KiB chunks: six files of 20,000 bytes in all);
+    every file of the tree ends cached exactly."""
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    files = {f"tree/{i:03d}.bin".encode(): bytes([i]) * 20_000 for i in range(60)}
+    write_tree(src, files)
+    cfg = make_config(src, cache, scan_ahead=2, fetch_workers=workers)
+    assert cfg.chunk_size == 64 << 10
+
+    async def body(sess):
+        eng, pre, scan = sess.engine, sess.prefetcher, sess.scan
+        real = pre.scan_one
+        now, seen = [0], [0]
+
+        async def held(ino: int):
+            now[0] += 1
+            seen[0] = max(seen[0], now[0])
+            try:
+                await trio.sleep(0.05)  # (in flight long enough for the loop to fill up)
+                return await real(ino)
+            finally:
+                now[0] -= 1
+
+        pre.scan_one = held
+        entries = [eng.ns.resolve(rel) for rel in files]
+        for e in entries[:32]:  # a reader's 32 distinct opens: the tree is scanned
+            scan.note_open("g", e.ino, e.parent)
+        tree = scan.trees[entries[0].parent]
+        with trio.fail_after(60):
+            while tree.state in ("listing", "scanning", "paused"):
+                await trio.sleep(0.02)
+        assert (tree.state, tree.files) == ("done", 28)
+        assert seen[0] == most
+        for rel, data in files.items():
+            assert await read_all(eng, rel) == data
+        if workers:
+            assert sess.prefetcher.pool.guesses == 28
+
+    run_session(cfg, body, CountingSource(src))

@@ -49,7 +49,7 @@ GUESS_SPARE = 4096
 #: with fetch workers, files scan-ahead has in flight per fetch it may have (``--scan-ahead
 #: N``): a worker reads its job's files one after another, so the source still sees at most
 #: one read per worker, and a job of many files costs the daemon about what one file does
-POOL_SCAN_BATCH = 16
+POOL_SCAN_BATCH = 32
 
 
 class Prefetcher:

@@ -21,7 +21,8 @@ after the reader's latest open (a sequential reader, e.g. an unshuffled loader o
 is followed; a random one finds any order as good), skipping what was opened or is cached.
 
 Bounds: ``Config.scan_ahead`` fetches in flight (0: off; with fetch workers each is a
-batch of ``Prefetcher.scan_batch`` files, which a worker reads one after another), and only
+batch of up to ``Prefetcher.scan_batch`` files and a chunk's worth of bytes, which a worker
+reads one after another), and only
 one while a reader waits for the source (its own miss gets the link: a guess must not slow
 what is asked);
 only into free cache room, never evicting anything for a guess (the tree stops when the
@@ -114,6 +115,7 @@ class _Tree:
     unkept: int = 0  # fetched files in a row the cache did not keep
     active: int = 0  # fetches in flight
     active_bytes: int = 0  # their sizes (not yet charged to the cache's room)
+    freed: trio.Event = field(default_factory=trio.Event)  # set when one ends
 
     def position(self, ino: int) -> int:
         if self.inos is None or self.sorted_pos is None or not len(self.inos):
@@ -370,6 +372,12 @@ class ScanAhead(Observer):
                     while self.fetcher.demand_fetches and t.active >= 1:
                         with trio.move_on_after(DEMAND_POLL_S):
                             await self.fetcher.demand_idle.wait()
+                    # batches (fetch workers): beyond one file per fetch, a chunk's worth
+                    # of bytes per fetch at most (large files are not queued by the dozen)
+                    while (t.active >= self.concurrency and t.active_bytes + int(sizes[q])
+                           > self.concurrency * self.cfg.chunk_size):
+                        t.freed = trio.Event()
+                        await t.freed.wait()
                     if t.done[q]:
                         slots.release()
                         continue
@@ -419,6 +427,7 @@ class ScanAhead(Observer):
         finally:
             t.active -= 1
             t.active_bytes -= size
+            t.freed.set()
             slots.release()
 
     def stats(self) -> dict:
