@@ -214,7 +214,8 @@ def scan_counts(st: dict) -> dict:
     """Files scanned ahead, how many of them the workers wrote, and the reader's misses."""
     pool = st.get("fetch_workers") or {}
     return {"scanned": st.get("scan_ahead_files", 0), "by_workers": pool.get("scan_ahead", 0),
-            "pool_fallbacks": pool.get("fallbacks", 0), "misses": st.get("misses"),
+            "pool_fallbacks": pool.get("fallbacks", 0), "pool_jobs": pool.get("jobs", 0),
+            "misses": st.get("misses"),
             "fetch_waits": st.get("fetch_waits"),
             "trees": {k: (v.get("state"), v.get("files"))
                       for k, v in (st.get("scan_ahead") or {}).items()}}
