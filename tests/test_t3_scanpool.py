@@ -192,3 +192,28 @@ def test_scan_ahead_in_flight_bound_with_and_without_workers(tmp_path, workers, 
             assert sess.prefetcher.pool.guesses == 28
 
     run_session(cfg, body, CountingSource(src))
+
+
+def test_guesses_go_one_per_job_while_a_reader_waits_for_the_source(tmp_path):
+    """While a reader waits for the source (``demand_fetches``), each worker job holds
+    one of scan-ahead's guesses: the link serves at most one guess per worker beside the
+    reader's miss. Every file still ends cached exactly."""
+    cfg, source = _setup(tmp_path, fetch_workers=1)
+
+    async def body(sess):
+        eng, pre = sess.engine, sess.prefetcher
+        pool = pre.pool
+        entries = [eng.ns.resolve(rel) for rel in FILES]
+        eng.fetcher.demand_fetches = 1  # (a reader's miss in flight, as the fetcher counts)
+        try:
+            async with trio.open_nursery() as nursery:
+                for e in entries:
+                    nursery.start_soon(pre.scan_one, e.ino)
+        finally:
+            eng.fetcher.demand_fetches = 0
+        assert (pool.guesses, pool.jobs) == (len(FILES), len(FILES))
+        for rel, data in FILES.items():
+            assert await read_all(eng, rel) == data
+        assert sum(source.reads.values()) == 0
+
+    run_session(cfg, body, source)

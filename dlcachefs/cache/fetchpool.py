@@ -9,7 +9,8 @@ Who does what:
   bytes in the ``--cache-size`` account (:meth:`ChunkWriter.try_reserve`) and holds the
   file as in flight (:meth:`Fetcher.hold`: opens join it, prefetch skips it) BEFORE a
   worker may write it;
-* each worker task batches what is queued (up to a chunk's worth), gives it a chunk id
+* each worker task batches what is queued (up to a chunk's worth; scan-ahead's guesses
+  one at a time while a reader waits for the source), gives it a chunk id
   and the offset in its worker's own log file (created here, kept in
   :attr:`LogStore.filling` while it is appended to), sends the job and awaits the answer
   (:mod:`dlcachefs.cache.fetchworker`: the worker reads, encodes ONE chunk, appends it
@@ -84,6 +85,7 @@ class _Request:
     e: Entry
     rel: bytes
     charge: int  # bytes reserved in the account for it (record + a chunk header)
+    guess: bool = False  # scan-ahead's
     done: trio.Event = field(default_factory=trio.Event)
     ok: bool = False  # written and indexed
 
@@ -221,7 +223,7 @@ class FetchPool(TaskOwner):
         if not self.writer.try_reserve(charge):
             self.policy.on_dropped(e.ino)
             return None
-        req = _Request(e, rel, charge)
+        req = _Request(e, rel, charge, guess=spare is not None)
         with self.fetcher.hold(e.ino) as inf:
             self._send.send_nowait(req)
             await req.done.wait()
@@ -301,7 +303,10 @@ class FetchPool(TaskOwner):
                     self.pids.append(w.proc.pid)
                 batch = [await self._queue.receive()]
                 size = batch[0].charge
-                while len(batch) < MAX_JOB_FILES and size < self.writer.chunk_target:
+                # while a reader waits for the source, scan-ahead's guesses go one per
+                # job: the link serves at most one guess per worker beside its miss
+                most = 1 if batch[0].guess and self.fetcher.demand_fetches else MAX_JOB_FILES
+                while len(batch) < most and size < self.writer.chunk_target:
                     try:
                         r = self._queue.receive_nowait()
                     except trio.WouldBlock:
