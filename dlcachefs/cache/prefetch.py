@@ -139,7 +139,8 @@ class Prefetcher:
 
     async def scan_one(self, ino: int) -> tuple[int, bool]:
         """Fetch ``ino`` into the cache unless it is there or on its way; (bytes fetched,
-        whether the cache kept them)."""
+        whether the cache kept them). With fetch workers a worker fetches it when it can
+        (see :meth:`FetchPool.fetch`'s ``spare``), else the daemon does."""
         e = await self.ns.fresh_file(ino)
         if (e.size > self.cfg.max_cached_file or self.fetcher.in_flight(ino)
                 or ino in self.readahead or self.versions.is_cached(ino, identity(e))):
@@ -159,7 +160,8 @@ class Prefetcher:
             return await self._scan_here(ino, e)
         # the pool did not write it (no room, not admitted, changed on the source, a
         # worker died): the usual way, which counts and decides as before, as many at a
-        # time as --scan-ahead allows (scan-ahead has a batch in flight per fetch then)
+        # time as --scan-ahead allows (scan-ahead has a batch in flight per fetch then;
+        # the bound is the daemon's, over all trees)
         async with self._scan_here_slots:
             return await self._scan_here(ino, e)
 

@@ -22,12 +22,10 @@ is followed; a random one finds any order as good), skipping what was opened or 
 
 Bounds: ``Config.scan_ahead`` fetches in flight (0: off; with fetch workers each is a
 batch of up to ``Prefetcher.scan_batch`` files and a chunk's worth of bytes, which a worker
-reads one after another), and only
-one while a reader waits for the source (its own miss gets the link: a guess must not slow
-what is asked);
-only into free cache room, never evicting anything for a guess (the tree stops when the
-room left would fall below an eighth of the cache);
-paused while the tree's readers are idle for ``IDLE_S``, ended after ``END_IDLE_S``; at
+reads one after another), and only one while a reader waits for the source (its own miss
+gets the link: a guess must not slow what is asked); only into free cache room, never
+evicting anything for a guess (the tree stops when the room left would fall below an eighth
+of the cache); paused while the tree's readers are idle for ``IDLE_S``, ended after ``END_IDLE_S``; at
 most ``MAX_TREES`` trees and ``MAX_FILES`` files listed per tree; a tree whose fetches the
 policy does not keep (``MAX_UNKEPT`` in a row) stops.
 
@@ -381,7 +379,9 @@ class ScanAhead(Observer):
                     if t.done[q]:
                         slots.release()
                         continue
-                    # the room now, less what is in flight (charged only once submitted)
+                    # the room now, less what is in flight (charged only once submitted;
+                    # a fetch worker's file is reserved at once: counted twice meanwhile,
+                    # a few chunks' worth at most, so the tree stops a little early)
                     free = self.writer.room() - t.active_bytes - margin
                     if free <= 0:
                         slots.release()
