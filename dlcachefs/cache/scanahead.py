@@ -25,9 +25,9 @@ batch of up to ``Prefetcher.scan_batch`` files and a chunk's worth of bytes, whi
 reads one after another), and only one while a reader waits for the source (its own miss
 gets the link: a guess must not slow what is asked); only into free cache room, never
 evicting anything for a guess (the tree stops when the room left would fall below an eighth
-of the cache); paused while the tree's readers are idle for ``IDLE_S``, ended after ``END_IDLE_S``; at
-most ``MAX_TREES`` trees and ``MAX_FILES`` files listed per tree; a tree whose fetches the
-policy does not keep (``MAX_UNKEPT`` in a row) stops.
+of the cache); paused while the tree's readers are idle for ``IDLE_S``, ended after
+``END_IDLE_S``; at most ``MAX_TREES`` trees and ``MAX_FILES`` files listed per tree; a tree
+whose fetches the policy does not keep (``MAX_UNKEPT`` in a row) stops.
 
 Concurrency: all state on the trio loop (:meth:`ScanAhead.opened` hears every open of
 the mount, at the open); listing the tree and checking what is cached run in threads.
