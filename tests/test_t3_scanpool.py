@@ -121,12 +121,16 @@ def test_guesses_the_pool_hands_back_are_fetched_as_few_at_a_time_as_without_it(
         assert pre.scan_batch > 1
         fetch = eng.fetcher.fetch
         now, most = [0], [0]
+        full = trio.Event()  # the first fetches wait until two are in flight
 
         async def counted(e, cache=True):
             now[0] += 1
             most[0] = max(most[0], now[0])
             try:
-                await trio.sleep(0.02)
+                if now[0] >= 2:
+                    full.set()
+                await full.wait()
+                await trio.sleep(0.02)  # (the others would start meanwhile, unbounded)
                 return await fetch(e, cache)
             finally:
                 now[0] -= 1
@@ -166,12 +170,15 @@ def test_scan_ahead_in_flight_bound_with_and_without_workers(tmp_path, workers, 
         eng, pre, scan = sess.engine, sess.prefetcher, sess.scan
         real = pre.scan_one
         now, seen = [0], [0]
+        full = trio.Event()  # the first fetches wait until the bound is reached
 
         async def held(ino: int):
             now[0] += 1
             seen[0] = max(seen[0], now[0])
             try:
-                await trio.sleep(0.05)  # (in flight long enough for the loop to fill up)
+                if now[0] >= most:
+                    full.set()
+                await full.wait()
                 return await real(ino)
             finally:
                 now[0] -= 1
