@@ -1,6 +1,7 @@
 """Daemon CPU per file fetched ahead by prefetch, with and without ``--fetch-workers``.
 
-    .venv/bin/python -m bench.fetchworkers [--files 1000] [--workers 0,2] [--out JSON]
+    .venv/bin/python -m bench.fetchworkers [--files 1000] [--workers 0,2]
+        [--phases prefetch,misses,scan,scanread] [--out JSON]
 
 A tree of ``--files`` random files of 60-160 KB on local disk (made once under
 ``--work``). For each value of ``--workers``, a fresh mount on an empty cache
@@ -16,6 +17,22 @@ daemon's process only: fetch workers are counted apart) and wall time:
   FUSE: the FUSE cost of a hit);
 * ``misses``: another fresh mount, nothing announced, 8 threads read every file (each
   open a miss the reader waits on through FUSE).
+
+Two more phases (``--phases``), each on a fresh mount with scan-ahead on (its default) and
+nothing announced, so that the reads are a reader group's with no known order:
+
+* ``scan``: the daemon's cost per file scan-ahead fetches. A reader opens
+  ``scanahead.MIN_OPENS`` files picked at random over the classes (so the tree is the
+  whole dataset), then only re-opens its first file (a hit) every ``KEEP_S`` seconds to
+  stay active while scan-ahead fetches the rest; ``files_per_s``: files scanned ahead per
+  second until the tree is done (``scan_s``, from the reader's first open); the CPU window
+  goes on until the writer holds nothing more (``wall_s``), and includes the reader's
+  first misses (through FUSE), the re-opens and the stats reads; ``daemon_ms_per_file``
+  is per file scanned ahead;
+* ``scanread``: a ``cat``-like reader (one thread) reads every file in directory order
+  while scan-ahead runs ahead of it: files/s of the reader (``read_s``) and daemon CPU
+  per file read (FUSE included; until the writer holds nothing more), the files
+  scan-ahead fetched and how many the workers wrote.
 
 The page cache is not dropped system-wide (nothing here needs root, and other runs may
 measure at the same time): the source files' own pages are dropped before each phase
@@ -35,11 +52,15 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from dlcachefs.cache.scanahead import MIN_OPENS
+
 from .mounting import DlcMount
 from .util import proc_cpu_seconds, write_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_WORK = os.path.join(REPO, "bench", "out", "fetchworkers")
+PHASES = ("prefetch", "misses", "scan", "scanread")
+KEEP_S = 0.5  # the scan phase's reader re-opens a file this often (below scanahead.IDLE_S)
 
 
 def log(msg: str) -> None:
@@ -137,15 +158,80 @@ def phase(m: DlcMount, fn, n: int) -> dict:
             "workers_cpu_s": round(wcpu, 3), "files_per_s": round(n / wall, 1)}
 
 
+def scan_done(st: dict) -> bool:
+    """Scan-ahead's trees are finished (what they fetched may wait for the writer)."""
+    trees = st.get("scan_ahead") or {}
+    return bool(trees) and all(t.get("state") not in ("listing", "scanning", "paused")
+                               for t in trees.values())
+
+
+def scan_phase(m: DlcMount, mnt: str, rels: list[str], want: dict[str, str]) -> dict:
+    """The ``scan`` phase (see the module doc): the cost per file scanned ahead."""
+    first = random.Random(2).sample(rels, MIN_OPENS)
+    c0, w0, t0 = proc_cpu_seconds(m.pid), workers_cpu(m), time.perf_counter()
+    read_all(mnt, first, want, threads=1)
+    last = time.monotonic()
+    while not scan_done(m.stats()):  # (a stats read: ~0.4 ms of the daemon's CPU)
+        if time.perf_counter() - t0 > 600:
+            raise SystemExit("scan-ahead did not finish")
+        if time.monotonic() - last > KEEP_S:
+            read_all(mnt, first[:1], want, threads=1)  # stay active: a hit
+            last = time.monotonic()
+        time.sleep(0.05)
+    scan_s = time.perf_counter() - t0
+    # (the daemon's writer seals what it holds after its flush interval: waited for, in
+    # the CPU counted, not in files/s)
+    m.wait_stats(lambda s: s.get("pending_bytes", 1) == 0, "the writer did not drain",
+                 timeout=600)
+    wall = time.perf_counter() - t0
+    cpu, wcpu = proc_cpu_seconds(m.pid) - c0, workers_cpu(m) - w0
+    st = m.stats()
+    k = max(st.get("scan_ahead_files", 0), 1)
+    out = {"scan_s": round(scan_s, 3), "wall_s": round(wall, 3),
+           "daemon_cpu_s": round(cpu, 3), "daemon_ms_per_file": round(1000 * cpu / k, 3),
+           "workers_cpu_s": round(wcpu, 3), "workers_ms_per_file": round(1000 * wcpu / k, 3),
+           "files_per_s": round(k / scan_s, 1)}
+    return out | scan_counts(st)
+
+
+def scanread_phase(m: DlcMount, mnt: str, rels: list[str], want: dict[str, str]) -> dict:
+    """The ``scanread`` phase (see the module doc): a ``cat`` of the tree in its order."""
+    c0, w0, t0 = proc_cpu_seconds(m.pid), workers_cpu(m), time.perf_counter()
+    read_all(mnt, rels, want, threads=1)
+    read_s = time.perf_counter() - t0
+    m.wait_stats(lambda s: s.get("pending_bytes", 1) == 0, "the writer did not drain",
+                 timeout=600)
+    wall = time.perf_counter() - t0
+    cpu, wcpu = proc_cpu_seconds(m.pid) - c0, workers_cpu(m) - w0
+    n = len(rels)
+    out = {"read_s": round(read_s, 3), "wall_s": round(wall, 3),
+           "daemon_cpu_s": round(cpu, 3), "daemon_ms_per_file": round(1000 * cpu / n, 3),
+           "workers_cpu_s": round(wcpu, 3), "files_per_s": round(n / read_s, 1)}
+    return out | scan_counts(m.stats())
+
+
+def scan_counts(st: dict) -> dict:
+    """Files scanned ahead, how many of them the workers wrote, and the reader's misses."""
+    pool = st.get("fetch_workers") or {}
+    return {"scanned": st.get("scan_ahead_files", 0), "by_workers": pool.get("scan_ahead", 0),
+            "pool_fallbacks": pool.get("fallbacks", 0), "pool_jobs": pool.get("jobs", 0),
+            "misses": st.get("misses"),
+            "fetch_waits": st.get("fetch_waits"),
+            "trees": {k: (v.get("state"), v.get("files"))
+                      for k, v in (st.get("scan_ahead") or {}).items()}}
+
+
 def run_one(a: argparse.Namespace, src: str, rels: list[str], want: dict[str, str],
             workers: int) -> dict:
     n = len(rels)
-    args = ["--scan-ahead", "0", "--cache-size", "4G"]
-    if workers:
-        args += ["--fetch-workers", str(workers)]
     out: dict = {"workers": workers}
     order = random.Random(1).sample(range(n), n)
-    for label in ("prefetch", "misses"):
+    for label in a.phases:
+        args = ["--cache-size", "4G"]
+        if label in ("prefetch", "misses"):
+            args += ["--scan-ahead", "0"]
+        if workers:
+            args += ["--fetch-workers", str(workers)]
         cache = os.path.join(a.work, f"cache-{workers}-{label}")
         mnt = os.path.join(a.work, f"mnt-{workers}-{label}")
         shutil.rmtree(cache, ignore_errors=True)
@@ -153,7 +239,11 @@ def run_one(a: argparse.Namespace, src: str, rels: list[str], want: dict[str, st
         with DlcMount(src, mnt, cache, args) as m:
             m.wait_idle()
             evict_source(src, rels)
-            if label == "prefetch":
+            if label == "scan":
+                out["scan"] = scan_phase(m, mnt, rels, want)
+            elif label == "scanread":
+                out["scanread"] = scanread_phase(m, mnt, rels, want)
+            elif label == "prefetch":
                 def pre(mnt: str = mnt, m: DlcMount = m) -> None:
                     announce(mnt, n, order)
                     m.wait_stats(lambda s: s.get("prefetched", 0) >= n
@@ -180,9 +270,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--files", type=int, default=1000)
     p.add_argument("--workers", default="0,2")
+    p.add_argument("--phases", default=",".join(PHASES),
+                   help=f"comma-separated, of {', '.join(PHASES)}")
     p.add_argument("--work", default=DEFAULT_WORK)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    a.phases = [x for x in a.phases.split(",") if x]
+    if not a.phases or set(a.phases) - set(PHASES):
+        p.error(f"--phases: some of {', '.join(PHASES)}")
     os.makedirs(a.work, exist_ok=True)
     src = os.path.join(a.work, "src")
     rels = make_tree(src, a.files)

@@ -151,3 +151,45 @@ def test_opens_that_catch_up_with_the_workers_get_exact_bytes_read_once(tmp_path
     st = m.wait_stats(lambda s: s["pending_bytes"] == 0, "the writer did not drain")
     assert st["bytes_from_source"] == sum(p.stat().st_size for p in files)
     assert st["fetch_workers"]["fallbacks"] == 0  # (how many the workers took: timing)
+
+
+def test_scan_ahead_files_are_written_by_the_workers_exactly(tmp_path, mount):
+    """A reader that announced nothing reads an ImageFolder tree in a random order: after
+    its first opens scan-ahead fetches the rest, through the workers (none by the daemon:
+    every cached file is either one of the reader's misses, which the daemon's writer
+    cached, or a worker's); the rest of the epoch is hits, byte for byte the source's,
+    every file read from the source once; after a remount, all from the logs."""
+    src = tmp_path / "src"
+    rnd = random.Random(11)
+    files = []
+    for i in range(160):
+        p = src / "train" / f"class{i % 4}" / f"{i:04d}.jpg"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(rnd.randbytes(rnd.randint(3_000, 30_000)))
+        files.append(p)
+    order = files[:]
+    rnd.shuffle(order)
+    m = mount(src, "--fetch-workers", "2", "--chunk-size", "256K")
+    read_exact(m.mnt, src, order[:32])  # the 32nd open starts the scan
+
+    def scanned(st: dict) -> bool:
+        # the reader stays active (a scan pauses when its readers are idle): a hit
+        read_exact(m.mnt, src, order[:1])
+        return st["scan_ahead"].get("train", {}).get("state") == "done" \
+            and st["pending_bytes"] == 0
+
+    st = m.wait_stats(scanned, "the scan-ahead of train did not finish", timeout=120)
+    pool = st["fetch_workers"]
+    assert st["scan_ahead"]["train"]["files"] == st["scan_ahead_files"] == len(files) - 32
+    assert pool["scan_ahead"] == pool["files"] == st["scan_ahead_files"]
+    assert pool["fallbacks"] == 0 and pool["restarts"] == 0
+    assert st["misses"] == 32 and st["cached_files"] == st["misses"] + pool["files"]
+    read_exact(m.mnt, src, order[32:])
+    st = m.stats()
+    assert st["misses"] == 32
+    assert st["bytes_from_source"] == sum(p.stat().st_size for p in files)
+    m.umount()
+    m2 = mount(src, "--fetch-workers", "2", "--scan-ahead", "0")
+    read_exact(m2.mnt, src, files)
+    st = m2.stats()
+    assert st["bytes_from_source"] == 0 and st["misses"] == 0

@@ -4,11 +4,13 @@ source, checksummed and appended to the cache by N processes, and only indexed h
 Who does what:
 
 * the daemon (this module, trio loop) decides what to fetch (the prefetcher asks
-  :meth:`FetchPool.fetch` for one file), asks the policy to admit it, reserves its
+  :meth:`FetchPool.fetch` for one file, for a stream or for scan-ahead: a guess, only
+  into free room), asks the policy to admit it, reserves its
   bytes in the ``--cache-size`` account (:meth:`ChunkWriter.try_reserve`) and holds the
   file as in flight (:meth:`Fetcher.hold`: opens join it, prefetch skips it) BEFORE a
   worker may write it;
-* each worker task batches what is queued (up to a chunk's worth), gives it a chunk id
+* each worker task batches what is queued (up to a chunk's worth; scan-ahead's guesses
+  one at a time while a reader waits for the source), gives it a chunk id
   and the offset in its worker's own log file (created here, kept in
   :attr:`LogStore.filling` while it is appended to), sends the job and awaits the answer
   (:mod:`dlcachefs.cache.fetchworker`: the worker reads, encodes ONE chunk, appends it
@@ -83,6 +85,7 @@ class _Request:
     e: Entry
     rel: bytes
     charge: int  # bytes reserved in the account for it (record + a chunk header)
+    guess: bool = False  # scan-ahead's
     done: trio.Event = field(default_factory=trio.Event)
     ok: bool = False  # written and indexed
 
@@ -176,6 +179,7 @@ class FetchPool(TaskOwner):
         self._closing = False
         #: counts for stats (``fetch_workers``)
         self.files = 0  # files written by workers and indexed
+        self.guesses = 0  # of them, scan-ahead's
         self.jobs = 0
         self.fallbacks = 0  # files handed back to the usual fetch
         self.restarts = 0  # workers that died and were replaced
@@ -184,7 +188,8 @@ class FetchPool(TaskOwner):
 
     def stats(self) -> dict:
         return {"workers": self.n, "pids": list(self.pids), "files": self.files,
-                "jobs": self.jobs, "fallbacks": self.fallbacks, "restarts": self.restarts}
+                "scan_ahead": self.guesses, "jobs": self.jobs, "fallbacks": self.fallbacks,
+                "restarts": self.restarts}
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -201,19 +206,24 @@ class FetchPool(TaskOwner):
 
     # ----- the prefetcher's call -------------------------------------------------------
 
-    async def fetch(self, e: Entry) -> bool | None:
+    async def fetch(self, e: Entry, *, spare: int | None = None) -> bool | None:
         """Have a worker fetch and cache the current version of ``e``: True once it is
-        indexed; None when it was not (the caller fetches it the usual way)."""
+        indexed; None when it was not (the caller fetches it the usual way).
+
+        ``spare``: a guess (scan-ahead), which never evicts: only when the free room holds
+        it with ``spare`` bytes to spare (else None before the policy is asked)."""
         if not self.running or self._closing or self.fetcher.in_flight(e.ino):
             return None
         rel = self.ns.path_of(e)
+        charge = record_len(len(rel), e.size) + CHUNK_HEADER_SIZE
+        if spare is not None and self.writer.room() < charge + spare:
+            return None  # (so try_reserve below dooms nothing: no await in between)
         if not self.policy.admit(e.ino, e.size):
             return None  # (the usual path asks again, counts it, keeps it in memory)
-        charge = record_len(len(rel), e.size) + CHUNK_HEADER_SIZE
         if not self.writer.try_reserve(charge):
             self.policy.on_dropped(e.ino)
             return None
-        req = _Request(e, rel, charge)
+        req = _Request(e, rel, charge, guess=spare is not None)
         with self.fetcher.hold(e.ino) as inf:
             self._send.send_nowait(req)
             await req.done.wait()
@@ -225,6 +235,8 @@ class FetchPool(TaskOwner):
         if not req.ok:
             self.fallbacks += 1
             return None
+        if spare is not None:
+            self.guesses += 1
         return True
 
     async def _read_back(self, e: Entry) -> bytes | None:
@@ -291,7 +303,10 @@ class FetchPool(TaskOwner):
                     self.pids.append(w.proc.pid)
                 batch = [await self._queue.receive()]
                 size = batch[0].charge
-                while len(batch) < MAX_JOB_FILES and size < self.writer.chunk_target:
+                # while a reader waits for the source, scan-ahead's guesses go one per
+                # job: the link serves at most one guess per worker beside its miss
+                most = 1 if batch[0].guess and self.fetcher.demand_fetches else MAX_JOB_FILES
+                while len(batch) < most and size < self.writer.chunk_target:
                     try:
                         r = self._queue.receive_nowait()
                     except trio.WouldBlock:

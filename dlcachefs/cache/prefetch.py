@@ -6,7 +6,8 @@
   memory only when the dataset is larger than the cache;
 * :meth:`Prefetcher.scan_one`: scan-ahead (:mod:`dlcachefs.cache.scanahead`) fetches a
   file of a tree read in an unknown order, into free cache room only (a guess never
-  evicts, and never takes the room readers' own files wait in);
+  evicts, and never takes the room readers' own files wait in); with fetch workers
+  (``--fetch-workers``) a worker fetches and appends it, else the daemon does;
 * :meth:`Prefetcher.bytes_for`: the reorderer (:mod:`dlcachefs.clairvoyance.reorder`)
   asks for a version of a file to fill its next epoch's log: from the cache, else the
   source.
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import trio
+
 from dlcachefs.cache.buffers import Backlog, ReadAhead
 from dlcachefs.cache.fetch import Fetcher
 from dlcachefs.cache.namespace import Namespace, identity
@@ -34,13 +37,19 @@ from dlcachefs.cache.stats import Counters
 from dlcachefs.cache.versions import Versions
 from dlcachefs.cache.writer import ChunkWriter
 from dlcachefs.config import Config
-from dlcachefs.store.schema import Chunk
+from dlcachefs.store.schema import Chunk, Entry
 
 if TYPE_CHECKING:
     from dlcachefs.cache.fetchpool import FetchPool
 
 #: the owner of scan-ahead's files in the read-ahead set (no stream's epoch ends them)
 SCAN_OWNER = "scan-ahead"
+#: bytes of free cache room a guess leaves beyond its own (it never evicts)
+GUESS_SPARE = 4096
+#: with fetch workers, files scan-ahead has in flight per fetch it may have (``--scan-ahead
+#: N``): a worker reads its job's files one after another, so the source still sees at most
+#: one read per worker, and a job of many files costs the daemon about what one file does
+POOL_SCAN_BATCH = 32
 
 
 class Prefetcher:
@@ -50,8 +59,8 @@ class Prefetcher:
                  reader: LogReader, writer: ChunkWriter, policy: CachingPolicy,
                  backlog: Backlog, readahead: ReadAhead, plans: ReadPlanner,
                  counters: Counters, pool: FetchPool | None = None) -> None:
-        """``pool``: the fetch workers (``--fetch-workers``) that fetch streams' files
-        ahead into the cache, off the daemon's core (None: the fetcher does)."""
+        """``pool``: the fetch workers (``--fetch-workers``) that fetch streams' and
+        scan-ahead's files into the cache, off the daemon's core (None: the fetcher does)."""
         self.cfg = cfg
         self.pool = pool
         self.ns = ns
@@ -64,6 +73,13 @@ class Prefetcher:
         self.readahead = readahead
         self.plans = plans
         self.counters = counters
+        self._scan_here_slots = trio.Semaphore(max(1, cfg.scan_ahead))
+
+    @property
+    def scan_batch(self) -> int:
+        """Files scan-ahead may have in flight per fetch ``--scan-ahead`` allows: 1, or
+        :data:`POOL_SCAN_BATCH` when fetch workers fetch them (see there)."""
+        return 1 if self.pool is None else POOL_SCAN_BATCH
 
     def _left_to_open(self, ino: int) -> bool:
         """An L-sample under --substitute: its open may be served by substitution."""
@@ -132,13 +148,34 @@ class Prefetcher:
 
     async def scan_one(self, ino: int) -> tuple[int, bool]:
         """Fetch ``ino`` into the cache unless it is there or on its way; (bytes fetched,
-        whether the cache kept them)."""
+        whether the cache kept them). With fetch workers a worker fetches it when it can
+        (see :meth:`FetchPool.fetch`'s ``spare``), else the daemon does."""
         e = await self.ns.fresh_file(ino)
         if (e.size > self.cfg.max_cached_file or self.fetcher.in_flight(ino)
                 or ino in self.readahead or self.versions.is_cached(ino, identity(e))):
             return 0, False
         if self._left_to_open(ino):
             return 0, False
+        if (self.pool is not None and ino not in self.writer.pending and ino not in self.backlog
+                and await self.pool.fetch(e, spare=GUESS_SPARE)):
+            # a worker read, checked and appended it into free room (the pool asked the
+            # policy and reserved it; nothing was evicted); it is indexed: its open reads it
+            # from the log. (A file with another version waiting here stays with the
+            # in-daemon path below, which knows what to do with it.)
+            self.counters.scan_ahead_files += 1
+            self.counters.scan_ahead_bytes += e.size
+            return e.size, True
+        if self.pool is None:
+            return await self._scan_here(ino, e)
+        # the pool did not write it (no room, not admitted, changed on the source, a
+        # worker died): the usual way, which counts and decides as before, as many at a
+        # time as --scan-ahead allows (scan-ahead has a batch in flight per fetch then;
+        # the bound is the daemon's, over all trees)
+        async with self._scan_here_slots:
+            return await self._scan_here(ino, e)
+
+    async def _scan_here(self, ino: int, e: Entry) -> tuple[int, bool]:
+        """:meth:`scan_one`'s fetch in the daemon."""
         await self.writer.wait_room(e.size)
         if self.versions.is_cached(ino, identity(e)) or self.fetcher.in_flight(ino):
             return 0, False
@@ -168,7 +205,7 @@ class Prefetcher:
                 return len(data), False  # a newer version came meanwhile
             if ino in self.writer.pending:  # this version, or a newer one
                 return len(data), self.versions.in_writer(ino, ident)
-            if self.writer.room() < len(data) + 4096:
+            if self.writer.room() < len(data) + GUESS_SPARE:
                 return len(data), False  # room taken meanwhile: never evict for a guess
             if not self.policy.admit(ino, len(data)):
                 self.counters.not_admitted += 1

@@ -20,13 +20,14 @@ What: the tree's regular files in listing order (depth first, names sorted), sta
 after the reader's latest open (a sequential reader, e.g. an unshuffled loader or ``tar``,
 is followed; a random one finds any order as good), skipping what was opened or is cached.
 
-Bounds: ``Config.scan_ahead`` fetches in flight (0: off), and only one while a reader
-waits for the source (its own miss gets the link: a guess must not slow what is asked);
-only into free cache room, never evicting anything for a guess (the tree stops when the
-room left would fall below an eighth of the cache);
-paused while the tree's readers are idle for ``IDLE_S``, ended after ``END_IDLE_S``; at
-most ``MAX_TREES`` trees and ``MAX_FILES`` files listed per tree; a tree whose fetches the
-policy does not keep (``MAX_UNKEPT`` in a row) stops.
+Bounds: ``Config.scan_ahead`` fetches in flight (0: off; with fetch workers each is a
+batch of up to ``Prefetcher.scan_batch`` files and a chunk's worth of bytes, which a worker
+reads one after another), and only one while a reader waits for the source (its own miss
+gets the link: a guess must not slow what is asked); only into free cache room, never
+evicting anything for a guess (the tree stops when the room left would fall below an eighth
+of the cache); paused while the tree's readers are idle for ``IDLE_S``, ended after
+``END_IDLE_S``; at most ``MAX_TREES`` trees and ``MAX_FILES`` files listed per tree; a tree
+whose fetches the policy does not keep (``MAX_UNKEPT`` in a row) stops.
 
 Concurrency: all state on the trio loop (:meth:`ScanAhead.opened` hears every open of
 the mount, at the open); listing the tree and checking what is cached run in threads.
@@ -112,6 +113,7 @@ class _Tree:
     unkept: int = 0  # fetched files in a row the cache did not keep
     active: int = 0  # fetches in flight
     active_bytes: int = 0  # their sizes (not yet charged to the cache's room)
+    freed: trio.Event = field(default_factory=trio.Event)  # set when one ends
 
     def position(self, ino: int) -> int:
         if self.inos is None or self.sorted_pos is None or not len(self.inos):
@@ -327,7 +329,8 @@ class ScanAhead(Observer):
         t.state = "scanning"
         n = len(inos)
         margin = self.writer.limit // 8  # --cache-size, or a shared root's share
-        slots = trio.Semaphore(self.concurrency)
+        # (with fetch workers, each of them a batch: Prefetcher.scan_batch)
+        slots = trio.Semaphore(self.concurrency * self.prefetcher.scan_batch)
         cursor = (t.last_pos + 1) % n if n else 0
         left_before = 0  # left_out when the last file was fetched
         async with trio.open_nursery() as nursery:
@@ -367,10 +370,18 @@ class ScanAhead(Observer):
                     while self.fetcher.demand_fetches and t.active >= 1:
                         with trio.move_on_after(DEMAND_POLL_S):
                             await self.fetcher.demand_idle.wait()
+                    # batches (fetch workers): beyond one file per fetch, a chunk's worth
+                    # of bytes per fetch at most (large files are not queued by the dozen)
+                    while (t.active >= self.concurrency and t.active_bytes + int(sizes[q])
+                           > self.concurrency * self.cfg.chunk_size):
+                        t.freed = trio.Event()
+                        await t.freed.wait()
                     if t.done[q]:
                         slots.release()
                         continue
-                    # the room now, less what is in flight (charged only once submitted)
+                    # the room now, less what is in flight (charged only once submitted;
+                    # a fetch worker's file is reserved at once: counted twice meanwhile,
+                    # a few chunks' worth at most, so the tree stops a little early)
                     free = self.writer.room() - t.active_bytes - margin
                     if free <= 0:
                         slots.release()
@@ -416,6 +427,7 @@ class ScanAhead(Observer):
         finally:
             t.active -= 1
             t.active_bytes -= size
+            t.freed.set()
             slots.release()
 
     def stats(self) -> dict:
