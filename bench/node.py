@@ -42,7 +42,9 @@ once, the right bytes), else ``"status": "failed"`` and exit status 1.
 system, the
 samples/s of a node with 8, 16, 32 and 64 cores if reading took what it took here: the
 daemon's share runs in one process (at most one core: ``1000 / daemon_ms``), the readers'
-on the other cores (``(cores - 1) * 1000 / reader_ms``), the node the lower of the two;
+and its fetch workers' (``workers_cpu_ms_per_file``, with ``--mount-arg=--fetch-workers=N``)
+on the other cores (``(cores - 1) * 1000 / (reader_ms + workers_ms)``), the node the lower
+of the two;
 next to MLPerf Storage's need of 1,786 samples/s per accelerator (ResNet-50 on an H100).
 The readers' CPU includes the JPEG decode and the crop, as a training's would.
 
@@ -64,7 +66,13 @@ import time
 
 from . import make_dataset as md
 from .mounting import DlcMount
-from .util import drop_page_cache, machine_info, proc_cpu_split, write_json
+from .util import (
+    drop_page_cache,
+    machine_info,
+    proc_cpu_seconds,
+    proc_cpu_split,
+    write_json,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_WORK = os.path.join(REPO, "bench", "out", "node")
@@ -94,11 +102,13 @@ def one_epoch(system: str, data: str, workers: int, seed: int, m: DlcMount, *,
     start = m.probe_start()
     assert m.pid is not None
     split0 = proc_cpu_split(m.pid)
+    workers0 = workers_cpu(start["stats"])
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=3600)
     if r.returncode != 0:
         raise RuntimeError(f"{system}: exit {r.returncode}: {r.stderr[-2000:]}")
     split1 = proc_cpu_split(m.pid)
     end = m.probe_end(start)
+    workers1 = workers_cpu(m.stats())
     epoch = next(json.loads(x) for x in r.stdout.splitlines()
                  if x.startswith("{") and json.loads(x).get("kind") == "epoch")
     zc0 = start["stats"].get("zerocopy") or {}
@@ -116,10 +126,24 @@ def one_epoch(system: str, data: str, workers: int, seed: int, m: DlcMount, *,
                 "daemon_sys_ms_per_file": round(1000 * (split1[1] - split0[1]) / files, 4)}
                if split0 and split1 else {}),
             "advised_bytes": d.get("planned_advised_bytes", 0),
+            # --fetch-workers: their CPU (reading, checking, appending) is spread like
+            # the readers' (workers that ended during the run are not counted)
+            "workers_cpu_ms_per_file": round(1000 * sum(
+                workers1[p] - workers0.get(p, 0.0) for p in workers1) / files, 4),
             "fuse_file_opens": d.get("hits", 0) + d.get("misses", 0),
             "in_process_hits": zc1.get("hits", 0) - zc0.get("hits", 0),
             "in_process_fallbacks": zc1.get("fallbacks", 0) - zc0.get("fallbacks", 0),
             "bytes_from_source": d.get("bytes_from_source", 0)}
+
+
+def workers_cpu(stats: dict) -> dict[int, float]:
+    """CPU seconds of each of the daemon's fetch workers (``--fetch-workers``) now."""
+    out = {}
+    for pid in (stats.get("fetch_workers") or {}).get("pids") or []:
+        cpu = proc_cpu_seconds(pid)
+        if cpu is not None:
+            out[pid] = cpu
+    return out
 
 
 def node_model(daemon_ms: float, reader_ms: float) -> dict:
@@ -207,7 +231,8 @@ def run(a: argparse.Namespace) -> dict:
                     m.wait_idle()
     keys = ("files_per_s", "reader_cpu_ms_per_file", "daemon_cpu_ms_per_file",
             "daemon_user_ms_per_file", "daemon_sys_ms_per_file", "fuse_file_opens",
-            "in_process_hits", "bytes_from_source", "advised_bytes")
+            "in_process_hits", "bytes_from_source", "advised_bytes",
+            "workers_cpu_ms_per_file")
     med: dict = {}
     for pass_ in passes:
         med[pass_] = {}
@@ -223,7 +248,9 @@ def run(a: argparse.Namespace) -> dict:
         "label": "a model: samples/s of one node if each sample cost the CPU measured here",
         "mlperf_per_accelerator": MLPERF_PER_ACCELERATOR,
         **{p: {s: node_model(med[p][s]["daemon_cpu_ms_per_file"],
-                             med[p][s]["reader_cpu_ms_per_file"]) for s in SYSTEMS}
+                             med[p][s]["reader_cpu_ms_per_file"]
+                             + med[p][s].get("workers_cpu_ms_per_file", 0.0))
+               for s in SYSTEMS}
            for p in passes}}
     return doc
 
