@@ -133,7 +133,8 @@ class Config:
     scan_ahead: int = _opt(
         2, "when a reader with no known order reads a tree through (an epoch of a script "
            "that announced nothing, tar, cp -r), fetch the tree's other files ahead of it, "
-           "N at a time, into free cache room only; 0 = off", metavar="N")
+           "N at a time (with --fetch-workers: N batches, read one file per worker at "
+           "a time), into free cache room only; 0 = off", metavar="N")
     store_pages: int = _opt(
         4 << 20, "give the kernel's page cache, with the open, the bytes of a file up to "
                  "SIZE that the open holds in memory already (a miss just fetched, a file "

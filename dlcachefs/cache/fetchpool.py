@@ -76,6 +76,8 @@ SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
 
 #: files of one job at most (one chunk; the answer's size stays small)
 MAX_JOB_FILES = 64
+#: scan-ahead's guesses in the pool at once (queued or in a job), per worker
+GUESSES_PER_WORKER = 8
 #: seconds a worker is given to exit once its stdin is closed, before SIGKILL
 EXIT_GRACE = 2.0
 
@@ -172,7 +174,15 @@ class FetchPool(TaskOwner):
         self.ns = ns
         self.fetcher = fetcher
         self.counters = counters
-        self._send, self._queue = trio.open_memory_channel[_Request](float("inf"))
+        # what waits for a worker: the prefetch's requests (an announced stream's next
+        # files) go before scan-ahead's guesses, and at most GUESSES_PER_WORKER guesses
+        # per worker are in the pool (queued or in a job) at once: a guess is held in
+        # flight from here (an open of it joins it), so a long queue of guesses would
+        # make readers and streams wait behind them
+        self._asked: deque[_Request] = deque()
+        self._guessed: deque[_Request] = deque()
+        self._arrived = trio.Event()
+        self.guess_slots = trio.Semaphore(GUESSES_PER_WORKER * max(1, self.n))
         self._written: deque[_Written] = deque()
         self._unindexed: Counter[int] = Counter()  # log id -> its chunks written, not indexed
         self._wake_indexer = trio.Event()
@@ -225,7 +235,8 @@ class FetchPool(TaskOwner):
             return None
         req = _Request(e, rel, charge, guess=spare is not None)
         with self.fetcher.hold(e.ino) as inf:
-            self._send.send_nowait(req)
+            (self._guessed if req.guess else self._asked).append(req)
+            self._arrived.set()
             await req.done.wait()
             if req.ok and inf.waiters:
                 # an open caught up with it: it gets the bytes from the log
@@ -301,15 +312,14 @@ class FetchPool(TaskOwner):
                         await trio.sleep(1.0)
                         continue
                     self.pids.append(w.proc.pid)
-                batch = [await self._queue.receive()]
+                batch = [await self._take()]
                 size = batch[0].charge
-                # while a reader waits for the source, scan-ahead's guesses go one per
-                # job: the link serves at most one guess per worker beside its miss
-                most = 1 if batch[0].guess and self.fetcher.demand_fetches else MAX_JOB_FILES
-                while len(batch) < most and size < self.writer.chunk_target:
-                    try:
-                        r = self._queue.receive_nowait()
-                    except trio.WouldBlock:
+                while len(batch) < MAX_JOB_FILES and size < self.writer.chunk_target:
+                    # while a reader waits for the source, a job takes one guess at most:
+                    # the link serves at most one guess per worker beside its miss
+                    guesses = sum(r.guess for r in batch)
+                    r = self._take_nowait(guesses == 0 or not self.fetcher.demand_fetches)
+                    if r is None:
                         break
                     batch.append(r)
                     size += r.charge
@@ -362,13 +372,29 @@ class FetchPool(TaskOwner):
                 # (a tail not indexed, if any, waits for recovery; an empty log goes now)
                 self._retire_log(w.log_id)
 
-    def _take_queued(self) -> list[_Request]:
-        out = []
+    async def _take(self) -> _Request:
+        """The next request for a worker (the prefetch's first), once there is one."""
         while True:
-            try:
-                out.append(self._queue.receive_nowait())
-            except trio.WouldBlock:
-                return out
+            r = self._take_nowait(True)
+            if r is not None:
+                return r
+            if self._arrived.is_set():  # (set for a request another task took)
+                self._arrived = trio.Event()
+            await self._arrived.wait()
+
+    def _take_nowait(self, guess: bool) -> _Request | None:
+        """The next queued request (a guess only if ``guess``), or None."""
+        if self._asked:
+            return self._asked.popleft()
+        if guess and self._guessed:
+            return self._guessed.popleft()
+        return None
+
+    def _take_queued(self) -> list[_Request]:
+        out = [*self._asked, *self._guessed]
+        self._asked.clear()
+        self._guessed.clear()
+        return out
 
     def _fail(self, reqs: list[_Request]) -> None:
         """Give back what ``reqs`` held (reservation, admission) and wake their callers."""

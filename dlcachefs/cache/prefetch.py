@@ -151,28 +151,37 @@ class Prefetcher:
         whether the cache kept them). With fetch workers a worker fetches it when it can
         (see :meth:`FetchPool.fetch`'s ``spare``), else the daemon does."""
         e = await self.ns.fresh_file(ino)
-        if (e.size > self.cfg.max_cached_file or self.fetcher.in_flight(ino)
-                or ino in self.readahead or self.versions.is_cached(ino, identity(e))):
+        if self._not_to_scan(ino, e):
             return 0, False
-        if self._left_to_open(ino):
-            return 0, False
-        if (self.pool is not None and ino not in self.writer.pending and ino not in self.backlog
-                and await self.pool.fetch(e, spare=GUESS_SPARE)):
-            # a worker read, checked and appended it into free room (the pool asked the
-            # policy and reserved it; nothing was evicted); it is indexed: its open reads it
-            # from the log. (A file with another version waiting here stays with the
-            # in-daemon path below, which knows what to do with it.)
-            self.counters.scan_ahead_files += 1
-            self.counters.scan_ahead_bytes += e.size
-            return e.size, True
         if self.pool is None:
             return await self._scan_here(ino, e)
+        async with self.pool.guess_slots:
+            # waited for a place among the pool's guesses (nothing held meanwhile: an open
+            # of the file fetches it itself): checked again
+            if self._not_to_scan(ino, e):
+                return 0, False
+            if (ino not in self.writer.pending and ino not in self.backlog
+                    and await self.pool.fetch(e, spare=GUESS_SPARE)):
+                # a worker read, checked and appended it into free room (the pool asked
+                # the policy and reserved it; nothing was evicted); it is indexed: its
+                # open reads it from the log. (A file with another version waiting here
+                # stays with the in-daemon path below, which knows what to do with it.)
+                self.counters.scan_ahead_files += 1
+                self.counters.scan_ahead_bytes += e.size
+                return e.size, True
         # the pool did not write it (no room, not admitted, changed on the source, a
         # worker died): the usual way, which counts and decides as before, as many at a
         # time as --scan-ahead allows (scan-ahead has a batch in flight per fetch then;
         # the bound is the daemon's, over all trees)
         async with self._scan_here_slots:
             return await self._scan_here(ino, e)
+
+    def _not_to_scan(self, ino: int, e: Entry) -> bool:
+        """Whether scan-ahead leaves ``ino`` (at ``e``'s version) alone: too large, on
+        its way, held in memory, cached, or an L-sample substitution may serve."""
+        return (e.size > self.cfg.max_cached_file or self.fetcher.in_flight(ino)
+                or ino in self.readahead or self.versions.is_cached(ino, identity(e))
+                or self._left_to_open(ino))
 
     async def _scan_here(self, ino: int, e: Entry) -> tuple[int, bool]:
         """:meth:`scan_one`'s fetch in the daemon."""

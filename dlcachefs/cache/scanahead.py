@@ -20,10 +20,11 @@ What: the tree's regular files in listing order (depth first, names sorted), sta
 after the reader's latest open (a sequential reader, e.g. an unshuffled loader or ``tar``,
 is followed; a random one finds any order as good), skipping what was opened or is cached.
 
-Bounds: ``Config.scan_ahead`` fetches in flight (0: off; with fetch workers each is a
-batch of up to ``Prefetcher.scan_batch`` files and a chunk's worth of bytes, which a worker
-reads one after another), and only one while a reader waits for the source (its own miss
-gets the link: a guess must not slow what is asked); only into free cache room, never
+Bounds: ``Config.scan_ahead`` fetches in flight (0: off; with fetch workers each hands
+up to ``Prefetcher.scan_batch`` files and a chunk's worth of bytes to the workers' queue,
+where at most ``GUESSES_PER_WORKER`` per worker wait or are read, behind the prefetch's
+requests), and only one while a reader waits for the source (its own miss gets the link: a
+guess must not slow what is asked; with workers: one guess per job then); only into free cache room, never
 evicting anything for a guess (the tree stops when the room left would fall below an eighth
 of the cache); paused while the tree's readers are idle for ``IDLE_S``, ended after
 ``END_IDLE_S``; at most ``MAX_TREES`` trees and ``MAX_FILES`` files listed per tree; a tree

@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 LEAD = 1024
 #: bytes a stream's prefetch runs ahead of its reader at most (and half the cache)
 LEAD_BYTES = 512 << 20
+#: positions passed without a task (cached, nothing to do) between two checkpoints
+SETTLED_STEP = 128
 
 
 def stream_lead_bytes(cfg: Config) -> int:
@@ -143,6 +145,7 @@ class PrefetchLoop:
     async def _prefetch_in(self, s: Stream, slots: trio.Semaphore, lead_bytes: int,
                            window: deque[tuple[int, int]], ahead: ChunksAhead) -> None:
         sizes_ahead = 0
+        settled = 0
         async with trio.open_nursery() as nursery:
             for p in range(len(s.order)):
                 ino = s.samples.inos[s.order[p]]
@@ -166,6 +169,11 @@ class PrefetchLoop:
                     window.append((p, size))
                     sizes_ahead += size
                     s.ready[p] = 1
+                    settled += 1
+                    if settled % SETTLED_STEP == 0:
+                        # a lead of such positions at an epoch's start is one loop step
+                        # otherwise (index reads on the loop: FUSE requests wait)
+                        await trio.lowlevel.checkpoint()
                     continue
                 await slots.acquire()
                 s.prefetched_upto = p + 1
