@@ -492,6 +492,63 @@ def test_one_round_of_retries_shares_the_room_freed_between_logs(tmp_path):
     assert out["left_for_later"] == [0, 1]  # the other log's, at the next release
 
 
+def test_room_handed_to_a_retry_still_reading_is_not_handed_again(tmp_path):
+    """A retry reserves its slots after reading them back: a second release meanwhile
+    (a few opens later) found the same reclaimable room and handed it to the other log
+    too, which then read its slot back for nothing. The room promised to a retry still
+    reading counts as taken until it has reserved or given up; then the other log gets
+    it at the next release."""
+    from dlcachefs.cache.namespace import identity
+    from dlcachefs.clairvoyance.stream import Stream
+    from dlcachefs.store.chunkfmt import CHUNK_HEADER_SIZE
+
+    files, cfg = two_samples(tmp_path)
+    out = {}
+
+    async def body(sess):
+        writer = sess.engine.writer
+        nl, inos = await planned(sess, files)
+        other = sess.streams.planner.new_log("default/1", 1)
+        await other.plan(inos)
+        S, _ = inos
+        real = writer.try_reserve
+        writer.try_reserve = lambda n: False  # the cache is full of the current logs
+        for log in (nl, other):
+            log.consumed(S, files[b"train/c0/img00.jpg"],
+                         identity(sess.engine.index.get_entry(S)))
+        writer.try_reserve = real
+        need = nl.slots[S].rlen + CHUNK_HEADER_SIZE
+        writer.reclaimable = lambda: need  # room freed for one of the two slots
+        reading = trio.Event()
+        retried: list[str] = []
+        for log in (nl, other):
+            async def slow(inos, pinned=None, key=log.key):
+                retried.append(key)
+                await reading.wait()  # still reading back: nothing reserved yet
+            log.backfill = slow
+        r0, r1 = Stream("default", 0), Stream("default", 1)
+        r0.next_log, r1.next_log = nl, other
+        table = sess.streams.streams
+        table[("default", 0)], table[("default", 1)] = r0, r1
+        sess.streams._retry_no_room()
+        sess.streams._retry_no_room()  # the next release, while the first retry reads
+        await trio.testing.wait_all_tasks_blocked()
+        out["while_reading"] = len(retried)
+        reading.set()
+        await trio.testing.wait_all_tasks_blocked()
+        sess.streams._retry_no_room()  # a release after it finished: the room again
+        await trio.testing.wait_all_tasks_blocked()
+        out["after"] = len(retried)
+        out["promised"] = getattr(sess.streams, "_promised", 0)
+        del table[("default", 0)], table[("default", 1)]
+        nl.abandon()
+        other.abandon()
+
+    run_session(cfg, body, check_invariants=False)
+    assert out["while_reading"] == 1
+    assert out["after"] == 2 and out["promised"] == 0
+
+
 def test_backfills_of_several_logs_run_together_and_unpin_once_when_cancelled(tmp_path):
     """One drain's backfills of several next logs run two at a time (they ran one after
     the other); cancelled (the daemon stopping) with one log still waiting for its turn,

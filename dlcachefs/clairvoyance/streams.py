@@ -142,6 +142,10 @@ class StreamManager:
         self.on_epoch = on_epoch
         self.on_job_dropped = on_job_dropped
         self._nursery: trio.Nursery | None = None
+        # next logs' retries (_retry_no_room): room handed out and not yet reserved, and
+        # the rounds so far (the log each starts at)
+        self._promised = 0
+        self._rounds = 0
         self.replay_ready = False  # torch imported: orders can be replayed without waiting
         # torch's sampler replay runs there, not in the daemon
         self.replay = replay if replay is not None else ReplayWorker()
@@ -481,13 +485,33 @@ class StreamManager:
         if self._nursery is None:
             return
         room: RoomRound | None = None  # (one room for the round: every log shares it)
-        for nl in self.next_logs():
+        logs = self.next_logs()
+        if logs:  # each round starts at another log: the first does not take every room
+            self._rounds += 1
+            k = self._rounds % len(logs)
+            logs = logs[k:] + logs[:k]
+        for nl in logs:
             nl.room_freed()
             if room is None:
-                room = RoomRound(nl.writer.reclaimable())
+                # less what earlier rounds handed to retries still reading (they reserve
+                # after their reads): a release a few opens later would hand it again
+                room = RoomRound(max(0, nl.writer.reclaimable() - self._promised))
+            before = room.left
             retry = nl.take_no_room(room)
             if retry:
-                self._nursery.start_soon(nl.backfill, retry)
+                # counted now, not when the task starts: the next open's round may come
+                # in the same drain, before any checkpoint
+                self._promised += before - room.left
+                self._nursery.start_soon(self._retry_backfill, nl, retry, before - room.left)
+
+    async def _retry_backfill(self, nl: NextEpochLog, retry: list[int], promised: int) -> None:
+        """One log's retry of a round: its ``promised`` bytes of the room (counted by
+        :meth:`_retry_no_room`) count as taken until it has reserved its slots or given
+        them up."""
+        try:
+            await nl.backfill(retry)
+        finally:
+            self._promised -= promised
 
     def group_of(self, pid: int) -> str | None:
         """The ``unannounced/PGID`` key of a reader (:meth:`Attribution.group_of`)."""
