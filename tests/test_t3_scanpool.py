@@ -88,8 +88,8 @@ def test_a_guess_the_pool_does_not_write_is_fetched_by_the_daemon(tmp_path):
 
 def test_a_guess_never_evicts_through_the_pool(tmp_path):
     """Free room short of the file and the spare: the pool writes nothing, asks the
-    policy nothing, reserves and dooms nothing; the daemon's path then fetches it and
-    does not keep it (as without a pool): (bytes fetched, not kept)."""
+    policy nothing, reserves and dooms nothing, and answers False; the daemon does not
+    fetch it either (it would read it only to drop it): (nothing fetched, not kept)."""
     cfg, source = _setup(tmp_path, fetch_workers=1)
 
     async def body(sess):
@@ -101,13 +101,30 @@ def test_a_guess_never_evicts_through_the_pool(tmp_path):
         eng.policy.admit = lambda ino, size: asked.append(ino) or admit(ino, size)
         eng.writer.room = lambda: len(FILES[REL]) + GUESS_SPARE - 1
         reserved = eng.writer.reserved
-        assert await pool.fetch(e, spare=GUESS_SPARE) is None
+        assert await pool.fetch(e, spare=GUESS_SPARE) is False
         assert asked == [] and eng.writer.reserved == reserved and not eng.writer.doomed
-        assert await sess.prefetcher.scan_one(e.ino) == (len(FILES[REL]), False)
+        assert await sess.prefetcher.scan_one(e.ino) == (0, False)
         assert asked == [] and not eng.writer.doomed
         assert (pool.files, pool.guesses) == (0, 0)
         assert e.ino not in eng.writer.pending and eng.index.get_record(e.ino) is None
-        assert source.reads[REL] == 1  # (the daemon's path fetched it, then let it go)
+        assert source.reads.get(REL, 0) == 0
+
+    run_session(cfg, body, source)
+
+
+def test_a_guess_the_policy_refuses_is_asked_once_and_not_fetched(tmp_path):
+    """The policy does not admit a guess: it was asked once (iCACHE counts refusals),
+    the refusal is counted once, and nothing is read from the source for it."""
+    cfg, source = _setup(tmp_path, fetch_workers=1)
+
+    async def body(sess):
+        eng, pool = sess.engine, sess.prefetcher.pool
+        e = eng.ns.resolve(REL)
+        asked: list[int] = []
+        eng.policy.admit = lambda ino, size: asked.append(ino) and False
+        assert await sess.prefetcher.scan_one(e.ino) == (0, False)
+        assert asked == [e.ino] and eng.counters.not_admitted == 1 and pool.refused == 1
+        assert source.reads.get(REL, 0) == 0 and eng.index.get_record(e.ino) is None
 
     run_session(cfg, body, source)
 

@@ -192,6 +192,7 @@ class FetchPool(TaskOwner):
         self.guesses = 0  # of them, scan-ahead's
         self.jobs = 0
         self.fallbacks = 0  # files handed back to the usual fetch
+        self.refused = 0  # files the policy did not admit
         self.restarts = 0  # workers that died and were replaced
         self.pids: list[int] = []
         super().__init__()
@@ -199,6 +200,7 @@ class FetchPool(TaskOwner):
     def stats(self) -> dict:
         return {"workers": self.n, "pids": list(self.pids), "files": self.files,
                 "scan_ahead": self.guesses, "jobs": self.jobs, "fallbacks": self.fallbacks,
+                "refused": self.refused,
                 "restarts": self.restarts}
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -218,18 +220,26 @@ class FetchPool(TaskOwner):
 
     async def fetch(self, e: Entry, *, spare: int | None = None) -> bool | None:
         """Have a worker fetch and cache the current version of ``e``: True once it is
-        indexed; None when it was not (the caller fetches it the usual way).
+        indexed; False when the policy did not admit it, or (a guess) the free room does
+        not hold it; None when it was not written for another reason. The caller fetches
+        it the usual way unless True (a guess: unless True or False, since the usual way
+        would read it only to drop it).
 
         ``spare``: a guess (scan-ahead), which never evicts: only when the free room holds
-        it with ``spare`` bytes to spare (else None before the policy is asked)."""
+        it with ``spare`` bytes to spare (else False before the policy is asked)."""
         if not self.running or self._closing or self.fetcher.in_flight(e.ino):
             return None
         rel = self.ns.path_of(e)
         charge = record_len(len(rel), e.size) + CHUNK_HEADER_SIZE
         if spare is not None and self.writer.room() < charge + spare:
-            return None  # (so try_reserve below dooms nothing: no await in between)
+            return False  # (so try_reserve below dooms nothing: no await in between)
         if not self.policy.admit(e.ino, e.size):
-            return None  # (the usual path asks again, counts it, keeps it in memory)
+            # (the prefetch's usual path asks again, counts it, keeps it in memory; a
+            # guess ends here)
+            self.refused += 1
+            if spare is not None:
+                self.counters.not_admitted += 1
+            return False
         if not self.writer.try_reserve(charge):
             self.policy.on_dropped(e.ino)
             return None

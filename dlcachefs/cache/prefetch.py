@@ -160,15 +160,22 @@ class Prefetcher:
             # of the file fetches it itself): checked again
             if self._not_to_scan(ino, e):
                 return 0, False
-            if (ino not in self.writer.pending and ino not in self.backlog
-                    and await self.pool.fetch(e, spare=GUESS_SPARE)):
-                # a worker read, checked and appended it into free room (the pool asked
-                # the policy and reserved it; nothing was evicted); it is indexed: its
-                # open reads it from the log. (A file with another version waiting here
-                # stays with the in-daemon path below, which knows what to do with it.)
-                self.counters.scan_ahead_files += 1
-                self.counters.scan_ahead_bytes += e.size
-                return e.size, True
+            # (a file with another version waiting here stays with the in-daemon path
+            # below, which knows what to do with it)
+            if ino not in self.writer.pending and ino not in self.backlog:
+                written = await self.pool.fetch(e, spare=GUESS_SPARE)
+                if written:
+                    # a worker read, checked and appended it into free room (the pool
+                    # asked the policy and reserved it; nothing was evicted); it is
+                    # indexed: its open reads it from the log
+                    self.counters.scan_ahead_files += 1
+                    self.counters.scan_ahead_bytes += e.size
+                    return e.size, True
+                if written is False:
+                    # no free room for it, or the policy would not keep it: the path
+                    # below would read it from the source only to drop it (the pool
+                    # counted a refusal)
+                    return 0, False
         # the pool did not write it (no room, not admitted, changed on the source, a
         # worker died): the usual way, which counts and decides as before, as many at a
         # time as --scan-ahead allows (scan-ahead has a batch in flight per fetch then;
