@@ -33,8 +33,10 @@ Per run: ``files_per_s``, ``reader_cpu_ms_per_file`` (the loop's process and its
 reading and decoding), ``daemon_cpu_ms_per_file`` (``/proc/PID/stat`` of the daemon
 around the run, over the files; split into ``daemon_user_ms_per_file``, its own code, and
 ``daemon_sys_ms_per_file``, the kernel's work it asked for, which includes the read-ahead
-of the logs it advises for readers in the training's processes: ``advised_bytes``), ``fuse_file_opens`` and ``in_process_hits`` from the
-mount's stats. ``medians[pass][system]`` and ``ratios[pass]`` (``run``/``local``,
+of the logs it advises for readers in the training's processes: ``advised_bytes``; the
+read-ahead it posts for those readers to ask of the kernel themselves, their CPU then:
+``posted_bytes``, :mod:`dlcachefs.store.advice`), ``fuse_file_opens`` and
+``in_process_hits`` from the mount's stats. ``medians[pass][system]`` and ``ratios[pass]`` (``run``/``local``,
 ``mount``/``local``) over the rounds. Every run's ``digest`` must equal the dataset's ``tree_digest`` (every file read
 once, the right bytes), else ``"status": "failed"`` and exit status 1.
 
@@ -46,7 +48,9 @@ and its fetch workers' (``workers_cpu_ms_per_file``, with ``--mount-arg=--fetch-
 on the other cores (``(cores - 1) * 1000 / (reader_ms + workers_ms)``), the node the lower
 of the two;
 next to MLPerf Storage's need of 1,786 samples/s per accelerator (ResNet-50 on an H100).
-The readers' CPU includes the JPEG decode and the crop, as a training's would.
+The readers' CPU includes the JPEG decode and the crop, as a training's would; with
+``--raw`` the loop only reads and hashes each file (the bench's check of the bytes), so the
+model is the ceiling of the data path itself, whatever the training does with the bytes.
 
 Root is needed to drop the page cache. Output: the JSON document on stdout and ``--out``;
 a plot beside it (``.png``) when matplotlib is there; progress on stderr.
@@ -89,11 +93,12 @@ def log(msg: str) -> None:
 
 
 def one_epoch(system: str, data: str, workers: int, seed: int, m: DlcMount, *,
-              drop: bool = True) -> dict:
+              drop: bool = True, raw: bool = False) -> dict:
     """One epoch of bench.pipeline for ``system`` (the page cache dropped before it when
     ``drop``), with the daemon's CPU and stats."""
     py = [sys.executable, "-m", "bench.pipeline", "--data", data, "--epochs", "1",
-          "--workers", str(workers), "--compute-ms", "0", "--seed", str(seed)]
+          "--workers", str(workers), "--compute-ms", "0", "--seed", str(seed),
+          *(["--raw"] if raw else [])]
     cli = [sys.executable, "-m", "dlcachefs.cli", "run"]
     cmd = {"local": py, "mount": [*cli, "--no-intercept", "--", *py],
            "run": [*cli, "--", *py]}[system]
@@ -126,6 +131,8 @@ def one_epoch(system: str, data: str, workers: int, seed: int, m: DlcMount, *,
                 "daemon_sys_ms_per_file": round(1000 * (split1[1] - split0[1]) / files, 4)}
                if split0 and split1 else {}),
             "advised_bytes": d.get("planned_advised_bytes", 0),
+            # or posted for the readers to ask of the kernel (their CPU, not the daemon's)
+            "posted_bytes": d.get("planned_posted_bytes", 0),
             # --fetch-workers: their CPU (reading, checking, appending) is spread like
             # the readers' (workers that ended during the run are not counted)
             "workers_cpu_ms_per_file": round(1000 * sum(
@@ -196,7 +203,7 @@ def run(a: argparse.Namespace) -> dict:
     def measured(pass_: str, rnd: int, system: str, m: DlcMount, drop: bool) -> None:
         data = os.path.join(root if system == "local" else mnt, "train")
         got = {"pass": pass_, "round": rnd,
-               **one_epoch(system, data, a.workers, a.seed + rnd, m, drop=drop)}
+               **one_epoch(system, data, a.workers, a.seed + rnd, m, drop=drop, raw=a.raw)}
         log(f"{pass_} round {rnd} {system}: {got['files_per_s']} files/s, daemon "
             f"{got['daemon_cpu_ms_per_file']} ms/file, readers "
             f"{got['reader_cpu_ms_per_file']} ms/file, "
@@ -226,12 +233,13 @@ def run(a: argparse.Namespace) -> dict:
                     for system in rotated(rnd):
                         if pass_ == "paged":  # the same system's epoch before: pages in
                             data = os.path.join(root if system == "local" else mnt, "train")
-                            one_epoch(system, data, a.workers, a.seed + rnd, m, drop=False)
+                            one_epoch(system, data, a.workers, a.seed + rnd, m, drop=False,
+                                      raw=a.raw)
                         measured(pass_, rnd, system, m, drop=pass_ == "warm")
                     m.wait_idle()
     keys = ("files_per_s", "reader_cpu_ms_per_file", "daemon_cpu_ms_per_file",
             "daemon_user_ms_per_file", "daemon_sys_ms_per_file", "fuse_file_opens",
-            "in_process_hits", "bytes_from_source", "advised_bytes",
+            "in_process_hits", "bytes_from_source", "advised_bytes", "posted_bytes",
             "workers_cpu_ms_per_file")
     med: dict = {}
     for pass_ in passes:
@@ -297,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mean-kb", type=float, default=110.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--raw", action="store_true",
+                   help="the loop reads and hashes each file, no decode or crop: the data "
+                        "path's CPU alone (the node model then is the storage's ceiling)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--passes", default=",".join(PASSES),
                    help="which of cold,warm,paged (comma-separated)")

@@ -71,7 +71,10 @@ def _read_stats(path: str | None) -> dict | None:
         return json.loads(f.read())
 
 
-def make_dataset_class():
+def make_dataset_class(raw: bool = False):
+    """The bench's ImageFolder; ``raw``: the file's bytes are read and hashed, not
+    decoded (the data path's cost alone: the sample is a placeholder tensor)."""
+    import torch
     from PIL import Image
     from torchvision import datasets
 
@@ -85,6 +88,8 @@ def make_dataset_class():
             with open(path, "rb") as f:
                 data = f.read()
             h = file_hash(data)
+            if raw:
+                return torch.zeros(1), target, index, len(data), h
             img = Image.open(io.BytesIO(data)).convert("RGB")
             if self.transform is not None:
                 img = self.transform(img)
@@ -103,7 +108,7 @@ def run(a: argparse.Namespace) -> int:
 
     torch.manual_seed(a.seed)
     tf = transforms.Compose([transforms.RandomResizedCrop(64), transforms.ToTensor()])
-    ds = make_dataset_class()(a.data, transform=tf)
+    ds = make_dataset_class(a.raw)(a.data, transform=tf)
     base = os.path.dirname(os.path.abspath(a.data))
     rels = [os.path.relpath(p, base) for p, _ in ds.samples]
     if a.sampler == "distributed":
@@ -193,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random: DataLoader(shuffle=True); distributed: "
                         "DistributedSampler(num_replicas=1, rank=0) with set_epoch")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--raw", action="store_true",
+                   help="read and hash each file, no JPEG decode or crop (the data path)")
     p.add_argument("--daemon-pid", type=int, action="append",
                    help="also report the CPU seconds of this pid per epoch (repeatable)")
     p.add_argument("--net-iface", help="report rx bytes of this network interface per epoch")

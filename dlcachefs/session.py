@@ -93,6 +93,7 @@ from dlcachefs.importance.packer import Packer
 from dlcachefs.importance.view import InodeImportance
 from dlcachefs.peers.expiry import expiry_of_streams
 from dlcachefs.policies import make_policy, registry
+from dlcachefs.store.advice import AdviceBoard
 from dlcachefs.store.index import Index
 from dlcachefs.store.logs import LogStore
 from dlcachefs.store.modes import DIR_MODE
@@ -243,6 +244,8 @@ class Session:
         if self.shares is not None:
             self.shares.leave()
         self.engine.close_files()
+        if self.plans.board is not None:
+            self.plans.board.close()
 
     def write(self, data: bytes, pid: int) -> int:
         """One ``write()`` of ``data`` to ``.dlcache/control`` by process ``pid``, as the
@@ -346,6 +349,10 @@ class Session:
         out["cache_disk_bytes_read_back"] = eng.logs.bytes_read_back
         # read ahead into the page cache for readers in training processes (readplan)
         out["cache_disk_bytes_advised"] = eng.logs.bytes_advised
+        # or posted for those readers to ask of the kernel themselves, and what they took
+        if self.plans.board is not None:
+            with contextlib.suppress(OSError):
+                out["read_ahead_board"] = self.plans.board.stats()
         # entries and records read from LMDB (a read transaction each), and those the
         # memo of the current snapshot answered (store.index)
         out["index_reads"] = eng.index.reads
@@ -542,8 +549,16 @@ def _background(cfg: Config, rp: _ReadPath, observers: Observers, table: StreamT
     index, ns, writer, policy = rp.index, rp.ns, rp.writer, rp.policy
     zerocopy = TallyReader(os.path.join(cfg.data_dir, TALLY_DIR))  # zero-copy readers' counts
     events = TallyEvents(os.path.join(cfg.data_dir, TALLY_DIR))  # and their opens
+    # the read-ahead of streams read in training processes, posted for those processes
+    # to ask of the kernel (store.advice); without it the daemon asks itself
+    try:
+        board: AdviceBoard | None = AdviceBoard(os.path.join(cfg.data_dir, TALLY_DIR))
+    except OSError as e:
+        log.warning("no read-ahead board for in-process readers (%s): the daemon reads "
+                    "ahead for them itself", e)
+        board = None
     # planned reads of known orders: half of --memory, taken from the tier
-    plans = ReadPlanner(index=index, logs=rp.logs, writer=writer, memtier=rp.memtier,
+    plans = ReadPlanner(board=board, index=index, logs=rp.logs, writer=writer, memtier=rp.memtier,
                         counters=rp.counters, disk_limiter=rp.disk_limiter, reader=rp.reader,
                         versions=rp.versions, readahead=rp.readahead,
                         budget=min(memory.memory // 2, stream_lead_bytes(cfg)), lead=LEAD,

@@ -454,11 +454,15 @@ def test_a_header_check_then_a_read_reads_the_record_once(setup):
     run_session(cfg, body)
 
 
-def test_a_stream_read_in_process_is_advised_in_quarters_of_the_lead(tmp_path, monkeypatch):
+@pytest.mark.parametrize("board", [True, False])
+def test_a_stream_read_in_process_is_advised_in_quarters_of_the_lead(tmp_path, monkeypatch,
+                                                                      board):
     """A stream whose reader reads the logs in its own processes (dlcachefs run) gets its
     window asked into the page cache, never read into the daemon's memory, and in
     batches of a quarter of the lead as the reader passes (a thread and a call per
-    record it passes cost the daemon more than the events themselves)."""
+    record it passes cost the daemon more than the events themselves). With the
+    readers' board (the default) the daemon only posts the runs there and asks the
+    kernel for nothing itself; without one it asks itself."""
     from dlcachefs.cache.readers import OpenEvent, Served
 
     rng = random.Random(5)
@@ -484,6 +488,12 @@ def test_a_stream_read_in_process_is_advised_in_quarters_of_the_lead(tmp_path, m
         s.in_process = True  # (its next epoch's plan starts with it)
         sess.plans.lead = 40
         monkeypatch.setattr(readplan, "advise_runs", counted)
+        if board:
+            real_post = sess.plans.board.post
+            monkeypatch.setattr(sess.plans.board, "post",
+                                lambda ranges: calls.append(real_post(ranges)) or calls[-1])
+        else:
+            sess.plans.board = None
         s = await r.announce(1)
         await r.plan()
         with trio.fail_after(20):  # epoch 0's plan, reading into memory, is over
@@ -502,12 +512,18 @@ def test_a_stream_read_in_process_is_advised_in_quarters_of_the_lead(tmp_path, m
                 await trio.sleep(0.01)
         out["planned_bytes"] = sess.stats()["planned_bytes"] - before
         out["advised"] = sess.stats()["planned_advised_bytes"]
+        out["posted"] = sess.stats()["planned_posted_bytes"]
         out["calls"] = list(calls)
 
     run_session(cfg, body)
     assert out["planned_bytes"] == 0  # nothing read into the daemon's memory
     calls = out["calls"]
-    assert out["advised"] == sum(calls) > 0
+    if board:
+        assert out["advised"] == 0  # the daemon asked the kernel for nothing itself
+        assert out["posted"] == sum(calls) > 0
+    else:
+        assert out["posted"] == 0
+        assert out["advised"] == sum(calls) > 0
     # 120 positions, a lead of 40: one call per quarter (10 positions) and the first
     # window, not one per position
     assert 1 <= len(calls) <= 120 // 10 + 3, calls

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import requires_fuse
 
+from dlcachefs.data.reader import CacheReader
 from dlcachefs.store import integrity
 
 torch = pytest.importorskip("torch")
@@ -309,6 +310,14 @@ def test_imagefolder_workers_train_identically_and_the_daemon_follows(tmp_path, 
     mount_opens = before["streams"]["default/0"]["reads"]["mount_opens"]  # (the warm-up's)
     assert s["reads"]["in_process_opens"] == 240 and s["reads"]["mount_opens"] == mount_opens
     assert s["reads"]["in_process_bytes"] == st["zerocopy"]["hit_bytes"]
+    # the read-ahead of its plan was posted for the workers, never asked by the daemon,
+    # and the readers took what was posted (the last posts may come after the last
+    # sample: one more read in a process of ours takes them)
+    assert st["cache_disk_bytes_advised"] == 0
+    one = next(p for p in sorted((m.mnt).rglob("*.jpg")))
+    assert CacheReader.for_path(one).read(one) == (src / one.relative_to(m.mnt)).read_bytes()
+    board = m.stats()["read_ahead_board"]
+    assert board["waiting"] == 0 and board["taken_bytes"] == board["posted_bytes"], board
     assert run(script, str(m.mnt), ctx, "2", intercept=False).strip() == reference
 
 

@@ -50,9 +50,12 @@ reader, inside a bounded window, and reads exactly the records it will ask for:
 * **Readers in the training's processes** (``Stream.in_process``: the stream's reads are
   served in its processes, :mod:`dlcachefs.data.intercept`): they read the logs
   themselves, so nothing read into the daemon's memory would be taken. The plan walks
-  the same window and asks the kernel to read each run into the page cache
-  (:func:`advise_runs`, ``POSIX_FADV_WILLNEED``, in a thread): their ``pread`` calls then
-  find the bytes in memory, and the daemon copies nothing.
+  the same window and has the kernel read each run into the page cache
+  (``POSIX_FADV_WILLNEED``): their ``pread`` calls then find the bytes in memory, and the
+  daemon copies nothing. The daemon only posts the runs on the readers' board
+  (:mod:`dlcachefs.store.advice`); the readers ask the kernel for them, so its page
+  allocations and I/O submission run on their cores, not on the daemon's one (without a
+  board, the daemon asks itself: :func:`advise_runs`, in a thread).
 
 Streams reading a log laid out for their epoch (LCache, ``current_log``) get no plan:
 they keep sequential whole-chunk reads. Opens not attributed to a stream with a plan
@@ -89,6 +92,7 @@ if TYPE_CHECKING:
     from dlcachefs.cache.stats import Counters
     from dlcachefs.cache.versions import Versions
     from dlcachefs.cache.writer import ChunkWriter
+    from dlcachefs.store.advice import AdviceBoard
     from dlcachefs.store.index import Index
     from dlcachefs.store.logs import LogStore
 
@@ -231,13 +235,16 @@ class ReadPlanner(Observer):
     tier's ``reserve``/``unreserve`` (the budget), ``index.get_record`` (is a failed
     record still the indexed one), ``reader.bad`` (drop a record that failed its
     checksum), the read-ahead set (files held for their opens are not read again) and
-    the counters."""
+    the counters; ``board``: where the read-ahead of streams read in training processes
+    is posted for those processes to carry out (None: the daemon advises the kernel
+    itself)."""
 
     def __init__(self, *, index: Index, logs: LogStore, writer: ChunkWriter,
                  memtier: MemoryTier, counters: Counters,
                  disk_limiter: trio.CapacityLimiter, reader: LogReader, versions: Versions,
                  readahead: ReadAhead, budget: int, lead: int = 1024,
-                 max_batch: int = 4 << 20, idle: float = IDLE) -> None:
+                 max_batch: int = 4 << 20, idle: float = IDLE,
+                 board: AdviceBoard | None = None) -> None:
         self.index = index
         self.logs = logs
         self.writer = writer
@@ -247,6 +254,7 @@ class ReadPlanner(Observer):
         self.reader = reader
         self.versions = versions
         self.readahead = readahead
+        self.board = board
         self.idle = idle
         self.budget = max(budget, 1)
         self.lead = lead
@@ -575,6 +583,17 @@ class ReadPlan:
         if self.stream.in_process:
             # its reader reads the logs itself: into the page cache, not our memory
             runs = group_reads(w for _, w in batch)
+            if pl.board is not None:
+                # the readers ask the kernel for it (the kernel's work on their cores,
+                # not on the daemon's one: dlcachefs.store.advice); a few bytes here
+                try:
+                    n = pl.board.post((r.log_id, r.offset, r.length) for r in runs)
+                except OSError as e:
+                    log.warning("read-ahead board: %s; the daemon advises itself", e)
+                    pl.board = None
+                else:
+                    pl.counters.planned_posted_bytes += n
+                    return
             n = await trio.to_thread.run_sync(advise_runs, pl.logs, runs,
                                               limiter=pl.disk_limiter)
             pl.counters.planned_advised_bytes += n

@@ -86,6 +86,7 @@ from dataclasses import dataclass
 import lmdb
 
 from dlcachefs.data.intercept import real_open
+from dlcachefs.store.advice import BOARD, AdviceTaker
 from dlcachefs.store.chunkfmt import checksum
 from dlcachefs.store.integrity import stamp_of
 from dlcachefs.store.readonly import INFO_FORMAT, IndexReader, Located, LogFiles
@@ -324,6 +325,8 @@ class _Process:
     def __init__(self, info: CacheInfo) -> None:
         self.info = info
         self.logs = LogFiles(info.logs_dir)
+        # the read-ahead the daemon planned for these readers: carried out here, at hits
+        self.advice = AdviceTaker(os.path.join(info.tally_dir, BOARD))
         self._lock = threading.Lock()  # opening the counter file (a leaf lock)
         # Lookups run one at a time, under this lock, which also guards the index (it is
         # opened, checked and closed under it). Why one at a time: py-lmdb lets go of the
@@ -475,6 +478,9 @@ class _Process:
             t = self._tally
             assert t is not None
         t.hit(ino, t0, time.monotonic() - t0, nbytes)
+        # then the read-ahead the daemon posted since (after this read: it never delays
+        # the sample in hand; never waits for another reader doing it)
+        self.advice.take(self.logs.advise)
 
     def counts(self) -> dict[str, int]:
         t = self._tally
@@ -485,6 +491,7 @@ class _Process:
         # an environment closed under one is a use after free (the same lock as a fork's)
         with self._lookup:
             self.logs.sweep(everything=True)
+            self.advice.close()
             self._drop_index()
             with self._lock:
                 if self._tally is not None:
@@ -494,6 +501,7 @@ class _Process:
     def abandon(self) -> None:
         """In a forked child (see the module doc)."""
         self.logs.abandon()
+        self.advice.abandon()
         if self._tally is not None:
             self._tally.abandon()
 

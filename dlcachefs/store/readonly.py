@@ -437,6 +437,26 @@ class LogFiles:
                     self._busy.remove(slot)
                     _close(slot[0])
 
+    def advise(self, log_id: int, offset: int, length: int) -> None:
+        """Ask the kernel to read a range of a log into the page cache, in the background
+        (``POSIX_FADV_WILLNEED``: :mod:`dlcachefs.store.advice`). OSError when the log is
+        gone."""
+        with self._lock:
+            slot = self._fds.get(log_id)
+            if slot is None:
+                fd = os.open(os.path.join(self.dir, f"{log_id:08d}.log"),
+                             os.O_RDONLY | os.O_CLOEXEC)  # FileNotFoundError: gone
+                slot = self._fds[log_id] = [fd, 0, 0]
+            slot[1] += 1
+        try:
+            os.posix_fadvise(slot[0], offset, length, os.POSIX_FADV_WILLNEED)
+        finally:
+            with self._lock:
+                slot[1] -= 1
+                if slot[2] and slot[1] == 0:
+                    self._busy.remove(slot)
+                    _close(slot[0])
+
     def sweep(self, everything: bool = False) -> None:
         """Retire descriptors of deleted logs (every one with ``everything``; every
         one when more than :data:`MAX_FDS` are open)."""

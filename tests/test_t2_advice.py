@@ -1,0 +1,197 @@
+"""The read-ahead board (dlcachefs.store.advice): the daemon posts ranges of its logs, the
+reading processes carry each out once, none waits for another, and a board a reader may
+write cannot make the daemon fail."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dlcachefs.store import advice
+from dlcachefs.store.advice import MERGE_GAP, RING, AdviceBoard, AdviceTaker, merge_ranges
+
+
+def collect() -> tuple[list[tuple[int, int, int]], object]:
+    got: list[tuple[int, int, int]] = []
+    return got, lambda log_id, off, n: got.append((log_id, off, n))
+
+
+def test_posted_ranges_are_taken_once_merged_and_in_order(tmp_path):
+    board = AdviceBoard(str(tmp_path))
+    n = board.post([(2, 0, 100), (1, 5000, 10), (1, 0, 4096), (2, 100 + MERGE_GAP + 1, 5)])
+    assert n == 100 + 10 + 5000 + 5  # (1, 0..5010) merged: 5010 bytes
+    got, advise = collect()
+    taker = AdviceTaker(board.path)
+    assert taker.take(advise) == 3
+    assert got == [(1, 0, 5010), (2, 0, 100), (2, 100 + MERGE_GAP + 1, 5)]
+    assert taker.take(advise) == 0 and len(got) == 3  # nothing twice
+    other = AdviceTaker(board.path)  # another process's view of the same board
+    assert other.take(advise) == 0
+    board.post([(3, 0, 7)])
+    assert other.take(advise) == 1 and got[-1] == (3, 0, 7)
+    assert board.stats() == {"posted": 4, "posted_bytes": n + 7, "taken": 4,
+                             "taken_bytes": n + 7, "waiting": 0}
+
+
+def test_a_reader_never_waits_for_another_taking(tmp_path):
+    """While one reader holds the board (another process: its own descriptor), the next
+    returns at once with nothing, and the backlog is taken by whoever comes after."""
+    board = AdviceBoard(str(tmp_path))
+    board.post([(1, 0, 10)])
+    fd = os.open(board.path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        got, advise = collect()
+        taker = AdviceTaker(board.path)
+        assert taker.take(advise) == 0 and got == []
+        assert board.stats()["waiting"] == 1
+    finally:
+        os.close(fd)  # (the lock goes with it)
+    assert taker.take(advise) == 1 and got == [(1, 0, 10)]
+
+
+def test_threads_of_one_process_take_each_range_once(tmp_path):
+    """Threads share the process's descriptor (flock does not tell them apart): the
+    thread lock does. Eight threads, 500 posts: every range exactly once."""
+    board = AdviceBoard(str(tmp_path))
+    taker = AdviceTaker(board.path)
+    got: list[tuple[int, int, int]] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def advise(log_id, off, n):
+        with lock:
+            got.append((log_id, off, n))
+
+    def reader():
+        while not stop.is_set():
+            taker.take(advise)
+
+    threads = [threading.Thread(target=reader) for _ in range(8)]
+    for t in threads:
+        t.start()
+    try:
+        for i in range(500):
+            board.post([(i, 0, 1)])
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    taker.take(advise)
+    assert sorted(got) == [(i, 0, 1) for i in range(500)]
+
+
+def test_a_forked_child_takes_with_its_own_descriptor(tmp_path):
+    """A child that abandons its parent's descriptor (as dlcachefs.data does at fork)
+    excludes its parent with the lock: ranges are taken once across both."""
+    board = AdviceBoard(str(tmp_path))
+    taker = AdviceTaker(board.path)
+    taker.take(lambda *a: None)  # the parent's descriptor is open
+    board.post([(1, 0, 10)])
+    fd = taker._fd
+    fcntl.flock(fd, fcntl.LOCK_EX)  # the parent is taking
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            taker.abandon()
+            blocked = taker.take(lambda *a: None)  # the parent holds it: nothing
+            os.write(w, str(blocked).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 16)
+    os.waitpid(pid, 0)
+    os.close(r)
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    assert got == b"0"  # a shared descriptor would have shared the parent's lock: 1
+    assert board.stats()["waiting"] == 1
+
+
+def test_a_reader_far_behind_skips_what_the_ring_overwrote(tmp_path):
+    board = AdviceBoard(str(tmp_path))
+    for i in range(RING + 10):
+        board.post([(i, 0, 1)])
+    got, advise = collect()
+    assert AdviceTaker(board.path).take(advise) == RING
+    assert got == [(i, 0, 1) for i in range(10, RING + 10)]
+
+
+def test_a_slot_overwritten_while_read_is_skipped(tmp_path, monkeypatch):
+    """The daemon wraps around between the reader's header and its slots: a slot that
+    names another sequence number is not carried out."""
+    board = AdviceBoard(str(tmp_path))
+    board.post([(1, 0, 1), (2, 0, 1)])
+    real = advice._slots
+
+    def late(fd, start, end):
+        board.post([(100 + i, 0, 1) for i in range(RING - 1)])
+        return real(fd, start, end)
+
+    monkeypatch.setattr(advice, "_slots", late)
+    got, advise = collect()
+    AdviceTaker(board.path).take(advise)
+    assert (1, 0, 1) not in got  # seq 0's slot now holds seq RING
+    assert (2, 0, 1) in got  # seq 1 was not overwritten
+
+
+def test_a_new_mount_carries_the_board_on_and_a_bad_one_is_made_anew(tmp_path):
+    board = AdviceBoard(str(tmp_path))
+    board.post([(1, 0, 10), (5, 0, 10)])
+    taker = AdviceTaker(board.path)
+    board.close()
+    again = AdviceBoard(str(tmp_path))  # what the last mount left untaken is moot
+    got, advise = collect()
+    assert taker.take(advise) == 0 and again.stats()["waiting"] == 0
+    again.post([(3, 0, 1)])
+    assert taker.take(advise) == 1 and got == [(3, 0, 1)]  # the reader's descriptor works on
+    again.close()
+    with open(board.path, "r+b") as f:  # a reader group member wrote garbage
+        f.write(b"garbage!" * 4)
+        f.truncate(100)
+    third = AdviceBoard(str(tmp_path))
+    assert third.stats()["posted"] == 0
+    third.post([(4, 0, 1)])
+    got.clear()
+    assert AdviceTaker(board.path).take(advise) == 1 and got == [(4, 0, 1)]
+
+
+def test_a_reader_without_a_board_takes_nothing_and_never_raises(tmp_path):
+    taker = AdviceTaker(str(tmp_path / "advice"))
+    assert taker.take(lambda *a: None) == 0
+    (tmp_path / "advice").mkdir()
+    assert AdviceTaker(str(tmp_path / "advice")).take(lambda *a: None) == 0
+    board = AdviceBoard(str(tmp_path / "x"))
+    board.post([(1, 0, 1)])
+    gone = AdviceTaker(board.path)
+
+    def fails(*a):
+        raise FileNotFoundError("the log is gone")
+
+    assert gone.take(fails) == 0  # skipped, and taken: not tried again
+    assert board.stats()["waiting"] == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1 << 20),
+                          st.integers(0, 1 << 16)), max_size=40))
+def test_merged_ranges_cover_exactly_what_was_asked_and_little_more(ranges):
+    merged = merge_ranges(ranges)
+    # sorted, one log's ranges disjoint and more than MERGE_GAP apart
+    assert merged == sorted(merged)
+    for a, b in zip(merged, merged[1:], strict=False):
+        if a[0] == b[0]:
+            assert b[1] > a[1] + a[2] + MERGE_GAP
+    # every byte asked for is covered
+    for log_id, off, n in ranges:
+        if n:
+            assert any(m[0] == log_id and m[1] <= off and off + n <= m[1] + m[2]
+                       for m in merged)
+    # and each merged range starts and ends on a range asked for
+    for log_id, off, n in merged:
+        assert any(r[0] == log_id and r[1] == off for r in ranges)
+        assert any(r[0] == log_id and r[1] + r[2] == off + n for r in ranges if r[2])
