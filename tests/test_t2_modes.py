@@ -172,6 +172,8 @@ def test_a_reader_groups_modes(tmp_path):
     loose_tree(top)
     (top / "zerocopy" / "1-a.tally").write_bytes(b"x")
     (top / "zerocopy" / "1-a.tally").chmod(0o600)
+    (top / "zerocopy" / "advice").write_bytes(b"x")
+    (top / "zerocopy" / "advice").chmod(0o600)
     modes = M.CacheModes(OTHER_GID, "readers")
     found = M.enforce(str(top), modes)
     # others' bits go (with a warning); the group's are given (quietly)
@@ -180,7 +182,7 @@ def test_a_reader_groups_modes(tmp_path):
         ".": 0o2750, "meta.lmdb": 0o2750, "logs": 0o2750, "zerocopy": 0o3770,
         "meta.lmdb/data.mdb": 0o640, "meta.lmdb/lock.mdb": 0o660, "logs/00000001.log": 0o640,
         "dlcachefs.log": 0o640, "meta.lmdb.clean": 0o640, "zerocopy/1-a.tally": 0o640,
-        "lock": 0o600}
+        "zerocopy/advice": 0o660, "lock": 0o600}
     assert {os.lstat(top / k).st_gid for k in every_entry(top)} == {OTHER_GID}
     assert M.enforce(str(top), modes).changed == 0
     # back to the owner's alone: the group's bits were "other users" too

@@ -402,6 +402,7 @@ class _Process:
             if ix.replaced():
                 self._drop_index()
                 self.logs.sweep(everything=True)  # its logs are other files now
+                self.advice.close(again=True)  # and so is its read-ahead board
         # A damaged index can kill the process that maps it (SIGBUS, an LMDB assert): it
         # is read only while the daemon vouches for the index file as it is now (found
         # sound at start, changed since by its own commits only: integrity.SoundFlag)

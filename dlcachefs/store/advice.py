@@ -172,12 +172,18 @@ class AdviceTaker:
         self._lock = threading.Lock()
 
     def _open(self) -> int:
+        """The board's descriptor, -1 (for good, until :meth:`close` ``again``) when
+        there is none this process may write: never a link followed, never a FIFO."""
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:
             self._failed = True
             return -1
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        try:
+            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        except OSError:
+            regular = False
+        if not regular:
             os.close(fd)
             self._failed = True
             return -1
@@ -190,9 +196,12 @@ class AdviceTaker:
         Returns how many this call took. Never raises OSError; never waits for a lock."""
         fd = self._fd
         if fd < 0:
-            if self._failed:
+            if self._failed or not self._lock.acquire(blocking=False):
                 return 0
-            fd = self._open()
+            try:  # (under the lock: two threads never both open it)
+                fd = self._fd if self._fd >= 0 else self._open()
+            finally:
+                self._lock.release()
             if fd < 0:
                 return 0
         try:
@@ -205,6 +214,8 @@ class AdviceTaker:
             if not self._lock.acquire(blocking=False):
                 return 0
             try:
+                if self._fd != fd:
+                    return 0  # closed meanwhile (its number may be another file's now)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -251,11 +262,17 @@ class AdviceTaker:
         self._failed = False
         self._lock = threading.Lock()
 
-    def close(self) -> None:
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+    def close(self, again: bool = False) -> None:
+        """Close the board (waits for a take in progress: its descriptor is never closed
+        under it). ``again``: the cache directory was made anew, its board is another
+        file: the next take opens it."""
+        with self._lock:
+            fd, self._fd = self._fd, -1
+            if again:
+                self._failed = False
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
 
 def _slots(fd: int, start: int, end: int) -> list[tuple[int, bytes]]:

@@ -37,6 +37,7 @@ import stat
 from dataclasses import dataclass, field
 
 from dlcachefs.errors import DlcError
+from dlcachefs.store.advice import BOARD
 from dlcachefs.store.ledger import LEDGER, LEDGER_LOCK
 from dlcachefs.store.lock import LOCK_NAME
 from dlcachefs.store.tally import TALLY_DIR
@@ -46,6 +47,8 @@ DIR_MODE = 0o700
 FILE_MODE = 0o600
 #: the files a reader opens for writing: LMDB's lock table
 LMDB_LOCK = "lock.mdb"
+#: and the read-ahead board (:mod:`dlcachefs.store.advice`: readers note what they took)
+GROUP_WRITABLE = frozenset({LMDB_LOCK, BOARD})
 #: the daemon's own files, 0600 even with a reader group (no reader opens them)
 PRIVATE = frozenset({LOCK_NAME, LEDGER, LEDGER_LOCK})
 #: the bits that let someone other than the owner in
@@ -76,7 +79,7 @@ class CacheModes:
             return 0o3770 if name == TALLY_DIR else 0o2750
         if name in PRIVATE or _is_ledger_temp(name):
             return FILE_MODE
-        if name == LMDB_LOCK:
+        if name in GROUP_WRITABLE:
             return 0o660
         return 0o640
 
@@ -85,7 +88,8 @@ class CacheModes:
         if self.gid is None:
             return "owner-only (directories 0700, files 0600)"
         return (f"the owner's and readable by group {self.group} (directories 2750, "
-                f"files 0640, {TALLY_DIR}/ 3770, {LMDB_LOCK} 0660, the daemon's own 0600)")
+                f"files 0640, {TALLY_DIR}/ 3770, {LMDB_LOCK} and {TALLY_DIR}/{BOARD} 0660, "
+                f"the daemon's own 0600)")
 
 
 def daemon_umask(reader_group: bool) -> int:
