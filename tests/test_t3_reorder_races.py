@@ -479,7 +479,7 @@ def test_one_round_of_retries_shares_the_room_freed_between_logs(tmp_path):
         r0.next_log, r1.next_log = nl, other
         table = sess.streams.streams
         table[("default", 0)], table[("default", 1)] = r0, r1
-        sess.streams._retry_no_room()
+        sess.streams.planner.retry_no_room()
         await trio.testing.wait_all_tasks_blocked()
         out["retried"] = sorted(len(v) for v in retried.values())
         out["left_for_later"] = sorted(len(log._no_room) for log in (nl, other))
@@ -530,16 +530,16 @@ def test_room_handed_to_a_retry_still_reading_is_not_handed_again(tmp_path):
         r0.next_log, r1.next_log = nl, other
         table = sess.streams.streams
         table[("default", 0)], table[("default", 1)] = r0, r1
-        sess.streams._retry_no_room()
-        sess.streams._retry_no_room()  # the next release, while the first retry reads
+        sess.streams.planner.retry_no_room()
+        sess.streams.planner.retry_no_room()  # the next release, while the first retry reads
         await trio.testing.wait_all_tasks_blocked()
         out["while_reading"] = len(retried)
         reading.set()
         await trio.testing.wait_all_tasks_blocked()
-        sess.streams._retry_no_room()  # a release after it finished: the room again
+        sess.streams.planner.retry_no_room()  # a release after it finished: the room again
         await trio.testing.wait_all_tasks_blocked()
         out["after"] = len(retried)
-        out["promised"] = getattr(sess.streams, "_promised", 0)
+        out["promised"] = sess.streams.planner._promised
         del table[("default", 0)], table[("default", 1)]
         nl.abandon()
         other.abandon()
@@ -589,7 +589,7 @@ def test_backfills_of_several_logs_run_together_and_unpin_once_when_cancelled(tm
         assert writer.pin(chunk)  # another reader's pin, held throughout
         out["pins"] = writer.pins[chunk]
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(sess.streams._backfill, jobs)
+            nursery.start_soon(sess.streams.planner._backfill_reads, jobs)
             await trio.testing.wait_all_tasks_blocked()
             out["running"] = len(running)
             nursery.cancel_scope.cancel()  # the daemon stopping
