@@ -24,10 +24,8 @@ import json
 import os
 import subprocess
 import sys
-import time
 
-from . import make_dataset as md
-from .mounting import DlcMount, dlcachefs_exe
+from .util import loader_bench
 
 OUT = os.path.join("bench", "out", "advise")
 
@@ -63,31 +61,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--out", default=os.path.join("bench", "results", "advise.json"))
     a = p.parse_args(argv)
-    os.makedirs(OUT, exist_ok=True)
-    data = os.path.join(OUT, "data")
-    manifest, _ = md.ensure_dataset(data, md.Spec(classes=4, per_class=max(1, a.files // 4)),
-                                    progress=sys.stderr.isatty())
-    script = os.path.join(OUT, "train.py")
-    with open(script, "w") as f:
-        f.write(TRAIN)
-    exe = dlcachefs_exe()
     rows = []
-    cache = os.path.join(OUT, "cache")
-    with DlcMount(data, os.path.join(OUT, "mnt"), cache, ["--cache-size", "10G"]) as m:
-        subprocess.run([exe, "warmup", str(m.mnt), "--json"], check=True, capture_output=True)
-        root = os.path.join(str(m.mnt), "train")
+    with loader_bench(OUT, a.files, TRAIN) as lb:
         for k in [int(x) for x in a.workers.split(",") if x.strip()]:
             print(f"bench.advise: num_workers={k}", file=sys.stderr)
-            t0 = time.perf_counter()
-            r = subprocess.run([exe, "run", "--job", f"w{k}", "--", sys.executable, script,
-                                root, str(k), str(a.batch), str(a.step_ms / 1000)],
-                               capture_output=True, text=True)
-            if r.returncode != 0:
-                print(r.stderr[-3000:], file=sys.stderr)
+            ran = lb.run(["--job", f"w{k}"], [str(k), str(a.batch), str(a.step_ms / 1000)])
+            if ran is None:
                 return 1
-            res = json.loads(r.stdout.strip().splitlines()[-1])
-            res["process_s"] = round(time.perf_counter() - t0, 3)
-            adv = subprocess.run([exe, "advise", str(m.mnt), "--json"], capture_output=True,
+            res, _, seconds = ran
+            res["process_s"] = round(seconds, 3)
+            adv = subprocess.run([lb.exe, "advise", lb.mnt, "--json"], capture_output=True,
                                  text=True)
             advice = {x["stream"]: x for x in json.loads(adv.stdout or "[]")}.get(f"w{k}/0", {})
             rows.append({"workers": k, "epoch_s": round(res["epoch_s"], 3),
@@ -99,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                          if advice.get("t_req") else None,
                          "t_req_from": advice.get("t_req_from")})
     best = min(rows, key=lambda r: r["epoch_s"])
-    doc = {"bench": "advise", "files": len(manifest["file_list"]), "batch": a.batch,
+    doc = {"bench": "advise", "files": lb.files, "batch": a.batch,
            "step_ms": a.step_ms, "cores": len(os.sched_getaffinity(0)), "rows": rows,
            "best": best["workers"],
            "note": "epoch_s per num_workers; advised: dlcachefs advise's num_workers after "

@@ -1,6 +1,8 @@
 """Small helpers shared by the benchmarks: hashing, page-cache control, /proc readers,
-a description of the machine, and percentiles. Standard library only (plus xxhash when
-it is installed, which dlcachefs itself depends on)."""
+a description of the machine, percentiles, and the setup of the loader benchmarks
+(:func:`loader_bench`). Standard library only (plus xxhash when it is installed, which
+dlcachefs itself depends on; :func:`loader_bench` imports ``bench.make_dataset`` and
+``bench.mounting`` when called, as they import this module)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from importlib import metadata
 
 try:  # ~20 GB/s: hashing every byte read must not distort the reader's timing
@@ -263,3 +266,55 @@ class Stopwatch:
 
     def __call__(self) -> float:
         return time.perf_counter() - self.t0
+
+
+@dataclass
+class LoaderBench:
+    """A training script over a warmed dlcachefs mount of a JPEG ImageFolder, to run
+    under ``dlcachefs run`` (made by :func:`loader_bench`)."""
+
+    exe: str  #: the ``dlcachefs`` executable
+    mnt: str  #: the mount point
+    root: str  #: the ImageFolder's root on the mount (its ``train``)
+    script: str  #: the training script's path
+    files: int  #: the dataset's files
+
+    def run(self, run_args: Sequence[str], script_args: Sequence[str]
+            ) -> tuple[dict, str, float] | None:
+        """Run ``python script root *script_args`` under ``dlcachefs run *run_args``: the
+        JSON of its last stdout line, its stderr, and the seconds the process took; None
+        when it failed (the tail of its stderr printed)."""
+        t0 = time.perf_counter()
+        r = subprocess.run([self.exe, "run", *run_args, "--", sys.executable, self.script,
+                            self.root, *script_args], capture_output=True, text=True)
+        if r.returncode != 0:
+            print(r.stderr[-3000:], file=sys.stderr)
+            return None
+        res = json.loads(r.stdout.strip().splitlines()[-1])
+        return res, r.stderr, time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def loader_bench(out: str, files: int, train: str) -> Iterator[LoaderBench]:
+    """The setup of the benchmarks that time a DataLoader under ``dlcachefs run``
+    (``bench.advise``, ``bench.workers_auto``): a JPEG ImageFolder dataset of about
+    ``files`` files in 4 classes (``bench.make_dataset``, made once) in ``out/data``,
+    the training script ``train`` written to ``out/train.py``, and dlcachefs over the
+    dataset (``out/mnt``, a 10G cache in ``out/cache``), warmed first (``dlcachefs
+    warmup``: the loader's time is its own, not the source's). Unmounted on exit."""
+    from . import make_dataset as md  # (they import this module)
+    from .mounting import DlcMount, dlcachefs_exe
+
+    os.makedirs(out, exist_ok=True)
+    data = os.path.join(out, "data")
+    manifest, _ = md.ensure_dataset(data, md.Spec(classes=4, per_class=max(1, files // 4)),
+                                    progress=sys.stderr.isatty())
+    script = os.path.join(out, "train.py")
+    with open(script, "w") as f:
+        f.write(train)
+    exe = dlcachefs_exe()
+    with DlcMount(data, os.path.join(out, "mnt"), os.path.join(out, "cache"),
+                  ["--cache-size", "10G"]) as m:
+        subprocess.run([exe, "warmup", str(m.mnt), "--json"], check=True, capture_output=True)
+        yield LoaderBench(exe, str(m.mnt), os.path.join(str(m.mnt), "train"), script,
+                          len(manifest["file_list"]))

@@ -21,12 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 
-from . import make_dataset as md
-from .mounting import DlcMount, dlcachefs_exe
+from .util import loader_bench
 
 OUT = os.path.join("bench", "out", "workers_auto")
 
@@ -76,34 +73,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", default="auto", help="what --workers auto runs pass")
     p.add_argument("--out", default=os.path.join("bench", "results", "workers_auto.json"))
     a = p.parse_args(argv)
-    os.makedirs(OUT, exist_ok=True)
-    data = os.path.join(OUT, "data")
-    manifest, _ = md.ensure_dataset(data, md.Spec(classes=4, per_class=max(1, a.files // 4)),
-                                    progress=sys.stderr.isatty())
-    script = os.path.join(OUT, "train.py")
-    with open(script, "w") as f:
-        f.write(TRAIN)
-    exe = dlcachefs_exe()
     runs = []
-    with DlcMount(data, os.path.join(OUT, "mnt"), os.path.join(OUT, "cache"),
-                  ["--cache-size", "10G"]) as m:
-        subprocess.run([exe, "warmup", str(m.mnt), "--json"], check=True, capture_output=True)
-        root = os.path.join(str(m.mnt), "train")
+    with loader_bench(OUT, a.files, TRAIN) as lb:
         for rnd in range(a.rounds):
             for mode in ("auto", "fixed1"):
                 print(f"bench.workers_auto: round {rnd} {mode}", file=sys.stderr)
                 extra = ["--workers", a.workers] if mode == "auto" else []
-                t0 = time.perf_counter()
-                r = subprocess.run([exe, "run", *extra, "--", sys.executable, script, root,
-                                    str(a.epochs), str(a.batch), str(a.fetch_ms / 1000),
-                                    str(a.step_ms / 1000)], capture_output=True, text=True)
-                if r.returncode != 0:
-                    print(r.stderr[-3000:], file=sys.stderr)
+                ran = lb.run(extra, [str(a.epochs), str(a.batch), str(a.fetch_ms / 1000),
+                                     str(a.step_ms / 1000)])
+                if ran is None:
                     return 1
-                res = json.loads(r.stdout.strip().splitlines()[-1])
+                res, stderr, seconds = ran
                 runs.append({"round": rnd, "mode": mode, **res,
-                             "process_s": round(time.perf_counter() - t0, 3),
-                             "log": [x for x in r.stderr.splitlines()
+                             "process_s": round(seconds, 3),
+                             "log": [x for x in stderr.splitlines()
                                      if x.startswith("dlcachefs: workers auto:")]})
 
     def mean_epoch(mode: str, first: bool) -> float:
@@ -112,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         return round(sum(xs) / len(xs), 3) if xs else float("nan")
 
     auto_later, fixed_later = mean_epoch("auto", False), mean_epoch("fixed1", False)
-    doc = {"bench": "workers_auto", "files": len(manifest["file_list"]), "batch": a.batch,
+    doc = {"bench": "workers_auto", "files": lb.files, "batch": a.batch,
            "fetch_ms": a.fetch_ms, "step_ms": a.step_ms, "epochs": a.epochs,
            "workers": a.workers, "cores": len(os.sched_getaffinity(0)), "runs": runs,
            "same_order": len({r["order_sha256"] for r in runs}) == 1,

@@ -3,12 +3,17 @@ across an await, against the epoch switch and the log's end. Found in review; ea
 holds a fetch open at the racing moment with events, no timing."""
 
 import os
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
 import trio.testing
 
+from dlcachefs.cache.namespace import identity
 from dlcachefs.clairvoyance.reorder import NextEpochLog
+from dlcachefs.clairvoyance.stream import Stream
+from dlcachefs.store.chunkfmt import CHUNK_HEADER_SIZE
 from dlcachefs.testing.fakes import make_config, read_all, run_session, write_tree
 
 
@@ -27,6 +32,50 @@ async def planned(sess, files: dict) -> tuple[NextEpochLog, list[int]]:
     await nl.plan(inos)
     assert len(nl.chunks) == 1 and len(nl.chunks[0].slots) == 2
     return nl, inos
+
+
+def served_without_room(sess, files: dict, logs: Iterable[NextEpochLog],
+                        inos: list[int]) -> None:
+    """Each of ``inos`` (samples of ``files``) is served to each of ``logs`` while the
+    cache has no room for its slot (full of the current logs): the log keeps its bytes
+    and the slot waits for room."""
+    eng = sess.engine
+    rel_of = {eng.ns.resolve(r).ino: r for r in files}
+    real = eng.writer.try_reserve
+    eng.writer.try_reserve = lambda n: False  # the cache is full of the current logs
+    try:
+        for nl in logs:
+            for ino in inos:
+                nl.consumed(ino, files[rel_of[ino]], identity(eng.index.get_entry(ino)))
+    finally:
+        eng.writer.try_reserve = real
+
+
+@asynccontextmanager
+async def two_logs_without_room(sess, files: dict
+                                ) -> AsyncIterator[tuple[NextEpochLog, NextEpochLog]]:
+    """The room tests' setup: two ranks' next logs of the samples (``default/0``, then
+    ``default/1``), each served the first sample while the cache had no room for its
+    slot; since then room was freed for one slot (``writer.reclaimable``). Their streams
+    are in the manager's table meanwhile; then they are removed and the logs abandoned."""
+    writer = sess.engine.writer
+    nl, inos = await planned(sess, files)
+    other = sess.streams.planner.new_log("default/1", 1)
+    await other.plan(inos)
+    S, _ = inos
+    served_without_room(sess, files, (nl, other), [S])
+    need = nl.slots[S].rlen + CHUNK_HEADER_SIZE
+    writer.reclaimable = lambda: need  # room freed for one of the two slots
+    r0, r1 = Stream("default", 0), Stream("default", 1)
+    r0.next_log, r1.next_log = nl, other
+    table = sess.streams.streams
+    table[("default", 0)], table[("default", 1)] = r0, r1
+    try:
+        yield nl, other
+    finally:
+        del table[("default", 0)], table[("default", 1)]
+        nl.abandon()
+        other.abandon()
 
 
 def start_backfill(sess, nl: NextEpochLog, inos: list[int]) -> trio.Event:
@@ -176,9 +225,6 @@ def test_a_sample_that_found_no_room_is_written_once_the_current_log_frees_some(
     processes (drained 50 ms late) whose release of the current log's chunks would have
     made room for it: the sample is read again for its slot at the next release, not
     left to the fill at the epoch boundary (a CI run waited for the next log for ever)."""
-    from dlcachefs.cache.namespace import identity
-    from dlcachefs.clairvoyance.stream import Stream
-
     files, cfg = two_samples(tmp_path)
     out = {}
 
@@ -188,11 +234,7 @@ def test_a_sample_that_found_no_room_is_written_once_the_current_log_frees_some(
         await sess.engine.flush()
         nl, inos = await planned(sess, files)
         S, T = inos
-        real = writer.try_reserve
-        writer.try_reserve = lambda n: False  # the cache is full of the current log
-        for ino, rel in ((S, b"train/c0/img00.jpg"), (T, b"train/c0/img01.jpg")):
-            nl.consumed(ino, files[rel], identity(sess.engine.index.get_entry(ino)))
-        writer.try_reserve = real
+        served_without_room(sess, files, [nl], [S, T])
         out["claimed_without_room"] = nl.slots[S].written
         out["before_a_release"] = nl.take_no_room()
         s = Stream("default", 0, consumed=bytearray(2))
@@ -225,8 +267,6 @@ def test_the_current_log_stays_protected_while_in_process_reads_report(tmp_path)
     events: their readers alone no longer let the log go (it was, and the next log then
     found no room), only events lost from a full ring do, once per loss."""
     import time
-
-    from dlcachefs.clairvoyance.stream import Stream
 
     files, cfg = two_samples(tmp_path)
     out = {}
@@ -280,20 +320,13 @@ def test_a_sample_served_without_room_keeps_its_bytes_for_its_slot(tmp_path):
     current log's release a drain late) is written from the bytes it was served, once
     room comes: with a cache too small for the dataset it was prefetched into memory
     only, and read again it was read from the source a second time."""
-    from dlcachefs.cache.namespace import identity
-
     files, cfg = two_samples(tmp_path)
     out = {}
 
     async def body(sess):
-        writer = sess.engine.writer
         nl, inos = await planned(sess, files)
         S, _ = inos
-        real = writer.try_reserve
-        writer.try_reserve = lambda n: False  # the cache is full of the current log
-        nl.consumed(S, files[b"train/c0/img00.jpg"],
-                    identity(sess.engine.index.get_entry(S)))
-        writer.try_reserve = real
+        served_without_room(sess, files, [nl], [S])
         calls = _recording_bytes_for(sess)
         before = sess.engine.counters.bytes_from_source
         nl.room_freed()
@@ -346,22 +379,15 @@ def test_a_release_by_one_rank_retries_another_ranks_slots_that_found_no_room(tm
     found no room is retried when rank 0's current log releases a chunk (only the
     releasing rank's own log was retried: rank 1's waited, unsealed, for the epoch's end,
     and its next epoch read those chunks' samples from the source)."""
-    from dlcachefs.cache.namespace import identity
     from dlcachefs.clairvoyance.positions import Positions
-    from dlcachefs.clairvoyance.stream import Stream
 
     files, cfg = two_samples(tmp_path)
     out = {}
 
     async def body(sess):
-        writer = sess.engine.writer
         nl, inos = await planned(sess, files)
         S, T = inos
-        real = writer.try_reserve
-        writer.try_reserve = lambda n: False  # the cache is full of the current logs
-        nl.consumed(S, files[b"train/c0/img00.jpg"],
-                    identity(sess.engine.index.get_entry(S)))
-        writer.try_reserve = real
+        served_without_room(sess, files, [nl], [S])
         r0, r1 = Stream("default", 0), Stream("default", 1)
         r0.order, r0.positions, r0.consumed = [T], Positions([T]), bytearray(1)
         r0.current_log = _ReleasingLog()
@@ -384,22 +410,15 @@ def test_held_bytes_go_back_to_the_daemons_budget(tmp_path):
     """Bytes held for a slot that found no room are given back when the slot is claimed
     another way (a filler) and when the log ends: a log of a job gone kept them (64 MiB
     a log, never given back). The budget is one for every log of the daemon."""
-    from dlcachefs.cache.namespace import identity
-
     files, cfg = two_samples(tmp_path)
     out = {}
 
     async def body(sess):
-        writer = sess.engine.writer
         nl, inos = await planned(sess, files)
         S, T = inos
         other = sess.streams.planner.new_log("other/0", 1)  # a second log, the same budget
         assert other.budget is nl.budget
-        real = writer.try_reserve
-        writer.try_reserve = lambda n: False
-        for ino, rel in zip(inos, files, strict=True):
-            nl.consumed(ino, files[rel], identity(sess.engine.index.get_entry(ino)))
-        writer.try_reserve = real
+        served_without_room(sess, files, [nl], inos)
         out["held"] = (nl.held_bytes, nl.budget.used)
         nl._claim_filler(nl.slots[T])  # T claimed another way: its bytes go
         out["after_filler"] = (nl.held_bytes, nl.budget.used)
@@ -449,43 +468,20 @@ def test_one_round_of_retries_shares_the_room_freed_between_logs(tmp_path):
     a chunk is released: each log's retry takes from what the others left of the room
     (each was handed the whole room: together they read back more slots than could be
     reserved, and those found no room again, read for nothing)."""
-    from dlcachefs.cache.namespace import identity
-    from dlcachefs.clairvoyance.stream import Stream
-    from dlcachefs.store.chunkfmt import CHUNK_HEADER_SIZE
-
     files, cfg = two_samples(tmp_path)
     out = {}
 
     async def body(sess):
-        writer = sess.engine.writer
-        nl, inos = await planned(sess, files)
-        other = sess.streams.planner.new_log("default/1", 1)
-        await other.plan(inos)
-        S, _ = inos
-        real = writer.try_reserve
-        writer.try_reserve = lambda n: False  # the cache is full of the current logs
-        for log in (nl, other):
-            log.consumed(S, files[b"train/c0/img00.jpg"],
-                         identity(sess.engine.index.get_entry(S)))
-        writer.try_reserve = real
-        need = nl.slots[S].rlen + CHUNK_HEADER_SIZE
-        writer.reclaimable = lambda: need  # room freed for one of the two slots
-        retried: dict[str, list[int]] = {}
-        for log in (nl, other):
-            async def record(inos, pinned=None, key=log.key):
-                retried[key] = list(inos)
-            log.backfill = record
-        r0, r1 = Stream("default", 0), Stream("default", 1)
-        r0.next_log, r1.next_log = nl, other
-        table = sess.streams.streams
-        table[("default", 0)], table[("default", 1)] = r0, r1
-        sess.streams._retry_no_room()
-        await trio.testing.wait_all_tasks_blocked()
-        out["retried"] = sorted(len(v) for v in retried.values())
-        out["left_for_later"] = sorted(len(log._no_room) for log in (nl, other))
-        del table[("default", 0)], table[("default", 1)]
-        nl.abandon()
-        other.abandon()
+        async with two_logs_without_room(sess, files) as (nl, other):
+            retried: dict[str, list[int]] = {}
+            for log in (nl, other):
+                async def record(inos, pinned=None, key=log.key):
+                    retried[key] = list(inos)
+                log.backfill = record
+            sess.streams.planner.retry_no_room()
+            await trio.testing.wait_all_tasks_blocked()
+            out["retried"] = sorted(len(v) for v in retried.values())
+            out["left_for_later"] = sorted(len(log._no_room) for log in (nl, other))
 
     run_session(cfg, body, check_invariants=False)
     assert out["retried"] == [1]  # one slot's read: the room of one slot
@@ -498,51 +494,29 @@ def test_room_handed_to_a_retry_still_reading_is_not_handed_again(tmp_path):
     too, which then read its slot back for nothing. The room promised to a retry still
     reading counts as taken until it has reserved or given up; then the other log gets
     it at the next release."""
-    from dlcachefs.cache.namespace import identity
-    from dlcachefs.clairvoyance.stream import Stream
-    from dlcachefs.store.chunkfmt import CHUNK_HEADER_SIZE
-
     files, cfg = two_samples(tmp_path)
     out = {}
 
     async def body(sess):
-        writer = sess.engine.writer
-        nl, inos = await planned(sess, files)
-        other = sess.streams.planner.new_log("default/1", 1)
-        await other.plan(inos)
-        S, _ = inos
-        real = writer.try_reserve
-        writer.try_reserve = lambda n: False  # the cache is full of the current logs
-        for log in (nl, other):
-            log.consumed(S, files[b"train/c0/img00.jpg"],
-                         identity(sess.engine.index.get_entry(S)))
-        writer.try_reserve = real
-        need = nl.slots[S].rlen + CHUNK_HEADER_SIZE
-        writer.reclaimable = lambda: need  # room freed for one of the two slots
-        reading = trio.Event()
-        retried: list[str] = []
-        for log in (nl, other):
-            async def slow(inos, pinned=None, key=log.key):
-                retried.append(key)
-                await reading.wait()  # still reading back: nothing reserved yet
-            log.backfill = slow
-        r0, r1 = Stream("default", 0), Stream("default", 1)
-        r0.next_log, r1.next_log = nl, other
-        table = sess.streams.streams
-        table[("default", 0)], table[("default", 1)] = r0, r1
-        sess.streams._retry_no_room()
-        sess.streams._retry_no_room()  # the next release, while the first retry reads
-        await trio.testing.wait_all_tasks_blocked()
-        out["while_reading"] = len(retried)
-        reading.set()
-        await trio.testing.wait_all_tasks_blocked()
-        sess.streams._retry_no_room()  # a release after it finished: the room again
-        await trio.testing.wait_all_tasks_blocked()
-        out["after"] = len(retried)
-        out["promised"] = getattr(sess.streams, "_promised", 0)
-        del table[("default", 0)], table[("default", 1)]
-        nl.abandon()
-        other.abandon()
+        planner = sess.streams.planner
+        async with two_logs_without_room(sess, files) as (nl, other):
+            reading = trio.Event()
+            retried: list[str] = []
+            for log in (nl, other):
+                async def slow(inos, pinned=None, key=log.key):
+                    retried.append(key)
+                    await reading.wait()  # still reading back: nothing reserved yet
+                log.backfill = slow
+            planner.retry_no_room()
+            planner.retry_no_room()  # the next release, while the first retry reads
+            await trio.testing.wait_all_tasks_blocked()
+            out["while_reading"] = len(retried)
+            reading.set()
+            await trio.testing.wait_all_tasks_blocked()
+            planner.retry_no_room()  # a release after it finished: the room again
+            await trio.testing.wait_all_tasks_blocked()
+            out["after"] = len(retried)
+            out["promised"] = planner._promised
 
     run_session(cfg, body, check_invariants=False)
     assert out["while_reading"] == 1
@@ -589,7 +563,7 @@ def test_backfills_of_several_logs_run_together_and_unpin_once_when_cancelled(tm
         assert writer.pin(chunk)  # another reader's pin, held throughout
         out["pins"] = writer.pins[chunk]
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(sess.streams._backfill, jobs)
+            nursery.start_soon(sess.streams.planner._backfill_reads, jobs)
             await trio.testing.wait_all_tasks_blocked()
             out["running"] = len(running)
             nursery.cancel_scope.cancel()  # the daemon stopping

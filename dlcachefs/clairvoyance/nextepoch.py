@@ -12,15 +12,27 @@ after use (LCache line 16), and the last epoch's log is released once the new on
 complete. Logs of streams that stopped opening are no longer protected
 (:meth:`unprotect_idle`).
 
+The planner also reads back into the next logs the samples served elsewhere: the reads
+served in training processes (:meth:`NextEpochPlanner.backfill_reads`, :data:`BACKFILLS`
+logs at a time, from chunks pinned when the reads were reported), and, each time room
+is freed, the slots that found none (:meth:`NextEpochPlanner.retry_no_room`: one round
+shares the room freed between the logs, less the room promised to retries still
+reading).
+
 Concurrency: trio loop; the next order's inodes and the samples already served are
-listed in worker threads; a log's tasks (``run``, ``backfill``) go to the nursery the
-stream manager hands in, which outlives the epoch that planned them.
+listed in worker threads. The planner owns no nursery: a log's tasks (``run``, the
+backfill of samples already served) go to the nursery the stream manager hands to
+:meth:`~NextEpochPlanner.plan_next` and :meth:`~NextEpochPlanner.begin_epoch`, and the
+read-backs to the one it binds (:meth:`~NextEpochPlanner.bind`: its own, from its
+``run`` until its ``close``; before and after, nothing is read back). Both outlive the
+epoch that planned them. ``_promised`` and ``_rounds`` are changed only on the trio
+loop, without an await between reading and writing them.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -28,13 +40,17 @@ from dlcachefs.cache.memtier import MemoryTier
 from dlcachefs.cache.namespace import Namespace
 from dlcachefs.cache.writer import ChunkWriter
 from dlcachefs.clairvoyance.positions import consumed_inos, order_inos
-from dlcachefs.clairvoyance.reorder import NextEpochLog
+from dlcachefs.clairvoyance.reorder import NextEpochLog, RoomRound
 from dlcachefs.clairvoyance.samplelist import SampleList
 from dlcachefs.clairvoyance.stream import GIVEN_UP, IDLE_S, Stream, StreamTable, same_dataset
 from dlcachefs.config import Config
 from dlcachefs.store.integrity import log_failure
 
 log = logging.getLogger(__name__)
+
+#: next-epoch logs backfilled at once from one drain of reads served in training
+#: processes (each reads its records back from pinned chunks, on the disk limiter)
+BACKFILLS = 2
 
 
 class NextEpochPlanner:
@@ -60,6 +76,18 @@ class NextEpochPlanner:
         # (job, dataset) -> (the epoch its ranks first planned a next-epoch log here, the
         # most of its DistributedSampler's ranks seen on this mount then; _ranks_laying_out)
         self._local_ranks: dict[tuple, tuple[int, int]] = {}
+        # the read-backs' nursery (bind): the stream manager's, once it runs
+        self._nursery: trio.Nursery | None = None
+        # the retries of slots that found no room (retry_no_room): room handed out and
+        # not yet reserved, and the rounds so far (the log each starts at)
+        self._promised = 0
+        self._rounds = 0
+
+    def bind(self, nursery: trio.Nursery | None) -> None:
+        """The nursery the logs' read-backs (:meth:`backfill_reads`,
+        :meth:`retry_no_room`) start in: the stream manager's, from its ``run``; None
+        once it closed (nothing starts before or after)."""
+        self._nursery = nursery
 
     def partial(self, dataset_bytes: int, next_known: bool) -> bool:
         """Whether a stream's epoch over ``dataset_bytes`` caches partially (LCache:
@@ -259,6 +287,82 @@ class NextEpochPlanner:
         # (in the job's first epoch here, its ranks may still be announcing)
         expected = spec.world if s.epoch == first else most
         return max(n, n - seen + min(expected, spec.world))
+
+    # ----- read-backs of samples served elsewhere (in the nursery bound by ``bind``) ---
+
+    def backfill_reads(self, inos: Sequence[int]) -> None:
+        """Files read in training processes: each next-epoch log that waits for some
+        reads them from the cache (:meth:`NextEpochLog.backfill`), in the background."""
+        if self._nursery is None:
+            return
+        jobs = []
+        for nl in self.next_logs():
+            wanted = [i for i in inos if nl.wants(i)]
+            if wanted:  # their chunks pinned now, before a seal drops those they released
+                jobs.append((nl, wanted, nl.hold(wanted)))
+        if jobs:
+            self._nursery.start_soon(self._backfill_reads, jobs)
+
+    async def _backfill_reads(self, jobs: list[tuple[NextEpochLog, list[int], list[int]]]) -> None:
+        """The logs' backfills of reads served in training processes, :data:`BACKFILLS`
+        at a time (each log its own; their reads of one record from the source are one
+        fetch); then every log's slots that found no room try again: the chunks those
+        reads released were pinned when the opens asked."""
+        limiter = trio.CapacityLimiter(BACKFILLS)
+        async with trio.open_nursery() as nursery:
+            for nl, wanted, pinned in jobs:  # (no checkpoint: every job's task starts)
+                nursery.start_soon(self._backfill_one, limiter, nl, wanted, pinned)
+        self.retry_no_room()
+
+    @staticmethod
+    async def _backfill_one(limiter: trio.CapacityLimiter, nl: NextEpochLog,
+                            wanted: list[int], pinned: list[int]) -> None:
+        """One log's backfill under ``limiter``. Its pins have one owner at a time: the
+        backfill once it started (it unpins them, whatever happens), this task until
+        then (cancelled while waiting for its turn, the daemon stopping: unpinned here)."""
+        started = False
+        try:
+            async with limiter:
+                started = True  # (no checkpoint between the acquire and the backfill)
+                await nl.backfill(wanted, pinned)
+        finally:
+            if not started:
+                for cid in pinned:
+                    nl.writer.unpin(cid)
+
+    def retry_no_room(self) -> None:
+        """Room was freed (a chunk released after use, or unpinned): every next log's
+        slots that found none try again, in the background."""
+        if self._nursery is None:
+            return
+        room: RoomRound | None = None  # (one room for the round: every log shares it)
+        logs = self.next_logs()
+        if logs:  # each round starts at another log: the first does not take every room
+            self._rounds += 1
+            k = self._rounds % len(logs)
+            logs = logs[k:] + logs[:k]
+        for nl in logs:
+            nl.room_freed()
+            if room is None:
+                # less what earlier rounds handed to retries still reading (they reserve
+                # after their reads): a release a few opens later would hand it again
+                room = RoomRound(max(0, nl.writer.reclaimable() - self._promised))
+            before = room.left
+            retry = nl.take_no_room(room)
+            if retry:
+                # counted now, not when the task starts: the next open's round may come
+                # in the same drain, before any checkpoint
+                self._promised += before - room.left
+                self._nursery.start_soon(self._retry_backfill, nl, retry, before - room.left)
+
+    async def _retry_backfill(self, nl: NextEpochLog, retry: list[int], promised: int) -> None:
+        """One log's retry of a round: its ``promised`` bytes of the room (counted by
+        :meth:`retry_no_room`) count as taken until it has reserved its slots or given
+        them up."""
+        try:
+            await nl.backfill(retry)
+        finally:
+            self._promised -= promised
 
     # ----- idle streams ------------------------------------------------------------------
 

@@ -16,7 +16,9 @@ log comes out in its read order).
 * an epoch's order, positions and next order, computed in a thread:
   :mod:`~dlcachefs.clairvoyance.epochplan` (learned orders:
   :mod:`~dlcachefs.clairvoyance.learned`);
-* the next epoch's log (LCache): :mod:`~dlcachefs.clairvoyance.nextepoch`;
+* the next epoch's log (LCache), and the read-backs into the next logs of samples
+  served elsewhere (in training processes, or when their slot found no room):
+  :mod:`~dlcachefs.clairvoyance.nextepoch`;
 * the prefetch ahead of the reader: :mod:`~dlcachefs.clairvoyance.prefetchloop`;
 * a stream's state: :mod:`~dlcachefs.clairvoyance.stream`.
 
@@ -52,6 +54,15 @@ announced epoch still this one), the plan is applied to the stream in one synchr
 step (:meth:`StreamManager._switch`, no await between the check and the last
 assignment), so the read path never sees a stream half switched. The epoch's prefetch,
 read plan and next-epoch planning then run in a nursery of the configure task.
+
+Who owns what: the manager owns its nursery (opened in :meth:`StreamManager.run`) and the
+streams' configure tasks. The next-epoch logs' background read-backs (of in-process
+reads, and the retries of slots that found no room, with the room promised to them) are
+the :class:`~dlcachefs.clairvoyance.nextepoch.NextEpochPlanner`'s: the manager binds its
+nursery to the planner once it is open, and unbinds it at :meth:`StreamManager.close`,
+so nothing of the planner starts before the nursery exists or after it closed.
+``backfill`` and ``next_logs`` here only pass on to the planner, for the read path
+(:mod:`~dlcachefs.clairvoyance.events`).
 """
 
 from __future__ import annotations
@@ -81,7 +92,7 @@ from dlcachefs.clairvoyance.learned import similar
 from dlcachefs.clairvoyance.listings import SampleListMismatch, SampleLists, dataset_key
 from dlcachefs.clairvoyance.nextepoch import NextEpochPlanner
 from dlcachefs.clairvoyance.prefetchloop import PrefetchLoop
-from dlcachefs.clairvoyance.reorder import NextEpochLog, RoomRound
+from dlcachefs.clairvoyance.reorder import NextEpochLog
 from dlcachefs.clairvoyance.replay import SamplerSpec
 from dlcachefs.clairvoyance.replayworker import ReplayClosed, ReplayWorker
 from dlcachefs.clairvoyance.samplelist import SampleList
@@ -94,10 +105,6 @@ from dlcachefs.store.schema import Entry
 __all__ = ["EpochStarted", "JobDropped", "Stream", "StreamManager", "StreamTable", "dataset_key"]
 
 log = logging.getLogger(__name__)
-
-#: next-epoch logs backfilled at once from one drain of reads served in training
-#: processes (each reads its records back from pinned chunks, on the disk limiter)
-BACKFILLS = 2
 
 
 class EpochStarted(Protocol):
@@ -142,10 +149,6 @@ class StreamManager:
         self.on_epoch = on_epoch
         self.on_job_dropped = on_job_dropped
         self._nursery: trio.Nursery | None = None
-        # next logs' retries (_retry_no_room): room handed out and not yet reserved, and
-        # the rounds so far (the log each starts at)
-        self._promised = 0
-        self._rounds = 0
         self.replay_ready = False  # torch imported: orders can be replayed without waiting
         # torch's sampler replay runs there, not in the daemon
         self.replay = replay if replay is not None else ReplayWorker()
@@ -164,6 +167,7 @@ class StreamManager:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.lists.run)
             self._nursery = nursery
+            self.planner.bind(nursery)  # its logs' read-backs start there from now on
             task_status.started()
             await trio.sleep_forever()
 
@@ -193,6 +197,7 @@ class StreamManager:
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
             self._nursery = None
+            self.planner.bind(None)
         self.replay.close()
 
     # ----- control updates (trio loop, from ControlState.apply) ---------------------
@@ -440,78 +445,8 @@ class StreamManager:
         return found[0] if len(found) == 1 else None
 
     def backfill(self, inos: Sequence[int]) -> None:
-        """Files read in training processes: each next-epoch log that waits for some
-        reads them from the cache (:meth:`NextEpochLog.backfill`), in the background."""
-        if self._nursery is None:
-            return
-        jobs = []
-        for nl in self.next_logs():
-            wanted = [i for i in inos if nl.wants(i)]
-            if wanted:  # their chunks pinned now, before a seal drops those they released
-                jobs.append((nl, wanted, nl.hold(wanted)))
-        if jobs:
-            self._nursery.start_soon(self._backfill, jobs)
-
-    async def _backfill(self, jobs: list[tuple[NextEpochLog, list[int], list[int]]]) -> None:
-        """The logs' backfills of reads served in training processes, :data:`BACKFILLS`
-        at a time (each log its own; their reads of one record from the source are one
-        fetch); then every log's slots that found no room try again: the chunks those
-        reads released were pinned when the opens asked."""
-        limiter = trio.CapacityLimiter(BACKFILLS)
-        async with trio.open_nursery() as nursery:
-            for nl, wanted, pinned in jobs:  # (no checkpoint: every job's task starts)
-                nursery.start_soon(self._backfill_one, limiter, nl, wanted, pinned)
-        self._retry_no_room()
-
-    @staticmethod
-    async def _backfill_one(limiter: trio.CapacityLimiter, nl: NextEpochLog,
-                            wanted: list[int], pinned: list[int]) -> None:
-        """One log's backfill under ``limiter``. Its pins have one owner at a time: the
-        backfill once it started (it unpins them, whatever happens), this task until
-        then (cancelled while waiting for its turn, the daemon stopping: unpinned here)."""
-        started = False
-        try:
-            async with limiter:
-                started = True  # (no checkpoint between the acquire and the backfill)
-                await nl.backfill(wanted, pinned)
-        finally:
-            if not started:
-                for cid in pinned:
-                    nl.writer.unpin(cid)
-
-    def _retry_no_room(self) -> None:
-        """Room was freed (a chunk released after use, or unpinned): every next log's
-        slots that found none try again, in the background."""
-        if self._nursery is None:
-            return
-        room: RoomRound | None = None  # (one room for the round: every log shares it)
-        logs = self.next_logs()
-        if logs:  # each round starts at another log: the first does not take every room
-            self._rounds += 1
-            k = self._rounds % len(logs)
-            logs = logs[k:] + logs[:k]
-        for nl in logs:
-            nl.room_freed()
-            if room is None:
-                # less what earlier rounds handed to retries still reading (they reserve
-                # after their reads): a release a few opens later would hand it again
-                room = RoomRound(max(0, nl.writer.reclaimable() - self._promised))
-            before = room.left
-            retry = nl.take_no_room(room)
-            if retry:
-                # counted now, not when the task starts: the next open's round may come
-                # in the same drain, before any checkpoint
-                self._promised += before - room.left
-                self._nursery.start_soon(self._retry_backfill, nl, retry, before - room.left)
-
-    async def _retry_backfill(self, nl: NextEpochLog, retry: list[int], promised: int) -> None:
-        """One log's retry of a round: its ``promised`` bytes of the room (counted by
-        :meth:`_retry_no_room`) count as taken until it has reserved its slots or given
-        them up."""
-        try:
-            await nl.backfill(retry)
-        finally:
-            self._promised -= promised
+        """:meth:`NextEpochPlanner.backfill_reads`."""
+        self.planner.backfill_reads(inos)
 
     def group_of(self, pid: int) -> str | None:
         """The ``unannounced/PGID`` key of a reader (:meth:`Attribution.group_of`)."""
@@ -532,7 +467,7 @@ class StreamManager:
         if s.consume(ino, p):
             # a chunk of its current log released: room for any rank's next log (each
             # log's slots are filled from every rank's opens)
-            self._retry_no_room()
+            self.planner.retry_no_room()
         s.advance()
 
     def note_gone(self, inos: list[int]) -> None:
