@@ -29,6 +29,11 @@ num_workers=--workers)``, JPEG decode, RandomResizedCrop, no simulated compute):
 * ``run``: the same under ``dlcachefs run`` (read-only binary opens of cached files
   served in the workers: :mod:`dlcachefs.data.intercept`).
 
+Before each measured epoch the bench waits until the daemon is quiet: dropping the page
+cache also drops the kernel's inodes, and the daemon then answers a FORGET for each
+inode the last epoch looked up (the drop's work, not the epoch's: a training does not
+drop its caches every epoch).
+
 Per run: ``files_per_s``, ``reader_cpu_ms_per_file`` (the loop's process and its workers:
 reading and decoding), ``daemon_cpu_ms_per_file`` (``/proc/PID/stat`` of the daemon
 around the run, over the files; split into ``daemon_user_ms_per_file``, its own code, and
@@ -75,6 +80,8 @@ from .util import (
     machine_info,
     proc_cpu_seconds,
     proc_cpu_split,
+    proc_faults,
+    wait_cpu_quiet,
     write_json,
 )
 
@@ -93,25 +100,29 @@ def log(msg: str) -> None:
 
 
 def one_epoch(system: str, data: str, workers: int, seed: int, m: DlcMount, *,
-              drop: bool = True, raw: bool = False) -> dict:
+              drop: bool = True, raw: bool = False, sampler: str = "random") -> dict:
     """One epoch of bench.pipeline for ``system`` (the page cache dropped before it when
     ``drop``), with the daemon's CPU and stats."""
     py = [sys.executable, "-m", "bench.pipeline", "--data", data, "--epochs", "1",
           "--workers", str(workers), "--compute-ms", "0", "--seed", str(seed),
-          *(["--raw"] if raw else [])]
+          *(["--raw"] if raw else []), "--sampler", sampler]
     cli = [sys.executable, "-m", "dlcachefs.cli", "run"]
     cmd = {"local": py, "mount": [*cli, "--no-intercept", "--", *py],
            "run": [*cli, "--", *py]}[system]
     if drop:
         drop_page_cache([data])
+    assert m.pid is not None
+    wait_cpu_quiet(m.pid)  # the daemon's FORGETs of the inodes the drop let go
     start = m.probe_start()
     assert m.pid is not None
     split0 = proc_cpu_split(m.pid)
+    faults0 = proc_faults(m.pid)
     workers0 = workers_cpu(start["stats"])
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=3600)
     if r.returncode != 0:
         raise RuntimeError(f"{system}: exit {r.returncode}: {r.stderr[-2000:]}")
     split1 = proc_cpu_split(m.pid)
+    faults1 = proc_faults(m.pid)
     end = m.probe_end(start)
     workers1 = workers_cpu(m.stats())
     epoch = next(json.loads(x) for x in r.stdout.splitlines()
@@ -130,6 +141,10 @@ def one_epoch(system: str, data: str, workers: int, seed: int, m: DlcMount, *,
             **({"daemon_user_ms_per_file": round(1000 * (split1[0] - split0[0]) / files, 4),
                 "daemon_sys_ms_per_file": round(1000 * (split1[1] - split0[1]) / files, 4)}
                if split0 and split1 else {}),
+            # pages of its mapped files (code, libraries, the index) read back from disk
+            # after the page cache was dropped: a cost per epoch, not per sample
+            **({"daemon_major_faults": faults1[1] - faults0[1]} if faults0 and faults1
+               else {}),
             "advised_bytes": d.get("planned_advised_bytes", 0),
             # or posted for the readers to ask of the kernel (their CPU, not the daemon's)
             "posted_bytes": d.get("planned_posted_bytes", 0),
@@ -140,7 +155,9 @@ def one_epoch(system: str, data: str, workers: int, seed: int, m: DlcMount, *,
             "fuse_file_opens": d.get("hits", 0) + d.get("misses", 0),
             "in_process_hits": zc1.get("hits", 0) - zc0.get("hits", 0),
             "in_process_fallbacks": zc1.get("fallbacks", 0) - zc0.get("fallbacks", 0),
-            "bytes_from_source": d.get("bytes_from_source", 0)}
+            "bytes_from_source": d.get("bytes_from_source", 0),
+            # the next epoch's log laid out meanwhile (--sampler distributed): its chunks
+            "reorder_chunks": d.get("reorder_chunks", 0)}
 
 
 def workers_cpu(stats: dict) -> dict[int, float]:
@@ -203,7 +220,8 @@ def run(a: argparse.Namespace) -> dict:
     def measured(pass_: str, rnd: int, system: str, m: DlcMount, drop: bool) -> None:
         data = os.path.join(root if system == "local" else mnt, "train")
         got = {"pass": pass_, "round": rnd,
-               **one_epoch(system, data, a.workers, a.seed + rnd, m, drop=drop, raw=a.raw)}
+               **one_epoch(system, data, a.workers, a.seed + rnd, m, drop=drop, raw=a.raw,
+                         sampler=a.sampler)}
         log(f"{pass_} round {rnd} {system}: {got['files_per_s']} files/s, daemon "
             f"{got['daemon_cpu_ms_per_file']} ms/file, readers "
             f"{got['reader_cpu_ms_per_file']} ms/file, "
@@ -234,12 +252,13 @@ def run(a: argparse.Namespace) -> dict:
                         if pass_ == "paged":  # the same system's epoch before: pages in
                             data = os.path.join(root if system == "local" else mnt, "train")
                             one_epoch(system, data, a.workers, a.seed + rnd, m, drop=False,
-                                      raw=a.raw)
+                                      raw=a.raw, sampler=a.sampler)
                         measured(pass_, rnd, system, m, drop=pass_ == "warm")
                     m.wait_idle()
     keys = ("files_per_s", "reader_cpu_ms_per_file", "daemon_cpu_ms_per_file",
             "daemon_user_ms_per_file", "daemon_sys_ms_per_file", "fuse_file_opens",
             "in_process_hits", "bytes_from_source", "advised_bytes", "posted_bytes",
+            "daemon_major_faults", "reorder_chunks",
             "workers_cpu_ms_per_file")
     med: dict = {}
     for pass_ in passes:
@@ -305,6 +324,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mean-kb", type=float, default=110.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--sampler", choices=["random", "distributed"], default="random",
+                   help="the loop's sampler: random (shuffle=True, each epoch's order known "
+                        "at its start) or distributed (seeded: the next epoch's order is "
+                        "known, so LCache lays out its log during the epoch, the relayout "
+                        "counted in the daemon's CPU)")
     p.add_argument("--raw", action="store_true",
                    help="the loop reads and hashes each file, no decode or crop: the data "
                         "path's CPU alone (the node model then is the storage's ceiling)")

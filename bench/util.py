@@ -120,6 +120,34 @@ def proc_cpu_split(pid: int) -> tuple[float, float] | None:
     return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
 
 
+def wait_cpu_quiet(pid: int, quiet_s: float = 0.5, timeout: float = 15.0) -> float:
+    """Wait until process ``pid`` used less than two clock ticks of CPU over ``quiet_s``
+    (at most ``timeout`` seconds); returns the seconds waited. After the page cache is
+    dropped, a FUSE daemon answers the kernel's FORGET of every inode the last epoch
+    looked up: work of the drop, not of the epoch measured next."""
+    t0 = time.monotonic()
+    last = proc_cpu_seconds(pid)
+    while time.monotonic() - t0 < timeout:
+        time.sleep(quiet_s)
+        now = proc_cpu_seconds(pid)
+        if now is None or last is None or now - last < 2 / CLK_TCK:
+            break
+        last = now
+    return time.monotonic() - t0
+
+
+def proc_faults(pid: int) -> tuple[int, int] | None:
+    """(minor, major) page faults of a process so far: a major fault read a page of a
+    mapped file (its code, libraries, an LMDB map) back from disk, in the kernel on its
+    behalf (system time)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(") ", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[7]), int(fields[9])
+
+
 def machine_cpu_seconds() -> tuple[float, float]:
     """(busy, total) CPU seconds of the whole machine since boot, all CPUs (``/proc/stat``;
     idle and iowait are not busy). Two readings give the machine's busy share between."""

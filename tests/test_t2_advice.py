@@ -195,3 +195,25 @@ def test_merged_ranges_cover_exactly_what_was_asked_and_little_more(ranges):
     for log_id, off, n in merged:
         assert any(r[0] == log_id and r[1] == off for r in ranges)
         assert any(r[0] == log_id and r[1] + r[2] == off + n for r in ranges if r[2])
+
+
+def test_what_a_reader_group_member_put_in_the_boards_place_is_replaced(tmp_path):
+    """A member may make entries in zerocopy/ (group-writable): a link to another file, a
+    FIFO or a hard link in the board's place is removed, never written through."""
+    target = tmp_path / "precious"
+    target.write_bytes(b"keep me")
+    (tmp_path / "advice").symlink_to(target)
+    board = AdviceBoard(str(tmp_path))
+    board.post([(1, 0, 1)])
+    assert target.read_bytes() == b"keep me" and not (tmp_path / "advice").is_symlink()
+    board.close()
+    os.unlink(tmp_path / "advice")
+    os.link(target, tmp_path / "advice")
+    AdviceBoard(str(tmp_path)).close()
+    assert target.read_bytes() == b"keep me"
+    os.unlink(tmp_path / "advice")
+    os.mkfifo(tmp_path / "advice")
+    board = AdviceBoard(str(tmp_path))
+    board.post([(2, 0, 1)])
+    got, advise = collect()
+    assert AdviceTaker(board.path).take(advise) == 1 and got == [(2, 0, 1)]

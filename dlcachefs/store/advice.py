@@ -36,6 +36,7 @@ of another job, or of another mount of the same cache, may carry out any range.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import stat
@@ -78,11 +79,9 @@ class AdviceBoard:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self.path = os.path.join(directory, BOARD)
         mode = board_mode(directory)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        fd = _own_file(self.path, mode)
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise OSError(f"{self.path}: not a regular file")
             os.fchmod(fd, mode)
             head = os.pread(fd, _HEADER.size, 0)
             if st.st_size != SIZE or len(head) != _HEADER.size or head[:8] != MAGIC:
@@ -91,7 +90,7 @@ class AdviceBoard:
                 os.pwrite(fd, _HEADER.pack(MAGIC, 0, 0, 0), 0)
                 self.posted = 0
             else:
-                _, posted, taken, _ = _HEADER.unpack(head)
+                _, posted, _, _ = _HEADER.unpack(head)
                 # what the last mount posted and no reader took is moot now
                 self.posted = posted
                 os.pwrite(fd, _U64.pack(posted), _TAKEN)
@@ -141,6 +140,27 @@ class AdviceBoard:
         with contextlib.suppress(OSError):
             os.close(self._fd)
         self._fd = -1
+
+
+def _own_file(path: str, mode: int) -> int:
+    """A descriptor of ``path``, a regular file of ours with one link, made when missing.
+    Anything else there (a reader group member may make entries in the directory: a
+    link, a FIFO, a file of their own) is removed first: the directory is ours."""
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                         | os.O_CLOEXEC, mode)
+        except OSError as e:
+            if e.errno not in (errno.ELOOP, errno.EACCES, errno.EPERM, errno.ENXIO):
+                raise
+        else:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1:
+                return fd
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    raise OSError(f"{path}: not a file of ours, and it comes back")
 
 
 #: ranges of one log this close are asked for as one (the gap is a chunk's header, or a
