@@ -529,6 +529,59 @@ def test_a_stream_read_in_process_is_advised_in_quarters_of_the_lead(tmp_path, m
     assert 1 <= len(calls) <= 120 // 10 + 3, calls
 
 
+def test_a_plan_reads_little_into_memory_until_it_knows_where_reads_are_served(tmp_path):
+    """An epoch read through the mount, then announced again and read in the training's
+    processes (a job restarted under `dlcachefs run`: the stream's pages were judged in
+    the epoch before, so the plan's first lead was not held back). Until an open of the
+    new pass tells, the plan reads at most FIRST_LEAD records into the daemon's memory
+    (the readers read the logs themselves: those bytes are read twice); after it,
+    nothing more."""
+    from dlcachefs.cache.readers import OpenEvent, Served
+
+    rng = random.Random(6)
+    files = {b"train/c%d/%03d.jpg" % (c, i): rng.randbytes(rng.randrange(500, 2000))
+             for c in range(3) for i in range(80)}
+    cfg, files = make_setup(tmp_path, files)
+    out = {}
+
+    async def body(sess):
+        eng = sess.engine
+        r = Reader(sess, files)
+        await r.fill()
+        await r.announce(0)
+        await r.plan()
+        await r.read_rest()  # epoch 0 through the mount: its plan read ahead, judged
+        before = sess.stats()["planned_records"]
+        with trio.fail_after(20):  # epoch 0's plan handed everything out
+            while r.stream.key in sess.plans.plans:
+                await trio.sleep(0.01)
+        s = await r.announce(0)
+        assert not s.in_process
+        plan = await r.plan()
+        with trio.fail_after(20):  # its first batch read, nothing in flight
+            while not plan.ready or plan.inflight:
+                await trio.sleep(0.01)
+        for _ in range(50):
+            await trio.sleep(0)
+        out["untold"] = sess.stats()["planned_records"] - before
+        assert not plan.told
+        for p in range(len(s.order)):  # the readers' events, as a drain tells them
+            ino = r.ino_at(p)
+            ev = OpenEvent(ino, PID, eng.index.get_entry(ino).parent, 0.0, s, in_process=True)
+            eng.observers.opened(ev)
+            eng.observers.served(ev, Served(None, None, True))
+            for _ in range(5):
+                await trio.sleep(0)
+        out["told"] = plan.told
+        out["all"] = sess.stats()["planned_records"] - before
+        out["posted"] = sess.stats()["planned_posted_bytes"]
+
+    run_session(cfg, body)
+    assert 0 < out["untold"] <= readplan.FIRST_LEAD < 240
+    assert out["told"] and out["all"] == out["untold"]  # nothing more into memory
+    assert out["posted"] > 0  # the rest went to the readers' board
+
+
 @pytest.mark.parametrize("stale", [False, True])
 def test_the_prefetch_loop_passes_cached_positions_without_a_task(tmp_path, monkeypatch,
                                                                    stale):

@@ -40,7 +40,9 @@ reader, inside a bounded window, and reads exactly the records it will ask for:
   position. An epoch that starts so served gets no plan until READs come back
   (``pages_lost``). Until its first window is judged a plan reads at most ``FIRST_LEAD`` positions ahead
   (a dataset that fits in the budget would otherwise be read whole at once, for pages
-  the kernel may hold).
+  the kernel may hold); so does a plan until an open of its stream tells where the
+  epoch's reads are served (through the mount, or in the training's processes: those
+  read the logs themselves, and records read into memory for them are read twice).
 * **Idle**: a plan holding memory whose reader made no progress (its position did not
   move and no open took from the plan) for ``IDLE`` seconds (the job ended, crashed or
   hangs mid-epoch) gives back everything it holds (its reservation in the memory tier)
@@ -294,9 +296,12 @@ class ReadPlanner(Observer):
         return nl is None or nl.epoch != stream.target_epoch
 
     def opened(self, ev: OpenEvent) -> None:
-        """An open of a stream's reader: its plan may have room or positions to plan."""
-        if ev.stream is not None:
-            self.poke(ev.stream)
+        """An open of a stream's reader: its plan may have room or positions to plan, and
+        it knows now where the epoch's reads are served."""
+        p = self.plans.get(ev.stream.key) if ev.stream is not None else None
+        if p is not None:
+            p.told = True
+            p.poke()
 
     def poke(self, stream) -> None:
         """The stream's reader moved: its plan may have room or positions to plan."""
@@ -408,6 +413,9 @@ class ReadPlan:
         self._takes = 0
         self._progress_at = 0.0
         self._changed = trio.Event()
+        # an open of the stream was seen since the plan began: whether its reads are served
+        # in the training's processes (Stream.in_process, from the last open) is known
+        self.told = False
 
     def poke(self) -> None:
         self._changed.set()
@@ -546,6 +554,11 @@ class ReadPlan:
             # the epoch's first opens tell whether the kernel's pages serve it
             # (pages_served): until then, read only a little ahead of them, not a whole
             # small dataset the kernel may hold already
+            lead = min(lead, FIRST_LEAD)
+        if not self.told:
+            # where this epoch's reads are served is not known yet (a new stream, or one
+            # whose last epoch was read otherwise): records read into memory for readers
+            # that read the logs themselves would be read twice, so only a few
             lead = min(lead, FIRST_LEAD)
         if s.in_process:
             # advised, not held: no memory to wait for; asked in quarters of the lead
