@@ -7,17 +7,35 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
+import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlcachefs.store import advice
-from dlcachefs.store.advice import MERGE_GAP, RING, AdviceBoard, AdviceTaker, merge_ranges
+from dlcachefs.store.advice import (
+    MERGE_GAP,
+    RING,
+    TAKE_RANGES,
+    AdviceBoard,
+    AdviceTaker,
+    merge_ranges,
+)
 
 
 def collect() -> tuple[list[tuple[int, int, int]], object]:
     got: list[tuple[int, int, int]] = []
     return got, lambda log_id, off, n: got.append((log_id, off, n))
+
+
+def drain(board: AdviceBoard, taker: AdviceTaker, advise) -> int:
+    """Takes until nothing waits (each take carries out TAKE_RANGES at most); returns
+    how many takes that needed."""
+    for n in range(1, 10_000):
+        taker.take(advise)
+        if board.stats()["waiting"] == 0:
+            return n
+    raise AssertionError("the board never drained")
 
 
 def test_posted_ranges_are_taken_once_merged_and_in_order(tmp_path):
@@ -81,7 +99,7 @@ def test_threads_of_one_process_take_each_range_once(tmp_path):
         stop.set()
         for t in threads:
             t.join()
-    taker.take(advise)
+    drain(board, taker, advise)
     assert sorted(got) == [(i, 0, 1) for i in range(500)]
 
 
@@ -117,7 +135,9 @@ def test_a_reader_far_behind_skips_what_the_ring_overwrote(tmp_path):
     for i in range(RING + 10):
         board.post([(i, 0, 1)])
     got, advise = collect()
-    assert AdviceTaker(board.path).take(advise) == RING
+    taker = AdviceTaker(board.path)
+    assert taker.take(advise) == TAKE_RANGES  # a few per sample, the rest at the next
+    assert drain(board, taker, advise) == RING // TAKE_RANGES - 1
     assert got == [(i, 0, 1) for i in range(10, RING + 10)]
 
 
@@ -217,3 +237,109 @@ def test_what_a_reader_group_member_put_in_the_boards_place_is_replaced(tmp_path
     board.post([(2, 0, 1)])
     got, advise = collect()
     assert AdviceTaker(board.path).take(advise) == 1 and got == [(2, 0, 1)]
+
+
+def test_nothing_on_the_board_makes_a_take_raise_or_carry_out_a_wild_range(tmp_path):
+    """A reader group member may write the board (0660): huge offsets and lengths, empty
+    ranges, counters at their limits. A take never raises (the training's open calls it),
+    carries out no such range, and at most TAKE_RANGES per call."""
+    import struct
+
+    board = AdviceBoard(str(tmp_path))
+    board.post([(1, 0, 10)])
+    fd = os.open(board.path, os.O_RDWR)
+    try:
+        slot = struct.Struct("<QQQQ")
+        wild = [(1, 1 << 63, 5), (2, 0, 0), (3, 0, (1 << 64) - 1), (4, (1 << 62), 1 << 20),
+                (5, 0, advice.MAX_RANGE + 1)]
+        for i, (log_id, off, n) in enumerate(wild, start=1):
+            os.pwrite(fd, slot.pack(i, log_id, off, n), 32 + i * slot.size)
+        # posted past the ring, taken bytes at the top of a u64
+        os.pwrite(fd, struct.pack("<QQQ", 1 + len(wild), 0, (1 << 64) - 1), 8)
+        got, advise = collect()
+        taker = AdviceTaker(board.path)
+        assert taker.take(advise) == 1 and got == [(1, 0, 10)]  # the wild ones skipped
+
+        def boom(*a):
+            raise ValueError("not an OSError")
+
+        os.pwrite(fd, struct.pack("<QQ", 100, 0), 8)  # 100 posted, none taken
+        assert taker.take(boom) == 0  # (ValueError: swallowed, as anything else)
+        os.pwrite(fd, struct.pack("<QQ", (1 << 64) - 1, 0), 8)
+        got.clear()
+        assert taker.take(advise) <= TAKE_RANGES
+        os.pwrite(fd, b"\xff" * 32, 0)  # no magic
+        assert taker.take(advise) == 0
+    finally:
+        os.close(fd)
+
+
+def test_a_board_with_planted_counters_is_made_anew_by_the_next_mount(tmp_path):
+    import struct
+
+    board = AdviceBoard(str(tmp_path))
+    board.close()
+    with open(board.path, "r+b") as f:
+        f.seek(8)
+        f.write(struct.pack("<QQ", (1 << 64) - 5, 0))
+    again = AdviceBoard(str(tmp_path))
+    assert again.posted == 0
+    assert again.post([(1, 0, 1)]) == 1  # (a posted near 2**64 would not pack)
+    got, advise = collect()
+    assert AdviceTaker(board.path).take(advise) == 1 and got == [(1, 0, 1)]
+
+
+def test_the_daemon_sees_when_no_reader_takes(tmp_path):
+    board = AdviceBoard(str(tmp_path))
+    assert not board.lagging()
+    board.post([(1, 0, 1)])
+    now = time.monotonic()
+    assert not board.lagging(now)  # just posted
+    assert board.lagging(now + advice.LAG_S + 1)  # nobody took it since
+    fd = os.open(board.path, os.O_RDWR)  # a reader holds the board's lock for good
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        taker = AdviceTaker(board.path)
+        assert taker.take(lambda *a: None) == 0
+        assert board.lagging(now + advice.LAG_S + 1)
+    finally:
+        os.close(fd)
+    assert taker.take(lambda *a: None) == 1
+    assert not board.lagging(now + advice.LAG_S + 1)  # the readers caught up
+
+
+def test_a_reader_uses_only_the_daemons_board(tmp_path):
+    """The board must belong to the directory's owner and have one link: a file a
+    member put there while the daemon had none (or a link to the daemon's) is not used."""
+    board = AdviceBoard(str(tmp_path / "z"))
+    board.post([(1, 0, 1)])
+    os.link(board.path, tmp_path / "second-link")
+    assert AdviceTaker(board.path).take(lambda *a: None) == 0
+    os.unlink(tmp_path / "second-link")
+    assert AdviceTaker(board.path).take(lambda *a: None) == 1
+    if os.geteuid() == 0:
+        board.post([(2, 0, 1)])
+        os.chown(board.path, 4242, 4242)
+        assert AdviceTaker(board.path).take(lambda *a: None) == 0
+
+
+def test_one_take_asks_for_a_samples_worth_of_bytes_at_most(tmp_path):
+    board = AdviceBoard(str(tmp_path))
+    big = advice.MAX_RANGE
+    board.post([(i, 0, big) for i in range(4)])  # (other logs: not merged)
+    got, advise = collect()
+    taker = AdviceTaker(board.path)
+    assert taker.take(advise) == advice.TAKE_BYTES // big
+    assert drain(board, taker, advise) > 1
+    assert got == [(i, 0, big) for i in range(4)]  # each once, in order
+
+
+def test_a_range_longer_than_a_reader_takes_is_posted_in_pieces(tmp_path):
+    board = AdviceBoard(str(tmp_path))
+    n = 2 * advice.MAX_RANGE + 5
+    assert board.post([(7, 100, n)]) == n
+    got, advise = collect()
+    drain(board, taker := AdviceTaker(board.path), advise)
+    assert got == [(7, 100, advice.MAX_RANGE), (7, 100 + advice.MAX_RANGE, advice.MAX_RANGE),
+                   (7, 100 + 2 * advice.MAX_RANGE, 5)]
+    assert taker.take(advise) == 0

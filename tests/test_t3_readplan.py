@@ -454,7 +454,7 @@ def test_a_header_check_then_a_read_reads_the_record_once(setup):
     run_session(cfg, body)
 
 
-@pytest.mark.parametrize("board", [True, False])
+@pytest.mark.parametrize("board", ["taken", "lagging", None])
 def test_a_stream_read_in_process_is_advised_in_quarters_of_the_lead(tmp_path, monkeypatch,
                                                                       board):
     """A stream whose reader reads the logs in its own processes (dlcachefs run) gets its
@@ -462,7 +462,8 @@ def test_a_stream_read_in_process_is_advised_in_quarters_of_the_lead(tmp_path, m
     batches of a quarter of the lead as the reader passes (a thread and a call per
     record it passes cost the daemon more than the events themselves). With the
     readers' board (the default) the daemon only posts the runs there and asks the
-    kernel for nothing itself; without one it asks itself."""
+    kernel for nothing itself; without one, or while the readers take nothing from it,
+    it asks itself."""
     from dlcachefs.cache.readers import OpenEvent, Served
 
     rng = random.Random(5)
@@ -492,6 +493,9 @@ def test_a_stream_read_in_process_is_advised_in_quarters_of_the_lead(tmp_path, m
             real_post = sess.plans.board.post
             monkeypatch.setattr(sess.plans.board, "post",
                                 lambda ranges: calls.append(real_post(ranges)) or calls[-1])
+            # (no reader process takes here: whether they do is set, not timed)
+            monkeypatch.setattr(sess.plans.board, "lagging",
+                                lambda now=None: board == "lagging")
         else:
             sess.plans.board = None
         s = await r.announce(1)
@@ -513,12 +517,14 @@ def test_a_stream_read_in_process_is_advised_in_quarters_of_the_lead(tmp_path, m
         out["planned_bytes"] = sess.stats()["planned_bytes"] - before
         out["advised"] = sess.stats()["planned_advised_bytes"]
         out["posted"] = sess.stats()["planned_posted_bytes"]
+        out["lagged"] = sess.stats()["planned_lagged"]
         out["calls"] = list(calls)
 
     run_session(cfg, body)
     assert out["planned_bytes"] == 0  # nothing read into the daemon's memory
     calls = out["calls"]
-    if board:
+    assert (out["lagged"] > 0) == (board == "lagging")
+    if board == "taken":
         assert out["advised"] == 0  # the daemon asked the kernel for nothing itself
         assert out["posted"] == sum(calls) > 0
     else:

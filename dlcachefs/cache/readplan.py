@@ -266,6 +266,12 @@ class ReadPlanner(Observer):
         # per stream, the order whose plan task has begun (its plan may be over since)
         self._begun: dict[str, list[int]] = {}
 
+    def drop_board(self) -> None:
+        """The board failed: closed, and the daemon asks the kernel itself from now on."""
+        if self.board is not None:
+            self.board.close()
+            self.board = None
+
     def forget(self, stream) -> None:
         """A stream that ended (its job forgotten): its plan and its last order go."""
         p = self.plans.pop(stream.key, None)
@@ -598,15 +604,19 @@ class ReadPlan:
             runs = group_reads(w for _, w in batch)
             if pl.board is not None:
                 # the readers ask the kernel for it (the kernel's work on their cores,
-                # not on the daemon's one: dlcachefs.store.advice); a few bytes here
+                # not on the daemon's one: dlcachefs.store.advice); a few bytes here.
+                # Unless they do not take what was posted (none reads now, or one holds
+                # the board): then this batch is asked here, as without a board.
                 try:
-                    n = pl.board.post((r.log_id, r.offset, r.length) for r in runs)
-                except OSError as e:
-                    log.warning("read-ahead board: %s; the daemon advises itself", e)
-                    pl.board = None
-                else:
-                    pl.counters.planned_posted_bytes += n
-                    return
+                    if not pl.board.lagging():
+                        n = pl.board.post((r.log_id, r.offset, r.length) for r in runs)
+                        pl.counters.planned_posted_bytes += n
+                        return
+                    pl.counters.planned_lagged += 1
+                except Exception as e:  # noqa: BLE001 - OSError, or a board someone wrote
+                    log.warning("read-ahead board: %s; the daemon reads ahead for in-process "
+                                "readers itself", e)
+                    pl.drop_board()
             n = await trio.to_thread.run_sync(advise_runs, pl.logs, runs,
                                               limiter=pl.disk_limiter)
             pl.counters.planned_advised_bytes += n

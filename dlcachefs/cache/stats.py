@@ -61,6 +61,7 @@ class Counters:
     planned_bytes: int = 0         # bytes those reads read from the logs
     planned_advised_bytes: int = 0  # asked into the page cache for in-process readers
     planned_posted_bytes: int = 0  # or posted for them to ask themselves (store.advice)
+    planned_lagged: int = 0        # batches asked by the daemon: the readers took no posts
     planned_hits: int = 0          # opens served with a record read by a plan
     write_errors: int = 0          # failed log appends (ENOSPC, EIO): served from the source instead
     invariant_violations: int = 0  # --debug-invariants: problems found after commits

@@ -164,12 +164,16 @@ class StreamManager:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Owns the streams' tasks (and the sample lists' nursery), until :meth:`close`
         or cancellation."""
-        async with trio.open_nursery() as nursery:
-            await nursery.start(self.lists.run)
-            self._nursery = nursery
-            self.planner.bind(nursery)  # its logs' read-backs start there from now on
-            task_status.started()
-            await trio.sleep_forever()
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.lists.run)
+                self._nursery = nursery
+                self.planner.bind(nursery)  # its logs' read-backs start there from now on
+                task_status.started()
+                await trio.sleep_forever()
+        finally:  # (cancelled without close(): nothing starts in the closed nursery)
+            self._nursery = None
+            self.planner.bind(None)
 
     def start_replay(self) -> None:
         """Start the sampler replay worker, once. Replaying a sampler needs torch (~3-4 s

@@ -401,8 +401,8 @@ class _Process:
             self.logs.sweep()
             if ix.replaced():
                 self._drop_index()
-                self.logs.sweep(everything=True)  # its logs are other files now
-                self.advice.close(again=True)  # and so is its read-ahead board
+                self.advice.close(again=True)  # its read-ahead board is another file now
+                self.logs.sweep(everything=True)  # and so are its logs
         # A damaged index can kill the process that maps it (SIGBUS, an LMDB assert): it
         # is read only while the daemon vouches for the index file as it is now (found
         # sound at start, changed since by its own commits only: integrity.SoundFlag)
@@ -479,8 +479,8 @@ class _Process:
             t = self._tally
             assert t is not None
         t.hit(ino, t0, time.monotonic() - t0, nbytes)
-        # then the read-ahead the daemon posted since (after this read: it never delays
-        # the sample in hand; never waits for another reader doing it)
+        # then some of the read-ahead the daemon posted since (a few ranges at most: the
+        # sample in hand waits for them; never for another reader taking them)
         self.advice.take(self.logs.advise)
 
     def counts(self) -> dict[str, int]:
@@ -491,8 +491,8 @@ class _Process:
         # the lookup in flight finishes first: py-lmdb releases the GIL inside a get, and
         # an environment closed under one is a use after free (the same lock as a fork's)
         with self._lookup:
+            self.advice.close()  # first: a take in progress opens no log after the sweep
             self.logs.sweep(everything=True)
-            self.advice.close()
             self._drop_index()
             with self._lock:
                 if self._tally is not None:

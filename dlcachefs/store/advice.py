@@ -19,18 +19,25 @@ two system calls in that order, so a reader that sees ``posted`` sees the slot. 
 names its sequence number: a reader that finds another one there (the daemon wrapped
 around the ring since) skips it.
 
-Readers, at each sample they serve (:meth:`AdviceTaker.take`): one ``pread`` of the
-header; when ``posted`` is past ``taken``, they try the board's lock without waiting
-(``flock(LOCK_EX | LOCK_NB)``; a thread lock first, since threads of one process share
-its descriptor), read ``taken`` again under it, ask the kernel for each range not taken,
-and store the new ``taken``. Whoever holds the lock does the whole backlog; the others
-go on at once. So each range is asked for once, by one process, and no reader ever waits
-for another. A process's descriptor of the board is its own (a forked child opens its
-own: a descriptor shared across a fork shares its lock too).
+Readers, at each sample they serve from the cache (:meth:`AdviceTaker.take`, before the
+sample is handed back): one ``pread`` of the header; when ``posted`` is past ``taken``,
+they try the board's lock without waiting (``flock(LOCK_EX | LOCK_NB)``; a thread lock
+first, since threads of one process share its descriptor), read ``taken`` again under
+it, ask the kernel for at most :data:`TAKE_RANGES` ranges not taken (so one sample never
+carries a long backlog: the next samples take the rest), and store the new ``taken``.
+The others go on at once. So each range is asked for once, by one process, and no reader
+ever waits for another. A process's descriptor of the board is its own (a forked child
+opens its own: a descriptor shared across a fork shares its lock too).
 
 Nothing here is trusted for correctness: a range is only a hint to the kernel's page
 cache (a wrong one reads pages nobody uses), so the board needs no checksum; a reader
-of another job, or of another mount of the same cache, may carry out any range.
+of another job, or of another mount of the same cache, may carry out any range. With a
+reader group the board is the group's to write (0660), so a member can plant hints that
+other members' processes carry out: ranges of the cache's logs only (the reader opens
+logs by id in the logs directory), at most :data:`TAKE_RANGES` ranges and
+:data:`TAKE_BYTES` per sample, and nothing on the board can make a take raise or wait
+for a lock. A board no reader takes (none live, or one holding its lock) is noticed by the
+daemon (:meth:`AdviceBoard.lagging`), which then asks the kernel itself.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ import os
 import stat
 import struct
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterable
 
 #: the board's file name, in the readers' directory (:data:`dlcachefs.store.tally.TALLY_DIR`)
@@ -56,6 +65,18 @@ SLOT = struct.Struct("<QQQQ")
 #: ranges the board holds: a reader more than this far behind skips the oldest
 RING = 4096
 SIZE = _HEADER.size + RING * SLOT.size
+#: ranges one take carries out at most (the sample it runs in waits for them)
+TAKE_RANGES = 32
+#: a range longer than this, or reaching past 2**62, is not one the daemon posts (its
+#: batches hold ``readplan.ADVISE_BATCH`` of records): skipped
+MAX_RANGE = 128 << 20
+#: bytes one take asks for at most (past its first range: the rest at the next samples)
+TAKE_BYTES = 128 << 20
+_LIMIT = 1 << 62
+#: seconds a posted range may wait untaken before the daemon asks the kernel itself
+LAG_S = 1.0
+#: seconds after which a reader that found no board it may use looks again
+RETRY_S = 30.0
 
 
 def board_mode(directory: str) -> int:
@@ -84,28 +105,35 @@ class AdviceBoard:
             st = os.fstat(fd)
             os.fchmod(fd, mode)
             head = os.pread(fd, _HEADER.size, 0)
-            if st.st_size != SIZE or len(head) != _HEADER.size or head[:8] != MAGIC:
+            magic, posted, taken = b"", 0, 0
+            if len(head) == _HEADER.size:
+                magic, posted, taken, _ = _HEADER.unpack(head)
+            if (st.st_size != SIZE or len(head) != _HEADER.size or magic != MAGIC
+                    or posted > _LIMIT or taken > posted):
+                # not a board, or counters no daemon wrote (a member may write it)
                 os.ftruncate(fd, 0)
                 os.ftruncate(fd, SIZE)
-                os.pwrite(fd, _HEADER.pack(MAGIC, 0, 0, 0), 0)
-                self.posted = 0
-            else:
-                _, posted, _, _ = _HEADER.unpack(head)
-                # what the last mount posted and no reader took is moot now
-                self.posted = posted
-                os.pwrite(fd, _U64.pack(posted), _TAKEN)
+                posted = 0
+            # what the last mount posted and no reader took is moot now; the bytes taken
+            # count from this mount on, as the bytes posted do
+            os.pwrite(fd, _HEADER.pack(MAGIC, posted, posted, 0), 0)
+            self.posted = posted
         except BaseException:
             os.close(fd)
             raise
         self._fd = fd
         self._base = self.posted
         self.posted_bytes = 0
+        # (end of a post's sequence numbers, when posted): those no reader took yet
+        self._untaken: deque[tuple[int, float]] = deque()
 
     def post(self, ranges: Iterable[tuple[int, int, int]]) -> int:
         """Post ``(log id, offset, length)`` ranges; returns their bytes. Ranges of one
         log that touch or lie within :data:`MERGE_GAP` of each other are merged (one
         system call in the reader, not one per record)."""
-        merged = merge_ranges(ranges)
+        # (longer than a reader carries out: in pieces)
+        merged = [(log_id, off + a, min(MAX_RANGE, n - a))
+                  for log_id, off, n in merge_ranges(ranges) for a in range(0, n, MAX_RANGE)]
         if not merged:
             return 0
         seq = self.posted
@@ -121,9 +149,23 @@ class AdviceBoard:
             os.pwrite(self._fd, bytes(buf[split:]), _HEADER.size)
         self.posted = seq + len(merged)
         os.pwrite(self._fd, _U64.pack(self.posted), _POSTED)  # after the slots
+        self._untaken.append((self.posted, time.monotonic()))
         n = sum(r[2] for r in merged)
         self.posted_bytes += n
         return n
+
+    def lagging(self, now: float | None = None) -> bool:
+        """Whether ranges posted more than :data:`LAG_S` ago are still not taken: no
+        reader takes them (none reads now, or one holds the board's lock); the caller
+        then asks the kernel itself and posts nothing until the readers catch up."""
+        if not self._untaken:
+            return False
+        now = time.monotonic() if now is None else now  # (the clock of post())
+        head = os.pread(self._fd, _HEADER.size, 0)
+        taken = _HEADER.unpack(head)[2] if len(head) == _HEADER.size else 0
+        while self._untaken and self._untaken[0][0] <= taken:
+            self._untaken.popleft()
+        return bool(self._untaken) and now - self._untaken[0][1] > LAG_S
 
     def stats(self) -> dict:
         """Ranges and bytes posted since this mount began, ranges and bytes the readers
@@ -188,35 +230,45 @@ class AdviceTaker:
     def __init__(self, path: str) -> None:
         self.path = path
         self._fd = -1
-        self._failed = False  # no board (an older daemon, or not ours to write): no advice
+        #: monotonic time until which no board is looked for (none this process may use
+        #: was found: an older daemon, a cache not ours to write)
+        self._failed_until = 0.0
         self._lock = threading.Lock()
 
     def _open(self) -> int:
-        """The board's descriptor, -1 (for good, until :meth:`close` ``again``) when
-        there is none this process may write: never a link followed, never a FIFO."""
+        """The board's descriptor; -1 (looked for again after :data:`RETRY_S`) when there
+        is none this process may write: never a link followed, never a FIFO, only the
+        daemon's (the owner of the directory it is in) with one link."""
+        fd = -1
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            st = os.fstat(fd)
+            owner = os.stat(os.path.dirname(self.path)).st_uid
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == owner:
+                self._fd = fd
+                return fd
         except OSError:
-            self._failed = True
-            return -1
-        try:
-            regular = stat.S_ISREG(os.fstat(fd).st_mode)
-        except OSError:
-            regular = False
-        if not regular:
+            pass
+        if fd >= 0:
             os.close(fd)
-            self._failed = True
-            return -1
-        self._fd = fd
-        return fd
+        self._failed_until = time.monotonic() + RETRY_S
+        return -1
 
     def take(self, advise: Callable[[int, int, int], None]) -> int:
         """Carry out the ranges posted and not taken yet, if no one else is doing so:
         ``advise(log id, offset, length)`` for each (its OSError skips the range).
-        Returns how many this call took. Never raises OSError; never waits for a lock."""
+        Returns how many this call took. Never raises (whatever is on the board); never
+        waits for a lock."""
+        try:
+            return self._take(advise)
+        except Exception:  # noqa: BLE001 - a hint: nothing of it may reach the training
+            return 0
+
+    def _take(self, advise: Callable[[int, int, int], None]) -> int:
         fd = self._fd
         if fd < 0:
-            if self._failed or not self._lock.acquire(blocking=False):
+            if (time.monotonic() < self._failed_until
+                    or not self._lock.acquire(blocking=False)):
                 return 0
             try:  # (under the lock: two threads never both open it)
                 fd = self._fd if self._fd >= 0 else self._open()
@@ -257,18 +309,23 @@ class AdviceTaker:
         if magic != MAGIC or posted <= taken:
             return 0
         start = max(taken, posted - RING)
-        done = 0
-        for seq, slot in _slots(fd, start, posted):
+        end = min(posted, start + TAKE_RANGES)  # the rest at the next samples
+        done = asked = 0
+        for seq, slot in _slots(fd, start, end):
             s, log_id, off, n = SLOT.unpack(slot)
-            if s != seq:
-                continue  # overwritten since (the daemon wrapped around): skipped
+            if s != seq or not 0 < n <= MAX_RANGE or off + n > _LIMIT:
+                continue  # overwritten since (the daemon wrapped around), or not its
+            if done and asked + n > TAKE_BYTES:
+                end = seq  # enough for one sample: this one at the next
+                break
+            asked += n
             try:
                 advise(log_id, off, n)
             except OSError:
                 continue
             taken_bytes += n
             done += 1
-        os.pwrite(fd, struct.pack("<QQ", posted, taken_bytes), _TAKEN)
+        os.pwrite(fd, struct.pack("<QQ", end, taken_bytes % (1 << 64)), _TAKEN)
         return done
 
     def abandon(self) -> None:
@@ -279,7 +336,6 @@ class AdviceTaker:
         if fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self._failed = False
         self._lock = threading.Lock()
 
     def close(self, again: bool = False) -> None:
@@ -289,7 +345,7 @@ class AdviceTaker:
         with self._lock:
             fd, self._fd = self._fd, -1
             if again:
-                self._failed = False
+                self._failed_until = 0.0
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
