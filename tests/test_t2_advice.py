@@ -343,3 +343,33 @@ def test_a_range_longer_than_a_reader_takes_is_posted_in_pieces(tmp_path):
     assert got == [(7, 100, advice.MAX_RANGE), (7, 100 + advice.MAX_RANGE, advice.MAX_RANGE),
                    (7, 100 + 2 * advice.MAX_RANGE, 5)]
     assert taker.take(advise) == 0
+
+
+def test_take_soon_takes_in_a_thread_of_its_own_one_at_a_time(tmp_path):
+    board = AdviceBoard(str(tmp_path))
+    taker = AdviceTaker(board.path)
+    gate = threading.Event()
+    got: list[tuple[int, int, int]] = []
+    caller = threading.current_thread()
+
+    def advise(log_id, off, n):
+        assert threading.current_thread() is not caller
+        gate.wait(10)
+        got.append((log_id, off, n))
+
+    assert taker.take(advise) == 0  # (opens the board: nothing posted)
+    taker.take_soon(advise)  # nothing posted: no thread
+    assert taker._thread is None
+    board.post([(1, 0, 1)])
+    taker.take_soon(advise)
+    first = taker._thread
+    assert first is not None
+    board.post([(2, 0, 1)])
+    taker.take_soon(advise)  # one running: no second
+    assert taker._thread is first
+    gate.set()
+    first.join(10)
+    taker.take_soon(advise)
+    if taker._thread is not first:
+        taker._thread.join(10)
+    assert got == [(1, 0, 1), (2, 0, 1)] and board.stats()["waiting"] == 0

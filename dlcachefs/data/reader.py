@@ -479,9 +479,9 @@ class _Process:
             t = self._tally
             assert t is not None
         t.hit(ino, t0, time.monotonic() - t0, nbytes)
-        # then some of the read-ahead the daemon posted since (a few ranges at most: the
-        # sample in hand waits for them; never for another reader taking them)
-        self.advice.take(self.logs.advise)
+        # then some of the read-ahead the daemon posted since, in a thread (the sample in
+        # hand does not wait for it; nor for another reader taking them)
+        self.advice.take_soon(self.logs.advise)
 
     def counts(self) -> dict[str, int]:
         t = self._tally

@@ -19,9 +19,10 @@ two system calls in that order, so a reader that sees ``posted`` sees the slot. 
 names its sequence number: a reader that finds another one there (the daemon wrapped
 around the ring since) skips it.
 
-Readers, at each sample they serve from the cache (:meth:`AdviceTaker.take`, before the
-sample is handed back): one ``pread`` of the header; when ``posted`` is past ``taken``,
-they try the board's lock without waiting (``flock(LOCK_EX | LOCK_NB)``; a thread lock
+Readers, at each sample they serve from the cache: one ``pread`` of the header; when
+``posted`` is past ``taken``, a thread of theirs (:meth:`AdviceTaker.take_soon`; one at a
+time per process: the sample is handed back meanwhile) tries the board's lock without
+waiting (``flock(LOCK_EX | LOCK_NB)``; a thread lock
 first, since threads of one process share its descriptor), read ``taken`` again under
 it, ask the kernel for at most :data:`TAKE_RANGES` ranges not taken (so one sample never
 carries a long backlog: the next samples take the rest), and store the new ``taken``.
@@ -234,6 +235,7 @@ class AdviceTaker:
         #: was found: an older daemon, a cache not ours to write)
         self._failed_until = 0.0
         self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None  # take_soon's, while it runs
 
     def _open(self) -> int:
         """The board's descriptor; -1 (looked for again after :data:`RETRY_S`) when there
@@ -253,6 +255,30 @@ class AdviceTaker:
             os.close(fd)
         self._failed_until = time.monotonic() + RETRY_S
         return -1
+
+    def take_soon(self, advise: Callable[[int, int, int], None]) -> None:
+        """:meth:`take` in a thread of its own when ranges wait (one at a time per
+        process): the sample in hand does not wait for the kernel's page allocations
+        (``posix_fadvise`` lets go of the GIL). One ``pread`` here when none wait."""
+        try:
+            t = self._thread
+            if t is not None and t.is_alive():
+                return
+            fd = self._fd
+            if fd >= 0:
+                head = os.pread(fd, _HEADER.size, 0)
+                if len(head) != _HEADER.size:
+                    return
+                magic, posted, taken, _ = _HEADER.unpack(head)
+                if magic != MAGIC or posted <= taken:
+                    return
+            elif time.monotonic() < self._failed_until:
+                return
+            t = self._thread = threading.Thread(target=self.take, args=(advise,),
+                                                name="dlcachefs-readahead", daemon=True)
+            t.start()
+        except Exception:  # noqa: BLE001 - a hint: nothing of it may reach the training
+            return
 
     def take(self, advise: Callable[[int, int, int], None]) -> int:
         """Carry out the ranges posted and not taken yet, if no one else is doing so:
@@ -337,6 +363,7 @@ class AdviceTaker:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._lock = threading.Lock()
+        self._thread = None  # (not the child's: threads do not cross a fork)
 
     def close(self, again: bool = False) -> None:
         """Close the board (waits for a take in progress: its descriptor is never closed
