@@ -104,7 +104,6 @@ class AdviceBoard:
         fd = _own_file(self.path, mode)
         try:
             st = os.fstat(fd)
-            os.fchmod(fd, mode)
             head = os.pread(fd, _HEADER.size, 0)
             magic, posted, taken = b"", 0, 0
             if len(head) == _HEADER.size:
@@ -186,19 +185,35 @@ class AdviceBoard:
 
 
 def _own_file(path: str, mode: int) -> int:
-    """A descriptor of ``path``, a regular file of ours with one link, made when missing.
-    Anything else there (a reader group member may make entries in the directory: a
-    link, a FIFO, a file of their own) is removed first: the directory is ours."""
+    """A descriptor of ``path``, a regular file of the directory's owner (the daemon) with
+    one link; made with ``mode`` when missing (an existing one keeps its mode: the cache's
+    modes are :mod:`dlcachefs.store.modes`'s, ``--keep-cache-modes`` included). Anything
+    else there (a reader group member may make entries in the directory: a link, a FIFO,
+    a file of their own) is removed first: the directory is ours."""
+    owner = os.stat(os.path.dirname(path)).st_uid
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     for _ in range(3):
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
-                         | os.O_CLOEXEC, mode)
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, mode)
+        except FileExistsError:
+            pass
+        else:
+            try:
+                os.fchmod(fd, mode)  # (whatever the umask)
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            continue  # removed meanwhile: made anew
         except OSError as e:
             if e.errno not in (errno.ELOOP, errno.EACCES, errno.EPERM, errno.ENXIO):
                 raise
         else:
             st = os.fstat(fd)
-            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1:
+            if stat.S_ISREG(st.st_mode) and st.st_uid == owner and st.st_nlink == 1:
                 return fd
             os.close(fd)
         with contextlib.suppress(FileNotFoundError):
