@@ -49,6 +49,21 @@ async def read_whole(eng, ino: int, step: int = 1 << 20) -> bytes:
     return bytes(out)
 
 
+async def read_in_process(r, s) -> None:
+    """The stream's whole epoch read in the training's processes: their events, one per
+    position in order, as a drain tells them (a few checkpoints between: the plan runs)."""
+    from dlcachefs.cache.readers import OpenEvent, Served
+
+    eng = r.eng
+    for p in range(len(s.order)):
+        ino = r.ino_at(p)
+        ev = OpenEvent(ino, PID, eng.index.get_entry(ino).parent, 0.0, s, in_process=True)
+        eng.observers.opened(ev)
+        eng.observers.served(ev, Served(None, None, True))
+        for _ in range(5):
+            await trio.sleep(0)
+
+
 class Reader:
     """One rank reading its announced epoch through the engine, in the epoch's order."""
 
@@ -464,7 +479,6 @@ def test_a_stream_read_in_process_is_advised_in_quarters_of_the_lead(tmp_path, m
     readers' board (the default) the daemon only posts the runs there and asks the
     kernel for nothing itself; without one, or while the readers take nothing from it,
     it asks itself."""
-    from dlcachefs.cache.readers import OpenEvent, Served
 
     rng = random.Random(5)
     files = {b"train/c%d/%03d.jpg" % (c, i): rng.randbytes(rng.randrange(500, 2000))
@@ -481,7 +495,6 @@ def test_a_stream_read_in_process_is_advised_in_quarters_of_the_lead(tmp_path, m
     out = {}
 
     async def body(sess):
-        eng = sess.engine
         r = Reader(sess, files)
         await r.fill()
         s = await r.announce(0)
@@ -504,13 +517,7 @@ def test_a_stream_read_in_process_is_advised_in_quarters_of_the_lead(tmp_path, m
             while not first.closed or first.inflight:
                 await trio.sleep(0.01)
         before = sess.stats()["planned_bytes"]
-        for p in range(len(s.order)):  # the reader's events, as a drain tells them
-            ino = r.ino_at(p)
-            ev = OpenEvent(ino, PID, eng.index.get_entry(ino).parent, 0.0, s, in_process=True)
-            eng.observers.opened(ev)
-            eng.observers.served(ev, Served(None, None, True))
-            for _ in range(5):
-                await trio.sleep(0)
+        await read_in_process(r, s)
         with trio.fail_after(20):  # the plan handed out its epoch: no advise in flight
             while s.key in sess.plans.plans:
                 await trio.sleep(0.01)
@@ -542,7 +549,6 @@ def test_a_plan_reads_little_into_memory_until_it_knows_where_reads_are_served(t
     new pass tells, the plan reads at most FIRST_LEAD records into the daemon's memory
     (the readers read the logs themselves: those bytes are read twice); after it,
     nothing more."""
-    from dlcachefs.cache.readers import OpenEvent, Served
 
     rng = random.Random(6)
     files = {b"train/c%d/%03d.jpg" % (c, i): rng.randbytes(rng.randrange(500, 2000))
@@ -551,7 +557,6 @@ def test_a_plan_reads_little_into_memory_until_it_knows_where_reads_are_served(t
     out = {}
 
     async def body(sess):
-        eng = sess.engine
         r = Reader(sess, files)
         await r.fill()
         await r.announce(0)
@@ -571,13 +576,7 @@ def test_a_plan_reads_little_into_memory_until_it_knows_where_reads_are_served(t
             await trio.sleep(0)
         out["untold"] = sess.stats()["planned_records"] - before
         assert not plan.told
-        for p in range(len(s.order)):  # the readers' events, as a drain tells them
-            ino = r.ino_at(p)
-            ev = OpenEvent(ino, PID, eng.index.get_entry(ino).parent, 0.0, s, in_process=True)
-            eng.observers.opened(ev)
-            eng.observers.served(ev, Served(None, None, True))
-            for _ in range(5):
-                await trio.sleep(0)
+        await read_in_process(r, s)
         out["told"] = plan.told
         out["all"] = sess.stats()["planned_records"] - before
         out["posted"] = sess.stats()["planned_posted_bytes"]

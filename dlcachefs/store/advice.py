@@ -161,19 +161,16 @@ class AdviceBoard:
         if not self._untaken:
             return False
         now = time.monotonic() if now is None else now  # (the clock of post())
-        head = os.pread(self._fd, _HEADER.size, 0)
-        taken = _HEADER.unpack(head)[2] if len(head) == _HEADER.size else 0
+        c = _counters(self._fd)
+        taken = c[1] if c is not None else 0
         while self._untaken and self._untaken[0][0] <= taken:
             self._untaken.popleft()
         return bool(self._untaken) and now - self._untaken[0][1] > LAG_S
 
     def stats(self) -> dict:
         """Ranges and bytes posted since this mount began, ranges and bytes the readers
-        took (``taken_bytes``: since the board was made)."""
-        head = os.pread(self._fd, _HEADER.size, 0)
-        taken = taken_bytes = 0
-        if len(head) == _HEADER.size and head[:8] == MAGIC:
-            _, _, taken, taken_bytes = _HEADER.unpack(head)
+        took (all since this mount began)."""
+        _, taken, taken_bytes = _counters(self._fd) or (0, 0, 0)
         return {"posted": self.posted - self._base, "posted_bytes": self.posted_bytes,
                 "taken": max(0, min(taken, self.posted) - self._base),
                 "taken_bytes": taken_bytes, "waiting": max(0, self.posted - taken)}
@@ -281,11 +278,8 @@ class AdviceTaker:
                 return
             fd = self._fd
             if fd >= 0:
-                head = os.pread(fd, _HEADER.size, 0)
-                if len(head) != _HEADER.size:
-                    return
-                magic, posted, taken, _ = _HEADER.unpack(head)
-                if magic != MAGIC or posted <= taken:
+                c = _counters(fd)
+                if c is None or c[0] <= c[1]:
                     return
             elif time.monotonic() < self._failed_until:
                 return
@@ -318,11 +312,8 @@ class AdviceTaker:
             if fd < 0:
                 return 0
         try:
-            head = os.pread(fd, _HEADER.size, 0)
-            if len(head) != _HEADER.size:
-                return 0
-            magic, posted, taken, _ = _HEADER.unpack(head)
-            if magic != MAGIC or posted <= taken:
+            c = _counters(fd)
+            if c is None or c[0] <= c[1]:
                 return 0
             if not self._lock.acquire(blocking=False):
                 return 0
@@ -343,12 +334,10 @@ class AdviceTaker:
             return 0
 
     def _take_locked(self, fd: int, advise: Callable[[int, int, int], None]) -> int:
-        head = os.pread(fd, _HEADER.size, 0)
-        if len(head) != _HEADER.size:
+        c = _counters(fd)  # again: another process may have taken them meanwhile
+        if c is None or c[0] <= c[1]:
             return 0
-        magic, posted, taken, taken_bytes = _HEADER.unpack(head)
-        if magic != MAGIC or posted <= taken:
-            return 0
+        posted, taken, taken_bytes = c
         start = max(taken, posted - RING)
         end = min(posted, start + TAKE_RANGES)  # the rest at the next samples
         done = asked = 0
@@ -391,6 +380,16 @@ class AdviceTaker:
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
+
+
+def _counters(fd: int) -> tuple[int, int, int] | None:
+    """(posted, taken, taken bytes) from the board's header; None when it is not a
+    board's (short, or no magic)."""
+    head = os.pread(fd, _HEADER.size, 0)
+    if len(head) != _HEADER.size:
+        return None
+    magic, posted, taken, taken_bytes = _HEADER.unpack(head)
+    return (posted, taken, taken_bytes) if magic == MAGIC else None
 
 
 def _slots(fd: int, start: int, end: int) -> list[tuple[int, bytes]]:

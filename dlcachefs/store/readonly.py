@@ -67,7 +67,7 @@ import os
 import stat
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import lmdb
@@ -418,7 +418,10 @@ class LogFiles:
         self._fds: dict[int, list[int]] = {}  # log id -> [fd, users, retired]
         self._busy: list[list[int]] = []  # retired while in use: closed by their last user
 
-    def pread(self, log_id: int, size: int, offset: int) -> bytes:
+    @contextlib.contextmanager
+    def _held(self, log_id: int) -> Iterator[int]:
+        """The log's descriptor (opened at its first use; FileNotFoundError: the log is
+        gone), taken for one call and given back (see the class doc)."""
         with self._lock:
             slot = self._fds.get(log_id)
             if slot is None:
@@ -427,9 +430,7 @@ class LogFiles:
                 slot = self._fds[log_id] = [fd, 0, 0]
             slot[1] += 1
         try:
-            if size <= MAX_RW:
-                return _pread(slot[0], size, offset)
-            return _pread_all(slot[0], size, offset)
+            yield slot[0]
         finally:
             with self._lock:
                 slot[1] -= 1
@@ -437,25 +438,18 @@ class LogFiles:
                     self._busy.remove(slot)
                     _close(slot[0])
 
+    def pread(self, log_id: int, size: int, offset: int) -> bytes:
+        with self._held(log_id) as fd:
+            if size <= MAX_RW:
+                return _pread(fd, size, offset)
+            return _pread_all(fd, size, offset)
+
     def advise(self, log_id: int, offset: int, length: int) -> None:
         """Ask the kernel to read a range of a log into the page cache, in the background
         (``POSIX_FADV_WILLNEED``: :mod:`dlcachefs.store.advice`). OSError when the log is
         gone."""
-        with self._lock:
-            slot = self._fds.get(log_id)
-            if slot is None:
-                fd = os.open(os.path.join(self.dir, f"{log_id:08d}.log"),
-                             os.O_RDONLY | os.O_CLOEXEC)  # FileNotFoundError: gone
-                slot = self._fds[log_id] = [fd, 0, 0]
-            slot[1] += 1
-        try:
-            os.posix_fadvise(slot[0], offset, length, os.POSIX_FADV_WILLNEED)
-        finally:
-            with self._lock:
-                slot[1] -= 1
-                if slot[2] and slot[1] == 0:
-                    self._busy.remove(slot)
-                    _close(slot[0])
+        with self._held(log_id) as fd:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
 
     def sweep(self, everything: bool = False) -> None:
         """Retire descriptors of deleted logs (every one with ``everything``; every
