@@ -26,7 +26,9 @@ One run (needs root: network namespace, ``drop_caches``):
 3. For every mode (``raw``: ``bench.dlio_launch.RawImageReader`` reads each file's bytes;
    ``decode``: DLIO's own ``ImageReader``, ``np.asarray(PIL.Image.open(path))``) and
    every system (``direct``: DLIO's ``data_folder`` is the sshfs mount; ``dlcachefs``: a
-   fresh dlcachefs mount with an empty cache over the sshfs mount, ``--ignore-source-inode``),
+   fresh dlcachefs mount with an empty cache over the sshfs mount, ``--ignore-source-inode``;
+   ``local``, asked for with ``--systems``: the dataset's own folder on local disk, the
+   ceiling of any cache once its bytes are local),
    the page cache is dropped and ``mpirun -np RANKS --bind-to none`` runs DLIO for
    ``--epochs`` epochs (``dlcachefs run --`` around mpirun for the mount unless
    ``--no-launcher``: DLIO's PyTorch loader uses its own ``dlio_sampler``, so whether a
@@ -34,7 +36,10 @@ One run (needs root: network namespace, ``drop_caches``):
 
 Output (JSON on stdout and in ``--out``, markdown next to it and on stdout): per system,
 mode and epoch DLIO's own ``train_throughput_samples_per_second`` (summed over the
-ranks), the epoch's wall time, and the ratio dlcachefs / direct per mode and epoch; plus
+ranks), the epoch's wall time, and the ratio dlcachefs / direct per mode and epoch; per
+system and mode the time of all epochs against direct's, and, with ``local`` run, the
+bound of any cache: its first epoch at the remote's pace (it must fetch every byte over
+the link) and the later ones at the local copy's; plus
 bytes over the network, daemon CPU, the mount's counter deltas and its streams. Timings
 are reported, never asserted. Everything mounted is unmounted, the remote torn down, and
 only processes this run started are ended, by pid.
@@ -341,6 +346,34 @@ def ratios(runs: Sequence[dict]) -> list[dict]:
     return out
 
 
+def totals(runs: Sequence[dict]) -> list[dict]:
+    """Per mode: every system's time over all its epochs against direct's, and with
+    ``local`` run, the bound of any cache in front of the remote (module docstring): the
+    first epoch can be no faster than direct's (every byte crosses the link once), the
+    later ones no faster than the local copy's."""
+    by = {(r["system"], r["mode"]): r for r in runs}
+    out = []
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        d = by.get(("direct", mode))
+        if d is None or any(e["seconds"] is None for e in d["epochs"]):
+            continue
+        direct_s = sum(e["seconds"] for e in d["epochs"])
+        row: dict = {"mode": mode, "epochs": len(d["epochs"]), "direct_s": round(direct_s, 2)}
+        for (system, m), r in by.items():
+            if m == mode and system != "direct" and all(e["seconds"] for e in r["epochs"]):
+                t = sum(e["seconds"] for e in r["epochs"])
+                row[f"{system}_s"] = round(t, 2)
+                row[f"{system}_x"] = round(direct_s / t, 3)
+        loc = by.get(("local", mode))
+        if loc is not None and len(loc["epochs"]) == len(d["epochs"]) > 1 \
+                and all(e["seconds"] for e in loc["epochs"]):
+            bound = d["epochs"][0]["seconds"] + sum(e["seconds"] for e in loc["epochs"][1:])
+            row["cache_bound_s"] = round(bound, 2)
+            row["cache_bound_x"] = round(direct_s / bound, 3)
+        out.append(row)
+    return out
+
+
 def markdown(doc: dict) -> str:
     c = doc["config"]
     lines = [f"# DLIO {DLIO_VERSION}: remote directly vs dlcachefs",
@@ -364,6 +397,13 @@ def markdown(doc: dict) -> str:
     if doc["ratios"]:
         lines += ["", "| mode | epoch | dlcachefs / direct |", "|---|---|---|"]
         lines += [f"| {x['mode']} | {x['epoch']} | {x['ratio']:.2f} |" for x in doc["ratios"]]
+    if doc.get("totals"):
+        lines += ["", "| mode | epochs | direct s | dlcachefs s (x direct) | local s (x direct) "
+                  "| a cache's bound s (x direct) |", "|---|---|---|---|---|---|"]
+        for t in doc["totals"]:
+            cells = [f"{t[k + '_s']} ({t[k + '_x']:.2f}x)" if k + "_s" in t else "" for k in
+                     ("dlcachefs", "local", "cache_bound")]
+            lines.append(f"| {t['mode']} | {t['epochs']} | {t['direct_s']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -414,7 +454,10 @@ def main_run(a: argparse.Namespace) -> dict:
                     doc["runs"].append(one_run(py, a, "dlcachefs", mode, dmnt, iface,
                                                {"sshfs": r.sshfs_pid, "dlcachefs": m.pid}, m))
                 shutil.rmtree(cache, ignore_errors=True)
+            if "local" in a.systems:
+                doc["runs"].append(one_run(py, a, "local", mode, folder, iface, {}, None))
     doc["ratios"] = ratios(doc["runs"])
+    doc["totals"] = totals(doc["runs"])
     doc["total_seconds"] = round(time.perf_counter() - t0, 1)
     return doc
 
@@ -425,7 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--files", type=int, default=3000, help="DLIO JPEG files (default 3000)")
     p.add_argument("--ranks", type=int, default=2, help="MPI ranks (default 2)")
     p.add_argument("--modes", default="raw,decode", help="raw,decode")
-    p.add_argument("--systems", default="direct,dlcachefs", help="direct,dlcachefs")
+    p.add_argument("--systems", default="direct,dlcachefs",
+                   help="direct,dlcachefs[,local] (local: the dataset's folder on local disk)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--read-threads", type=int, default=2,
@@ -460,7 +504,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a.modes = [m for m in a.modes.split(",") if m]
     a.systems = [s for s in a.systems.split(",") if s]
     bad = [m for m in a.modes if m not in MODES] + [s for s in a.systems
-                                                   if s not in ("direct", "dlcachefs")]
+                                                   if s not in ("direct", "dlcachefs", "local")]
     if bad:
         print(f"bench.dlio: unknown mode or system: {', '.join(bad)}", file=sys.stderr)
         return 2

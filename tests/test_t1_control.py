@@ -480,6 +480,25 @@ def test_sampler_explicit(rec):
     refuse(rec.cs, b"sampler explicit seed=1", match="unknown field")
 
 
+def test_explicit_orders_of_several_ranks_go_to_each_ranks_stream(rec):
+    """DLIO's MPI ranks each send their own order (``sampler explicit world=W rank=R``):
+    the sampler line binds the writing process to its rank, and its later writes without
+    a ``job`` line (the order chunks, the epoch line) stay that rank's."""
+    cs = rec.cs
+    for pid, rank in ((11, 0), (12, 1)):
+        cs.apply(b"job dlio\ndataset train\nsampler explicit world=2 rank=%d\n" % rank, pid)
+    for pid, order in ((12, b"5 3 1"), (11, b"4 2 0")):
+        cs.apply(b"order 0 0 " + order + b"\n", pid)
+        cs.apply(b"order 0 end 3\nepoch 0\n", pid)
+    assert cs.streams[("dlio", 0)].sampler == SamplerSpec("explicit", world=2, rank=0)
+    assert cs.streams[("dlio", 1)].sampler == SamplerSpec("explicit", world=2, rank=1)
+    assert list(cs.streams[("dlio", 0)].orders[0]) == [4, 2, 0]
+    assert list(cs.streams[("dlio", 1)].orders[0]) == [5, 3, 1]
+    assert ("dlio", 1, 0, [5, 3, 1], 12) in rec.orders
+    refuse(cs, b"sampler explicit world=2 rank=2", match="rank")
+    refuse(cs, b"sampler explicit world=0", match="world")
+
+
 def test_order_in_chunks(rec):
     cs = rec.cs
     cs.apply(b"dataset train\nsampler explicit\norder 0 0 3 1 4\n", 7)

@@ -10,7 +10,7 @@ lines and ``#`` comments are ignored. The lines::
                           [loader_draws=none|each|first]
     sampler distributed seed=S world=W rank=R [shuffle=true] [drop_last=false]
     sampler sequential
-    sampler explicit         # the orders come from ``order`` lines (no fields)
+    sampler explicit [world=W rank=R]  # the orders come from ``order`` lines
     batch B [workers=K] [prefetch_factor=F]     # hints
     pace iters=N steps=M wait=S train=S [rank=R]  # the training's measured pace
     epoch E                  # the epoch this process starts now (0-based)
@@ -28,8 +28,9 @@ The limits, the ids and the encoder of every line (what the training process wri
 in :mod:`dlcachefs.clairvoyance.protocol`; this module parses and applies.
 
 See :mod:`dlcachefs.clairvoyance.replay` for what the sampler fields mean. Each (job, rank) is one
-stream: a ``distributed`` sampler line binds the writing process to its rank, other
-samplers to rank 0; a ``job`` line binds it to rank 0 of that job, and a ``pace`` line's
+stream: a ``distributed`` sampler line binds the writing process to its rank, as does an
+``explicit`` one with ``rank=`` (each rank sending its own orders: DLIO's MPI ranks),
+other samplers to rank 0; a ``job`` line binds it to rank 0 of that job, and a ``pace`` line's
 ``rank=R`` to rank R (the training process repeats its whole binding, ``job`` and
 ``rank=``, with each pace report, so that report leaves the binding as its announcement
 set it). A write is attributed to a job: the one its own ``job`` line names, else the
@@ -123,7 +124,7 @@ from dlcachefs.clairvoyance.protocol import (
     index_list_id,
     view_id,
 )
-from dlcachefs.clairvoyance.replay import SamplerSpec
+from dlcachefs.clairvoyance.replay import RANKED, SamplerSpec
 from dlcachefs.errors import ControlError, DlcError
 
 MAX_JOBS = 64
@@ -159,7 +160,7 @@ _SAMPLER_KEYS = {
     "random": {"seed", "num_samples", "replacement", "per_epoch", "loader_draws", "state"},
     "distributed": {"seed", "world", "rank", "shuffle", "drop_last"},
     "sequential": set(),
-    "explicit": set(),
+    "explicit": {"world", "rank"},
     "subset_random": {"index", "state", "per_epoch", "loader_draws"},
     "unknown": {"reason"},
 }
@@ -505,7 +506,7 @@ class ControlState:
                 job, rank = str(op.arg), 0
             elif op.verb == "sampler":
                 assert isinstance(op.arg, SamplerSpec)
-                rank = op.arg.rank if op.arg.kind == "distributed" else 0
+                rank = op.arg.rank if op.arg.kind in RANKED else 0
             elif op.verb == "pace" and op.extra[0] is not None:
                 rank = int(op.extra[0])  # its rank binds, as a distributed sampler's does
             js = self.jobs.setdefault(job, JobState(job))
@@ -658,7 +659,7 @@ class ControlState:
                 job, rank = str(op.arg), 0
             elif op.verb == "sampler":
                 assert isinstance(op.arg, SamplerSpec)
-                rank = op.arg.rank if op.arg.kind == "distributed" else 0
+                rank = op.arg.rank if op.arg.kind in RANKED else 0
             elif op.verb == "pace" and op.extra[0] is not None:
                 rank = int(op.extra[0])  # as in apply()
             if job not in self.jobs:
@@ -978,9 +979,9 @@ class ControlState:
             if kv["loader_draws"] not in ("none", "each", "first"):
                 raise ControlError(f"line {n}: loader_draws must be none, each or first")
             spec = replace(spec, loader_draws=kv["loader_draws"])
-        if kind == "distributed":
-            world = _int(n, "world", kv["world"], 1, 1 << 20)
-            rank = _int(n, "rank", kv["rank"], 0, world - 1)
+        if kind in RANKED and ("world" in kv or "rank" in kv):
+            world = _int(n, "world", kv.get("world", "1"), 1, 1 << 20)
+            rank = _int(n, "rank", kv.get("rank", "0"), 0, world - 1)
             spec = replace(spec, world=world, rank=rank)
         if spec.replacement and spec.num_samples is None:
             pass  # torch: num_samples defaults to len(dataset) also with replacement

@@ -41,6 +41,7 @@ from dlcachefs.cache.namespace import Namespace
 from dlcachefs.cache.writer import ChunkWriter
 from dlcachefs.clairvoyance.positions import consumed_inos, order_inos
 from dlcachefs.clairvoyance.reorder import NextEpochLog, RoomRound
+from dlcachefs.clairvoyance.replay import RANKED
 from dlcachefs.clairvoyance.samplelist import SampleList
 from dlcachefs.clairvoyance.stream import GIVEN_UP, IDLE_S, Stream, StreamTable, same_dataset
 from dlcachefs.config import Config
@@ -274,7 +275,7 @@ class NextEpochPlanner:
         ranks: the plan is not delayed (a first epoch shorter than a wait got no log)."""
         n = self.streams.ordered()
         spec = getattr(s.replayer, "spec", None)
-        if spec is None or spec.kind != "distributed" or spec.world < 2:
+        if spec is None or spec.kind not in RANKED or spec.world < 2:
             return n
         key = (s.job, s.dataset)
         seen = sum(1 for o in self.streams.values()

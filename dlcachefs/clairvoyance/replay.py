@@ -47,6 +47,11 @@ if TYPE_CHECKING:
 # dlcachefs.clairvoyance.replayworker's process.
 
 
+#: sampler kinds whose ``world``/``rank`` say which of a job's ranks announces (a
+#: ``distributed`` sampler's, or the rank an ``explicit`` order is sent for)
+RANKED = ("distributed", "explicit")
+
+
 @dataclass(frozen=True)
 class SamplerSpec:
     kind: str  # "random" | "distributed" | "sequential"

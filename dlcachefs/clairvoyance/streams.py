@@ -93,7 +93,7 @@ from dlcachefs.clairvoyance.listings import SampleListMismatch, SampleLists, dat
 from dlcachefs.clairvoyance.nextepoch import NextEpochPlanner
 from dlcachefs.clairvoyance.prefetchloop import PrefetchLoop
 from dlcachefs.clairvoyance.reorder import NextEpochLog
-from dlcachefs.clairvoyance.replay import SamplerSpec
+from dlcachefs.clairvoyance.replay import RANKED, SamplerSpec
 from dlcachefs.clairvoyance.replayworker import ReplayClosed, ReplayWorker
 from dlcachefs.clairvoyance.samplelist import SampleList
 from dlcachefs.clairvoyance.stream import Stream, StreamTable, same_dataset
@@ -364,7 +364,7 @@ class StreamManager:
             # the policy's horizon of later epochs (epochplan): this stream's share of the
             # cache, which its job's ranks share; none when the dataset fits the cache
             limit = self.planner.writer.limit
-            ranks = max(1, spec.world) if spec.kind == "distributed" else 1
+            ranks = max(1, spec.world) if spec.kind in RANKED else 1
             cover = 0 if samples.nbytes <= limit else limit // ranks
             plan = await trio.to_thread.run_sync(partial(
                 plan_epoch, replayer, epoch, samples,

@@ -60,6 +60,7 @@ from functools import lru_cache
 
 from dlcachefs import mountctl
 from dlcachefs.clairvoyance import protocol as _p
+from dlcachefs.data import dlio as _dlio
 from dlcachefs.data import wrappers as _w
 from dlcachefs.data.onimport import PatchOnImport
 
@@ -168,7 +169,7 @@ def target_of(ds) -> Target | str | None:
 
 def _target_now(ds) -> Target | str | None:
     try:
-        view = _w.resolve(ds)
+        view = _dlio.view_of(ds) if _dlio.is_dataset(ds) else _w.resolve(ds)
     except _w.Unresolved as e:
         return f"{type(ds).__name__}: {e}"
     found = [find_mount(r.path) for r in view.roots]
@@ -614,6 +615,9 @@ def _patch(data_module) -> None:
             return  # its own hook announces it
         elif getattr(type(inner), "dlcachefs_announces", False):
             return  # it announces its own order (ImportanceSampler: sampler explicit)
+        elif _dlio.is_sampler(inner):
+            announce_dlio(loader, inner)
+            return
         elif type(inner).__iter__ is SequentialSampler.__iter__:
             t = usable(ds, loader)
             if t is not None:
@@ -623,6 +627,39 @@ def _patch(data_module) -> None:
         else:
             reason = f"sampler {type(inner).__name__} is not replayable"
         _unknown(ds, reason, _next_epoch(loader, ds), loader)
+
+    def announce_dlio(loader, sampler) -> None:
+        """DLIO's sampler (:mod:`dlcachefs.data.dlio`): its next orders, previewed, sent
+        as this rank's explicit orders. The epoch's own order went out with the epoch
+        before (as its next), so each epoch sends the one after it, then its ``epoch``
+        line; the first sends both, after the dataset and sampler lines. The writes after
+        that head carry no ``job`` line (it would bind the process to rank 0): they are
+        this process's, bound to its rank by the head's sampler line."""
+        ds = loader.dataset
+        t = usable(ds, loader)
+        if t is None:
+            return
+        epoch = _next_epoch(loader, ds)
+        first = sampler.__dict__.get("_dlcachefs_previewed") != (t.mount, epoch)
+        orders = _dlio.preview(sampler, 2)
+        if orders is None:
+            _unknown(ds, "DLIO sampler's order is longer than the mount takes", epoch, loader)
+            return
+        world, rank = _dlio.rank_of(sampler)
+        writes: list[str] = []
+        if first:
+            if not _send(t, [_p.sampler_line("explicit", world=world, rank=rank)],
+                         weak=_dlio.is_eval(ds), loader=loader):
+                return
+            writes += _p.order_writes(epoch, orders[0])
+        writes += _p.order_writes(epoch + 1, orders[1], after=[_p.epoch_line(epoch)])
+        try:
+            write_control(t.mount, [w.encode() for w in writes])
+            sampler.__dict__["_dlcachefs_previewed"] = (t.mount, epoch + 1)
+        except OSError as e:
+            sampler.__dict__.pop("_dlcachefs_previewed", None)
+            _warn_once(f"write:{t.mount}", f"could not announce DLIO's order to {t.mount} "
+                       f"({e}); see {t.mount}/.dlcache/errors. Training goes on.")
 
     def loader_iter(self):
         tuner = _tuner(self, data_module) if _auto is not None else None
