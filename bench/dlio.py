@@ -38,8 +38,9 @@ Output (JSON on stdout and in ``--out``, markdown next to it and on stdout): per
 mode and epoch DLIO's own ``train_throughput_samples_per_second`` (summed over the
 ranks), the epoch's wall time, and the ratio dlcachefs / direct per mode and epoch; per
 system and mode the time of all epochs against direct's, and, with ``local`` run, the
-bound of any cache: its first epoch at the remote's pace (it must fetch every byte over
-the link) and the later ones at the local copy's; plus
+bound of any cache: its first epoch no faster than the dataset's bytes over the link at
+``--rate`` (nor than the local copy's first epoch), the later ones no faster than the
+local copy's; plus
 bytes over the network, daemon CPU, the mount's counter deltas and its streams. Timings
 are reported, never asserted. Everything mounted is unmounted, the remote torn down, and
 only processes this run started are ended, by pid.
@@ -51,6 +52,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -346,16 +348,23 @@ def ratios(runs: Sequence[dict]) -> list[dict]:
     return out
 
 
-def totals(runs: Sequence[dict]) -> list[dict]:
+def rate_bits(rate: str | None) -> float | None:
+    """``tc``'s rate (``400mbit``, ``1gbit``, ``800kbit``) in bits/s; None otherwise."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", (rate or "").strip().lower())
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)] if m else None
+
+
+def totals(runs: Sequence[dict], link_s: float | None = None) -> list[dict]:
     """Per mode: every system's time over all its epochs against direct's, and with
-    ``local`` run, the bound of any cache in front of the remote (module docstring): the
-    first epoch can be no faster than direct's (every byte crosses the link once), the
-    later ones no faster than the local copy's."""
+    ``local`` run, the bound of any cache in front of the remote (module docstring): its
+    first epoch no faster than the dataset's bytes over the link (``link_s``; direct's
+    first epoch when unknown) nor than the local copy's first epoch, the later ones no
+    faster than the local copy's."""
     by = {(r["system"], r["mode"]): r for r in runs}
     out = []
     for mode in dict.fromkeys(r["mode"] for r in runs):
         d = by.get(("direct", mode))
-        if d is None or any(e["seconds"] is None for e in d["epochs"]):
+        if d is None or not all(e["seconds"] for e in d["epochs"]):
             continue
         direct_s = sum(e["seconds"] for e in d["epochs"])
         row: dict = {"mode": mode, "epochs": len(d["epochs"]), "direct_s": round(direct_s, 2)}
@@ -367,7 +376,9 @@ def totals(runs: Sequence[dict]) -> list[dict]:
         loc = by.get(("local", mode))
         if loc is not None and len(loc["epochs"]) == len(d["epochs"]) > 1 \
                 and all(e["seconds"] for e in loc["epochs"]):
-            bound = d["epochs"][0]["seconds"] + sum(e["seconds"] for e in loc["epochs"][1:])
+            first = max(link_s if link_s is not None else d["epochs"][0]["seconds"],
+                        loc["epochs"][0]["seconds"])
+            bound = first + sum(e["seconds"] for e in loc["epochs"][1:])
             row["cache_bound_s"] = round(bound, 2)
             row["cache_bound_x"] = round(direct_s / bound, 3)
         out.append(row)
@@ -457,7 +468,8 @@ def main_run(a: argparse.Namespace) -> dict:
             if "local" in a.systems:
                 doc["runs"].append(one_run(py, a, "local", mode, folder, iface, {}, None))
     doc["ratios"] = ratios(doc["runs"])
-    doc["totals"] = totals(doc["runs"])
+    bits = rate_bits(a.rate)
+    doc["totals"] = totals(doc["runs"], doc["dataset"]["bytes"] * 8 / bits if bits else None)
     doc["total_seconds"] = round(time.perf_counter() - t0, 1)
     return doc
 

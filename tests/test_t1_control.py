@@ -496,7 +496,11 @@ def test_explicit_orders_of_several_ranks_go_to_each_ranks_stream(rec):
     assert list(cs.streams[("dlio", 1)].orders[0]) == [5, 3, 1]
     assert ("dlio", 1, 0, [5, 3, 1], 12) in rec.orders
     refuse(cs, b"sampler explicit world=2 rank=2", match="rank")
-    refuse(cs, b"sampler explicit world=0", match="world")
+    refuse(cs, b"sampler explicit world=0 rank=0", match="world")
+    refuse(cs, b"sampler explicit world=4", match="together")  # a pair, or neither
+    refuse(cs, b"sampler explicit rank=1", match="together")
+    cs.apply(b"job solo\ndataset train\nsampler explicit world=1 rank=0\n", 13)
+    assert cs.streams[("solo", 0)].sampler == SamplerSpec("explicit")  # the defaults
 
 
 def test_order_in_chunks(rec):

@@ -5,7 +5,8 @@ own rank (:mod:`dlcachefs.data.dlio`); the mount replays both, prefetches the fi
 epoch ahead of the readers and knows each next epoch; the samples, their bytes and every
 epoch's order are those of the same run without the launcher, with ``sample_shuffle``
 ``seed`` (DLIO reseeds numpy) and ``random`` (it draws from numpy's global generator as
-it stands, which the preview must leave untouched).
+it stands, which the preview must leave untouched, and which DLIO also draws from
+between epochs: the next epoch's order sent as a prediction is then sent again).
 
 DLIO itself lives in the benches' own venv (``bench.dlio`` runs the real one), so the
 package here is a stand-in with DLIO 2.0's module names, and its sampler is DLIO 2.0's
@@ -141,6 +142,7 @@ for epoch in range(epochs):
     for batch in dl:
         seen += [(i, hashlib.sha256(raw).hexdigest()) for i, raw in batch]
     out.append(seen)
+    np.random.normal(0, 1)  # DLIO's computation_time_stdev: a draw between epochs
 print(json.dumps(out))
 '''
 

@@ -116,6 +116,7 @@ from dlcachefs.clairvoyance.protocol import (
     MAX_BATCH,
     MAX_LINE,
     MAX_LOSS_PAIRS,
+    MAX_ORDER_LEN,
     MAX_PREFETCH_FACTOR,
     MAX_SAMPLER_LINE,
     MAX_SUFFIXES,
@@ -136,7 +137,6 @@ MAX_PIDS = 4096
 MAX_ERRORS = 100
 MAX_EPOCH = 1 << 40
 MAX_INDEX = 1 << 40  # indices are checked against this when the dataset's size is unknown
-MAX_ORDER_LEN = 1 << 26  # indices of one epoch's order
 MAX_ORDER_EPOCHS = 2  # completed orders kept per stream (and as many in progress)
 MAX_ORDER_TOTAL = 1 << 28  # order indices held by the mount, completed and in progress
 MAX_LISTS = 16  # complete index lists kept (and as many in progress)
@@ -979,6 +979,8 @@ class ControlState:
             if kv["loader_draws"] not in ("none", "each", "first"):
                 raise ControlError(f"line {n}: loader_draws must be none, each or first")
             spec = replace(spec, loader_draws=kv["loader_draws"])
+        if kind == "explicit" and ("world" in kv) != ("rank" in kv):
+            raise ControlError(f"line {n}: sampler explicit takes world= and rank= together")
         if kind in RANKED and ("world" in kv or "rank" in kv):
             world = _int(n, "world", kv.get("world", "1"), 1, 1 << 20)
             rank = _int(n, "rank", kv.get("rank", "0"), 0, world - 1)

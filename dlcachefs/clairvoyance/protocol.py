@@ -34,6 +34,7 @@ from urllib.parse import quote
 #: that lost the launcher's hook on the way (a wrapper replaced PYTHONPATH) from one
 #: that was never launched by it (``attribution._unannounced_reason``)
 ENV_LAUNCHED = "DLCACHEFS_RUN"
+MAX_ORDER_LEN = 1 << 26  # indices of one epoch's order (``order`` lines)
 MAX_WRITE = 64 * 1024  # bytes of one write(); a write is applied whole or refused whole
 MAX_LINE = 4096  # characters of one line, except a sampler line
 MAX_SAMPLER_LINE = 16384  # a "sampler ... state=B64" line carries a 5056-byte state

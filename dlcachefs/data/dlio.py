@@ -19,7 +19,11 @@ the files with DLIO's suffixes), and an index list from DLIO's index to that lis
 deep copy, with numpy's and ``random``'s global generators put back as they were, so
 the training draws exactly what it would have drawn. The hook sends those orders to the
 mount as ``sampler explicit world=W rank=R`` + ``order`` lines
-(:mod:`dlcachefs.clairvoyance.control`).
+(:mod:`dlcachefs.clairvoyance.control`): this epoch's and the next's. The next one is a
+prediction where the sampler draws from numpy's global generator as it stands
+(``sample_shuffle: random``): DLIO draws from it between epochs too (the evaluation
+sampler, ``computation_time_stdev``), so at each epoch's start the epoch's order is
+previewed again and sent anew when it is not the one predicted (:func:`orders_to_send`).
 
 Only DLIO's own classes are recognised (by module and name: this module never imports
 DLIO, and nothing here runs unless the training did). Pure Python, no torch import.
@@ -31,14 +35,18 @@ import copy
 import os
 import random
 import sys
+from collections.abc import Callable
 
-from dlcachefs.clairvoyance.protocol import paths_digest, set_digest, suffixes_of
+from dlcachefs.clairvoyance.protocol import (
+    MAX_ORDER_LEN,
+    index_list_id,
+    paths_digest,
+    set_digest,
+    suffixes_of,
+)
 from dlcachefs.data.wrappers import Root, Unresolved, View
 
 LOADER_MODULE = "dlio_benchmark.data_loader.torch_data_loader"
-#: indices of one previewed order at most (the mount takes at most
-#: :data:`dlcachefs.clairvoyance.control.MAX_ORDER_LEN`)
-MAX_ORDER_LEN = 1 << 26
 CONFIG_MODULE = "dlio_benchmark.utils.config"
 
 
@@ -75,6 +83,17 @@ def _config() -> object:
     return cls.get_instance()
 
 
+def first_file(ds: object) -> str | None:
+    """The first file DLIO's dataset ``ds`` names (for the mount it reads from, when its
+    files cannot be named index by index), or None."""
+    try:
+        files = getattr(_config(), "file_list_train" if _kind(ds) == "train"
+                        else "file_list_eval", None)
+        return os.path.abspath(os.fspath(files[0])) if files else None
+    except (Unresolved, TypeError, ValueError, IndexError):
+        return None
+
+
 def files_of(ds: object) -> list[str]:
     """The file each index of DLIO's dataset ``ds`` reads (absolute paths, as DLIO's
     ``get_global_map_index`` makes them). Raises :class:`Unresolved` when they cannot be
@@ -105,13 +124,16 @@ def walk_list(root: str, suffixes: tuple[str, ...]) -> list[str]:
     return out
 
 
-def view_of(ds: object) -> View:
-    """The :class:`View` of DLIO's dataset ``ds`` (module doc). Lists the folder holding
-    its files once per call (the hook keeps the result per dataset object)."""
+def view_of(ds: object, on_mount: Callable[[str], bool]) -> View | None:
+    """The :class:`View` of DLIO's dataset ``ds`` (module doc); None when the folder
+    holding its files is not on a mount (``on_mount``), checked before it is listed.
+    Lists that folder once per call (the hook keeps the result per dataset object)."""
     files = files_of(ds)
     if not files:
         raise Unresolved("DLIO's dataset is empty")
     root = os.path.commonpath([os.path.dirname(f) for f in files])
+    if not on_mount(root):
+        return None
     rels = [os.path.relpath(f, root).replace(os.sep, "/") for f in files]
     suffixes = suffixes_of(rels)
     if suffixes is None:
@@ -135,7 +157,15 @@ def preview(sampler: object, epochs: int = 2) -> list[list[int]] | None:
     np_state = np.random.get_state() if np is not None else None
     py_state = random.getstate()
     try:
-        twin = copy.deepcopy(sampler)
+        # a shallow copy with its own index list: DLIO's sampler shuffles that list in
+        # place and holds nothing else that changes (a deep copy of a million indices
+        # costs about a second at each epoch's start)
+        twin = copy.copy(sampler)
+        indices = getattr(sampler, "indices", None)
+        if isinstance(indices, list):
+            twin.indices = list(indices)  # type: ignore[attr-defined]
+        else:
+            twin = copy.deepcopy(sampler)
         out: list[list[int]] = []
         for _ in range(epochs):
             order: list[int] = []
@@ -149,6 +179,21 @@ def preview(sampler: object, epochs: int = 2) -> list[list[int]] | None:
         if np_state is not None:
             np.random.set_state(np_state)
         random.setstate(py_state)
+
+
+def orders_to_send(sampler: object, epoch: int, predicted: str | None
+                   ) -> tuple[list[tuple[int, list[int]]], str] | None:
+    """The orders to send as ``epoch`` starts, as (epoch, order) pairs, and the id
+    (:func:`~dlcachefs.clairvoyance.protocol.index_list_id`) of the next epoch's order
+    they predict; None when an order is too long to send. ``predicted``: the id sent for
+    ``epoch`` as the last epoch's next order (None: nothing was sent, or it is lost); the
+    epoch's own order is sent again unless it is that one (module doc)."""
+    orders = preview(sampler, 2)
+    if orders is None:
+        return None
+    this, after = orders
+    out = [] if predicted == index_list_id(this) else [(epoch, this)]
+    return out + [(epoch + 1, after)], index_list_id(after)
 
 
 def rank_of(sampler: object) -> tuple[int, int]:

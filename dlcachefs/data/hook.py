@@ -26,6 +26,9 @@ unchanged, bit for bit:
   ``sampler sequential`` for a ``SequentialSampler``, and ``sampler unknown reason=...``
   for a sampler it cannot replay (the mount then learns the order from the opens).
   With an announcement it sends the loader's ``batch B workers=K prefetch_factor=F``.
+  DLIO's ``dlio_sampler`` over its ``TorchDataset`` (MLPerf Storage's engine) is
+  previewed on a copy and announced as its rank's explicit orders, this epoch's and the
+  next's (:mod:`dlcachefs.data.dlio`).
 * ``_BaseDataLoaderIter.__next__`` is timed (two clock reads per batch) for a loader
   that announced: every 5 s and at the end of an epoch the training's own pace (seconds
   waiting in ``next()``, seconds of its step between ``next()`` calls) is written as a
@@ -169,7 +172,13 @@ def target_of(ds) -> Target | str | None:
 
 def _target_now(ds) -> Target | str | None:
     try:
-        view = _dlio.view_of(ds) if _dlio.is_dataset(ds) else _w.resolve(ds)
+        if _dlio.is_dataset(ds):  # (its folder listed only when it is on a mount)
+            dv = _dlio.view_of(ds, lambda root: find_mount(root) is not None)
+            if dv is None:
+                return None
+            view = dv
+        else:
+            view = _w.resolve(ds)
     except _w.Unresolved as e:
         return f"{type(ds).__name__}: {e}"
     found = [find_mount(r.path) for r in view.roots]
@@ -406,7 +415,14 @@ def _unknown(ds, reason: str, epoch: int, loader=None) -> None:
     """Tell the mount that this process reads in an order it cannot replay (it learns the
     order from the opens); warns once with the reason."""
     t = target_of(ds)
-    mount = t.mount if isinstance(t, Target) else _mount_hint(ds)
+    if isinstance(t, Target):
+        mount: str | None = t.mount
+    elif _dlio.is_dataset(ds):  # its files are named in DLIO's configuration
+        first = _dlio.first_file(ds)
+        hit = find_mount(first) if first is not None else None
+        mount = hit[0] if hit is not None else None
+    else:
+        mount = _mount_hint(ds)
     if mount is None:  # not reading from a dlcachefs mount, that we can tell
         if dlcachefs_mounts():  # (the stats of a mount it reads point here)
             _warn_once("nomount", f"the mount cannot know this training's order ({reason}), "
@@ -629,37 +645,55 @@ def _patch(data_module) -> None:
         _unknown(ds, reason, _next_epoch(loader, ds), loader)
 
     def announce_dlio(loader, sampler) -> None:
-        """DLIO's sampler (:mod:`dlcachefs.data.dlio`): its next orders, previewed, sent
-        as this rank's explicit orders. The epoch's own order went out with the epoch
-        before (as its next), so each epoch sends the one after it, then its ``epoch``
-        line; the first sends both, after the dataset and sampler lines. The writes after
-        that head carry no ``job`` line (it would bind the process to rank 0): they are
-        this process's, bound to its rank by the head's sampler line."""
+        """DLIO's sampler (:mod:`dlcachefs.data.dlio`): its orders previewed and sent as
+        this rank's explicit orders, this epoch's (unless the last epoch sent it, as its
+        next, rightly) and the next's, then the ``epoch`` line and the batch hint. The
+        dataset and sampler lines (the head) go first, once per mount; the writes after
+        the head carry no ``job`` line (it would bind the process to rank 0): they are
+        this process's, bound to its rank by the head's sampler line. A refused write
+        (a daemon that restarted lost the head) is sent again once with the head."""
         ds = loader.dataset
         t = usable(ds, loader)
         if t is None:
             return
+        job = os.environ.get(ENV_JOB) or "default"
+        weak = _dlio.is_eval(ds)
+        if weak and _claims.get(job, t.vid) != t.vid:
+            return  # the training loader's stream (_claim): no preview for nothing
         epoch = _next_epoch(loader, ds)
-        first = sampler.__dict__.get("_dlcachefs_previewed") != (t.mount, epoch)
-        orders = _dlio.preview(sampler, 2)
-        if orders is None:
-            _unknown(ds, "DLIO sampler's order is longer than the mount takes", epoch, loader)
-            return
+        memo = sampler.__dict__.get("_dlcachefs_sent")  # (mount, epoch, predicted id)
+        predicted = memo[2] if memo is not None and memo[:2] == (t.mount, epoch) else None
         world, rank = _dlio.rank_of(sampler)
-        writes: list[str] = []
-        if first:
-            if not _send(t, [_p.sampler_line("explicit", world=world, rank=rank)],
-                         weak=_dlio.is_eval(ds), loader=loader):
+        for head in ([False, True] if memo is not None and memo[0] == t.mount else [True]):
+            planned = _dlio.orders_to_send(sampler, epoch, None if head else predicted)
+            if planned is None:
+                _unknown(ds, "the DLIO sampler's order is longer than the mount takes",
+                         epoch, loader)
                 return
-            writes += _p.order_writes(epoch, orders[0])
-        writes += _p.order_writes(epoch + 1, orders[1], after=[_p.epoch_line(epoch)])
-        try:
-            write_control(t.mount, [w.encode() for w in writes])
-            sampler.__dict__["_dlcachefs_previewed"] = (t.mount, epoch + 1)
-        except OSError as e:
-            sampler.__dict__.pop("_dlcachefs_previewed", None)
-            _warn_once(f"write:{t.mount}", f"could not announce DLIO's order to {t.mount} "
-                       f"({e}); see {t.mount}/.dlcache/errors. Training goes on.")
+            orders, nxt = planned
+            if head and not _send(t, [_p.sampler_line("explicit", world=world, rank=rank)],
+                                  weak=weak):
+                return
+            writes: list[str] = []
+            for k, (e, order) in enumerate(orders):
+                last = k == len(orders) - 1
+                writes += _p.order_writes(e, order, after=[_p.epoch_line(epoch),
+                                                           *_batch_hint(loader)]
+                                          if last else ())
+            try:
+                write_control(t.mount, [w.encode() for w in writes])
+            except OSError as e:
+                sampler.__dict__.pop("_dlcachefs_sent", None)
+                if e.errno == errno.EINVAL and not head:
+                    continue  # sent again with the head
+                _warn_once(f"write:{t.mount}", f"could not announce DLIO's order to "
+                           f"{t.mount} ({e}); see {t.mount}/.dlcache/errors. Training "
+                           f"goes on.")
+                return
+            sampler.__dict__["_dlcachefs_sent"] = (t.mount, epoch + 1, nxt)
+            if hasattr(loader, "__dict__"):  # its pace reports go to this rank's stream
+                loader.__dict__["_dlcachefs_target"] = (t.mount, job, rank)
+            return
 
     def loader_iter(self):
         tuner = _tuner(self, data_module) if _auto is not None else None
