@@ -16,7 +16,7 @@ root, the folder holding DLIO's files, listed the way the mount lists it in timm
 unsorted order (``os.walk(topdown=False)``, each directory in the mount's listing order,
 the files with DLIO's suffixes), and an index list from DLIO's index to that list.
 :func:`preview` computes the sampler's next orders without touching it: it iterates a
-deep copy, with numpy's and ``random``'s global generators put back as they were, so
+copy (its own index list), with numpy's and ``random``'s global generators put back as they were, so
 the training draws exactly what it would have drawn. The hook sends those orders to the
 mount as ``sampler explicit world=W rank=R`` + ``order`` lines
 (:mod:`dlcachefs.clairvoyance.control`): this epoch's and the next's. The next one is a
@@ -151,7 +151,7 @@ def view_of(ds: object, on_mount: Callable[[str], bool]) -> View | None:
 
 def preview(sampler: object, epochs: int = 2) -> list[list[int]] | None:
     """The orders the next ``epochs`` iterations of DLIO's ``sampler`` will yield, from a
-    deep copy; numpy's and ``random``'s global generators are put back as they were (the
+    copy of it; numpy's and ``random``'s global generators are put back as they were (the
     module doc). None when an order is longer than the protocol takes."""
     np = sys.modules.get("numpy")
     np_state = np.random.get_state() if np is not None else None

@@ -675,9 +675,9 @@ def _patch(data_module) -> None:
                                   weak=weak):
                 return
             writes: list[str] = []
-            for k, (e, order) in enumerate(orders):
+            for k, (ep, order) in enumerate(orders):
                 last = k == len(orders) - 1
-                writes += _p.order_writes(e, order, after=[_p.epoch_line(epoch),
+                writes += _p.order_writes(ep, order, after=[_p.epoch_line(epoch),
                                                            *_batch_hint(loader)]
                                           if last else ())
             try:
