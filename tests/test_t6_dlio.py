@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -120,20 +121,22 @@ class dlio_sampler(Sampler):  # DLIO 2.0's, as it is
 }
 
 RANK = r'''
-import hashlib, json, os, sys
+import hashlib, json, os, sys, time
 import numpy as np, torch
 sys.path.insert(0, sys.argv[4])
 from dlio_benchmark.common.enumerations import DatasetType, Shuffle
 from dlio_benchmark.data_loader.torch_data_loader import TorchDataset, dlio_sampler
 from dlio_benchmark.utils.config import ConfigArguments
 
-folder, epochs, shuffle, _, rank = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+folder, epochs, shuffle, _ = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+rank, world = int(sys.argv[-1]), int(os.environ.get("RANKS", "2"))
+pause = os.environ.get("PAUSE_DIR")  # after epoch 0: say so, wait for "go"
 args = ConfigArguments.get_instance()
 train = os.path.join(folder, "train")
 args.file_list_train = sorted(os.path.join(train, f) for f in os.listdir(train))
 np.random.seed(99)  # (shuffle=random draws from the global generator as it stands)
 ds = TorchDataset("jpeg", DatasetType.TRAIN, 1, len(args.file_list_train), 2, 4)
-sampler = dlio_sampler(rank, 2, len(ds), Shuffle(shuffle), epochs, 123)
+sampler = dlio_sampler(rank, world, len(ds), Shuffle(shuffle), epochs, 123)
 dl = torch.utils.data.DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2,
                                  persistent_workers=True, collate_fn=lambda b: b)
 out = []
@@ -143,6 +146,10 @@ for epoch in range(epochs):
         seen += [(i, hashlib.sha256(raw).hexdigest()) for i, raw in batch]
     out.append(seen)
     np.random.normal(0, 1)  # DLIO's computation_time_stdev: a draw between epochs
+    if pause and epoch == 0:
+        open(os.path.join(pause, "epoch0"), "w").close()
+        while not os.path.exists(os.path.join(pause, "go")):
+            time.sleep(0.05)
 print(json.dumps(out))
 '''
 
@@ -154,6 +161,14 @@ outs = [p.communicate()[0] for p in procs]
 assert all(p.returncode == 0 for p in procs), [p.returncode for p in procs]
 print(outs[0].strip()); print(outs[1].strip())
 '''
+
+
+def write_scripts(tmp_path: Path) -> None:
+    for rel, text in STANDIN.items():
+        (tmp_path / "standin" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "standin" / rel).write_text(text)
+    (tmp_path / "rank.py").write_text(RANK)
+    (tmp_path / "launch.py").write_text(LAUNCH)
 
 
 def make_dlio_dataset(folder: Path) -> dict[str, str]:
@@ -183,11 +198,7 @@ def run_ranks(tmp_path: Path, folder: Path, shuffle: str, launcher: bool) -> lis
 @pytest.mark.parametrize("shuffle", ["seed", "random"])
 def test_dlio_ranks_announce_their_orders_and_train_identically(tmp_path, mount, shuffle):
     digests = make_dlio_dataset(tmp_path / "src")
-    for rel, text in STANDIN.items():
-        (tmp_path / "standin" / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / "standin" / rel).write_text(text)
-    (tmp_path / "rank.py").write_text(RANK)
-    (tmp_path / "launch.py").write_text(LAUNCH)
+    write_scripts(tmp_path)
     m = mount(tmp_path / "src")
     prepare_mounts([str(m.mnt)])
     m.wait_stats(lambda st: st["sampler_replay_ready"], "replay worker not ready", 300)
@@ -214,3 +225,48 @@ def test_dlio_ranks_announce_their_orders_and_train_identically(tmp_path, mount,
     assert st["bytes_from_source"] <= sum((tmp_path / "src" / "train" / f).stat().st_size
                                           for f in files)
     assert not (m.mnt / ".dlcache" / "errors").read_text()
+
+
+def test_a_daemon_restarted_between_epochs_hears_the_next_epoch(tmp_path, mount):
+    """The mount is unmounted and mounted again (a new daemon, the same cache) while a
+    rank waits between epochs: the new daemon knows neither the job nor its view, refuses
+    the next epoch's order, and the hook sends it again at once with the dataset and
+    sampler lines (and the view's definition); the rank's stream is replayed for that
+    epoch on the new daemon, and the training is the one run without the launcher."""
+    make_dlio_dataset(tmp_path / "src")
+    write_scripts(tmp_path)
+    (tmp_path / "pause").mkdir()
+    m = mount(tmp_path / "src")
+    prepare_mounts([str(m.mnt)])
+    m.wait_stats(lambda st: st["sampler_replay_ready"], "replay worker not ready", 300)
+    env = {**os.environ, "RANKS": "1", "PAUSE_DIR": str(tmp_path / "pause")}
+    cmd = [*DLCACHEFS, "run", "--", sys.executable, str(tmp_path / "rank.py"), str(m.mnt),
+           "2", "seed", str(tmp_path / "standin"), "0"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "pause" / "epoch0").exists():
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-3000:]
+            time.sleep(0.05)
+        assert m.stats()["streams"]["default/0"]["epoch"] == 0
+        m.umount()
+        m2 = mount(tmp_path / "src", cache=m.cache, mnt=m.mnt, name="mnt2")
+        m2.wait_stats(lambda st: st["sampler_replay_ready"], "replay worker not ready", 300)
+        (tmp_path / "pause" / "go").touch()
+        out, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, err[-3000:]
+    assert "could not announce" not in err, err[-3000:]
+    env.pop("PAUSE_DIR")
+    plain = subprocess.run([sys.executable, str(tmp_path / "rank.py"), str(tmp_path / "src"),
+                            "2", "seed", str(tmp_path / "standin"), "0"],
+                           capture_output=True, text=True, timeout=300, env=env)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert json.loads(out.splitlines()[-1]) == json.loads(plain.stdout.splitlines()[-1])
+    s = m2.stats()["streams"]["default/0"]
+    assert s["mode"] == "replayed" and s["epoch"] == 1 and s["error"] is None, s
+    assert "explicit order" in s["reason"], s
