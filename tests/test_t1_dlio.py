@@ -16,6 +16,7 @@ from enum import Enum
 
 import numpy as np
 import pytest
+from dlio_standin import SAMPLER_SRC
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,24 +31,9 @@ class Shuffle(Enum):
     RANDOM = "random"
 
 
-class Sampler:  # DLIO 2.0's dlio_sampler, as it is
-    def __init__(self, rank, size, num_samples, shuffle, epochs, seed):
-        self.size = size
-        self.rank = rank
-        self.num_samples = num_samples
-        self.shuffle = shuffle
-        self.epochs = epochs
-        self.seed = seed
-        samples_per_proc = int(math.ceil(num_samples / size))
-        self.indices = list(range(self.rank * samples_per_proc,
-                                  (self.rank + 1) * samples_per_proc))
-
-    def __iter__(self):
-        if self.shuffle != Shuffle.OFF:
-            if self.shuffle == Shuffle.SEED:
-                np.random.seed(self.seed)
-            np.random.shuffle(self.indices)
-        yield from self.indices
+_ns = {"math": math, "np": np, "Shuffle": Shuffle, "Sampler": object}
+exec(SAMPLER_SRC, _ns)  # DLIO 2.0's dlio_sampler, its code as it is
+Sampler = _ns["dlio_sampler"]
 
 
 @settings(max_examples=60, deadline=None)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from conftest import requires_fuse
+from dlio_standin import SAMPLER_SRC
 
 from dlcachefs.data.hook import prepare_mounts
 from dlcachefs.testing.mounting import DLCACHEFS
@@ -94,30 +95,7 @@ class TorchDataset(Dataset):
             return image_idx, f.read()
 
 
-class dlio_sampler(Sampler):  # DLIO 2.0's, as it is
-    def __init__(self, rank, size, num_samples, shuffle, epochs, seed):
-        self.size = size
-        self.rank = rank
-        self.num_samples = num_samples
-        self.shuffle = shuffle
-        self.epochs = epochs
-        self.seed = seed
-        samples_per_proc = int(math.ceil(num_samples/size))
-        start_sample = self.rank * samples_per_proc
-        end_sample = (self.rank + 1) * samples_per_proc
-        self.indices = list(range(start_sample, end_sample))
-
-    def __len__(self):
-        return self.num_samples
-
-    def __iter__(self):
-        if self.shuffle != Shuffle.OFF:
-            if self.shuffle == Shuffle.SEED:
-                np.random.seed(self.seed)
-            np.random.shuffle(self.indices)
-        for sample in self.indices:
-            yield sample
-''',
+''' + SAMPLER_SRC,
 }
 
 RANK = r'''
