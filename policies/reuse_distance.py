@@ -33,6 +33,14 @@ instead of none. Rule (a) is then "no use within the horizon", which rule (b) (n
 before the end of the next epoch) already implies: a release needs (b), the horizon
 orders the evictions.
 
+The keys: a unit's earliest next use in the streams' frames
+(:mod:`dlcachefs.clairvoyance.future`), which hold still while the clock ticks, so a
+lazy heap by key finds the farthest unit exactly: an entry's key changes only when a
+member is read (the unit is pushed again) or when the future makes its frames again
+(:meth:`~dlcachefs.cache.policy.FutureView.generation`: every unit is keyed again at the
+next decision). Keys counted from the live paces instead moved with every pace, and an
+entry whose key grew beneath the heap's top was passed over.
+
 (a) and (b) only act when the next epoch is known for every stream, so an unknown
 future never evicts anything early. A unit (a chunk of several samples) is as near as
 its nearest member: it is released only when every member qualifies, and its eviction
@@ -63,6 +71,7 @@ class ReuseDistancePolicy(CachingPolicy, SupportsReleaseAfterUse):
         # lazy max-heap of (-key, stamp, unit); entries go stale on access or removal and
         # are checked (and re-keyed) when they reach the top
         self._heap: list[tuple[float, int, int]] = []
+        self._generation: int | None = None  # the future's frames the heap is keyed in
         self.released = 0
 
     def __len__(self) -> int:
@@ -92,6 +101,19 @@ class ReuseDistancePolicy(CachingPolicy, SupportsReleaseAfterUse):
         self._units.pop(unit, None)
         self._seq.pop(unit, None)
 
+    def _rekey_if_moved(self) -> dict[int, float]:
+        """Key every unit again when the future made its frames again since the heap
+        was keyed (keys may have grown: the lazy heap only catches those at its top).
+        Returns the keys computed (the decision's own, not computed again)."""
+        g = self.ctx.future.generation()
+        if g == self._generation:
+            return {}
+        self._generation = g
+        keys = {u: self._key(u) for u in self._units}
+        self._heap = [(-k, self._seq[u], u) for u, k in keys.items()]
+        heapq.heapify(self._heap)
+        return keys
+
     def _top(self, exclude: Collection[int], held: list,
              keys: dict[int, float]) -> tuple[float, int] | None:
         """The valid entry with the farthest key (popped), or None. ``keys``: the units'
@@ -115,8 +137,9 @@ class ReuseDistancePolicy(CachingPolicy, SupportsReleaseAfterUse):
 
     def farthest(self) -> float | None:
         """Key of the unit that would be evicted first (None when nothing is cached)."""
+        keys = self._rekey_if_moved()
         held: list = []
-        top = self._top((), held, {})
+        top = self._top((), held, keys)
         if top is None:
             return None
         key, unit = top
@@ -147,9 +170,9 @@ class ReuseDistancePolicy(CachingPolicy, SupportsReleaseAfterUse):
         return False
 
     def victims(self, need: int, exclude: Collection[int]) -> list[int]:
+        keys = self._rekey_if_moved()
         out: list[int] = []
         held: list = []
-        keys: dict[int, float] = {}
         freed = 0
         while freed < need:
             top = self._top(exclude, held, keys)

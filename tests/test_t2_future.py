@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -64,7 +65,7 @@ def test_distances_count_at_each_streams_pace():
     slow, fast = f.next_use(111), f.next_use(521)  # 10 ahead of a, 20 ahead of b
     assert slow == 400 + 4 * 10
     assert fast < slow
-    assert fast == 400 + 20 * 400 / 300
+    assert fast == pytest.approx(400 + 20 * 400 / 300)  # (in the frame: start + pace * p)
 
 
 def test_a_stream_too_early_to_measure_takes_an_equal_share():
@@ -167,3 +168,112 @@ def test_a_stream_idle_for_long_is_not_the_future():
     gone.last_open = now  # reading again: it is the future again
     f = future(gone, live, tick=11)
     assert f.next_use(2) != NEVER
+
+
+def test_next_uses_hold_still_while_the_streams_read_at_their_pace():
+    """Two ranks in step: the clock ticks and both read, and a sample's next use stays
+    the same tick (the policy's heap stays valid); the future's generation stays too."""
+    a = stream(0, list(range(1, 201)), None, position=40, epoch_tick=0)
+    b = stream(1, list(range(201, 401)), None, position=40, epoch_tick=0)
+    f = future(a, b, tick=80)
+    g, use = f.generation(), f.next_use(150)
+    assert use == pytest.approx(80 + 2 * 109)
+    for _ in range(30):
+        for s in (a, b):
+            s.positions.pop(s.order[s.position])
+            s.position += 1
+            f.clock.tick += 1
+        assert f.next_use(150) == use and f.generation() == g
+
+
+def test_a_stalled_stream_moves_its_next_uses_later_and_says_so():
+    """One rank stops reading while the other goes on: within REFIT_DRIFT of an epoch its
+    next uses hold; past it the frame is made again (a new generation) and its samples'
+    next uses recede by the ticks it lost."""
+    from dlcachefs.clairvoyance.future import REFIT_DRIFT
+
+    a = stream(0, list(range(1, 201)), None, position=40, epoch_tick=0)
+    b = stream(1, list(range(201, 401)), None, position=40, epoch_tick=0)
+    f = future(a, b, tick=80)
+    g, use = f.generation(), f.next_use(150)
+    limit = REFIT_DRIFT * 2 * 200  # ticks: 5% of a's epoch at its pace of 2
+    while f.clock.tick - 80 <= limit:
+        b.positions.pop(b.order[b.position])
+        b.position += 1
+        f.clock.tick += 1
+        if f.clock.tick - 80 <= limit:
+            assert f.next_use(150) == use and f.generation() == g
+    assert f.generation() != g
+    assert f.next_use(150) > use + limit - 1
+
+
+def test_an_order_replaced_or_a_stream_gone_is_a_new_generation():
+    a = stream(0, [1, 2, 3, 4], [1, 2, 3, 4], position=1)
+    b = stream(1, [5, 6, 7, 8], [5, 6, 7, 8], position=1)
+    f = future(a, b, tick=2)
+    g = f.generation()
+    assert f.generation() == g
+    a.order, a.positions = [4, 3, 2, 1], Positions([4, 3, 2, 1])  # announced again
+    assert f.generation() != g
+    g = f.generation()
+    del f.streams[("j", 1)]  # (the table lists the streams that know their order)
+    f.clock.tick += 1
+    assert f.generation() != g
+
+
+@settings(max_examples=150, deadline=None)
+@given(ranks=st.integers(1, 3), n=st.integers(8, 40), seed=st.integers(0, 10_000),
+       steps=st.integers(20, 400))
+def test_victims_are_the_farthest_in_the_streams_frames(ranks, n, seed, steps):
+    """Ranks reading at uneven, changing speeds (stalls included) over shared samples,
+    each knowing its next epoch; units of 1-3 samples. At every decision the policy's
+    victims are the farthest next uses as the future gives them then (brute force):
+    frames made again in between re-key the heap, reads re-key their unit."""
+    rnd = random.Random(seed)
+    inos = list(range(1, n + 1))
+    streams = []
+    for r in range(ranks):
+        cur, nxt = rnd.sample(inos, n), rnd.sample(inos, n)
+        streams.append(stream(r, cur, nxt))
+    f = future(*streams, tick=0)
+    pol = ReuseDistancePolicy(PolicyContext(_Cache(), f))
+    unit_of: dict[int, int] = {}
+    rnd.shuffle(inos)
+    k = u = 0
+    while k < n:
+        members = inos[k:k + rnd.randint(1, 3)]
+        pol.on_insert(u, members, rnd.randint(1, 3))
+        unit_of.update((m, u) for m in members)
+        k, u = k + len(members), u + 1
+    speed = [rnd.choice([1, 1, 2, 4]) for _ in streams]
+    for _ in range(steps):
+        if rnd.random() < 0.05:
+            speed[rnd.randrange(ranks)] = rnd.choice([0, 1, 3])  # a stall, a new pace
+        live = [s for s, v in zip(streams, speed, strict=True)
+                for _ in range(v) if s.position < len(s.order)]
+        if live and rnd.random() < 0.85:
+            s = rnd.choice(live)
+            ino = s.order[s.position]
+            s.positions.pop(ino)
+            s.position += 1
+            f.clock.tick += 1
+            if unit_of.get(ino) in pol._units:
+                pol.on_access(unit_of[ino], ino)
+            continue
+        need = rnd.randint(1, 4)
+        exclude = {x for x in pol._units if rnd.random() < 0.2}
+
+        def key(x: int) -> float:
+            return min((f.next_use(m) for m in pol._units[x][1]), default=NEVER)
+
+        want, freed = [], 0
+        for x in sorted((x for x in pol._units if x not in exclude),
+                        key=lambda x: (-key(x), pol._seq[x])):
+            if freed >= need:
+                break
+            want.append(x)
+            freed += pol._units[x][0]
+        got = pol.victims(need, exclude)
+        assert got == want
+        for x in got[:1]:  # (the writer removes what it evicts: one, to keep some)
+            pol.on_remove(x)

@@ -70,6 +70,9 @@ class Future:
         end = self.next_epoch_end()
         return None if end is None else self.next_use(s) <= end
 
+    def generation(self):
+        return hash(tuple(sorted(self.uses.items())))  # (a test may change the uses)
+
 
 class Imp:
     def __init__(self, values: dict[int, float], high: set[int] | None, version: int = 1):

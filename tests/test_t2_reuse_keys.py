@@ -1,12 +1,9 @@
-"""The reuse-distance policy's keys computed once per unit per decision: the same victims
-as the heap that computed them again on every pop (kept here as the reference), with
-fewer next-use look-ups. The keys move on every tick (each stream's pace), so a decision
-re-keys the stale entries it pops; within one decision the future does not move."""
+"""The reuse-distance policy's victims are exactly the farthest next uses: checked against
+a brute-force choice over every unit's key as the future gives it at the decision, while
+paces, clocks and orders move between decisions (the future tells by its generation that
+next uses moved), and each unit's key is computed once per decision."""
 
 from __future__ import annotations
-
-import heapq
-from collections.abc import Collection
 
 from dlcachefs.policies import NEVER, PolicyContext
 from dlcachefs.policies.reuse_distance import ReuseDistancePolicy
@@ -24,13 +21,21 @@ class Cache:
 
 class Future:
     """Two streams, each at its own pace: a sample's next use is the nearer of
-    ``start + pace * position`` over the streams that read it (as StreamFuture's)."""
+    ``start + pace * position`` over the streams that read it (as StreamFuture's frames).
+    Every change of a pace, a start or a position is a new generation, as a new frame
+    is; ``honest=False`` never tells (the keys of a live pace, which the policy used to
+    take)."""
 
-    def __init__(self) -> None:
+    def __init__(self, honest: bool = True) -> None:
         self.pos: list[dict[int, int]] = [{}, {}]
         self.pace = [1.0, 1.0]
         self.start = [0, 0]
         self.calls = 0
+        self.gen = 0
+        self.honest = honest
+
+    def moved(self) -> None:
+        self.gen += self.honest
 
     def now(self) -> int:
         return 0
@@ -40,6 +45,9 @@ class Future:
 
     def epoch_length(self) -> None:
         return None
+
+    def generation(self) -> int:
+        return self.gen
 
     def next_use(self, sample: int) -> float:
         self.calls += 1
@@ -51,48 +59,21 @@ class Future:
         return best
 
 
-class Reference(ReuseDistancePolicy):
-    """The decisions as they were: every key computed again when its entry is popped,
-    and the chosen units' keys again when pushed back."""
+def farthest_first(pol: ReuseDistancePolicy, fut: Future, need: int,
+                   exclude: set[int]) -> list[int]:
+    """The victims by brute force: units by next use, farthest first, ties oldest first
+    (the policy's recency stamps), until ``need`` bytes are freed."""
+    def key(u: int) -> float:
+        return min((fut.next_use(m) for m in pol._units[u][1]), default=NEVER)
 
-    def _top(self, exclude: Collection[int], held: list, keys=None):
-        while self._heap:
-            neg, stamp, unit = heapq.heappop(self._heap)
-            if self._seq.get(unit) != stamp:
-                continue
-            key = self._key(unit)
-            if key != -neg:
-                heapq.heappush(self._heap, (-key, stamp, unit))
-                continue
-            if unit in exclude:
-                held.append((neg, stamp, unit))
-                continue
-            return key, unit
-        return None
-
-    def farthest(self) -> float | None:
-        held: list = []
-        top = self._top((), held)
-        if top is None:
-            return None
-        key, unit = top
-        heapq.heappush(self._heap, (-key, self._seq[unit], unit))
-        return key
-
-    def victims(self, need: int, exclude: Collection[int]) -> list[int]:
-        out: list[int] = []
-        held: list = []
-        freed = 0
-        while freed < need:
-            top = self._top(exclude, held)
-            if top is None:
-                break
-            _, unit = top
-            out.append(unit)
-            freed += self._units[unit][0]
-        for e in held + [(-self._key(u), self._seq[u], u) for u in out]:
-            heapq.heappush(self._heap, e)
-        return out
+    out, freed = [], 0
+    for u in sorted((u for u in pol._units if u not in exclude),
+                    key=lambda u: (-key(u), pol._seq[u])):
+        if freed >= need:
+            break
+        out.append(u)
+        freed += pol._units[u][0]
+    return out
 
 
 SAMPLES = 12
@@ -116,70 +97,84 @@ op = st.one_of(
 )
 
 
-def replay(ops: list, first: dict[int, int] | None = None) -> tuple[list, int, int]:
-    """Each policy's answers, and the next-use look-ups of each (new, reference).
-    ``first``: the first stream's positions to begin with."""
-    futs = [Future(), Future()]
-    for f in futs:
-        f.pos[0] = dict(first or {})
-    pols = [ReuseDistancePolicy(PolicyContext(Cache(), futs[0])),
-            Reference(PolicyContext(Cache(), futs[1]))]
-    answers: list = []
-    units: list[int] = []
+def replay(ops: list, first: dict[int, int] | None = None,
+           honest: bool = True) -> tuple[list, list, int]:
+    """The policy's victims and the brute force's at each decision, and the most
+    next-use look-ups a decision made beyond one per member of a unit. ``first``: the first stream's positions
+    to begin with."""
+    fut = Future(honest)
+    fut.pos[0] = dict(first or {})
+    pol = ReuseDistancePolicy(PolicyContext(Cache(), fut))
+    got, want = [], []
+    units = 0
+    lookups = 0
     for o in ops:
         kind = o[0]
-        if kind in ("pace", "tick", "move", "order"):  # the future moves between decisions
-            for f in futs:
-                if kind == "pace":
-                    f.pace[o[1]] = o[2]
-                elif kind == "tick":
-                    f.start[o[1]] += o[2]
-                elif kind == "order":
-                    f.pos[o[1]] = dict(o[2])
-                elif o[3] is None:
-                    f.pos[o[1]].pop(o[2], None)
-                else:
-                    f.pos[o[1]][o[2]] = o[3]
-            continue
-        got = []
-        for p in pols:
-            if kind == "insert":
-                p.on_insert(len(units), o[1], o[2])
-            elif kind == "access" and units:
-                p.on_access(units[o[1] % len(units)], 0)
-            elif kind == "remove" and units:
-                p.on_remove(units[o[1] % len(units)])
-            elif kind == "victims":
-                chosen = p.victims(o[1], {u for u in o[2] if u in p._units})
-                for u in chosen:  # (as the writer does for the units it evicts)
-                    p.on_remove(u)
-                got.append(chosen)
-            elif kind == "farthest":
-                got.append(p.farthest())
-        if kind == "insert":
-            units.append(len(units))
-        if got:
-            answers.append(got)
-    assert sorted(pols[0]._units) == sorted(pols[1]._units)
-    assert sorted(pols[0]._heap) == sorted(pols[1]._heap)  # (the same keys, stale or not)
-    return answers, futs[0].calls, futs[1].calls
+        if kind == "pace":
+            fut.pace[o[1]] = o[2]
+        elif kind == "tick":
+            fut.start[o[1]] += o[2]
+        elif kind == "order":
+            fut.pos[o[1]] = dict(o[2])
+        elif kind == "move":
+            if o[3] is None:
+                fut.pos[o[1]].pop(o[2], None)
+            else:
+                fut.pos[o[1]][o[2]] = o[3]
+        if kind in ("pace", "tick", "order", "move"):  # the future moves between decisions
+            fut.moved()
+        elif kind == "insert":
+            pol.on_insert(units, o[1], o[2])
+            units += 1
+        elif kind == "access" and units:
+            pol.on_access(o[1] % units, 0)
+        elif kind == "remove" and units:
+            pol.on_remove(o[1] % units)
+        elif kind == "victims":
+            exclude = {u for u in o[2] if u in pol._units}
+            want.append(farthest_first(pol, fut, o[1], exclude))
+            before = fut.calls
+            chosen = pol.victims(o[1], exclude)
+            # each unit's key at most once per decision: a look-up per member
+            over = fut.calls - before - sum(len(m) for _, m in pol._units.values())
+            lookups = max(lookups, over)
+            got.append(chosen)
+            for u in chosen:  # (as the writer does for the units it evicts)
+                pol.on_remove(u)
+        elif kind == "farthest":
+            top = farthest_first(pol, fut, 1, set())
+            want.append(min((fut.next_use(m) for m in pol._units[top[0]][1]), default=NEVER)
+                        if top else None)
+            got.append(pol.farthest())
+    return got, want, lookups
 
 
 @settings(max_examples=1000, deadline=None)
 @given(st.permutations(range(SAMPLES)), st.lists(op, min_size=10, max_size=80))
-def test_the_same_victims_as_keys_computed_on_every_pop(order, ops):
-    answers, new, old = replay(ops, dict(enumerate(order)))
-    for mine, ref in answers:
-        assert mine == ref
-    assert new <= old
+def test_the_victims_are_the_farthest_next_uses(order, ops):
+    got, want, lookups = replay(ops, dict(enumerate(order)))
+    assert got == want
+    assert lookups <= 0
+
+
+def test_keys_that_grew_beneath_the_top_are_passed_over_unless_the_future_tells():
+    """The bug the generation fixes: unit 1's key grows (its stream slowed) beneath unit
+    0's, which did not move; the heap's top is valid, so without a new generation unit 0
+    is chosen although unit 1 is now farther."""
+    ops = [("order", 0, {0: 10}), ("order", 1, {1: 5}), ("insert", [0], 1),
+           ("insert", [1], 1), ("farthest",), ("pace", 1, 4.0), ("victims", 1, set())]
+    got, want, _ = replay(ops, honest=False)
+    assert want == [10, [1]] and got == [10, [0]]
+    got, want, _ = replay(ops)
+    assert got == want == [10, [1]]
 
 
 def test_a_decision_computes_each_key_once():
     """Every unit re-keyed (a pace changed since they were pushed) and chosen: its key
-    computed once, not at the re-key, again at the check and again when pushed back."""
+    computed once in the decision, not again at the check and when pushed back."""
     ops = [("order", 0, {s: 10 * s for s in range(SAMPLES)}), ("pace", 0, 1.0)]
     ops += [("insert", [s], 1) for s in range(6)]
     ops += [("pace", 0, 2.0), ("victims", 6, set())]
-    answers, new, old = replay(ops)
-    assert answers == [[[5, 4, 3, 2, 1, 0]] * 2]
-    assert new < old
+    got, want, lookups = replay(ops)
+    assert got == want == [[5, 4, 3, 2, 1, 0]]
+    assert lookups == 0  # (6 look-ups: one per unit of one member)

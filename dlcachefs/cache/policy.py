@@ -132,6 +132,11 @@ class FutureView(Protocol):
         reads it before the end of its next epoch, False when none does, None when a
         reader's next epoch is not known."""
 
+    def generation(self) -> int:
+        """Changes whenever next uses may have moved other than by a read of their
+        sample (new orders, a new estimate of the readers' paces): a policy that keeps
+        next uses it computed (a heap by next use) computes them all again then."""
+
 
 class ImportanceView(Protocol):
     """Per-sample importance (iCACHE's IV, or the aggregated AIV of several jobs)."""
@@ -170,6 +175,9 @@ class _NoFuture:
 
     def used_by_next_epoch_end(self, sample: int) -> bool | None:
         return None
+
+    def generation(self) -> int:
+        return 0
 
 
 class _NoImportance:

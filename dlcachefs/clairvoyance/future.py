@@ -19,18 +19,48 @@ sample goes only when no stream reads it before the end of that stream's next ep
 counted in that stream's positions (:meth:`StreamFuture.used_by_next_epoch_end`), so
 one rank's pace never stands for another's.
 
+Next uses are taken in a frame per stream that holds still between decisions: position
+``p`` of the stream's epoch is tick ``start + pace * p``, both fixed when the frame is
+made. Counted from the live pace instead, every cached sample's next use moves each time
+a pace moves, and a policy that keeps its units in a heap by next use (reuse-distance)
+would pass over an entry whose key grew beneath the top: not always the farthest victim.
+In a frame a key changes only when its sample is read (the policy re-keys that unit) or
+when the frame is made again, which :meth:`StreamFuture.generation` tells: the policy
+then re-keys everything. A frame is made again when its stream's order, next epoch or
+later epochs change, when the set of streams changes, and when the stream's reader has
+drifted from its frame by more than :data:`REFIT_DRIFT` of an epoch (a stall, a pace
+that changed): so the keys follow the paces within that, and a re-key of every unit
+comes at most about once per that much of an epoch while paces are steady.
+
 Concurrency: trio loop, like the policy.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from dlcachefs.cache.views import NEVER, PolicyClock
 from dlcachefs.clairvoyance.stream import IDLE_S, Stream, StreamTable
 
 #: positions a stream reads in an epoch before its pace is measured from that epoch
 RATE_MIN_POSITIONS = 32
+#: a stream's frame is made again when its reader is this far from it (a fraction of
+#: the stream's epoch in ticks): its keys then follow a stall or a new pace
+REFIT_DRIFT = 0.05
+
+
+@dataclass(slots=True)
+class _Frame:
+    """A stream's next uses held still: position ``p`` of its epoch is tick
+    ``start + pace * p`` (later epochs' positions count on past this one's end). The
+    orders it was made for are kept by identity: any of them replaced makes a new frame."""
+
+    start: float
+    pace: float
+    order: list[int]
+    next_first: object
+    later: tuple
 
 
 class StreamFuture:
@@ -43,6 +73,10 @@ class StreamFuture:
         self._active_at: tuple[int, list[tuple[Stream, float]]] = (-1, [])
         #: the last pace measured of each stream (key -> ticks per position)
         self._paces: dict[str, float] = {}
+        self._frames: dict[str, _Frame] = {}
+        self._framed: list[tuple[Stream, _Frame]] = []
+        self._framed_at = -1
+        self._generation = 0
 
     def _active(self) -> list[tuple[Stream, float]]:
         """The streams that know their order, each with its pace (ticks per position).
@@ -74,13 +108,45 @@ class StreamFuture:
         return self.clock.tick
 
     def next_use(self, sample: int) -> float:
+        """The nearest tick a stream reads ``sample``, in the streams' frames (module
+        docstring): still between the frames' remakes, whatever the clock does."""
+        if self._framed_at != self.clock.tick:
+            self._sync()
         best = NEVER
-        tick = self.clock.tick
-        for s, pace in self._active():
-            d = _distance(s, sample)
-            if d is not None:
-                best = min(best, tick + pace * d)
+        for s, f in self._framed:
+            p = _ahead_of_epoch_start(s, sample)
+            if p is not None:
+                best = min(best, f.start + f.pace * p)
         return best
+
+    def generation(self) -> int:
+        """Changes whenever a frame was made again (module docstring): next uses may
+        then have moved either way, not only nearer."""
+        self._sync()
+        return self._generation
+
+    def _sync(self) -> None:
+        """The streams' frames brought up to date (made again where the module docstring
+        says): O(streams)."""
+        tick = self.clock.tick
+        act = self._active()
+        frames: dict[str, _Frame] = {}
+        changed = len(act) != len(self._frames)
+        for s, pace in act:
+            f = self._frames.get(s.key)
+            if (f is None or f.order is not s.order or f.next_first is not s.next_first
+                    or f.later is not s.later_first
+                    or abs(f.start + f.pace * s.position - tick)
+                    > REFIT_DRIFT * f.pace * max(1, len(s.order))):
+                f = _Frame(tick - pace * s.position, pace, s.order, s.next_first,
+                           s.later_first)
+                changed = True
+            frames[s.key] = f
+        if changed:
+            self._generation += 1
+        self._frames = frames
+        self._framed = [(s, frames[s.key]) for s, _ in act]
+        self._framed_at = tick
 
     def horizon(self) -> int:
         tick = self.clock.tick
@@ -123,15 +189,16 @@ class StreamFuture:
         return None if any(s.next_first is None for s, _ in act) else False
 
 
-def _distance(s: Stream, sample: int) -> int | None:
-    """Positions of ``s`` until it reads ``sample`` next: in this epoch, the next, or a
-    later known one (:attr:`Stream.later_first`); None when none of them reads it."""
+def _ahead_of_epoch_start(s: Stream, sample: int) -> int | None:
+    """Positions from the start of the epoch ``s`` reads to its next read of ``sample``:
+    in this epoch, the next, or a later known one (:attr:`Stream.later_first`); None
+    when none of them reads it."""
     p = s.positions.next(sample)
     if p is not None:
-        return max(0, p - s.position)
+        return p
     if s.next_first is None:
         return None
-    ahead = len(s.order) - s.position
+    ahead = len(s.order)
     q = s.next_first.next(sample)
     if q is not None:
         return ahead + q

@@ -149,6 +149,11 @@ class _Future:
         end = self.next_epoch_end()
         return None if end is None else self.next_pos[sample] <= end
 
+    def generation(self) -> int:
+        # a sample's next use moves only when it is read, or from NEVER to its position
+        # when the horizon reaches it: never later without a read
+        return 0
+
 
 class _Importance:
     def __init__(self, imp: Importance) -> None:
