@@ -79,7 +79,10 @@ for e in range(epochs):
         out.append({"epoch": e, "files": n, "seconds": round(dt, 3),
                     **{k: a[k] - b[k] for k in ("hits", "misses", "prefetch_hits",
                                                 "bytes_from_source")},
-                    "chunk_bytes": a["chunk_bytes"]})
+                    "chunk_bytes": a["chunk_bytes"],
+                    # the next epoch's logs as the epoch ends: chunks planned, sealed
+                    "next_logs": [[nl["chunks"], nl["sealed"], nl["failed"]] for nl in logs
+                                  if nl is not None]})
     dist.barrier()
 dist.destroy_process_group()
 print(json.dumps(out))

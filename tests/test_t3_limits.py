@@ -312,7 +312,7 @@ def test_the_first_rank_to_plan_its_next_log_leaves_the_others_their_share(tmp_p
     that announced first counted itself alone and planned its next-epoch log for the whole
     cache (16 chunks in a 12 MiB cache), so the other rank's log found no room and its
     epoch came from the source. In the job's first epoch on the mount every rank of the
-    world is expected; each log stays within its share."""
+    world is expected; each log stays within its share, and the shares fill the cache."""
     files = dataset(3)
     src, cache = tmp_path / "src", tmp_path / "cache"
     write_tree(src, files)
@@ -330,10 +330,15 @@ def test_the_first_rank_to_plan_its_next_log_leaves_the_others_their_share(tmp_p
                       or not s.next_log.chunks for r in (0, 1)):
                 await trio.sleep(0.01)
         w = eng.writer
-        share = (w.limit - 2 * w.chunk_target) // 2
+        share = w.limit // 2  # (each rank its half of the cache)
+        total = 0
         for r in (0, 1):
             nl = sess.streams.streams[("j", r)].next_log
             planned = nl.chunks[-1].offset + nl.chunks[-1].length - nl.chunks[0].offset
             assert 0 < planned <= share, (r, planned, share)
+            total += planned
+        # and together they take the cache, not the cache less two chunks kept aside for
+        # the current epoch (a fifth of a small cache: issue 34's 10% cells)
+        assert total > w.limit - w.chunk_target, (total, w.limit)
 
     run_session(cfg, body)

@@ -218,8 +218,7 @@ class NextEpochPlanner:
         # log holds the samples that come first in its epoch, as many as the cache holds
         # (the current log is released chunk by chunk as it is consumed, so the two fit);
         # the rest is prefetched from the source in order, into memory, when it runs.
-        budget = max(self.writer.limit - 2 * cfg.chunk_size, cfg.chunk_size) \
-            if s.memory_prefetch else None
+        budget = max(self.writer.limit, cfg.chunk_size) if s.memory_prefetch else None
         inos = await trio.to_thread.run_sync(_inos_of, order, samples)
         nl = self.new_log(s.key, epoch + 1)
         nl.order = order
