@@ -80,7 +80,7 @@ for e in range(epochs):
                     **{k: a[k] - b[k] for k in ("hits", "misses", "prefetch_hits",
                                                 "bytes_from_source")},
                     "chunk_bytes": a["chunk_bytes"],
-                    # the next epoch's logs as the epoch ends: chunks planned, sealed
+                    # the next epoch's logs as the epoch ends: chunks planned, sealed, failed
                     "next_logs": [[nl["chunks"], nl["sealed"], nl["failed"]] for nl in logs
                                   if nl is not None]})
     dist.barrier()

@@ -187,16 +187,17 @@ def test_next_uses_hold_still_while_the_streams_read_at_their_pace():
 
 
 def test_a_stalled_stream_moves_its_next_uses_later_and_says_so():
-    """One rank stops reading while the other goes on: within REFIT_DRIFT of an epoch its
-    next uses hold; past it the frame is made again (a new generation) and its samples'
-    next uses recede by the ticks it lost."""
-    from dlcachefs.clairvoyance.future import REFIT_DRIFT
+    """One rank stops reading while the other goes on: within the frames' drift limit
+    its next uses hold; past it the frames are made again (a new generation) and its
+    samples' next uses recede by the ticks it lost."""
+    from dlcachefs.clairvoyance.future import REFIT_DRIFT, REFIT_MIN_TICKS
 
-    a = stream(0, list(range(1, 201)), None, position=40, epoch_tick=0)
-    b = stream(1, list(range(201, 401)), None, position=40, epoch_tick=0)
+    n = 3000
+    a = stream(0, list(range(1, n + 1)), None, position=40, epoch_tick=0)
+    b = stream(1, list(range(n + 1, 2 * n + 1)), None, position=40, epoch_tick=0)
     f = future(a, b, tick=80)
     g, use = f.generation(), f.next_use(150)
-    limit = REFIT_DRIFT * 2 * 200  # ticks: 5% of a's epoch at its pace of 2
+    limit = max(REFIT_DRIFT * 2 * n, REFIT_MIN_TICKS)  # ticks: a's pace is 2
     while f.clock.tick - 80 <= limit:
         b.positions.pop(b.order[b.position])
         b.position += 1
@@ -205,6 +206,23 @@ def test_a_stalled_stream_moves_its_next_uses_later_and_says_so():
             assert f.next_use(150) == use and f.generation() == g
     assert f.generation() != g
     assert f.next_use(150) > use + limit - 1
+
+
+def test_a_stream_with_nothing_ahead_makes_no_frame_again():
+    """A rank that read its epoch and does not know its next waits while the other
+    reads: it has no next use to move, so it never costs the policy a re-key."""
+    from dlcachefs.clairvoyance.future import REFIT_MIN_TICKS
+
+    n = 3000
+    a = stream(0, [1, 2, 3], None, position=3)
+    b = stream(1, list(range(10, n + 10)), None, position=0)
+    f = future(a, b, tick=3)
+    g = f.generation()
+    for _ in range(REFIT_MIN_TICKS + 100):
+        b.positions.pop(b.order[b.position])
+        b.position += 1
+        f.clock.tick += 1
+    assert f.generation() == g
 
 
 def test_an_order_replaced_or_a_stream_gone_is_a_new_generation():
@@ -216,9 +234,22 @@ def test_an_order_replaced_or_a_stream_gone_is_a_new_generation():
     a.order, a.positions = [4, 3, 2, 1], Positions([4, 3, 2, 1])  # announced again
     assert f.generation() != g
     g = f.generation()
+    a.next_first = Positions([2, 1])  # its next epoch alone told again
+    assert f.generation() != g
+    g = f.generation()
+    a.later_first = ((Positions([3]), 1),)  # a later epoch became known
+    assert f.generation() != g
+    g = f.generation()
     del f.streams[("j", 1)]  # (the table lists the streams that know their order)
     f.clock.tick += 1
     assert f.generation() != g
+    g = f.generation()
+    c = stream(2, [9, 10], [9, 10], position=0)  # one gone and one come in one step
+    del f.streams[("j", 0)]
+    f.streams[("j", 2)] = c
+    f.clock.tick += 1
+    assert f.generation() != g
+    assert f.next_use(10) != NEVER and f.next_use(2) == NEVER
 
 
 @settings(max_examples=150, deadline=None)

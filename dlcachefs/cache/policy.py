@@ -106,7 +106,9 @@ class FutureView(Protocol):
     """Known future accesses, on one logical clock (one tick per sample served).
 
     ``next_use(s)`` is the tick of ``s``'s next access as far as the announced orders
-    tell (this epoch and, when already known, the next), or :data:`NEVER`.
+    tell (this epoch and, when already known, the next), or :data:`NEVER`: an estimate
+    that holds still between :meth:`generation` changes (it may then lie before
+    ``now()`` for a reader running late).
     ``horizon()`` is the last tick the orders cover (``now()`` when nothing is known):
     a sample with ``next_use == NEVER`` is certainly not read before it.
     """

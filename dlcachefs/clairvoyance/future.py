@@ -28,9 +28,12 @@ In a frame a key changes only when its sample is read (the policy re-keys that u
 when the frame is made again, which :meth:`StreamFuture.generation` tells: the policy
 then re-keys everything. A frame is made again when its stream's order, next epoch or
 later epochs change, when the set of streams changes, and when the stream's reader has
-drifted from its frame by more than :data:`REFIT_DRIFT` of an epoch (a stall, a pace
-that changed): so the keys follow the paces within that, and a re-key of every unit
-comes at most about once per that much of an epoch while paces are steady.
+drifted from its frame by more than :data:`REFIT_DRIFT` of an epoch, and at least
+:data:`REFIT_MIN_TICKS` (a stall, a pace that changed); then every stream's frame is
+made again at once. So the keys follow the paces within that, and the policy's re-keys
+of every unit come once per stream per epoch (its switch) and about once per that much
+drift. (A sample's position is consumed at its open, and the policy hears of the read
+after it was served: in between, that one key is stale.)
 
 Concurrency: trio loop, like the policy.
 """
@@ -45,9 +48,12 @@ from dlcachefs.clairvoyance.stream import IDLE_S, Stream, StreamTable
 
 #: positions a stream reads in an epoch before its pace is measured from that epoch
 RATE_MIN_POSITIONS = 32
-#: a stream's frame is made again when its reader is this far from it (a fraction of
-#: the stream's epoch in ticks): its keys then follow a stall or a new pace
+#: the frames are made again when a reader is this far from its frame (a fraction of
+#: the stream's epoch in ticks, at least REFIT_MIN_TICKS): the keys then follow a stall or
+#: a new pace. Each time, the policy keys every cached unit again (cached samples x
+#: streams look-ups), so not more often than that
 REFIT_DRIFT = 0.05
+REFIT_MIN_TICKS = 1024
 
 
 @dataclass(slots=True)
@@ -80,7 +86,7 @@ class StreamFuture:
 
     def _active(self) -> list[tuple[Stream, float]]:
         """The streams that know their order, each with its pace (ticks per position).
-        Asked once per member of a unit per decision: listed once per tick."""
+        Listed once per tick (asked by the frames and the aggregate questions)."""
         tick = self.clock.tick
         if self._active_at[0] != tick:
             # a stream that opened nothing for IDLE_S (a training that ended) is not the
@@ -130,20 +136,19 @@ class StreamFuture:
         says): O(streams)."""
         tick = self.clock.tick
         act = self._active()
-        frames: dict[str, _Frame] = {}
-        changed = len(act) != len(self._frames)
-        for s, pace in act:
-            f = self._frames.get(s.key)
-            if (f is None or f.order is not s.order or f.next_first is not s.next_first
-                    or f.later is not s.later_first
-                    or abs(f.start + f.pace * s.position - tick)
-                    > REFIT_DRIFT * f.pace * max(1, len(s.order))):
-                f = _Frame(tick - pace * s.position, pace, s.order, s.next_first,
-                           s.later_first)
-                changed = True
-            frames[s.key] = f
-        if changed:
+        old = self._frames
+        same = len(act) == len(old) and all(
+            (f := old.get(s.key)) is not None and f.order is s.order
+            and f.next_first is s.next_first and f.later is s.later_first for s, _ in act)
+        # a reader off its frame makes every frame again (one re-key of the policy for
+        # all of them); one with nothing ahead (its epoch read, the next not known) has
+        # no next use to move
+        if same and not any(drifted(old[s.key], s, tick) for s, _ in act):
+            frames = old
+        else:
             self._generation += 1
+            frames = {s.key: _Frame(tick - pace * s.position, pace, s.order, s.next_first,
+                                    s.later_first) for s, pace in act}
         self._frames = frames
         self._framed = [(s, frames[s.key]) for s, _ in act]
         self._framed_at = tick
@@ -187,6 +192,15 @@ class StreamFuture:
                for s, _ in act):
             return True
         return None if any(s.next_first is None for s, _ in act) else False
+
+
+def drifted(f: _Frame, s: Stream, tick: int) -> bool:
+    """Is the reader of ``s`` farther from its frame ``f`` than the frames allow
+    (:data:`REFIT_DRIFT`, :data:`REFIT_MIN_TICKS`)? Never when nothing is ahead of it."""
+    if s.position >= len(s.order) and s.next_first is None:
+        return False
+    limit = max(REFIT_DRIFT * f.pace * len(s.order), REFIT_MIN_TICKS)
+    return abs(f.start + f.pace * s.position - tick) > limit
 
 
 def _ahead_of_epoch_start(s: Stream, sample: int) -> int | None:

@@ -268,8 +268,8 @@ class NextEpochLog:
         # never more than the cache holds, shared by the streams (ranks) laying out their
         # next epochs (each log holds its own samples). No room is kept aside for the
         # current epoch's chunks: a slot that finds none while they are read keeps its
-        # bytes and is retried as they are released, and by the epoch's end they all
-        # are. (Two chunks kept aside were a fifth of a cache of nine chunks: 0.72-0.78x
+        # bytes (within MAX_HELD) and is retried as they are released, and by the end of
+        # the epoch this rank's are. (Two chunks kept aside were a fifth of a cache of nine chunks: 0.72-0.78x
         # Belady's hit ratio with 2 and 4 ranks, `bench.partial`, against 0.90-0.98x
         # without.) The reservations keep the limit whatever this estimate says
         w = self.writer
