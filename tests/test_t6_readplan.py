@@ -136,6 +136,16 @@ def test_shuffled_epoch_reads_what_it_serves(tmp_path, mount, opens):
     assert st["checksum_failures"] == 0
 
 
+#: READs an epoch the kernel's pages serve may still send: for pages the kernel dropped
+#: under the suite's memory use (CI saw 1-3 of 400 files' in an epoch), each served alone
+EVICTED = 8
+
+
+def reads(ep: dict) -> int:
+    """FUSE READs during the epoch ``ep``."""
+    return ep["after"]["fuse_ops"].get("read", 0) - ep["before"]["fuse_ops"].get("read", 0)
+
+
 @pytest.mark.parametrize("next_known", [False, True])
 def test_epochs_the_page_cache_serves_read_nothing_from_the_logs(tmp_path, mount, next_known):
     """A dataset the kernel's page cache holds: once an epoch's opens of cached files came
@@ -169,7 +179,7 @@ def test_epochs_the_page_cache_serves_read_nothing_from_the_logs(tmp_path, mount
     # ahead until its first opens are judged, then pauses (it read the whole dataset from
     # the logs, for nothing); once epoch 1 was served so, nothing is read at all
     ep = epochs[1]
-    assert ep["after"]["fuse_ops"].get("read", 0) == ep["before"]["fuse_ops"].get("read", 0)
+    assert reads(ep) <= EVICTED, reads(ep)
     if not next_known:
         # (with a next-epoch log laid out, epoch 1 reads its own log until its opens are
         # judged, and completes it at its start, from the cache: the samples epoch 0
@@ -198,8 +208,13 @@ def test_epochs_the_page_cache_serves_read_nothing_from_the_logs(tmp_path, mount
             assert delta["cache_disk_bytes_read"] < total / 2 and not delta["misses"], delta
             assert not delta["planned_reads"] and not delta["chunk_preloads"], delta
         else:
+            # nothing read ahead, nothing preloaded, no whole chunk: at most the records
+            # of pages the kernel dropped meanwhile, each READ served alone
+            evicted = {k: delta.pop(k) for k in ("record_reads", "cache_disk_bytes_read")}
             assert not any(delta.values()), (i, delta)
-        assert ep["after"]["fuse_ops"].get("read", 0) == ep["before"]["fuse_ops"].get("read", 0)
+            assert evicted["record_reads"] <= EVICTED, (i, evicted, reads(ep))
+            assert evicted["cache_disk_bytes_read"] < total / 50, (i, evicted)
+        assert reads(ep) <= EVICTED, (i, reads(ep))
         st = ep["after"]["streams"]["default/0"]
         assert st["page_cache"]["serves_this_epoch"], st
         assert st["next_log"] is None, st
