@@ -269,9 +269,10 @@ class NextEpochLog:
         # next epochs (each log holds its own samples). No room is kept aside for the
         # current epoch's chunks: a slot that finds none while they are read keeps its
         # bytes (within MAX_HELD) and is retried as they are released, and by the end of
-        # the epoch this rank's are. (Two chunks kept aside were a fifth of a cache of nine chunks: 0.72-0.78x
-        # Belady's hit ratio with 2 and 4 ranks, `bench.partial`, against 0.90-0.98x
-        # without.) The reservations keep the limit whatever this estimate says
+        # the epoch this rank's are. (Two chunks kept aside were a fifth of a cache of
+        # nine chunks: 0.72-0.78x Belady's hit ratio at 10% with 2 and 4 ranks,
+        # `bench.partial`; without, medians of 0.91-0.97x.) The reservations keep the
+        # limit whatever this estimate says
         w = self.writer
         ranks = max(1, ranks)
         cap = max(w.limit // ranks, w.chunk_target)  # limit: the share
