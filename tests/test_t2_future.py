@@ -8,6 +8,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_t2_reuse_keys import farthest_first
 
 from dlcachefs.cache.policy import NEVER, PolicyContext
 from dlcachefs.cache.views import PolicyClock
@@ -293,17 +294,7 @@ def test_victims_are_the_farthest_in_the_streams_frames(ranks, n, seed, steps):
             continue
         need = rnd.randint(1, 4)
         exclude = {x for x in pol._units if rnd.random() < 0.2}
-
-        def key(x: int) -> float:
-            return min((f.next_use(m) for m in pol._units[x][1]), default=NEVER)
-
-        want, freed = [], 0
-        for x in sorted((x for x in pol._units if x not in exclude),
-                        key=lambda x: (-key(x), pol._seq[x])):
-            if freed >= need:
-                break
-            want.append(x)
-            freed += pol._units[x][0]
+        want = farthest_first(pol, f, need, exclude)
         got = pol.victims(need, exclude)
         assert got == want
         for x in got[:1]:  # (the writer removes what it evicts: one, to keep some)

@@ -59,7 +59,7 @@ class Future:
         return best
 
 
-def farthest_first(pol: ReuseDistancePolicy, fut: Future, need: int,
+def farthest_first(pol: ReuseDistancePolicy, fut, need: int,
                    exclude: set[int]) -> list[int]:
     """The victims by brute force: units by next use, farthest first, ties oldest first
     (the policy's recency stamps), until ``need`` bytes are freed."""
